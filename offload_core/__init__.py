@@ -1,0 +1,21 @@
+"""Host-independent offload engine: places every component of a diffusers pipeline by role.
+
+Data flows one way: a host (the ComfyUI nodes, a script, a test) builds an `OffloadConfig`, calls
+`place(pipe, config)` and gets a `PlacementReport`; `release(pipe)` takes everything back. Nothing
+here imports ComfyUI.
+"""
+
+from .config import OffloadConfig, OffloadConfigError
+from .engine import Engine, place, release, sweep
+from .report import ComponentReport, PlacementReport
+
+__all__ = [
+    "ComponentReport",
+    "Engine",
+    "OffloadConfig",
+    "OffloadConfigError",
+    "PlacementReport",
+    "place",
+    "release",
+    "sweep",
+]

@@ -1,0 +1,149 @@
+"""What a pipeline is made of: enumerate its components (classic and modular) and describe each.
+
+Enumeration never raises because one property of a pipeline raises: every attribute is read
+under its own guard, and the failure is logged and skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .log import get_logger
+
+log = get_logger("components")
+
+ENTRY_METHODS = ("encode", "decode")
+DENOISER_NAMES = ("transformer", "transformer_2", "transformer_ref", "unet", "unet_2", "prior", "decoder")
+
+
+@dataclass(frozen=True)
+class ComponentInfo:
+    """Facts about one component, read from its tensors and class (never from its name alone)."""
+
+    name: str
+    cls: str
+    nbytes: int
+    dtypes: tuple[str, ...]
+    quantization: str | None
+    bridged_entries: tuple[str, ...]
+    unbridged_entries: tuple[str, ...]
+    opts_out: bool
+    is_denoiser: bool
+    is_text_encoder: bool
+
+
+def _safe_getattr(obj: object, name: str) -> object | None:
+    try:
+        return getattr(obj, name, None)
+    except Exception as exc:  # a pipeline property may raise; enumeration must go on
+        log.warning("component %r could not be read (%s: %s); skipped", name, type(exc).__name__, exc)
+        return None
+
+
+def component_names(pipe: object) -> list[str]:
+    """Names of the pipeline's components: modular specs first, else the classic registry."""
+    specs = _safe_getattr(pipe, "_component_specs")
+    if isinstance(specs, dict):
+        return list(specs)
+    config = _safe_getattr(pipe, "config")
+    if config is not None and hasattr(config, "keys"):
+        return [k for k in config if not k.startswith("_")]
+    return []
+
+
+def iter_modules(pipe: object) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Yield (name, module) for every torch component the pipeline holds."""
+    for name in component_names(pipe):
+        value = _safe_getattr(pipe, name)
+        if isinstance(value, torch.nn.Module):
+            yield name, value
+
+
+def tensors_of(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Size measured from the tensors (shared storages counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors_of(module):
+        key = id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def where(module: torch.nn.Module) -> dict[str, int]:
+    """Bytes per device type the weights sit on now (``meta`` included)."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for t in tensors_of(module):
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        key = t.device.type + (":pinned" if t.device.type == "cpu" and _is_pinned(t) else "")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    try:
+        return t.is_pinned()
+    except Exception:  # no accelerator runtime: nothing is pinned
+        return False
+
+
+def _is_bridged(method: object) -> bool:
+    """True when a method carries diffusers' ``apply_forward_hook`` bridge (it calls ``_hf_hook``)."""
+    wrapped = getattr(method, "__wrapped__", None)
+    code = getattr(method, "__code__", None)
+    return wrapped is not None and code is not None and code.co_filename.endswith("accelerate_utils.py")
+
+
+def _quantization(module: torch.nn.Module) -> str | None:
+    qc = getattr(getattr(module, "config", None), "quantization_config", None)
+    if qc is None:
+        qc = getattr(module, "quantization_config", None)
+    if qc is not None:
+        method = getattr(qc, "quant_method", None) or type(qc).__name__
+        return str(getattr(method, "value", method))
+    fp8 = {t.dtype for t in module.parameters() if "float8" in str(t.dtype)}
+    return "fp8-weights" if fp8 else None
+
+
+def describe(name: str, module: torch.nn.Module) -> ComponentInfo:
+    cls = type(module)
+    bridged = tuple(m for m in ENTRY_METHODS if _is_bridged(getattr(cls, m, None)))
+    unbridged = tuple(m for m in ENTRY_METHODS if callable(getattr(cls, m, None)) and m not in bridged)
+    dtypes = tuple(sorted({str(t.dtype).removeprefix("torch.") for t in tensors_of(module)}))
+    return ComponentInfo(
+        name=name,
+        cls=cls.__name__,
+        nbytes=module_bytes(module),
+        dtypes=dtypes,
+        quantization=_quantization(module),
+        bridged_entries=bridged,
+        unbridged_entries=unbridged,
+        opts_out=getattr(cls, "_supports_group_offloading", True) is False,
+        is_denoiser=_is_denoiser(name, module, bridged + unbridged),
+        is_text_encoder=_is_text_encoder(module),
+    )
+
+
+def _is_text_encoder(module: torch.nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(module).__mro__)
+
+
+def _is_denoiser(name: str, module: torch.nn.Module, entries: tuple[str, ...]) -> bool:
+    """A diffusers model made of repeated blocks and not entered through encode/decode."""
+    if entries or _is_text_encoder(module):
+        return False
+    repeated = getattr(type(module), "_repeated_blocks", None) or getattr(type(module), "_no_split_modules", None)
+    return bool(repeated) or name in DENOISER_NAMES

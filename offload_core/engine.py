@@ -1,0 +1,291 @@
+"""The one placement pass, release, and the force sweep.
+
+``place`` orchestrates only: per component it reads facts (components.py), decides a role
+(roles.py), compares the config signature, and hands the module to a transport (transport/).
+State lives on the modules themselves (so a pipeline shared by several hosts sees one truth); the
+engine keeps pipelines only through weak references.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from .components import ComponentInfo, describe, iter_modules
+from .config import OffloadConfig
+from .log import get_logger
+from .memory import MemoryReader, PinVerdict, pin_budget, sweep_cleanup
+from .report import ComponentReport, PlacementReport, gib
+from .roles import Role, RoleDecision, decide
+from .transport import (
+    BlockStreamer,
+    LeafGroupTransport,
+    OnDemandTransport,
+    ResidentTransport,
+    Transport,
+    TransportContext,
+)
+from .transport.base import DIFFUSERS_GROUP_HOOKS, MARKER, OUR_HOOKS, strip_hooks
+from .transport.on_demand import STAMP, OnDemandGroup
+
+log = get_logger("engine")
+
+STATE = "_diffusers_offload_state"
+SENTINEL = "_diffusers_offload_applying"
+PIN_VERDICT = "_diffusers_offload_pin_verdict"
+PIPE_STATE = "_diffusers_offload_pipeline"
+
+
+@dataclass
+class ComponentState:
+    signature: tuple
+    transport: Transport
+    decision: RoleDecision
+    info: ComponentInfo
+
+
+@dataclass
+class PipelineState:
+    config: OffloadConfig
+    device: torch.device
+    on_demand: OnDemandGroup = field(default_factory=OnDemandGroup)
+    logged: tuple = ()
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    moved: tuple[str, ...]
+    failed: tuple[tuple[str, str], ...]
+
+
+def onload_device(config: OffloadConfig) -> torch.device:
+    if config.device:
+        return torch.device(config.device)
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Engine:
+    """Places pipelines and takes them back; ``memory`` is injectable for scripted readings."""
+
+    def __init__(self, memory: MemoryReader | None = None) -> None:
+        self.memory = memory or MemoryReader()
+        self._pipelines: weakref.WeakSet = weakref.WeakSet()
+
+    # -- placement ------------------------------------------------------------------------
+    def place(self, pipe: object, config: OffloadConfig) -> PlacementReport:
+        config.validate()
+        device = onload_device(config)
+        pstate = getattr(pipe, PIPE_STATE, None)
+        if pstate is None or pstate.device != device:
+            pstate = PipelineState(config, device)
+            setattr(pipe, PIPE_STATE, pstate)
+        pstate.config = config
+        self._pipelines.add(pipe)
+        for name, module in iter_modules(pipe):
+            self._place_component(name, module, config, pstate)
+        report = self.report(pipe)
+        key = tuple((c.name, c.role, c.reason) for c in report.components)
+        if key != pstate.logged:
+            log.info("placement of %s\n%s", report.pipeline, report.text())
+            pstate.logged = key
+        return report
+
+    def _place_component(self, name: str, module: torch.nn.Module, config: OffloadConfig,
+                         pstate: PipelineState) -> None:
+        if module.__dict__.get(SENTINEL):
+            log.warning("%s was left mid-apply by an earlier pass: tearing it down and applying again", name)
+            self._teardown(module)
+        info = describe(name, module)
+        decision = decide(info, config)
+        verdict = self._pin_verdict(module, info, decision, config)
+        signature = _signature(decision, config, pstate.device, verdict)
+        state: ComponentState | None = module.__dict__.get(STATE)
+        if state is not None and state.signature == signature:
+            return
+        if state is not None:
+            log.info("%s: settings changed, re-placing (%s -> %s)", name, state.decision.role.value, decision.role.value)
+            self._teardown(module)
+        ctx = self._context(decision, config, pstate, verdict, info)
+        transport = _make_transport(decision.role, ctx, info)
+        module.__dict__[SENTINEL] = True
+        module.__dict__[STATE] = ComponentState(signature, transport, decision, info)
+        try:
+            transport.apply(module)
+        except BaseException:
+            self._teardown(module)
+            raise
+        del module.__dict__[SENTINEL]
+        log.info("%s (%s, %s): %s — %s", name, info.cls, gib(info.nbytes), decision.role.value, decision.reason)
+
+    def _pin_verdict(self, module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision,
+                     config: OffloadConfig) -> PinVerdict | None:
+        """Cached on the component: a granted pin lowers the very reading it was granted against."""
+        wants = decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)
+        if not (wants and config.pin_memory and config.use_stream):
+            return None
+        cached: PinVerdict | None = module.__dict__.get(PIN_VERDICT)
+        if cached is not None and cached.need == info.nbytes and cached.reserve == config.pin_reserve_bytes:
+            return cached
+        verdict = pin_budget(info.nbytes, self.memory, config.pin_reserve_bytes)
+        module.__dict__[PIN_VERDICT] = verdict
+        if verdict.granted:
+            log.info("%s: %s", info.name, verdict.describe())
+        else:
+            log.warning(
+                "%s: %s -> block level without streams: %s moved from pageable memory every step",
+                info.name, verdict.describe(), gib(info.nbytes),
+            )
+        return verdict
+
+    def _context(self, decision: RoleDecision, config: OffloadConfig, pstate: PipelineState,
+                 verdict: PinVerdict | None, info: ComponentInfo) -> TransportContext:
+        granted = verdict is not None and verdict.granted
+        streams = granted and pstate.device.type == "cuda"
+        return TransportContext(
+            onload_device=pstate.device,
+            use_stream=streams,
+            record_stream=config.record_stream and streams,
+            pin=granted,
+            prefetch_window=config.prefetch_window,
+            memory=self.memory,
+            preload=config.preload,
+            owner=pstate.on_demand,
+        )
+
+    # -- release --------------------------------------------------------------------------
+    def _teardown(self, module: torch.nn.Module) -> None:
+        """Strip every hook before weights move back (hooks would keep pinned copies alive)."""
+        state: ComponentState | None = module.__dict__.pop(STATE, None)
+        if state is not None:
+            state.transport.remove(module)
+        strip_hooks(module, (*OUR_HOOKS, *DIFFUSERS_GROUP_HOOKS, MARKER))
+        module.__dict__.pop(SENTINEL, None)
+
+    def release(self, pipe: object) -> None:
+        """Take everything back: hooks off, weights in system memory, pinned pages released."""
+        for name, module in iter_modules(_unwrap(pipe)):
+            try:
+                self._teardown(module)
+                module.__dict__.pop(PIN_VERDICT, None)
+            except Exception as exc:  # keep releasing the others; report what failed
+                log.error("release of %s failed: %s: %s", name, type(exc).__name__, exc)
+        if getattr(pipe, PIPE_STATE, None) is not None:
+            delattr(pipe, PIPE_STATE)
+        self._pipelines.discard(pipe)
+        sweep_cleanup()
+        log.info("released %s", type(pipe).__name__)
+
+    def sweep(self, pipes: list[object] | None = None) -> SweepResult:
+        """Force sweep: move every on-demand-stamped module back to system memory, across every
+        pipeline variant we placed; a failing component is reported, not fatal."""
+        moved: list[str] = []
+        failed: list[tuple[str, str]] = []
+        for pipe in [*(pipes or []), *list(self._pipelines)]:
+            for name, module in iter_modules(_unwrap(pipe)):
+                if not module.__dict__.get(STAMP):
+                    continue
+                try:
+                    if module.__dict__[STATE].transport.give_back(1 << 62):
+                        moved.append(name)
+                except Exception as exc:
+                    failed.append((name, f"{type(exc).__name__}: {exc}"))
+                    log.error("sweep could not move %s: %s", name, exc)
+        sweep_cleanup()
+        return SweepResult(tuple(moved), tuple(failed))
+
+    # -- run-time services for hosts ------------------------------------------------------------
+    def after_run(self, pipe: object) -> None:
+        """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
+        for _name, module in iter_modules(_unwrap(pipe)):
+            state = module.__dict__.get(STATE)
+            if state is not None and hasattr(state.transport, "after_run"):
+                state.transport.after_run()
+        pstate = getattr(pipe, PIPE_STATE, None)
+        if pstate is not None:
+            pstate.on_demand.offload_all()
+
+    def give_back(self, pipe: object, nbytes: int) -> int:
+        """Free device memory without unhooking (kept blocks, idle on-demand modules)."""
+        freed = 0
+        for _name, module in iter_modules(_unwrap(pipe)):
+            state = module.__dict__.get(STATE)
+            if state is not None and freed < nbytes:
+                freed += state.transport.give_back(nbytes - freed)
+        return freed
+
+    def states(self, pipe: object) -> dict[str, ComponentState]:
+        return {n: m.__dict__[STATE] for n, m in iter_modules(_unwrap(pipe)) if STATE in m.__dict__}
+
+    def report(self, pipe: object) -> PlacementReport:
+        pstate = getattr(pipe, PIPE_STATE, None)
+        comps = []
+        for name, module in iter_modules(_unwrap(pipe)):
+            state = module.__dict__.get(STATE)
+            info = state.info if state is not None else describe(name, module)
+            comps.append(_component_report(info, state))
+        return PlacementReport(
+            pipeline=type(pipe).__name__,
+            device=str(pstate.device) if pstate else "unplaced",
+            mode=pstate.config.mode if pstate else "-",
+            components=tuple(comps),
+        )
+
+
+def _component_report(info: ComponentInfo, state: ComponentState | None) -> ComponentReport:
+    t = state.transport if state is not None else None
+    return ComponentReport(
+        name=info.name,
+        cls=info.cls,
+        role=state.decision.role.value if state else "unplaced",
+        reason=state.decision.reason if state else "",
+        nbytes=info.nbytes,
+        dtypes=info.dtypes,
+        quantization=info.quantization,
+        device_bytes=t.device_bytes() if t else 0,
+        pinned_bytes=t.pinned_bytes() if t else 0,
+        details=t.details() if t else {},
+    )
+
+
+def _signature(decision: RoleDecision, config: OffloadConfig, device: torch.device,
+               verdict: PinVerdict | None) -> tuple:
+    return (
+        decision.role, config.mode, config.use_stream, config.record_stream,
+        verdict.granted if verdict else None, str(device), "cpu", config.prefetch_window, decision.lists,
+    )
+
+
+def _make_transport(role: Role, ctx: TransportContext, info: ComponentInfo) -> Transport:
+    if role is Role.RESIDENT:
+        return ResidentTransport(ctx)
+    if role is Role.ON_DEMAND:
+        return OnDemandTransport(ctx, info.bridged_entries)
+    if role is Role.PER_STEP:
+        return BlockStreamer(ctx)
+    return LeafGroupTransport(ctx)
+
+
+def _unwrap(pipe: object) -> object:
+    """Follow host wrappers (views carrying a LoRA set and the like) to the real pipeline."""
+    seen = 0
+    while hasattr(pipe, "unwrap_pipeline") and seen < 8:
+        pipe = pipe.unwrap_pipeline()
+        seen += 1
+    return pipe
+
+
+_default = Engine()
+
+
+def place(pipe: object, config: OffloadConfig) -> PlacementReport:
+    return _default.place(pipe, config)
+
+
+def release(pipe: object) -> None:
+    _default.release(pipe)
+
+
+def sweep(pipes: list[object] | None = None) -> SweepResult:
+    return _default.sweep(pipes)

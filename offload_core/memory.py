@@ -1,0 +1,68 @@
+"""Readings of host and device memory, the pin budget, and the once-per-sweep cleanup.
+
+Every reading goes through `MemoryReader` so tests (and the planner) can script it.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from .log import get_logger
+
+log = get_logger("memory")
+
+
+class MemoryReader:
+    """Live readings; subclass (or assign attributes) to script them in tests."""
+
+    def host_available(self) -> int:
+        return int(psutil.virtual_memory().available)
+
+    def device_free(self, device: torch.device) -> tuple[int, int]:
+        """(free per the driver, cached by the allocator but unused) for a CUDA device."""
+        if device.type != "cuda":
+            return (0, 0)
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free), int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+@dataclass(frozen=True)
+class PinVerdict:
+    granted: bool
+    need: int
+    available: int
+    reserve: int
+
+    def describe(self) -> str:
+        word = "granted" if self.granted else "denied"
+        return (f"pin {word}: need {self.need / 2**30:.2f} GiB, host free {self.available / 2**30:.2f} GiB "
+                f"less reserve {self.reserve / 2**30:.2f} GiB")
+
+
+def pin_budget(need: int, reader: MemoryReader, reserve: int) -> PinVerdict:
+    """Grant pinning only against host memory free *now* less a reserve, never total memory:
+    pinned pages cannot be swapped, so over-pinning pushes the host into the OOM killer."""
+    available = reader.host_available()
+    return PinVerdict(granted=need <= available - reserve, need=need, available=available, reserve=reserve)
+
+
+def accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def flush_host_cache() -> None:
+    """Return freed pinned buffers of PyTorch's caching host allocator to the OS."""
+    if accelerator_available():
+        torch._C._host_emptyCache()
+
+
+def sweep_cleanup() -> None:
+    """Once per sweep, not per module: gc, then give cached device and pinned memory back."""
+    gc.collect()
+    flush_host_cache()
+    if accelerator_available():
+        torch.cuda.empty_cache()

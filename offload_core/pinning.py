@@ -1,0 +1,81 @@
+"""Page-locking weights where they already are (``cudaHostRegister``), with process-wide accounting.
+
+Why not ``Tensor.pin_memory()`` (what diffusers does): it allocates a second, fresh copy through
+the caching host allocator, rounded up to a power of two (1.57x the weights on Wan 14B) and at
+~2.3 GB/s; registering memory that is already touched runs at ~23 GB/s and costs no extra byte.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .log import get_logger
+
+log = get_logger("pinning")
+
+_lock = threading.Lock()
+_registered: dict[int, int] = {}  # host pointer -> bytes, for every live registration
+
+
+def pinned_bytes() -> int:
+    """Bytes this process has page-locked through this module and not yet released."""
+    with _lock:
+        return sum(_registered.values())
+
+
+class PinSet:
+    """The registrations one transport made; ``release()`` undoes exactly those."""
+
+    def __init__(self) -> None:
+        self._ptrs: list[int] = []
+        self._keep: list[torch.Tensor] = []  # storages must outlive their registration
+
+    @property
+    def nbytes(self) -> int:
+        with _lock:
+            return sum(_registered.get(p, 0) for p in self._ptrs)
+
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return a pinned tensor with the same values: ``tensor`` itself when its storage could be
+        registered in place, else a pinned copy."""
+        if not torch.cuda.is_available() or tensor.device.type != "cpu" or tensor.is_pinned():
+            return tensor
+        storage = tensor.untyped_storage()
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if size and _register(ptr, size):
+            self._ptrs.append(ptr)
+            self._keep.append(tensor)
+            return tensor
+        return tensor.pin_memory()
+
+    def release(self) -> None:
+        for ptr in self._ptrs:
+            _unregister(ptr)
+        self._ptrs.clear()
+        self._keep.clear()
+
+
+def _register(ptr: int, size: int) -> bool:
+    with _lock:
+        if ptr in _registered:
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        if int(err) != 0:
+            log.debug("cudaHostRegister failed (%s) for %d bytes: pinned copy instead", err, size)
+            return False
+        _registered[ptr] = size
+        return True
+
+
+def _unregister(ptr: int) -> None:
+    with _lock:
+        if _registered.pop(ptr, None) is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def finalize_with(obj: object, pins: PinSet) -> None:
+    """Unregister when ``obj`` is collected, if nobody released earlier (a crash mid-apply)."""
+    weakref.finalize(obj, pins.release)

@@ -1,0 +1,68 @@
+"""The fit arithmetic: how many bytes of weights may stay resident beside the activations.
+
+Pure functions over plain numbers, so every rule can be checked on hand-computed cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MIB = 1 << 20
+GIB = 1 << 30
+MARGIN_BASE = 512 * MIB  # allocator rounding, fragmentation, kernels' workspaces
+MARGIN_FRACTION = 0.05  # of the measured peak: activations vary a little from step to step
+GROWTH_FLOOR = 512 * MIB  # below this, growing the preload is not worth the transfer
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """What the memory reader returns, in bytes.
+
+    free: the device's free memory (``torch.cuda.mem_get_info()[0]``).
+    cached_unused: held by the caching allocator but not allocated
+        (``memory_reserved() - memory_allocated()``): reusable by us.
+    resident: bytes of this model's weights on the device now; the plan may reuse them, so
+        they count as available although the device does not report them free.
+    """
+
+    free: int
+    cached_unused: int
+    resident: int
+
+    @property
+    def available(self) -> int:
+        return self.free + self.cached_unused + self.resident
+
+
+def margin(peak: int) -> int:
+    return MARGIN_BASE + int(peak * MARGIN_FRACTION)
+
+
+def weight_budget(reading: MemoryReading, peak: int, penalty: int) -> int:
+    """Bytes the resident weights plus the streaming slots may take: what is available less
+    the measured activation peak, its margin, and the penalty learnt from shortages."""
+    return reading.available - peak - margin(peak) - penalty
+
+
+def growth_threshold(largest_block: int) -> int:
+    return max(GROWTH_FLOOR, 2 * largest_block)
+
+
+def fit_prefix(sizes: Sequence[int], budget: int, slot_count: int, outside: int = 0) -> int:
+    """Length of the longest prefix of ``sizes`` that fits ``budget`` together with the slots
+    the streamed blocks need (``slot_count`` times the largest block left out).
+
+    ``outside`` is the largest block that is streamed whatever the prefix. The slots shrink as
+    the prefix grows, so the total is not monotonic: every length is tried.
+    """
+    largest_after = [outside] * (len(sizes) + 1)
+    for i in range(len(sizes) - 1, -1, -1):
+        largest_after[i] = max(sizes[i], largest_after[i + 1])
+    best, kept = 0, 0
+    for k in range(len(sizes) + 1):
+        if kept + slot_count * largest_after[k] <= budget:
+            best = k
+        if k < len(sizes):
+            kept += sizes[k]
+    return best

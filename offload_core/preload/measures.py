@@ -1,0 +1,100 @@
+"""Measured activation peaks, keyed by model and workload, kept for the whole process.
+
+A measure outlives the planner that took it (unload, reload, a new planner for the same
+weights) and, once a file is attached, the process: the first run after a restart is then
+planned from its first cycle. Each key keeps the largest peak seen: a plan must fit the worst
+step of a workload, not the last one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..log import get_logger
+
+logger = get_logger("preload")
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MeasureKey:
+    model_class: str
+    identity: str  # what tells two models of one class apart (weights path, hash)
+    block_count: int
+    total_bytes: int
+    workload: int
+
+
+class MeasureStore:
+    """Peak activation bytes per ``MeasureKey``; saved to ``path`` (when attached) on change."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self._peaks: dict[MeasureKey, int] = {}
+        self._path: Path | None = None
+        if path is not None:
+            self.attach(path)
+
+    def attach(self, path: str | os.PathLike[str]) -> None:
+        """Read the file (missing or corrupt: start from what is in memory) and save every
+        later change to it."""
+        self._path = Path(path)
+        for key, peak in _read(self._path).items():
+            self._peaks[key] = max(peak, self._peaks.get(key, 0))
+
+    def get(self, key: MeasureKey) -> int | None:
+        return self._peaks.get(key)
+
+    def record(self, key: MeasureKey, peak: int) -> None:
+        if peak <= self._peaks.get(key, -1):
+            return
+        self._peaks[key] = peak
+        if self._path is not None:
+            self._save(self._path)
+
+    def _save(self, path: Path) -> None:
+        data = {
+            "version": FORMAT_VERSION,
+            "measures": [{**asdict(k), "peak": v} for k, v in self._peaks.items()],
+        }
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.warning("preload measures not saved to %s: %s", path, exc)
+
+
+def _read(path: Path) -> dict[MeasureKey, int]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"version {data.get('version')!r}")
+        return {_key(entry): int(entry["peak"]) for entry in data["measures"]}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        logger.warning("preload measures in %s unreadable (%s): starting without them", path, exc)
+        return {}
+
+
+def _key(entry: dict) -> MeasureKey:
+    return MeasureKey(
+        str(entry["model_class"]),
+        str(entry["identity"]),
+        int(entry["block_count"]),
+        int(entry["total_bytes"]),
+        int(entry["workload"]),
+    )
+
+
+_PROCESS_STORE = MeasureStore()
+
+
+def process_store() -> MeasureStore:
+    """The store planners use unless given another; the host attaches its file to it once."""
+    return _PROCESS_STORE

@@ -1,0 +1,233 @@
+"""The preload planner: which of a streamer's blocks stay resident, decided once per cycle.
+
+It owns the decisions only; the streamer owns the memory. It never touches the device: what it
+knows of memory comes from the injected reader (``MemoryReading``) and from the cycle usage the
+streamer passes (``CycleUsage``), so every rule can be driven by scripted numbers.
+
+A planner lives as long as the model object (across unloads and reloads); see the package
+docstring for the call sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..log import get_logger
+from . import registry
+from .fit import GIB, MemoryReading, fit_prefix, growth_threshold, weight_budget
+from .measures import MeasureKey, MeasureStore, process_store
+from .penalty import Penalty
+from .policy import Policy, parse_policy
+from .ranking import BlockInfo, rank_blocks
+
+logger = get_logger("preload")
+
+MemoryReadingFn = Callable[[], MemoryReading]
+
+
+@dataclass(frozen=True)
+class CycleUsage:
+    """Allocator readings over one cycle, taken by the streamer."""
+
+    peak: int  # max_memory_allocated() since the cycle began (peak stats reset at its start)
+    weights_floor: int  # least bytes of this model's weights on the device during the cycle
+
+    @property
+    def activations(self) -> int:
+        return max(0, self.peak - self.weights_floor)
+
+
+@dataclass
+class _Cycle:
+    workload: int
+    stable: bool  # began with the resident set the cycle before ended with
+    shortage: bool = False
+
+
+class PreloadPlanner:
+    """Resident set of one model's streamed blocks: chosen at load and at each cycle's start,
+    shrunk on shortage. ``blocks`` index the streamer's block table; ``model_class`` and
+    ``identity`` (with the blocks' count and size) key the measures; ``prefetch_window`` is the
+    streamer's, for the slots its streamed blocks need."""
+
+    def __init__(
+        self,
+        blocks: Sequence[BlockInfo],
+        reader: MemoryReadingFn,
+        *,
+        model_class: str,
+        identity: str = "",
+        policy: Policy | str | int | float = "auto",
+        prefetch_window: int = 1,
+        store: MeasureStore | None = None,
+        label: str | None = None,
+    ) -> None:
+        self.ranking: tuple[int, ...] = tuple(rank_blocks(blocks))
+        self.policy = parse_policy(policy)
+        self.label = label or model_class
+        self.last_workload: int | None = None
+        self.last_plan_line = ""
+        self._sizes = {b.index: b.nbytes for b in blocks}
+        self._largest = max(self._sizes.values(), default=0)
+        self._reader = reader
+        self._slot_count = prefetch_window + 1
+        self._store = process_store() if store is None else store
+        self._model = (model_class, identity)
+        self._resident: frozenset[int] = frozenset()
+        self._kept: frozenset[int] = frozenset()  # resident set at the last unload
+        self._cycle: _Cycle | None = None
+        self._loaded = False
+        self._penalties: dict[int, Penalty] = {}
+        registry.register(self)
+
+    @property
+    def resident(self) -> frozenset[int]:
+        return self._resident
+
+    @property
+    def cycle_open(self) -> bool:
+        return self._cycle is not None
+
+    def on_load(self) -> frozenset[int]:
+        """The model is being placed on the device: the blocks to load resident with it.
+
+        Auto: the blocks kept at the last unload, as far as they fit beside the last workload's
+        measure. Fixed: the ranked prefix up to the budget (undoing earlier shortage releases).
+        """
+        registry.notify_model_load()
+        self._loaded = True
+        self._resident = self._load_set()
+        self._log_plan(self.last_workload)
+        return self._resident
+
+    def on_unload(self) -> None:
+        """The model's weights left the device; the resident set is remembered for reload."""
+        self.end_cycle()
+        self._kept, self._resident = self._resident, frozenset()
+        self._loaded = False
+
+    def begin_cycle(self, workload: int, ended: CycleUsage | None = None) -> frozenset[int]:
+        """The first block of the first tower is entered: close the open cycle with ``ended``
+        (its usage), end other models' cycles, and return the resident set for this cycle."""
+        if not self._loaded:
+            raise RuntimeError(f"{self.label}: begin_cycle before on_load")
+        self.end_cycle(ended)
+        registry.close_cycles(keep=self)
+        target = self._cycle_target(workload)
+        stable = target == self._resident
+        self.last_workload = workload
+        if not stable:
+            self._resident = target
+            self._log_plan(workload)
+        self._cycle = _Cycle(workload, stable)
+        return target
+
+    def end_cycle(self, usage: CycleUsage | None = None) -> None:
+        """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
+        its resident set held still and it saw no shortage; without ``usage`` (another model
+        took over, unload) nothing is measured."""
+        cycle, self._cycle = self._cycle, None
+        if cycle is None:
+            return
+        if usage is not None and cycle.stable and not cycle.shortage:
+            self._store.record(self._key(cycle.workload), usage.activations)
+        penalty = self._penalties.get(cycle.workload)
+        if penalty is not None:
+            penalty.close_cycle(clean=not cycle.shortage)
+
+    def on_shortage(self, running: int | None = None, needed: int = 0) -> frozenset[int]:
+        """An allocation failed or the allocator had to free its cache and retry: release
+        resident blocks, lowest-ranked first and never ``running``, until ``needed`` bytes
+        (at least one block). Returns the released blocks, for the streamer to evict; empty
+        when nothing can go (a true out-of-memory)."""
+        released = self._release(running, needed)
+        if not released:
+            return released
+        self._resident -= released
+        if self._cycle is not None:
+            self._cycle.shortage = True
+        if self.policy.mode == "auto" and self.last_workload is not None:
+            self._penalties.setdefault(self.last_workload, Penalty()).add(self._bytes(released))
+        self._log_plan(self.last_workload)
+        return released
+
+    def penalty(self, workload: int | None) -> int:
+        found = self._penalties.get(workload) if workload is not None else None
+        return found.bytes if found is not None else 0
+
+    def measured_peak(self, workload: int | None) -> int | None:
+        return None if workload is None else self._store.get(self._key(workload))
+
+    def _load_set(self) -> frozenset[int]:
+        if self.policy.mode == "off":
+            return frozenset()
+        if self.policy.mode == "fixed":
+            sizes = [self._sizes[i] for i in self.ranking]
+            return frozenset(self.ranking[: fit_prefix(sizes, self.policy.budget, 0)])
+        kept = [i for i in self.ranking if i in self._kept]
+        return self._fit(kept, self.measured_peak(self.last_workload) or 0, self.last_workload)
+
+    def _cycle_target(self, workload: int) -> frozenset[int]:
+        """Auto with a measure: the fitted prefix, unless it grows by too little to be worth
+        the transfer. Otherwise (unmeasured, off, fixed): the set already resident."""
+        peak = self.measured_peak(workload)
+        if self.policy.mode != "auto" or peak is None:
+            return self._resident
+        fitted = self._fit(self.ranking, peak, workload)
+        growth = self._bytes(fitted) - self._bytes(self._resident)
+        return self._resident if 0 < growth < growth_threshold(self._largest) else fitted
+
+    def _fit(self, order: Sequence[int], peak: int, workload: int | None) -> frozenset[int]:
+        """The longest prefix of ``order`` that fits beside ``peak`` and the penalty."""
+        budget = weight_budget(self._reader(), peak, self.penalty(workload))
+        chosen = set(order)
+        outside = max((s for i, s in self._sizes.items() if i not in chosen), default=0)
+        k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside)
+        return frozenset(order[:k])
+
+    def _release(self, running: int | None, needed: int) -> frozenset[int]:
+        released: list[int] = []
+        freed = 0
+        for index in reversed(self.ranking):
+            if index in self._resident and index != running:
+                released.append(index)
+                freed += self._sizes[index]
+                if freed >= needed:
+                    break
+        return frozenset(released)
+
+    def _bytes(self, blocks: frozenset[int]) -> int:
+        return sum(self._sizes[i] for i in blocks)
+
+    def _key(self, workload: int) -> MeasureKey:
+        model_class, identity = self._model
+        return MeasureKey(model_class, identity, len(self._sizes), sum(self._sizes.values()), workload)
+
+    def _log_plan(self, workload: int | None) -> None:
+        self.last_plan_line = plan_line(
+            kept=len(self._resident),
+            total=len(self.ranking),
+            kept_bytes=self._bytes(self._resident),
+            peak=self.measured_peak(workload),
+            workload=workload,
+            penalty=self.penalty(workload),
+        )
+        logger.info("%s: %s", self.label, self.last_plan_line)
+
+
+def plan_line(
+    *, kept: int, total: int, kept_bytes: int, peak: int | None, workload: int | None, penalty: int
+) -> str:
+    """The one line a change of plan prints (and the UI shows)."""
+    if peak is not None:
+        activations = f"activations measured {_gb(peak)} (workload {workload})"
+    elif workload is not None:
+        activations = f"activations unmeasured (workload {workload})"
+    else:
+        activations = "activations unmeasured"
+    return f"blocks kept {kept}/{total} ({_gb(kept_bytes)}), {activations}, penalty {_gb(penalty)}"
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GB"

@@ -1,0 +1,82 @@
+"""Preload order of a streamer's blocks: which blocks to keep resident first.
+
+The planner keeps the longest prefix of this order that fits, so the order decides what a
+partial preload buys:
+- blocks that cannot be pinned come first of all: streaming them is the slowest (pageable
+  copies, no overlap);
+- then non-tower blocks (embeddings, heads, short stacks): small and touched every step;
+- then tower blocks, each tower walked in a low-discrepancy order over its depth, so every
+  prefix is spread over the stack and the streamed gaps between kept blocks stay short (the
+  prefetch window then hides them better than one long streamed run);
+- towers share ranks in proportion to their bytes: every prefix takes about the same fraction
+  of each tower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One entry of the streamer's block table, as the planner needs it."""
+
+    index: int  # position in the streamer's block table; the planner speaks in these
+    tower: str | None  # None: not part of a block stack (embedding, head, short stack)
+    depth: int  # position within its tower (ignored when tower is None)
+    nbytes: int
+    pinnable: bool = True
+
+
+def rank_blocks(blocks: Sequence[BlockInfo]) -> list[int]:
+    """Block indices in preload order (see the module docstring)."""
+    unpinnable = [b for b in blocks if not b.pinnable]
+    pinnable = [b for b in blocks if b.pinnable]
+    return _rank_group(unpinnable) + _rank_group(pinnable)
+
+
+def _rank_group(blocks: list[BlockInfo]) -> list[int]:
+    loose = [b.index for b in sorted(blocks, key=lambda b: b.index) if b.tower is None]
+    towers: dict[str, list[BlockInfo]] = {}
+    for b in blocks:
+        if b.tower is not None:
+            towers.setdefault(b.tower, []).append(b)
+    return loose + _interleave_towers([_spread(t) for t in towers.values()])
+
+
+def _spread(tower: list[BlockInfo]) -> list[BlockInfo]:
+    """The tower's blocks in van der Corput order over depth: each prefix of 2**k blocks sits
+    on 2**k evenly spaced depths, and a prefix of any length is at most twice as coarse."""
+    by_depth = sorted(tower, key=lambda b: b.depth)
+    n = len(by_depth)
+    size = 1 << max(n - 1, 0).bit_length()
+    bits = size.bit_length() - 1
+    order: list[int] = []
+    seen: set[int] = set()
+    for i in range(size):
+        pos = _bit_reverse(i, bits) * n // size
+        if pos not in seen:
+            seen.add(pos)
+            order.append(pos)
+    return [by_depth[p] for p in order]
+
+
+def _bit_reverse(value: int, bits: int) -> int:
+    return int(format(value, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+def _interleave_towers(towers: list[list[BlockInfo]]) -> list[int]:
+    """Merge spread towers so that each prefix takes the same byte fraction of every tower.
+
+    A block's key is the fraction of its tower taken once it is half in (midpoint rule); ties
+    go to the tower listed first.
+    """
+    keyed: list[tuple[float, int, int]] = []
+    for t, tower in enumerate(towers):
+        total = sum(b.nbytes for b in tower) or 1
+        taken = 0
+        for b in tower:
+            keyed.append(((taken + b.nbytes / 2) / total, t, b.index))
+            taken += b.nbytes
+    return [index for _, _, index in sorted(keyed)]

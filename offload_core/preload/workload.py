@@ -1,0 +1,41 @@
+"""Workload of a cycle: the key under which its activation peak is measured.
+
+Activations scale with the tokens a step processes, and the largest input of the first block
+(the hidden states) counts them; a resolution or frame count change is thus a new workload,
+measured separately. A model whose first block hides its size may supply its own function with
+the same signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+WorkloadFn = Callable[[tuple[Any, ...], Mapping[str, Any]], int]
+
+
+def workload_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
+    """Element count of the largest tensor among the arguments, looking one level into lists,
+    tuples, dicts and dataclasses; 0 when there is none."""
+    return max((t.numel() for t in _tensors([*args, *kwargs.values()])), default=0)
+
+
+def _tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:
+    for value in values:
+        if torch.is_tensor(value):
+            yield value
+        else:
+            yield from (child for child in _children(value) if torch.is_tensor(child))
+
+
+def _children(value: Any) -> Iterable[Any]:
+    if isinstance(value, (list, tuple)):
+        return value
+    if isinstance(value, Mapping):
+        return value.values()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (getattr(value, f.name) for f in dataclasses.fields(value))
+    return ()

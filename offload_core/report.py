@@ -1,0 +1,77 @@
+"""The per-component stats block: logged once per placed pipeline, returned as data for the
+nodes and the web view (``to_dict`` is JSON-ready)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+GiB = 1024**3
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 100 or n == 0 else f"{n / 1024**2:.2f} MiB"
+
+
+@dataclass(frozen=True)
+class ComponentReport:
+    name: str
+    cls: str
+    role: str
+    reason: str
+    nbytes: int
+    dtypes: tuple[str, ...]
+    quantization: str | None
+    device_bytes: int
+    pinned_bytes: int
+    details: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        return max(self.nbytes - self.device_bytes, 0)
+
+    def line(self) -> str:
+        dtype = "/".join(self.dtypes) + (f" [{self.quantization}]" if self.quantization else "")
+        extra = ""
+        if "blocks" in self.details:
+            extra = f", blocks kept {self.details['kept']}/{self.details['blocks']}"
+        return (
+            f"  {self.name:<16} {self.cls:<34} {self.role:<9} {gib(self.nbytes):>11}  {dtype:<16} "
+            f"device {gib(self.device_bytes)}, pinned {gib(self.pinned_bytes)}{extra}  ({self.reason})"
+        )
+
+
+@dataclass(frozen=True)
+class PlacementReport:
+    pipeline: str
+    device: str
+    mode: str
+    components: tuple[ComponentReport, ...]
+    plan: str = ""  # the preload planner's last plan line, when a denoiser is streamed
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(c.device_bytes for c in self.components)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(c.pinned_bytes for c in self.components)
+
+    def component(self, name: str) -> ComponentReport:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r} in the placement of {self.pipeline}")
+
+    def text(self) -> str:
+        head = f"{self.pipeline} on {self.device}, mode {self.mode}: " \
+               f"{gib(self.device_bytes)} on device, {gib(self.pinned_bytes)} pinned"
+        lines = [head, *(c.line() for c in self.components)]
+        if self.plan:
+            lines.append(f"  preload: {self.plan}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["device_bytes"] = self.device_bytes
+        out["pinned_bytes"] = self.pinned_bytes
+        return out

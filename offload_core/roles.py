@@ -1,0 +1,83 @@
+"""Component + config -> placement role, with the reason (logged and reported).
+
+Roles decide *where* a component's weights live; transports (``transport/``) decide *how* they
+move. The never list is tested before the always list, so a class entry in never exempts one
+model from a component-name entry in always.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .components import ComponentInfo
+from .config import OffloadConfig
+from .log import get_logger
+
+log = get_logger("roles")
+
+
+class Role(str, enum.Enum):
+    RESIDENT = "resident"
+    ON_DEMAND = "on-demand"
+    PER_STEP = "per-step"
+    LEAF = "leaf"
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    role: Role
+    reason: str
+    lists: tuple[str, ...] = ()  # list entries that touched the component (part of its signature)
+
+
+def _match(entries: tuple[str, ...], info: ComponentInfo) -> str | None:
+    for entry in entries:
+        if entry in (info.name, info.cls):
+            return entry
+    return None
+
+
+def decide(info: ComponentInfo, config: OffloadConfig) -> RoleDecision:
+    never = _match(config.never, info)
+    if never is not None:
+        return RoleDecision(Role.RESIDENT, f"never list ({never!r})", (f"never:{never}",))
+    always = _match(config.always, info)
+    lists = (f"always:{always}",) if always is not None else ()
+    decision = _decide_by_mode(info, config, forced=always is not None)
+    if always is not None:
+        decision = RoleDecision(decision.role, f"{decision.reason}; always list ({always!r})", lists)
+    return decision
+
+
+def _decide_by_mode(info: ComponentInfo, config: OffloadConfig, forced: bool) -> RoleDecision:
+    if config.mode == "none" and not forced:
+        return RoleDecision(Role.RESIDENT, "mode none")
+    if info.opts_out or info.bridged_entries or config.mode == "model":
+        if not forced and info.nbytes < config.on_demand_threshold_bytes:
+            return _SMALL
+        return RoleDecision(Role.ON_DEMAND, _on_demand_reason(info, config))
+    if info.unbridged_entries and config.mode == "auto":
+        log.warning(
+            "%s (%s) has %s without diffusers' forward-hook bridge: kept resident (cannot onload on entry)",
+            info.name, info.cls, "/".join(info.unbridged_entries),
+        )
+        return RoleDecision(Role.RESIDENT, f"{'/'.join(info.unbridged_entries)} without bridge")
+    if not forced and info.nbytes < config.resident_floor_bytes:
+        return _SMALL
+    if config.mode == "leaf":
+        return RoleDecision(Role.LEAF, "mode leaf")
+    if info.is_denoiser:
+        return RoleDecision(Role.PER_STEP, "denoiser: block stream per step")
+    return RoleDecision(Role.LEAF, "text encoder" if info.is_text_encoder else "once-per-run module")
+
+
+_SMALL = RoleDecision(Role.RESIDENT, "small: moving it would cost more than it frees")
+
+
+def _on_demand_reason(info: ComponentInfo, config: OffloadConfig) -> str:
+    if info.opts_out:
+        return "class opts out of group offload"
+    if info.bridged_entries:
+        return f"entered through the {'/'.join(info.bridged_entries)} bridge"
+    return "mode model: whole module on demand"

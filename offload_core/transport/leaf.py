@@ -1,0 +1,62 @@
+"""Leaf-level groups through diffusers' own group offloading (text encoders and the rest).
+
+Leaf hooks sit on every leaf module, so a pipeline that calls an inner model directly (MiniMax-H3
+calls ``text_encoder.model(...)``) still onloads. Without streams nothing is pinned: these modules
+run once per generation, and pinning 60 GB of text encoder would cost host RAM for nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.hooks import apply_group_offloading
+
+from .base import DIFFUSERS_GROUP_HOOKS, TransportContext, strip_hooks
+from .moves import bytes_on, move_module
+
+
+class LeafGroupTransport:
+    name = "leaf"
+
+    def __init__(self, ctx: TransportContext) -> None:
+        self.ctx = ctx
+        self.module: torch.nn.Module | None = None
+
+    def apply(self, module: torch.nn.Module) -> None:
+        self.module = module
+        move_module(module, self.ctx.offload_device)
+        apply_group_offloading(
+            module,
+            onload_device=self.ctx.onload_device,
+            offload_device=self.ctx.offload_device,
+            offload_type="leaf_level",
+            use_stream=self.ctx.use_stream,
+            record_stream=self.ctx.record_stream,
+        )
+
+    def remove(self, module: torch.nn.Module) -> None:
+        strip_hooks(module, DIFFUSERS_GROUP_HOOKS)
+        move_module(module, self.ctx.offload_device)
+        self.module = None
+
+    def device_bytes(self) -> int:
+        if self.module is None or self.ctx.onload_device == self.ctx.offload_device:
+            return 0
+        return bytes_on(self.module, self.ctx.onload_device)
+
+    def pinned_bytes(self) -> int:
+        if self.module is None or not self.ctx.use_stream:
+            return 0
+        return sum(t.numel() * t.element_size() for t in self.module.parameters() if _pinned(t))
+
+    def give_back(self, nbytes: int) -> int:
+        return 0  # leaf groups hold at most one layer on the device, only while it runs
+
+    def details(self) -> dict[str, object]:
+        return {"streams": self.ctx.use_stream}
+
+
+def _pinned(t: torch.Tensor) -> bool:
+    try:
+        return t.is_pinned()
+    except Exception:
+        return False

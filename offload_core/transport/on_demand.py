@@ -1,0 +1,143 @@
+"""On demand: the whole module rests in system memory and moves to the device when entered.
+
+Entry points: ``encode``/``decode`` (diffusers' ``apply_forward_hook`` bridge calls
+``module._hf_hook.pre_forward``), ``forward`` (marker hook), and blocks that fire ``_hf_hook`` by
+hand before calling an inner model (MiniMax-H3's text encoder). Whole-module moves make tiled and
+chunked calls find every weight loaded. After an ``encode``/``decode`` returns (its outputs are
+materialised) the module goes back; a ``forward`` entry stays until a peer needs the room or the
+run ends (a denoiser would otherwise bounce every step).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..log import get_logger
+from .base import MARKER, MarkerHook, TransportContext, add_hook, remove_hook
+from .moves import bytes_on, move_module
+
+log = get_logger("on_demand")
+STAMP = "_diffusers_offload_on_demand"
+
+
+class _Bridge:
+    """Stands in ``module._hf_hook`` for diffusers' forward-hook bridge."""
+
+    def __init__(self, transport: OnDemandTransport) -> None:
+        self.transport = transport
+        self.execution_device = transport.ctx.onload_device
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.transport.onload()
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        return output
+
+
+class OnDemandGroup:
+    """The on-demand transports of one pipeline: entering one evicts the idle others."""
+
+    def __init__(self) -> None:
+        self.members: list[OnDemandTransport] = []
+
+    def evict_except(self, keep: OnDemandTransport) -> None:
+        for other in self.members:
+            if other is not keep and other.loaded and other.depth == 0:
+                other.offload()
+
+    def offload_all(self) -> None:
+        for member in self.members:
+            if member.depth == 0:
+                member.offload()
+
+
+class OnDemandTransport:
+    name = "on-demand"
+
+    def __init__(self, ctx: TransportContext, entries: tuple[str, ...] = ()) -> None:
+        self.ctx = ctx
+        self.entries = entries
+        self.group: OnDemandGroup | None = ctx.owner if isinstance(ctx.owner, OnDemandGroup) else None
+        self.module: torch.nn.Module | None = None
+        self.loaded = False
+        self.depth = 0
+        self.moves = 0
+
+    def apply(self, module: torch.nn.Module) -> None:
+        self.module = module
+        move_module(module, self.ctx.offload_device)
+        if getattr(module, "_hf_hook", None) is not None:
+            raise ValueError(
+                f"{type(module).__name__} already carries an accelerate offload hook (_hf_hook): "
+                "two offload systems cannot be stacked; remove enable_model_cpu_offload first"
+            )
+        module._hf_hook = _Bridge(self)
+        setattr(module, STAMP, True)
+        for entry in self.entries:
+            setattr(module, entry, self._wrap(getattr(type(module), entry).__get__(module)))
+        add_hook(module, MarkerHook(self.ctx.onload_device, on_enter=self.onload), MARKER)
+        if self.group is not None:
+            self.group.members.append(self)
+
+    def remove(self, module: torch.nn.Module) -> None:
+        remove_hook(module, MARKER)
+        for entry in self.entries:
+            module.__dict__.pop(entry, None)
+        module.__dict__.pop("_hf_hook", None)
+        module.__dict__.pop(STAMP, None)
+        if self.group is not None and self in self.group.members:
+            self.group.members.remove(self)
+        self.offload()
+        self.module = None
+
+    def _wrap(self, method):
+        @functools.wraps(method)
+        def entered(*args, **kwargs):
+            self.depth += 1
+            try:
+                self.onload()
+                return method(*args, **kwargs)
+            finally:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.offload()
+
+        return entered
+
+    def onload(self) -> None:
+        if self.loaded or self.module is None:
+            return
+        if self.group is not None:
+            self.group.evict_except(self)
+        move_module(self.module, self.ctx.onload_device)
+        self.loaded = True
+        self.moves += 1
+        log.debug("%s moved in whole", type(self.module).__name__)
+
+    def offload(self) -> None:
+        if not self.loaded or self.module is None:
+            return
+        move_module(self.module, self.ctx.offload_device)
+        self.loaded = False
+        self.moves += 1
+
+    def device_bytes(self) -> int:
+        if self.module is None or self.ctx.onload_device == self.ctx.offload_device:
+            return 0
+        return bytes_on(self.module, self.ctx.onload_device)
+
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def give_back(self, nbytes: int) -> int:
+        if self.depth or not self.loaded:
+            return 0
+        freed = self.device_bytes()
+        self.offload()
+        return freed
+
+    def details(self) -> dict[str, object]:
+        return {"entries": list(self.entries) or ["forward"], "loaded": self.loaded, "moves": self.moves}

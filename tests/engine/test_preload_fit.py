@@ -1,0 +1,125 @@
+"""Fit arithmetic on hand-computed cases, and the planner's use of it (prefix, hysteresis)."""
+
+from dataclasses import dataclass
+
+from diffusers_offload.offload_core.preload.fit import (
+    GIB,
+    MIB,
+    MemoryReading,
+    fit_prefix,
+    growth_threshold,
+    margin,
+    weight_budget,
+)
+from diffusers_offload.offload_core.preload.measures import MeasureStore
+from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
+from diffusers_offload.offload_core.preload.ranking import BlockInfo
+
+PEAK = 2 * GIB
+PEAK_MARGIN = 512 * MIB + 107_374_182  # 512 MiB + int(5 % of 2 GiB)
+
+
+@dataclass
+class Device:
+    free: int
+    cached_unused: int = 0
+    resident: int = 0
+
+    def __call__(self) -> MemoryReading:
+        return MemoryReading(self.free, self.cached_unused, self.resident)
+
+
+def free_for(budget: int) -> int:
+    """Free bytes that leave ``budget`` for weights and slots beside PEAK."""
+    return budget + PEAK + PEAK_MARGIN
+
+
+def planner_of_16(device: Device, prefetch_window: int = 1) -> PreloadPlanner:
+    """16 tower blocks of 1 GiB, workload 100 measured at PEAK, loaded."""
+    store = MeasureStore()
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+    planner = PreloadPlanner(blocks, device, model_class="M", store=store, prefetch_window=prefetch_window)
+    planner.on_load()
+    planner.begin_cycle(100)
+    planner.end_cycle(CycleUsage(peak=PEAK + 5 * GIB, weights_floor=5 * GIB))
+    return planner
+
+
+def test_margin_is_512_mib_plus_5_percent_of_the_peak():
+    assert margin(0) == 512 * MIB
+    assert margin(4 * GIB) == 512 * MIB + 214_748_364
+
+
+def test_weight_budget_counts_cached_and_own_resident_bytes():
+    reading = MemoryReading(free=10 * GIB, cached_unused=2 * GIB, resident=3 * GIB)
+    # 15 available - 4 peak - (512 MiB + 5 % of 4 GiB) - 1 penalty
+    assert weight_budget(reading, 4 * GIB, GIB) == 10 * GIB - 512 * MIB - 214_748_364
+
+
+def test_fit_prefix_counts_slots_for_the_largest_streamed_block():
+    sizes = [1, 2, 2, 2, 2, 2]
+    assert fit_prefix(sizes, budget=10, slot_count=2) == 3  # 5 kept + 2 x 2 slots = 9
+    assert fit_prefix(sizes, budget=8, slot_count=2) == 2  # 3 + 4 = 7; 5 + 4 = 9 too much
+    assert fit_prefix(sizes, budget=3, slot_count=2) == 0  # nothing fits: stream everything
+
+
+def test_fit_prefix_keeps_everything_when_no_slot_is_needed():
+    # 7 kept + 2 x 2 slots = 11 > 9, but all 9 kept need no slot at all
+    assert fit_prefix([1, 2, 2, 2, 2], budget=9, slot_count=2) == 5
+
+
+def test_fit_prefix_slots_include_blocks_outside_the_order():
+    assert fit_prefix([1, 1], budget=6, slot_count=2, outside=3) == 0
+    assert fit_prefix([1, 1], budget=8, slot_count=2, outside=3) == 2
+
+
+def test_growth_threshold_is_512_mib_or_two_blocks():
+    assert growth_threshold(100 * MIB) == 512 * MIB
+    assert growth_threshold(GIB) == 2 * GIB
+
+
+def test_measured_workload_keeps_the_longest_fitting_ranked_prefix():
+    device = Device(free=free_for(10 * GIB))  # 8 blocks + 2 slots of 1 GiB
+    planner = planner_of_16(device)
+    assert planner.measured_peak(100) == PEAK
+    assert planner.begin_cycle(100) == frozenset(planner.ranking[:8])
+
+
+def test_prefetch_window_widens_the_slots():
+    device = Device(free=free_for(10 * GIB))  # window 3: 4 slots, 6 blocks
+    planner = planner_of_16(device, prefetch_window=3)
+    assert len(planner.begin_cycle(100)) == 6
+
+
+def test_own_resident_bytes_count_as_available():
+    device = Device(free=free_for(10 * GIB))
+    planner = planner_of_16(device)
+    kept = planner.begin_cycle(100)
+    device.free, device.resident = device.free - 8 * GIB, 8 * GIB  # what loading them costs
+    assert planner.begin_cycle(100) == kept
+
+
+def test_small_growth_is_skipped_and_large_growth_applied():
+    device = Device(free=free_for(10 * GIB))
+    planner = planner_of_16(device)
+    planner.begin_cycle(100)
+    device.free += GIB  # 9 would fit: 1 GiB more is under max(512 MiB, two blocks)
+    assert len(planner.begin_cycle(100)) == 8
+    device.free += GIB  # 10 fit: 2 GiB more is worth it
+    assert len(planner.begin_cycle(100)) == 10
+
+
+def test_shrinking_is_always_applied():
+    device = Device(free=free_for(10 * GIB))
+    planner = planner_of_16(device)
+    planner.begin_cycle(100)
+    device.free -= GIB // 4  # 7.75 GiB left for weights beside the 2 slots
+    assert planner.begin_cycle(100) == frozenset(planner.ranking[:7])
+
+
+def test_unmeasured_workload_keeps_the_resident_set():
+    device = Device(free=free_for(10 * GIB))
+    planner = planner_of_16(device)
+    kept = planner.begin_cycle(100)
+    device.free = 0
+    assert planner.begin_cycle(999) == kept

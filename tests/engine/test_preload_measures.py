@@ -1,0 +1,86 @@
+"""The measure store: largest peak per key, persisted atomically, tolerant of a bad file."""
+
+import json
+import logging
+
+from diffusers_offload.offload_core.preload.fit import GIB, MemoryReading
+from diffusers_offload.offload_core.preload.measures import MeasureKey, MeasureStore
+from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
+from diffusers_offload.offload_core.preload.ranking import BlockInfo
+
+KEY = MeasureKey("WanTransformer3DModel", "/models/wan", 40, 28 * GIB, 75600)
+
+
+def test_keeps_the_largest_peak():
+    store = MeasureStore()
+    store.record(KEY, 3 * GIB)
+    store.record(KEY, 2 * GIB)
+    assert store.get(KEY) == 3 * GIB
+    assert store.get(MeasureKey("WanTransformer3DModel", "/models/wan", 40, 28 * GIB, 1)) is None
+
+
+def test_measures_are_read_back_by_a_new_store(tmp_path):
+    path = tmp_path / "sub" / "preload.json"
+    MeasureStore(path).record(KEY, 3 * GIB)
+    assert MeasureStore(path).get(KEY) == 3 * GIB
+    assert [p.name for p in path.parent.iterdir()] == ["preload.json"]  # no temporary left
+
+
+def test_missing_file_starts_empty_quietly(tmp_path, caplog):
+    store = MeasureStore(tmp_path / "none.json")
+    assert store.get(KEY) is None
+    assert not caplog.records
+
+
+def test_corrupt_file_is_tolerated_and_replaced(tmp_path, caplog):
+    path = tmp_path / "preload.json"
+    path.write_text("{not json", encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        store = MeasureStore(path)
+    assert store.get(KEY) is None
+    assert "unreadable" in caplog.text
+    store.record(KEY, GIB)
+    assert MeasureStore(path).get(KEY) == GIB
+
+
+def test_file_of_another_shape_is_tolerated(tmp_path, caplog):
+    path = tmp_path / "preload.json"
+    for text in ("[]", '{"version": 99, "measures": []}', '{"version": 1, "measures": [{"peak": 1}]}'):
+        path.write_text(text, encoding="utf-8")
+        assert MeasureStore(path).get(KEY) is None
+    assert caplog.text.count("unreadable") == 3
+
+
+def test_attach_merges_memory_and_file(tmp_path):
+    path = tmp_path / "preload.json"
+    other = MeasureKey("Flux", "", 57, 22 * GIB, 4096)
+    MeasureStore(path).record(KEY, 3 * GIB)
+    store = MeasureStore()
+    store.record(other, GIB)
+    store.record(KEY, 2 * GIB)
+    store.attach(path)
+    assert store.get(KEY) == 3 * GIB
+    store.record(other, 2 * GIB)  # a change saves everything
+    saved = json.loads(path.read_text(encoding="utf-8"))["measures"]
+    assert {(m["model_class"], m["peak"]) for m in saved} == {
+        ("WanTransformer3DModel", 3 * GIB),
+        ("Flux", 2 * GIB),
+    }
+
+
+def test_first_run_after_a_restart_is_already_planned(tmp_path):
+    path = tmp_path / "preload.json"
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+
+    def reader() -> MemoryReading:
+        return MemoryReading(40 * GIB, 0, 0)
+
+    def run(store: MeasureStore) -> frozenset[int]:
+        planner = PreloadPlanner(blocks, reader, model_class="M", identity="/m", store=store)
+        planner.on_load()
+        first = planner.begin_cycle(100)
+        planner.begin_cycle(100, CycleUsage(peak=2 * GIB, weights_floor=0))
+        return first
+
+    assert run(MeasureStore(path)) == frozenset()
+    assert len(run(MeasureStore(path))) == 16

@@ -1,0 +1,143 @@
+"""Shortage handling and the penalty state machine, over scripted cycles."""
+
+from diffusers_offload.offload_core.preload.fit import GIB, MIB, MemoryReading
+from diffusers_offload.offload_core.preload.measures import MeasureStore
+from diffusers_offload.offload_core.preload.penalty import MAX_PATIENCE, START_PATIENCE, Penalty
+from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
+from diffusers_offload.offload_core.preload.ranking import BlockInfo
+
+PEAK_MARGIN = 512 * MIB + 107_374_182  # for a 2 GiB peak
+
+
+def clean_cycles(penalty: Penalty, count: int) -> None:
+    for _ in range(count):
+        penalty.close_cycle(clean=True)
+
+
+def test_penalty_halves_after_n_clean_cycles():
+    penalty = Penalty()
+    penalty.add(GIB)
+    clean_cycles(penalty, START_PATIENCE - 1)
+    assert penalty.bytes == GIB
+    clean_cycles(penalty, 1)
+    assert penalty.bytes == GIB // 2
+    clean_cycles(penalty, START_PATIENCE)
+    assert penalty.bytes == GIB // 4
+
+
+def test_shortage_cycle_is_not_clean():
+    penalty = Penalty()
+    penalty.add(GIB)
+    clean_cycles(penalty, START_PATIENCE - 1)
+    penalty.add(GIB)  # the count starts over
+    penalty.close_cycle(clean=False)
+    clean_cycles(penalty, START_PATIENCE - 1)
+    assert penalty.bytes == 2 * GIB
+
+
+def test_shortage_right_after_a_decrease_doubles_patience():
+    penalty = Penalty()
+    penalty.add(GIB)
+    clean_cycles(penalty, START_PATIENCE)  # decrease
+    penalty.add(GIB)  # in the very next cycle
+    assert penalty.patience == 2 * START_PATIENCE
+    assert penalty.bytes == GIB + GIB // 2
+
+
+def test_shortage_after_a_clean_cycle_keeps_patience():
+    penalty = Penalty()
+    penalty.add(GIB)
+    clean_cycles(penalty, START_PATIENCE + 1)  # decrease, then one clean cycle
+    penalty.add(GIB)
+    assert penalty.patience == START_PATIENCE
+
+
+def test_patience_is_capped():
+    penalty = Penalty()
+    for _ in range(12):
+        penalty.add(GIB)
+        clean_cycles(penalty, penalty.patience)
+    assert penalty.patience == MAX_PATIENCE
+
+
+def test_tiny_penalty_is_dropped_when_it_decays():
+    penalty = Penalty()
+    penalty.add(100 * MIB)
+    clean_cycles(penalty, START_PATIENCE)
+    assert penalty.bytes == 0
+    penalty.add(GIB)  # dropping to zero was a decrease too
+    assert penalty.patience == 2 * START_PATIENCE
+
+
+def make_planner() -> PreloadPlanner:
+    """8 tower blocks of 1 GiB; all of them fit beside the measured 2 GiB peak."""
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(8)]
+    free = 20 * GIB
+
+    def reader() -> MemoryReading:
+        return MemoryReading(free, 0, 0)
+
+    planner = PreloadPlanner(blocks, reader, model_class="M", store=MeasureStore())
+    planner.on_load()
+    planner.begin_cycle(100)
+    planner.begin_cycle(100, CycleUsage(peak=2 * GIB, weights_floor=0))
+    return planner
+
+
+def test_shortage_releases_lowest_ranked_first_never_the_running_block():
+    planner = make_planner()
+    assert len(planner.begin_cycle(100)) == 8
+    lowest = planner.ranking[-1]
+    released = planner.on_shortage(running=lowest, needed=2 * GIB)
+    assert released == frozenset(planner.ranking[-3:-1])
+    assert planner.resident == frozenset(planner.ranking[:-3]) | {lowest}
+    assert planner.penalty(100) == 2 * GIB
+
+
+def test_shortage_releases_one_block_when_the_need_is_unknown():
+    planner = make_planner()
+    planner.begin_cycle(100)
+    assert planner.on_shortage() == frozenset(planner.ranking[-1:])
+
+
+def test_nothing_left_to_release_is_an_empty_answer():
+    planner = make_planner()
+    planner.begin_cycle(100)
+    planner.on_shortage(needed=100 * GIB)
+    assert planner.on_shortage() == frozenset()
+
+
+def test_penalty_shrinks_the_next_fit_until_it_decays():
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+    store = MeasureStore()
+    budget = 10 * GIB  # 8 blocks + 2 slots
+
+    def reader() -> MemoryReading:
+        return MemoryReading(budget + 2 * GIB + PEAK_MARGIN, 0, 0)
+
+    planner = PreloadPlanner(blocks, reader, model_class="M", store=store)
+    planner.on_load()
+    planner.begin_cycle(100)
+    planner.begin_cycle(100, CycleUsage(peak=2 * GIB, weights_floor=0))
+    assert len(planner.resident) == 8
+    planner.on_shortage(needed=3 * GIB)  # 3 released: penalty 3 GiB
+    usage = CycleUsage(peak=GIB, weights_floor=0)  # smaller, and unmeasured: shortage cycle
+    assert len(planner.begin_cycle(100, usage)) == 5
+    assert planner.measured_peak(100) == 2 * GIB
+    sizes = [len(planner.begin_cycle(100, usage)) for _ in range(START_PATIENCE)]
+    assert sizes[:-1] == [5] * (START_PATIENCE - 1)
+    assert planner.penalty(100) == 3 * GIB // 2
+    assert sizes[-1] == 5  # 1.5 GiB of room: a growth under two blocks is skipped
+    for _ in range(START_PATIENCE):
+        planner.begin_cycle(100, usage)
+    assert planner.penalty(100) == 3 * GIB // 4
+    assert len(planner.resident) == 7
+
+
+def test_penalty_belongs_to_its_workload():
+    planner = make_planner()
+    planner.begin_cycle(100)
+    planner.on_shortage()
+    planner.begin_cycle(200)
+    assert planner.penalty(100) == GIB
+    assert planner.penalty(200) == 0

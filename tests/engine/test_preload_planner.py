@@ -1,0 +1,171 @@
+"""Planner cycles: what is measured, workload keys, other models, reload, fixed and off policies,
+and the plan line."""
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+from diffusers_offload.offload_core.preload import notify_model_load
+from diffusers_offload.offload_core.preload.fit import GIB, MIB, MemoryReading
+from diffusers_offload.offload_core.preload.measures import MeasureKey, MeasureStore
+from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
+from diffusers_offload.offload_core.preload.ranking import BlockInfo
+
+PEAK_MARGIN = 512 * MIB + 107_374_182  # for a 2 GiB peak
+USAGE = CycleUsage(peak=7 * GIB, weights_floor=5 * GIB)  # 2 GiB of activations
+
+
+@dataclass
+class Device:
+    budget: int = 10 * GIB  # left for weights and slots beside a 2 GiB peak
+
+    def __call__(self) -> MemoryReading:
+        return MemoryReading(self.budget + 2 * GIB + PEAK_MARGIN, 0, 0)
+
+
+def make_planner(device=None, store=None, **kwargs) -> PreloadPlanner:
+    """16 tower blocks of 1 GiB, loaded; slots take 2 GiB with the default window."""
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+    store = MeasureStore() if store is None else store
+    planner = PreloadPlanner(blocks, device or Device(), model_class="M", store=store, **kwargs)
+    planner.on_load()
+    return planner
+
+
+def measured(planner: PreloadPlanner, workload: int = 100) -> PreloadPlanner:
+    planner.begin_cycle(workload)
+    planner.begin_cycle(workload, USAGE)
+    return planner
+
+
+def test_first_cycle_streams_everything_and_measures():
+    planner = make_planner()
+    assert planner.begin_cycle(100) == frozenset()
+    assert planner.cycle_open
+    assert planner.begin_cycle(100, USAGE) == frozenset(planner.ranking[:8])
+    assert planner.measured_peak(100) == 2 * GIB
+
+
+def test_cycle_whose_resident_set_changed_is_not_measured():
+    planner = measured(make_planner())  # this cycle grew to 8 blocks
+    planner.begin_cycle(100, CycleUsage(peak=9 * GIB, weights_floor=0))
+    assert planner.measured_peak(100) == 2 * GIB
+    planner.begin_cycle(100, CycleUsage(peak=9 * GIB, weights_floor=6 * GIB))  # stable cycle
+    assert planner.measured_peak(100) == 3 * GIB
+
+
+def test_cycle_with_a_shortage_is_not_measured():
+    planner = make_planner()
+    planner.begin_cycle(100)
+    planner.on_shortage()  # nothing resident: nothing released, the cycle stays clean
+    planner.begin_cycle(100, USAGE)
+    planner.begin_cycle(100, USAGE)
+    planner.on_shortage()
+    planner.begin_cycle(100, CycleUsage(peak=20 * GIB, weights_floor=0))
+    assert planner.measured_peak(100) == 2 * GIB
+
+
+def test_new_workload_is_measured_separately():
+    planner = measured(make_planner())
+    kept = planner.begin_cycle(100)
+    assert planner.begin_cycle(400) == kept  # unmeasured: keep what is resident
+    planner.begin_cycle(400, CycleUsage(peak=11 * GIB, weights_floor=5 * GIB))
+    assert planner.measured_peak(400) == 6 * GIB
+    assert planner.measured_peak(100) == 2 * GIB
+
+
+def test_measure_key_names_model_blocks_size_and_workload():
+    store = MeasureStore()
+    measured(make_planner(store=store))
+    assert store.get(MeasureKey("M", "", 16, 16 * GIB, 100)) == 2 * GIB
+
+
+def test_another_models_cycle_closes_ours_without_a_measure():
+    ours = make_planner()
+    theirs = make_planner()
+    ours.begin_cycle(100)
+    theirs.begin_cycle(7)
+    assert not ours.cycle_open
+    ours.begin_cycle(100, USAGE)  # the peak would include their activations
+    assert ours.measured_peak(100) is None
+
+
+def test_another_models_load_closes_ours_without_a_measure():
+    ours = make_planner()
+    ours.begin_cycle(100)
+    notify_model_load()
+    ours.begin_cycle(100, USAGE)
+    assert ours.measured_peak(100) is None
+    make_planner()  # a planner's own load notifies too
+    ours.begin_cycle(100, USAGE)
+    assert ours.measured_peak(100) is None
+
+
+def test_reload_restores_the_kept_blocks():
+    planner = measured(make_planner())
+    kept = planner.resident
+    planner.on_unload()
+    assert planner.resident == frozenset()
+    assert planner.on_load() == kept
+
+
+def test_reload_clips_kept_blocks_to_what_fits_beside_the_last_measure():
+    device = Device()
+    planner = measured(make_planner(device))
+    planner.on_unload()
+    device.budget = 6 * GIB
+    assert planner.on_load() == frozenset(planner.ranking[:4])
+
+
+def test_begin_before_load_is_an_error():
+    planner = make_planner()
+    planner.on_unload()
+    with pytest.raises(RuntimeError, match="on_load"):
+        planner.begin_cycle(100)
+
+
+def test_fixed_budget_keeps_its_prefix_whatever_the_measure():
+    planner = make_planner(Device(budget=0), policy="5 GB")
+    assert planner.resident == frozenset(planner.ranking[:5])
+    assert measured(planner).resident == frozenset(planner.ranking[:5])
+
+
+def test_fixed_budget_yields_under_pressure_until_the_next_load():
+    planner = make_planner(policy=5 * GIB)
+    planner.begin_cycle(100)
+    planner.on_shortage(needed=2 * GIB)
+    assert len(planner.begin_cycle(100)) == 3
+    assert planner.penalty(100) == 0
+    planner.on_unload()
+    assert len(planner.on_load()) == 5
+
+
+def test_off_keeps_nothing_resident():
+    planner = measured(make_planner(policy="off"))
+    assert planner.begin_cycle(100) == frozenset()
+    assert planner.on_shortage() == frozenset()
+
+
+def test_each_plan_change_logs_one_line(caplog):
+    caplog.set_level(logging.INFO, logger="diffusers_offload.preload")
+    planner = make_planner(label="wan")
+    caplog.clear()
+    measured(planner)
+    planner.begin_cycle(100)  # no change: no line
+    planner.on_shortage()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "wan: blocks kept 8/16 (8.00 GB), activations measured 2.00 GB (workload 100), penalty 0.00 GB",
+        "wan: blocks kept 7/16 (7.00 GB), activations measured 2.00 GB (workload 100), penalty 1.00 GB",
+    ]
+    assert planner.last_plan_line == lines[-1].removeprefix("wan: ")
+
+
+def test_plan_line_names_an_unmeasured_workload():
+    planner = make_planner(policy="3 GB")
+    planner.on_unload()
+    planner.on_load()
+    assert planner.last_plan_line == "blocks kept 3/16 (3.00 GB), activations unmeasured, penalty 0.00 GB"
+    planner.begin_cycle(100)
+    planner.on_shortage()
+    assert "activations unmeasured (workload 100)" in planner.last_plan_line

@@ -1,0 +1,78 @@
+"""Preload order: unpinnable first, then non-tower blocks, then towers spread over depth and
+sharing ranks in proportion to their bytes."""
+
+from itertools import pairwise
+
+import pytest
+from diffusers_offload.offload_core.preload.ranking import BlockInfo, rank_blocks
+
+
+def tower(name: str, count: int, nbytes: int = 100, start: int = 0) -> list[BlockInfo]:
+    return [BlockInfo(start + d, name, d, nbytes) for d in range(count)]
+
+
+def max_gap(depths: list[int], count: int) -> int:
+    """Longest run of depths not chosen, counting the stack's two ends."""
+    edges = [-1, *sorted(depths), count]
+    return max(b - a - 1 for a, b in pairwise(edges))
+
+
+def test_every_block_ranked_once():
+    blocks = [BlockInfo(0, None, 0, 5), *tower("a", 13, start=1), *tower("b", 7, start=14)]
+    assert sorted(rank_blocks(blocks)) == list(range(21))
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 8, 13, 40, 50, 64, 100])
+def test_every_prefix_is_spread_over_the_depth(count):
+    order = rank_blocks(tower("t", count))
+    for k in range(1, count + 1):
+        # a prefix of k blocks covers the stack at least as well as k/2 evenly spaced blocks
+        assert max_gap(order[:k], count) <= 2 * count // k + 1, (k, sorted(order[:k]))
+
+
+def test_first_blocks_of_a_tower_are_far_apart():
+    order = rank_blocks(tower("t", 40))
+    assert sorted(order[:4]) == [0, 10, 20, 30]
+
+
+def test_non_tower_blocks_come_before_towers_in_table_order():
+    blocks = [*tower("t", 6, start=0), BlockInfo(9, None, 0, 1), BlockInfo(6, None, 0, 1 << 30)]
+    assert rank_blocks(blocks)[:2] == [6, 9]
+
+
+def test_unpinnable_blocks_come_first_of_all():
+    blocks = [
+        BlockInfo(0, None, 0, 10),
+        *tower("t", 8, start=1),
+        BlockInfo(9, "t", 8, 100, pinnable=False),
+        BlockInfo(10, None, 0, 10, pinnable=False),
+    ]
+    order = rank_blocks(blocks)
+    assert order[:3] == [10, 9, 0]  # unpinnable (non-tower, tower), then the pinnable non-tower
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [((40, 100), (10, 100)), ((30, 100), (10, 300)), ((48, 50), (12, 400))],
+)
+def test_towers_share_ranks_in_proportion_to_their_bytes(a, b):
+    (count_a, size_a), (count_b, size_b) = a, b
+    blocks = [*tower("a", count_a, size_a), *tower("b", count_b, size_b, start=count_a)]
+    order = rank_blocks(blocks)
+    total_a, total_b = count_a * size_a, count_b * size_b
+    step = max(size_a / total_a, size_b / total_b)  # one block's share of its tower
+    taken_a = taken_b = 0
+    for index in order:
+        if index < count_a:
+            taken_a += size_a
+        else:
+            taken_b += size_b
+        assert abs(taken_a / total_a - taken_b / total_b) <= step + 1e-9
+
+
+def test_each_tower_stays_spread_when_interleaved():
+    blocks = [*tower("a", 40), *tower("b", 20, start=40)]
+    order = rank_blocks(blocks)
+    depths_b = [i - 40 for i in order if i >= 40]
+    for k in range(1, 21):
+        assert max_gap(depths_b[:k], 20) <= 2 * 20 // k + 1
