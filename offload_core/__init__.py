@@ -5,11 +5,13 @@ Data flows one way: a host (the ComfyUI nodes, a script, a test) builds an `Offl
 here imports ComfyUI.
 """
 
+from .components import Components
 from .config import OffloadConfig, OffloadConfigError
 from .engine import Engine, place, release, sweep
 from .report import ComponentReport, PlacementReport
 
 __all__ = [
+    "Components",
     "ComponentReport",
     "Engine",
     "OffloadConfig",

@@ -35,6 +35,16 @@ class ComponentInfo:
     is_text_encoder: bool
 
 
+class Components:
+    """A pipeline-shaped holder for bare modules (benchmarks, hosts that place one model):
+    ``Components(transformer=model)`` is enumerated like a modular pipeline."""
+
+    def __init__(self, **modules: torch.nn.Module) -> None:
+        self._component_specs = dict.fromkeys(modules)
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+
 def _safe_getattr(obj: object, name: str) -> object | None:
     try:
         return getattr(obj, name, None)

@@ -20,7 +20,6 @@ from .memory import MemoryReader, PinVerdict, pin_budget, sweep_cleanup
 from .report import ComponentReport, PlacementReport, gib
 from .roles import Role, RoleDecision, decide
 from .transport import (
-    BlockStreamer,
     LeafGroupTransport,
     OnDemandTransport,
     ResidentTransport,
@@ -29,6 +28,7 @@ from .transport import (
 )
 from .transport.base import DIFFUSERS_GROUP_HOOKS, MARKER, OUR_HOOKS, strip_hooks
 from .transport.on_demand import STAMP, OnDemandGroup
+from .transport.preload import PreloadingStreamer
 
 log = get_logger("engine")
 
@@ -263,7 +263,7 @@ def _make_transport(role: Role, ctx: TransportContext, info: ComponentInfo) -> T
     if role is Role.ON_DEMAND:
         return OnDemandTransport(ctx, info.bridged_entries)
     if role is Role.PER_STEP:
-        return BlockStreamer(ctx)
+        return PreloadingStreamer(ctx)
     return LeafGroupTransport(ctx)
 
 

@@ -29,6 +29,25 @@ class MemoryReader:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free), int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
+    def peak_allocated(self, device: torch.device) -> int | None:
+        """Allocator peak since the last ``reset_peak``; None where there is no allocator to read."""
+        return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+
+    def reset_peak(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def allocator_retries(self, device: torch.device) -> int:
+        """PyTorch's own shortage signals: cache-flush-and-retry count plus OOMs."""
+        if device.type != "cuda":
+            return 0
+        stats = torch.cuda.memory_stats(device)
+        return int(stats.get("num_alloc_retries", 0)) + int(stats.get("num_ooms", 0))
+
+    def empty_cache(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
 
 @dataclass(frozen=True)
 class PinVerdict:

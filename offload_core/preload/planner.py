@@ -81,6 +81,12 @@ class PreloadPlanner:
         self._penalties: dict[int, Penalty] = {}
         registry.register(self)
 
+    def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float) -> None:
+        """Attach the live transport's readings and the current policy: the planner outlives
+        transports (it lives on the model), so a re-placement hands it fresh ones."""
+        self._reader = reader
+        self.policy = parse_policy(policy)
+
     @property
     def resident(self) -> frozenset[int]:
         return self._resident

@@ -74,6 +74,16 @@ class _BlockHook(ModelHook):
         self.streamer.enter(self.block, args, kwargs)
         return args, kwargs
 
+    def new_forward(self, module, *args, **kwargs):
+        """On an allocator OOM inside the block, let the planner give kept blocks up and retry
+        once; the step continues instead of failing."""
+        try:
+            return self.fn_ref.original_forward(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            if not self.streamer.notify("oom", block=self.block):
+                raise
+            return self.fn_ref.original_forward(*args, **kwargs)
+
     def post_forward(self, module, output):
         self.streamer.exit(self.block)
         return output
@@ -96,6 +106,7 @@ class BlockStreamer:
         self._bound: dict[int, torch.Tensor] = {}
         self._last_exit: torch.cuda.Event | None = None
         self._head_bytes = 0
+        self._transit_peak = 0
         self.listeners: list = []  # callables(event: str, streamer, **info) (cycle start, block enter)
 
     # -- apply / remove -------------------------------------------------------------------
@@ -197,8 +208,12 @@ class BlockStreamer:
         self._seen = []
         for index in list(self._bound):  # a forward that raised never reached exit()
             self.exit(self.blocks[index])
-        for listener in self.listeners:
-            listener("cycle", self, block=block, args=args, kwargs=kwargs)
+        self.notify("cycle", block=block, args=args, kwargs=kwargs)
+
+    def notify(self, event: str, **info) -> bool:
+        """Tell listeners (the preload driver) about a cycle start, an OOM, a run end; True when
+        one of them acted (an OOM was relieved)."""
+        return any([bool(listener(event, self, **info)) for listener in self.listeners])
 
     def _take(self, block: StreamBlock) -> torch.Tensor:
         entry = self._inflight.pop(block.index, None)
@@ -219,6 +234,7 @@ class BlockStreamer:
         for index in upcoming:
             if index not in self._inflight:
                 self._inflight[index] = self._load(self.blocks[index])
+        self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
     def _upcoming(self, index: int) -> list[int]:
         order = self.order
@@ -266,9 +282,24 @@ class BlockStreamer:
 
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
+        self.notify("end")
         self._inflight.clear()
         for index in list(self._bound):
             self.exit(self.blocks[index])
+        self._seen = []
+
+    def weights_at_peak(self) -> int:
+        """Weight bytes on the device when the allocator peaked: the resident part plus the most
+        streamed-block buffers that were alive at once this cycle (the peak happens inside a block,
+        with its successor prefetched)."""
+        kept = sum(b.nbytes for b in self.blocks if b.resident is not None)
+        return self._head_bytes + kept + self._transit_peak
+
+    def reset_peak(self) -> None:
+        self._transit_peak = self._transit_bytes()
+
+    def _transit_bytes(self) -> int:
+        return sum(b.numel() for b in self._bound.values()) + sum(e[0].numel() for e in self._inflight.values())
 
     # -- accounting -------------------------------------------------------------------------
     def head_bytes(self) -> int:

@@ -226,6 +226,9 @@ class ComfyHost:
     # ---- set-up -------------------------------------------------------------------------------
 
     def _bootstrap(self) -> None:
+        # ``python -m pytest`` puts the working directory (often the repo root) on sys.path; the
+        # pack's ``nodes/`` must never stand in for ComfyUI's ``nodes`` module, so drop it.
+        sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != REPO_ROOT]
         comfy_dir = str(self.comfy_dir)
         if comfy_dir in sys.path:
             sys.path.remove(comfy_dir)

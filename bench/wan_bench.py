@@ -1,0 +1,315 @@
+"""Wan-2.1-14B-geometry transformer (random bf16 weights) under the engine and the anchors, side by side.
+
+One process, one model: it is built on the GPU (seed 0, bf16 except ``_keep_in_fp32_modules``, as
+``from_pretrained`` does), timed resident, moved to pageable host memory, then placed and released
+per row. Smaller cards are imitated with a *ballast* allocation made before each capped row, so the
+planner sees the free memory such a card would report. Each timed forward is synchronize ->
+perf_counter -> forward -> synchronize; the median of ``--repeats`` after ``--warmup`` forwards.
+
+    python bench/wan_bench.py --sections modes,stream,preload,firstk,anchors,cycles --json $OUT/r.json
+
+Sections:
+  modes    every engine mode on a short model (--mode-blocks): parity, step time, peak VRAM
+  stream   full streaming (preload off): small and video, against the bound
+  preload  preload auto at each cap
+  firstk   hand-picked "first K blocks resident" at each cap (the manual knob users set today)
+  anchors  diffusers block_level+stream and leaf_level+stream
+  cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if "diffusers_offload" not in sys.modules:  # import the pack without putting the repo root on sys.path
+    _spec = importlib.util.spec_from_file_location("diffusers_offload", ROOT / "__init__.py",
+                                                   submodule_search_locations=[str(ROOT)])
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules["diffusers_offload"] = _mod
+    _spec.loader.exec_module(_mod)
+
+from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
+
+GB, GiB = 1e9, 2**30
+WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+              out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+              cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6)
+WORKLOADS = {"small": (1, 16, 1, 64, 64), "video": (1, 16, 21, 60, 104)}
+DEV = torch.device("cuda")
+ROWS: list[dict] = []
+log = logging.getLogger("bench")
+
+
+def build(blocks: int) -> torch.nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    with DEV:
+        m = WanTransformer3DModel(**dict(WAN14B, num_layers=blocks))
+    keep = set(m._keep_in_fp32_modules or [])
+    for n, p in m.named_parameters():
+        if not any(k in n.split(".") for k in keep):
+            p.data = p.data.to(torch.bfloat16)
+    return m.eval().requires_grad_(False)
+
+
+def inputs(name: str, frames: int) -> tuple:
+    shape = list(WORKLOADS[name])
+    if name == "video":
+        shape[2] = frames
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = torch.randn(shape, generator=g, device=DEV, dtype=torch.bfloat16)
+    enc = torch.randn((1, 512, 4096), generator=g, device=DEV, dtype=torch.bfloat16)
+    return x, enc, torch.full((1,), 500.0, device=DEV)
+
+
+def forward(m, x, enc, t) -> torch.Tensor:
+    with torch.inference_mode():
+        return m(hidden_states=x, encoder_hidden_states=enc, timestep=t, return_dict=False)[0]
+
+
+def timed(m, feeds, warmup: int, repeats: int) -> tuple[float, list[float], torch.Tensor]:
+    for _ in range(warmup):
+        out = forward(m, *feeds)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    runs = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = forward(m, *feeds)
+        torch.cuda.synchronize()
+        runs.append(time.perf_counter() - t0)
+    return statistics.median(runs), runs, out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def to_host(m: torch.nn.Module) -> float:
+    t0 = time.perf_counter()
+    for t in (*m.parameters(), *m.buffers()):
+        t.data = t.data.to("cpu")
+    torch.cuda.empty_cache()
+    return time.perf_counter() - t0
+
+
+def h2d_bandwidth() -> float:
+    src = torch.empty(GiB, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(GiB, dtype=torch.uint8, device=DEV)
+    s = torch.cuda.Stream()
+    times = []
+    for _ in range(8):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(s):
+            dst.copy_(src, non_blocking=True)
+        s.synchronize()
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    torch._C._host_emptyCache()
+    return GiB / statistics.median(times[2:])
+
+
+class Ballast:
+    """Holds device memory so that only ``cap`` bytes stay free (a smaller card's reading)."""
+
+    def __init__(self, cap_gib: float | None) -> None:
+        self.t = None
+        self.cap = cap_gib
+        if cap_gib:
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info()[0]
+            self.t = torch.empty(int(free - cap_gib * GiB), dtype=torch.uint8, device=DEV)
+
+    def close(self) -> None:
+        self.t = None
+        torch.cuda.empty_cache()
+
+
+def row(**kw) -> dict:
+    ROWS.append(kw)
+    print(json.dumps(kw), flush=True)
+    return kw
+
+
+def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk: int | None = None,
+               workloads=("small", "video")) -> None:
+    ballast = Ballast(cap)
+    eng = Engine()
+    bag = Components(transformer=m)
+    rss0 = psutil.Process().memory_info().rss
+    t0 = time.perf_counter()
+    eng.place(bag, cfg)
+    place_s = time.perf_counter() - t0
+    streamer = eng.states(bag)["transformer"].transport
+    if firstk is not None:  # the manual knob: no planner, blocks 0..K-1 resident
+        streamer.listeners.clear()
+        streamer.set_resident(set(range(firstk)))
+    for w in workloads:
+        med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
+        kept = streamer.details().get("kept", 0) if hasattr(streamer, "details") else 0
+        kept_bytes = sum(b.nbytes for b in getattr(streamer, "blocks", []) if b.resident is not None)
+        row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
+            peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
+            pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
+            rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, place_s=place_s,
+            kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
+            streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB)
+        del out
+    eng.release(bag)
+    ballast.close()
+    assert pinned_bytes() == 0, "release left pinned memory"
+
+
+def section_modes(args) -> None:
+    m = build(args.mode_blocks)
+    feeds = {w: inputs(w, args.frames) for w in ("small", "video")}
+    refs = {}
+    for w in feeds:
+        med, runs, refs[w] = timed(m, feeds[w], 1, args.repeats)
+        row(section="modes", mode="resident(no engine)", workload=w, median_s=med, runs=runs, rel_err=0.0,
+            peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB, blocks=args.mode_blocks)
+    to_host(m)
+    for mode in ("auto", "model", "leaf", "none"):
+        cfg = OffloadConfig(mode=mode, preload="off", on_demand_threshold_gb=0)
+        eng, bag = Engine(), Components(transformer=m)
+        t0 = time.perf_counter()
+        eng.place(bag, cfg)
+        place_s = time.perf_counter() - t0
+        for w in feeds:
+            med, runs, out = timed(m, feeds[w], 1, args.repeats)
+            eng.after_run(bag)
+            row(section="modes", mode=mode, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
+                peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB, pinned_gib=pinned_bytes() / GiB,
+                place_s=place_s, blocks=args.mode_blocks)
+        eng.release(bag)
+    del m
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def section_anchors(m, refs, feeds, args) -> None:
+    from diffusers.hooks import apply_group_offloading
+    from diffusers_offload.offload_core.transport.base import DIFFUSERS_GROUP_HOOKS, strip_hooks
+
+    for kind in ("block_level", "leaf_level"):
+        kw = {"num_blocks_per_group": 1} if kind == "block_level" else {}
+        t0 = time.perf_counter()
+        apply_group_offloading(m, onload_device=DEV, offload_device=torch.device("cpu"), offload_type=kind,
+                               use_stream=True, **kw)
+        apply_s = time.perf_counter() - t0
+        for w in feeds:
+            med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
+            row(section="anchor", mode=f"diffusers {kind}+stream", workload=w, median_s=med, runs=runs,
+                rel_err=rel_err(out, refs[w]), peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
+                rss_gib=psutil.Process().memory_info().rss / GiB, place_s=apply_s)
+        strip_hooks(m, DIFFUSERS_GROUP_HOOKS)
+        gc.collect()
+        torch._C._host_emptyCache()
+        torch.cuda.empty_cache()
+
+
+def section_cycles(m, refs, feeds, args, cap: float) -> None:
+    ballast = Ballast(cap)
+    eng, bag = Engine(), Components(transformer=m)
+    eng.place(bag, OffloadConfig(preload="auto"))
+    streamer = eng.states(bag)["transformer"].transport
+    plans, ooms0 = [], torch.cuda.memory_stats().get("num_ooms", 0)
+    torch.cuda.reset_peak_memory_stats()
+    worst = 0.0
+    for i in range(args.cycles):
+        w = "small" if i % 2 == 0 else "video"
+        out = forward(m, *feeds[w])
+        torch.cuda.synchronize()
+        worst = max(worst, rel_err(out, refs[w]))
+        line = streamer.details()["plan"]
+        if not plans or plans[-1] != line:
+            plans.append(line)
+        del out
+    row(section="cycles", cap_gib=cap, cycles=args.cycles, ooms=torch.cuda.memory_stats().get("num_ooms", 0) - ooms0,
+        retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
+        peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
+        peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB, worst_rel_err=worst, plans=plans)
+    eng.release(bag)
+    ballast.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="modes,stream,preload,firstk,anchors,cycles")
+    ap.add_argument("--blocks", type=int, default=40)
+    ap.add_argument("--mode-blocks", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=21, help="latent frames of the video workload (21 = 81 frames)")
+    ap.add_argument("--caps", default="12,24,48")
+    ap.add_argument("--firstk", default="")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cycles", type=int, default=30)
+    ap.add_argument("--workloads", default="small,video")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    sections = args.sections.split(",")
+    caps = [float(c) for c in args.caps.split(",") if c]
+    workloads = tuple(args.workloads.split(","))
+    import diffusers
+
+    row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
+        h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB)
+    if "modes" in sections:
+        section_modes(args)
+    if not set(sections) - {"modes"}:
+        return finish(args)
+    m = build(args.blocks)
+    total = sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+    feeds = {w: inputs(w, args.frames) for w in workloads}
+    refs = {}
+    for w in workloads:
+        med, runs, refs[w] = timed(m, feeds[w], 1, args.repeats)
+        row(section="resident", workload=w, median_s=med, runs=runs, weights_gib=total / GiB,
+            peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB)
+    row(section="to_host", seconds=to_host(m), rss_gib=psutil.Process().memory_info().rss / GiB)
+    if "stream" in sections:
+        run_engine("stream", m, OffloadConfig(preload="off"), None, refs, feeds, args, workloads=workloads)
+    for cap in caps:
+        if "preload" in sections:
+            run_engine("preload_auto", m, OffloadConfig(preload="auto"), cap, refs, feeds, args, workloads=workloads)
+        for k in [int(k) for k in args.firstk.split(",") if k]:
+            if "firstk" in sections:
+                try:
+                    run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args,
+                               firstk=k, workloads=workloads)
+                except torch.OutOfMemoryError as e:
+                    row(section=f"first_{k}", cap_gib=cap, error=f"OOM: {str(e)[:120]}")
+                    gc.collect()
+                    torch.cuda.empty_cache()
+    if "cycles" in sections and caps:
+        section_cycles(m, refs, feeds, args, min(caps))
+    if "anchors" in sections:
+        section_anchors(m, refs, feeds, args)
+    finish(args)
+
+
+def finish(args) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(ROWS, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Drives a `PreloadPlanner` from a `BlockStreamer`: readings in, resident sets out.
+
+The planner is kept on the denoiser module itself, so it outlives a transport teardown: measures,
+penalties and the blocks kept at unload survive a release and come back with the next placement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..memory import MemoryReader
+from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
+from ..preload.policy import Policy, parse_policy
+from .streamer import BlockStreamer
+
+PLANNER = "_diffusers_offload_planner"
+
+
+def preload_policy(value: str | float) -> Policy:
+    """The config's ``auto`` / ``off`` / budget in GB as a planner policy."""
+    return parse_policy(value if isinstance(value, str) else int(value * 2**30))
+
+
+class PreloadingStreamer(BlockStreamer):
+    """The per-step transport: a block streamer whose resident set a planner chooses."""
+
+    def apply(self, module: torch.nn.Module) -> None:
+        super().apply(module)
+        self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.preload)
+        self.driver.load()
+
+    def remove(self, module: torch.nn.Module) -> None:
+        driver = getattr(self, "driver", None)
+        if driver is not None:
+            driver.unload()
+            self.listeners.remove(driver.on_event)
+            self.driver = None
+        super().remove(module)
+
+    def details(self) -> dict[str, object]:
+        out = super().details()
+        driver = getattr(self, "driver", None)
+        out["plan"] = driver.planner.last_plan_line if driver is not None else ""
+        return out
+
+
+class PreloadDriver:
+    def __init__(self, streamer: BlockStreamer, module: torch.nn.Module, memory: MemoryReader,
+                 policy: str | float) -> None:
+        self.streamer = streamer
+        self.memory = memory
+        self.planner = _planner_for(module, streamer, self._reading, preload_policy(policy))
+        self._retries = memory.allocator_retries(streamer.device)
+        streamer.listeners.append(self.on_event)
+
+    def _reading(self) -> MemoryReading:
+        free, cached = self.memory.device_free(self.streamer.device)
+        return MemoryReading(free=free, cached_unused=cached, resident=self.streamer.device_bytes())
+
+    def load(self) -> None:
+        self.streamer.set_resident(set(self.planner.on_load()))
+
+    def unload(self) -> None:
+        self.planner.on_unload()
+
+    def _usage(self) -> CycleUsage | None:
+        peak = self.memory.peak_allocated(self.streamer.device)
+        if peak is None:
+            return None
+        return CycleUsage(peak=peak, weights_floor=self.streamer.weights_at_peak())
+
+    def on_event(self, event: str, streamer: BlockStreamer, **info) -> None:
+        if event == "cycle":
+            self._check_shortage(running=None)
+            target = self.planner.begin_cycle(workload_of(info["args"], info["kwargs"]), self._usage())
+            streamer.set_resident(set(target))
+            self.memory.reset_peak(streamer.device)
+            streamer.reset_peak()
+        elif event == "oom":
+            self.relieve(info["block"].index)
+        elif event == "end":
+            self.planner.end_cycle(self._usage())
+
+    def _check_shortage(self, running: int | None) -> None:
+        retries = self.memory.allocator_retries(self.streamer.device)
+        if retries > self._retries:
+            self.relieve(running)
+        self._retries = retries
+
+    def relieve(self, running: int | None) -> bool:
+        """A shortage: evict what the planner gives up; False when nothing more can go."""
+        evict = self.planner.on_shortage(running=running)
+        if not evict:
+            return False
+        self.streamer.set_resident(self.streamer.resident_indices() - set(evict))
+        self.memory.empty_cache(self.streamer.device)
+        return True
+
+
+def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
+    blocks = [BlockInfo(b.index, b.tower, b.depth, b.nbytes, b.pinned or not streamer.cuda) for b in streamer.blocks]
+    planner: PreloadPlanner | None = module.__dict__.get(PLANNER)
+    if planner is None or len(planner.ranking) != len(blocks):
+        identity = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
+        planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
+                                 policy=policy, prefetch_window=streamer.ctx.prefetch_window)
+        module.__dict__[PLANNER] = planner
+    planner.rebind(reading, policy)
+    return planner
