@@ -25,6 +25,7 @@ import importlib.util
 import json
 import logging
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -126,18 +127,27 @@ def h2d_bandwidth() -> float:
 
 
 class Ballast:
-    """Holds device memory so that only ``cap`` bytes stay free (a smaller card's reading)."""
+    """A second process holds device memory so that only ``cap`` GiB stay free: the engine then
+    reads the free memory a smaller card would report, and its own allocator peak stays its own."""
+
+    CODE = ("import sys, torch; n = int(sys.argv[1]); x = torch.empty(n, dtype=torch.uint8, device='cuda'); "
+            "print('held', flush=True); sys.stdin.read()")
 
     def __init__(self, cap_gib: float | None) -> None:
-        self.t = None
-        self.cap = cap_gib
+        self.proc = None
         if cap_gib:
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info()[0]
-            self.t = torch.empty(int(free - cap_gib * GiB), dtype=torch.uint8, device=DEV)
+            hold = int(free - cap_gib * GiB - 600 * 2**20)  # the holder's own CUDA context ~0.5 GiB
+            self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, str(hold)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+            assert self.proc.stdout.readline().strip() == "held"
+            log.info("ballast holds %.1f GiB: %.1f GiB free", hold / GiB, torch.cuda.mem_get_info()[0] / GiB)
 
     def close(self) -> None:
-        self.t = None
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
         torch.cuda.empty_cache()
 
 
@@ -147,9 +157,27 @@ def row(**kw) -> dict:
     return kw
 
 
+def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
+    """The manual knob around what the planner chose: small at K-2, K, K+2 (and 0); video at its K."""
+    ks = sorted({0, *(max(0, auto["small"]["kept"] + d) for d in (-2, 0, 2))})
+    for k in ks:
+        try:
+            run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args, firstk=k,
+                       workloads=("small",))
+        except torch.OutOfMemoryError as e:
+            row(section=f"first_{k}", cap_gib=cap, workload="small", error=f"OOM: {str(e)[:100]}")
+            gc.collect()
+            torch.cuda.empty_cache()
+    if "video" in auto:
+        k = auto["video"]["kept"]
+        run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args, firstk=k,
+                   workloads=("video",))
+
+
 def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk: int | None = None,
-               workloads=("small", "video")) -> None:
+               workloads=("small", "video")) -> dict[str, dict]:
     ballast = Ballast(cap)
+    free0 = torch.cuda.mem_get_info()[0]
     eng = Engine()
     bag = Components(transformer=m)
     rss0 = psutil.Process().memory_info().rss
@@ -157,6 +185,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
     eng.place(bag, cfg)
     place_s = time.perf_counter() - t0
     streamer = eng.states(bag)["transformer"].transport
+    out_rows: dict[str, dict] = {}
     if firstk is not None:  # the manual knob: no planner, blocks 0..K-1 resident
         streamer.listeners.clear()
         streamer.set_resident(set(range(firstk)))
@@ -164,9 +193,9 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
         med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
         kept = streamer.details().get("kept", 0) if hasattr(streamer, "details") else 0
         kept_bytes = sum(b.nbytes for b in getattr(streamer, "blocks", []) if b.resident is not None)
-        row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
+        out_rows[w] = row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
             peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
-            peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
+            peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, free_at_start_gib=free0 / GiB,
             pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
             rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, place_s=place_s,
             kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
@@ -175,6 +204,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
     eng.release(bag)
     ballast.close()
     assert pinned_bytes() == 0, "release left pinned memory"
+    return out_rows
 
 
 def section_modes(args) -> None:
@@ -289,16 +319,10 @@ def main() -> None:
         run_engine("stream", m, OffloadConfig(preload="off"), None, refs, feeds, args, workloads=workloads)
     for cap in caps:
         if "preload" in sections:
-            run_engine("preload_auto", m, OffloadConfig(preload="auto"), cap, refs, feeds, args, workloads=workloads)
-        for k in [int(k) for k in args.firstk.split(",") if k]:
-            if "firstk" in sections:
-                try:
-                    run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args,
-                               firstk=k, workloads=workloads)
-                except torch.OutOfMemoryError as e:
-                    row(section=f"first_{k}", cap_gib=cap, error=f"OOM: {str(e)[:120]}")
-                    gc.collect()
-                    torch.cuda.empty_cache()
+            auto = run_engine("preload_auto", m, OffloadConfig(preload="auto"), cap, refs, feeds, args,
+                              workloads=workloads)
+        if "firstk" in sections:
+            firstk_rows(m, cap, auto, refs, feeds, args)
     if "cycles" in sections and caps:
         section_cycles(m, refs, feeds, args, min(caps))
     if "anchors" in sections:

@@ -33,6 +33,9 @@ class MemoryReader:
         """Allocator peak since the last ``reset_peak``; None where there is no allocator to read."""
         return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
 
+    def allocated(self, device: torch.device) -> int:
+        return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
     def reset_peak(self, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -28,6 +28,10 @@ class MeasureKey:
     total_bytes: int
     workload: int
 
+    def _replace_workload(self) -> tuple[str, str, int, int]:
+        """The model part of the key (everything but the workload)."""
+        return (self.model_class, self.identity, self.block_count, self.total_bytes)
+
 
 class MeasureStore:
     """Peak activation bytes per ``MeasureKey``; saved to ``path`` (when attached) on change."""
@@ -47,6 +51,19 @@ class MeasureStore:
 
     def get(self, key: MeasureKey) -> int | None:
         return self._peaks.get(key)
+
+    def estimate(self, key: MeasureKey) -> int | None:
+        """A guess for an unmeasured workload of a measured model: the measure of the nearest
+        larger workload (an upper bound), else the largest smaller one scaled linearly with the
+        workload (activations grow with the token count). None when the model has no measure."""
+        same = {k.workload: v for k, v in self._peaks.items() if k._replace_workload() == key._replace_workload()}
+        larger = [w for w in same if w >= key.workload]
+        if larger:
+            return same[min(larger)]
+        if not same:
+            return None
+        w = max(same)
+        return same[w] * key.workload // max(w, 1)
 
     def record(self, key: MeasureKey, peak: int) -> None:
         if peak <= self._peaks.get(key, -1):

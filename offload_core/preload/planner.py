@@ -176,10 +176,17 @@ class PreloadPlanner:
 
     def _cycle_target(self, workload: int) -> frozenset[int]:
         """Auto with a measure: the fitted prefix, unless it grows by too little to be worth
-        the transfer. Otherwise (unmeasured, off, fixed): the set already resident."""
-        peak = self.measured_peak(workload)
-        if self.policy.mode != "auto" or peak is None:
+        the transfer. Unmeasured: the set already resident, shrunk to what fits beside an
+        estimate from the model's other workloads (so a first video step after images does not
+        run out of memory). Off and fixed: the set already resident."""
+        if self.policy.mode != "auto":
             return self._resident
+        peak = self.measured_peak(workload)
+        if peak is None:
+            guess = self._store.estimate(self._key(workload))
+            if guess is None:
+                return self._resident
+            return self._resident & self._fit(self.ranking, guess, workload)
         fitted = self._fit(self.ranking, peak, workload)
         growth = self._bytes(fitted) - self._bytes(self._resident)
         return self._resident if 0 < growth < growth_threshold(self._largest) else fitted

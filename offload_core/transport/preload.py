@@ -51,6 +51,8 @@ class PreloadDriver:
         self.memory = memory
         self.planner = _planner_for(module, streamer, self._reading, preload_policy(policy))
         self._retries = memory.allocator_retries(streamer.device)
+        self._others = 0  # device bytes held by others (other models, a ballast) at forward start
+        self._pending: CycleUsage | None = None
         streamer.listeners.append(self.on_event)
 
     def _reading(self) -> MemoryReading:
@@ -64,22 +66,35 @@ class PreloadDriver:
         self.planner.on_unload()
 
     def _usage(self) -> CycleUsage | None:
+        """This model's own peak: the process-wide allocator peak less what others held when the
+        cycle began (their weights are not our activations)."""
         peak = self.memory.peak_allocated(self.streamer.device)
         if peak is None:
             return None
-        return CycleUsage(peak=peak, weights_floor=self.streamer.weights_at_peak())
+        return CycleUsage(peak=peak - self._others, weights_floor=self.streamer.weights_at_peak())
 
-    def on_event(self, event: str, streamer: BlockStreamer, **info) -> None:
-        if event == "cycle":
+    def _forward_begins(self) -> None:
+        """Before the denoiser's own first allocation: close the books of the last forward and
+        take what others hold now as the baseline, so the activations the non-block part makes
+        before the first block count as ours."""
+        self._pending = self._usage()
+        self.memory.reset_peak(self.streamer.device)
+        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
+
+    def on_event(self, event: str, streamer: BlockStreamer, **info) -> bool:
+        if event == "forward":
+            self._forward_begins()
+        elif event == "cycle":
             self._check_shortage(running=None)
-            target = self.planner.begin_cycle(workload_of(info["args"], info["kwargs"]), self._usage())
+            target = self.planner.begin_cycle(workload_of(info["args"], info["kwargs"]), self._pending)
             streamer.set_resident(set(target))
-            self.memory.reset_peak(streamer.device)
+            self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":
-            self.relieve(info["block"].index)
+            return self.relieve(info["block"].index)
         elif event == "end":
             self.planner.end_cycle(self._usage())
+        return False
 
     def _check_shortage(self, running: int | None) -> None:
         retries = self.memory.allocator_retries(self.streamer.device)

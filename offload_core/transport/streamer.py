@@ -75,14 +75,14 @@ class _BlockHook(ModelHook):
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
-        """On an allocator OOM inside the block, let the planner give kept blocks up and retry
-        once; the step continues instead of failing."""
-        try:
-            return self.fn_ref.original_forward(*args, **kwargs)
-        except torch.OutOfMemoryError:
-            if not self.streamer.notify("oom", block=self.block):
-                raise
-            return self.fn_ref.original_forward(*args, **kwargs)
+        """On an allocator OOM inside the block, let the planner give kept blocks up and retry;
+        the step continues instead of failing while there is anything left to give up."""
+        while True:
+            try:
+                return self.fn_ref.original_forward(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                if not self.streamer.notify("oom", block=self.block):
+                    raise
 
     def post_forward(self, module, output):
         self.streamer.exit(self.block)
@@ -120,7 +120,7 @@ class BlockStreamer:
                 self.blocks.append(self._make_block(len(self.blocks), tower.name, depth, block))
         for block in self.blocks:
             add_hook(block.module, _BlockHook(self, block), STREAM_HOOK)
-        add_hook(module, MarkerHook(self.device), MARKER)
+        add_hook(module, MarkerHook(self.device, on_enter=lambda: self.notify("forward")), MARKER)
         self.order = [b.index for b in self.blocks]
         log.info(
             "%s: %d blocks in %d tower(s) streamed (%.2f GiB/step, %s, %s), non-block part resident (%.2f GiB)",
@@ -309,9 +309,10 @@ class BlockStreamer:
         return sum(b.nbytes for b in self.blocks if b.resident is None)
 
     def device_bytes(self) -> int:
+        """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers."""
         if self.module is None or self.device == self.ctx.offload_device:
             return 0
-        return bytes_on(self.module, self.device)
+        return bytes_on(self.module, self.device) + sum(e[0].numel() for e in self._inflight.values())
 
     def pinned_bytes(self) -> int:
         return self.pins.nbytes

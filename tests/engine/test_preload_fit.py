@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from diffusers_offload.offload_core.preload.policy import parse_policy
 from diffusers_offload.offload_core.preload.fit import (
     GIB,
     MIB,
@@ -117,9 +118,20 @@ def test_shrinking_is_always_applied():
     assert planner.begin_cycle(100) == frozenset(planner.ranking[:7])
 
 
-def test_unmeasured_workload_keeps_the_resident_set():
+def test_unmeasured_workload_of_an_unmeasured_model_keeps_the_resident_set():
+    device = Device(free=free_for(10 * GIB))
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+    planner = PreloadPlanner(blocks, device, model_class="M", store=MeasureStore(), policy=4 * GIB)
+    kept = planner.on_load()
+    planner.policy = parse_policy("auto")
+    device.free = 0
+    assert kept and planner.begin_cycle(999) == kept
+
+
+def test_unmeasured_workload_shrinks_to_an_estimate_scaled_from_a_smaller_one():
     device = Device(free=free_for(10 * GIB))
     planner = planner_of_16(device)
     kept = planner.begin_cycle(100)
-    device.free = 0
-    assert planner.begin_cycle(999) == kept
+    larger = planner.begin_cycle(300)  # estimated at 3x the activations of workload 100
+    assert larger < kept
+    assert planner.begin_cycle(50) <= kept  # a smaller workload borrows the larger measure: no growth

@@ -68,7 +68,8 @@ def test_cycle_with_a_shortage_is_not_measured():
 def test_new_workload_is_measured_separately():
     planner = measured(make_planner())
     kept = planner.begin_cycle(100)
-    assert planner.begin_cycle(400) == kept  # unmeasured: keep what is resident
+    assert planner.begin_cycle(400) <= kept  # unmeasured: at most what is resident (estimated)
+    planner.begin_cycle(400)  # the set holds still from here: the next close is measured
     planner.begin_cycle(400, CycleUsage(peak=11 * GIB, weights_floor=5 * GIB))
     assert planner.measured_peak(400) == 6 * GIB
     assert planner.measured_peak(100) == 2 * GIB

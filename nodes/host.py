@@ -1,0 +1,222 @@
+"""ComfyUI's model management on one side, the offload engine on the other.
+
+The only module of the pack that imports ``comfy.model_management``. A loaded pipeline is
+registered as one `DiffusersPatcher` (a classic ``ModelPatcher``), so ComfyUI's loads,
+``free_memory``, unload-all and cache eviction see it, and every size ComfyUI reads is the
+engine's own account of what sits on the device. ComfyUI's calls map to the engine:
+
+- ``load`` / ``partially_load``  -> ``Engine.place`` (idempotent; changed settings re-place)
+- ``partially_unload``           -> ``Engine.give_back`` (drops kept blocks, idle on-demand modules)
+- ``detach(unpatch_all=True)``   -> ``Engine.release`` (via ``unpatch_model``: hooks stripped,
+  weights in host memory, pinned pages unregistered); ``detach(unpatch_all=False)`` (a clone
+  taking over, a patcher being collected) leaves the placement alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+from typing import Any
+
+import comfy.model_management as mm
+import folder_paths
+import torch
+from comfy.cli_args import args
+from comfy.model_patcher import ModelPatcher
+from comfy.patcher_extension import CallbacksMP
+
+from ..offload_core import Engine, OffloadConfig, PlacementReport
+from ..offload_core.memory import MemoryReader
+from ..offload_core.preload import notify_model_load, process_store
+
+log = logging.getLogger("diffusers_offload.nodes")
+
+OFFLOAD_DEVICE = torch.device("cpu")
+MEASURES_FILE = Path("diffusers_offload") / "measures.json"
+
+
+class ComfyMemory(MemoryReader):
+    """Device readings less ComfyUI's reserve (``--reserve-vram``), so preload never plans into it."""
+
+    def device_free(self, device: torch.device) -> tuple[int, int]:
+        free, cached = super().device_free(device)
+        return max(free - int(mm.extra_reserved_memory()), 0), cached
+
+
+ENGINE = Engine(memory=ComfyMemory())
+_measures_path: Path | None = None  # the file the process-wide measure store saves to
+_noted: set[str] = set()  # flag adjustments already logged
+
+
+def effective_config(config: OffloadConfig) -> OffloadConfig:
+    """The user's settings with ComfyUI's launch flags applied: the flags describe the machine.
+
+    ``--cpu`` or no device -> ComfyUI's device; ``--highvram`` / ``--gpu-only`` -> mode ``none``
+    (unless a mode other than ``auto`` was chosen); ``--novram`` -> no preload and nothing kept
+    resident for being small; ``--disable-pinned-memory`` -> no pinning.
+    """
+    changes: dict[str, Any] = {}
+    if args.cpu or not config.device:
+        changes["device"] = str(mm.get_torch_device())
+    if (args.highvram or args.gpu_only) and config.mode == "auto":
+        changes["mode"] = "none"
+    if args.novram:
+        changes.update(preload="off", resident_floor_mb=0.0, on_demand_threshold_gb=0.0)
+    if args.disable_pinned_memory:
+        changes["pin_memory"] = False
+    note = ", ".join(f"{k} {getattr(config, k)!r} -> {v!r}" for k, v in changes.items() if getattr(config, k) != v)
+    if note and note not in _noted:
+        _noted.add(note)
+        log.info("ComfyUI's launch flags adjust the offload settings: %s", note)
+    return config.replace(**changes) if changes else config
+
+
+def auto_dtype(config: OffloadConfig) -> torch.dtype:
+    """The weight dtype ComfyUI would pick for the device the pipeline will run on."""
+    device = torch.device(effective_config(config).device)
+    if mm.should_use_bf16(device):
+        return torch.bfloat16
+    if mm.should_use_fp16(device):
+        return torch.float16
+    return torch.float32
+
+
+def diffusers_roots() -> list[str]:
+    """``models/diffusers`` and every location ``extra_model_paths.yaml`` adds for it."""
+    return list(folder_paths.get_folder_paths("diffusers"))
+
+
+def attach_measures(path: str | None) -> None:
+    """Persist preload measures (default: ComfyUI's user directory) so a restart plans from the
+    first step; re-attached only when the path changes."""
+    global _measures_path
+    target = Path(path) if path else Path(folder_paths.get_user_directory()) / MEASURES_FILE
+    if target != _measures_path:
+        process_store().attach(target)
+        _measures_path = target
+
+
+class PipelineHolder(torch.nn.Module):
+    """Stands in as ``ModelPatcher.model``: it owns no tensor, so ComfyUI's ``module_size``,
+    ``.to()`` and lowvram walks can neither count nor move the pipeline's weights (the engine
+    owns them). It carries what every clone of the patcher must share."""
+
+    def __init__(self, pipe: Any, dtype: torch.dtype, config: OffloadConfig) -> None:
+        super().__init__()
+        self.pipe = pipe
+        self.dtype = dtype
+        self.config = config  # the effective settings the next placement uses
+
+    def extra_repr(self) -> str:
+        return type(self.pipe).__name__
+
+
+class DiffusersPatcher(ModelPatcher):
+    """One loaded pipeline as ComfyUI's model management sees it (see the module docstring).
+
+    A classic ``ModelPatcher`` subclass: ``is_dynamic()`` stays False, so DynamicVRAM's
+    ``ModelPatcherDynamic`` (swapped in for ``CoreModelPatcher`` only) never takes it over.
+    """
+
+    @property
+    def pipe(self) -> Any:
+        return self.model.pipe
+
+    # -- what the nodes call ----------------------------------------------------------------
+    def prepare(self, config: OffloadConfig, memory_required: int = 0) -> PlacementReport:
+        """(Re)place through ComfyUI's loader, the way core nodes load a model before use."""
+        effective = effective_config(config)
+        attach_measures(effective.measures_path)
+        self._retarget(torch.device(effective.device))
+        self.model.config = effective
+        mm.load_models_gpu([self], memory_required=memory_required)
+        return self.report()
+
+    def finish(self) -> None:
+        """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
+        ENGINE.after_run(self.pipe)
+        self._sync()
+
+    def report(self) -> PlacementReport:
+        return ENGINE.report(self.pipe)
+
+    # -- what ComfyUI reads -------------------------------------------------------------------
+    def loaded_size(self) -> int:
+        return self.report().device_bytes if self._placed() else 0
+
+    def current_loaded_device(self) -> torch.device:
+        return self.load_device if self._placed() else self.offload_device
+
+    def model_dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    # -- what ComfyUI asks for ----------------------------------------------------------------
+    def load(self, device_to: torch.device | None = None, lowvram_model_memory: float = 0,
+             force_patch_weights: bool = False, full_load: bool = False) -> None:
+        notify_model_load()
+        ENGINE.place(self.pipe, self.model.config)
+        self._sync()
+        for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
+            callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
+
+    def partially_load(self, device_to: torch.device, extra_memory: float = 0,
+                       force_patch_weights: bool = False) -> int:
+        """ComfyUI's budget is for its own per-layer loading; the engine sizes its preload from
+        the device's free memory itself. A negative budget asks for memory back."""
+        if extra_memory < 0 and self._placed():
+            self.partially_unload(self.offload_device, -extra_memory)
+            return 0
+        before = self.loaded_size()
+        self.load(device_to, extra_memory, force_patch_weights)
+        return max(self.loaded_size() - before, 0)
+
+    def partially_unload(self, device_to: torch.device, memory_to_free: float = 0,
+                         force_patch_weights: bool = False) -> int:
+        freed = ENGINE.give_back(self.pipe, int(memory_to_free)) if self._placed() else 0
+        self._sync()
+        log.info("%s gave back %.2f MiB of %.2f MiB asked", type(self.pipe).__name__,
+                 freed / 2**20, memory_to_free / 2**20)
+        return freed
+
+    def unpatch_model(self, device_to: torch.device | None = None, unpatch_weights: bool = True) -> None:
+        """Where ``detach(unpatch_all=True)`` puts weights back: release the whole placement."""
+        super().unpatch_model(device_to, unpatch_weights)
+        if unpatch_weights and self._placed():
+            ENGINE.release(self.pipe)
+        self._sync()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _placed(self) -> bool:
+        return bool(ENGINE.states(self.pipe))
+
+    def _sync(self) -> None:
+        """Mirror the engine's account into the counters ComfyUI reads straight off the module."""
+        self.model.device = self.current_loaded_device()
+        self.model.model_loaded_weight_memory = self.loaded_size()
+
+    def _retarget(self, device: torch.device) -> None:
+        """ComfyUI files a loaded model under its load device: on a device change, unload the
+        old entry (releasing the placement) before filing the new one."""
+        if device == self.load_device:
+            return
+        loaded = mm.current_loaded_models
+        for i in reversed(range(len(loaded))):
+            if loaded[i].model is not None and self.is_clone(loaded[i].model):
+                loaded.pop(i).model_unload()
+        self.load_device = device
+
+
+def manage(pipe: Any, dtype: torch.dtype, config: OffloadConfig) -> DiffusersPatcher:
+    """Wrap a freshly loaded pipeline; its placement is released when the last patcher goes."""
+    holder = PipelineHolder(pipe, dtype, effective_config(config))
+    size = sum(c.nbytes for c in ENGINE.report(pipe).components)
+    patcher = DiffusersPatcher(holder, torch.device(holder.config.device), OFFLOAD_DEVICE, size)
+    weakref.finalize(holder, _release_if_placed, pipe).atexit = False
+    return patcher
+
+
+def _release_if_placed(pipe: Any) -> None:
+    if ENGINE.states(pipe):
+        ENGINE.release(pipe)
+
