@@ -24,11 +24,10 @@ from comfy_api.latest import InputImpl, Types, io
 from PIL import Image
 
 from .progress import StepProgress, say
-from .types import DiffusersPipe, PipeHandle
+from .types import CATEGORY, DiffusersPipe, PipeHandle
 
 log = logging.getLogger("diffusers_offload.nodes")
 
-CATEGORY = "diffusers_offload"
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 SIZE_MAX = 8192
 # The pipelines' own input checks refuse other sizes (Wan: /16, LTX-2: /32), whatever the VAE says.
@@ -293,7 +292,7 @@ class GenerateVideo(io.ComfyNode):
             ],
             outputs=[
                 io.Video.Output("video", display_name="video"),
-                io.Image.Output("frames", display_name="frames"),
+                io.Image.Output("images", display_name="frames"),
                 io.Audio.Output("audio", display_name="audio", tooltip="None when the model makes no audio."),
                 NOTES,
             ],

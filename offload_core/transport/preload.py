@@ -30,12 +30,13 @@ class PreloadingStreamer(BlockStreamer):
         self.driver.load()
 
     def remove(self, module: torch.nn.Module) -> None:
-        driver = getattr(self, "driver", None)
-        if driver is not None:
-            driver.unload()
-            self.listeners.remove(driver.on_event)
-            self.driver = None
-        super().remove(module)
+        driver, self.driver = getattr(self, "driver", None), None
+        try:
+            if driver is not None:
+                driver.unload()
+        finally:
+            self.listeners.clear()
+            super().remove(module)
 
     def details(self) -> dict[str, object]:
         out = super().details()

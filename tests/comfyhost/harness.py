@@ -305,8 +305,10 @@ class ComfyHost:
 
     def _install_progress_hook(self) -> None:
         """What main.py's ``hijack_progress`` does, plus a record of each update for tests."""
+        from comfy_api import feature_flags
         from comfy_execution.progress import get_progress_state
         from comfy_execution.utils import get_executing_context
+        from protocol import BinaryEventTypes
 
         server = self.server
         mm = self.model_management
@@ -328,6 +330,10 @@ class ComfyHost:
                 {"value": value, "max": total, "prompt_id": prompt_id, "node": node_id},
                 server.client_id,
             )
+            if preview_image is not None and not feature_flags.supports_feature(
+                server.sockets_metadata, server.client_id, "supports_preview_metadata"
+            ):
+                server.send_sync(BinaryEventTypes.UNENCODED_PREVIEW_IMAGE, preview_image, server.client_id)
 
         self.comfy_utils.set_progress_bar_global_hook(hook)
 

@@ -1,0 +1,102 @@
+"""Offload settings (every `OffloadConfig` option as a widget) and Apply offload settings.
+
+Settings are a separate value on an OFFLOAD_CONFIG socket so that they can be changed on a loaded
+pipeline: Apply makes a handle that shares the pipeline, and its next placement re-places the
+same weights (no reload). An option set that cannot work is refused here, before anything is hooked.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..offload_core import OffloadConfig
+from ..offload_core.config import MODES
+from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle
+
+DEFAULTS = OffloadConfig()
+
+
+class OffloadSettings(io.ComfyNode):
+    """All engine options; the defaults suit most cards, so this node is optional."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        d = DEFAULTS
+        return io.Schema(
+            node_id="DiffusersOffloadSettings",
+            display_name="Offload settings",
+            category=CATEGORY,
+            description="Offload options for a diffusers pipeline. The defaults need no tuning; "
+                        "connect this only to change them.",
+            inputs=[
+                io.Combo.Input("mode", options=list(MODES), default=d.mode,
+                               tooltip="auto: place each component by role; model: whole components on "
+                                       "demand; leaf: leaf-level groups everywhere; none: all resident."),
+                io.Boolean.Input("use_stream", default=d.use_stream,
+                                 tooltip="Prefetch the next blocks on a side stream while one computes."),
+                io.Boolean.Input("record_stream", default=d.record_stream,
+                                 tooltip="Let the allocator track stream use (needs use_stream)."),
+                io.Boolean.Input("pin_memory", default=d.pin_memory,
+                                 tooltip="Page-lock streamed weights for fast copies (granted only against "
+                                         "free host memory)."),
+                io.Float.Input("pin_reserve_gb", default=d.pin_reserve_gb, min=0.0, max=1024.0, step=0.5,
+                               tooltip="Host memory that pinning must always leave free."),
+                io.Float.Input("on_demand_threshold_gb", default=d.on_demand_threshold_gb, min=0.0,
+                               max=1024.0, step=0.25,
+                               tooltip="VAEs and opted-out modules smaller than this stay resident."),
+                io.Float.Input("resident_floor_mb", default=d.resident_floor_mb, min=0.0, max=1e6, step=16.0,
+                               tooltip="Components smaller than this stay resident."),
+                io.String.Input("always", default=", ".join(d.always),
+                                tooltip="Components (name or class) to offload whatever their size; "
+                                        "comma separated."),
+                io.String.Input("never", default=", ".join(d.never),
+                                tooltip="Components (name or class) kept resident on the device; comma "
+                                        "separated; wins over always."),
+                io.String.Input("preload", default=str(d.preload),
+                                tooltip="Denoiser blocks kept on the device: auto (fit to free VRAM), "
+                                        "off, or a budget in GB such as 8."),
+                io.Int.Input("prefetch_window", default=d.prefetch_window, min=1, max=16,
+                             tooltip="Blocks copied ahead of the one computing."),
+                io.String.Input("device", default=d.device or "",
+                                tooltip="Device to run on, e.g. cuda:1; empty: ComfyUI's device."),
+                io.String.Input("measures_path", default=d.measures_path or "",
+                                tooltip="File keeping preload measures across restarts; empty: ComfyUI's "
+                                        "user folder."),
+            ],
+            outputs=[OffloadConfigType.Output(display_name="offload")],
+        )
+
+    @classmethod
+    def execute(cls, mode: str, use_stream: bool, record_stream: bool, pin_memory: bool, pin_reserve_gb: float,
+                on_demand_threshold_gb: float, resident_floor_mb: float, always: str, never: str, preload: str,
+                prefetch_window: int, device: str, measures_path: str) -> io.NodeOutput:
+        config = OffloadConfig(
+            mode=mode, use_stream=use_stream, record_stream=record_stream, pin_memory=pin_memory,
+            pin_reserve_gb=pin_reserve_gb, on_demand_threshold_gb=on_demand_threshold_gb,
+            resident_floor_mb=resident_floor_mb, always=always, never=never, preload=preload,
+            prefetch_window=prefetch_window, device=device.strip() or None,
+            measures_path=measures_path.strip() or None,
+        )
+        return io.NodeOutput(config)
+
+
+class ApplyOffloadSettings(io.ComfyNode):
+    """New settings on an already loaded pipeline: re-placed at its next run, never reloaded."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="DiffusersOffloadApplySettings",
+            display_name="Apply offload settings",
+            category=CATEGORY,
+            description="Gives a loaded pipeline new offload settings without loading it again.",
+            inputs=[DiffusersPipe.Input("pipe"), OffloadConfigType.Input("offload")],
+            outputs=[DiffusersPipe.Output(display_name="pipe")],
+        )
+
+    @classmethod
+    def execute(cls, pipe: PipeHandle, offload: OffloadConfig) -> io.NodeOutput:
+        return io.NodeOutput(pipe.with_config(offload))
+
+
+NODES: list[type[io.ComfyNode]] = [OffloadSettings, ApplyOffloadSettings]
