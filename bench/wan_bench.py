@@ -83,10 +83,12 @@ def forward(m, x, enc, t) -> torch.Tensor:
 
 
 def timed(m, feeds, warmup: int, repeats: int) -> tuple[float, list[float], torch.Tensor]:
-    for _ in range(warmup):
-        out = forward(m, *feeds)
+    """The peak is reset before the warm-up, never between forwards: the engine's planner reads
+    the allocator peak of each forward itself."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    for _ in range(warmup):
+        out = forward(m, *feeds)
     runs = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -180,29 +182,31 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
     free0 = torch.cuda.mem_get_info()[0]
     eng = Engine()
     bag = Components(transformer=m)
-    rss0 = psutil.Process().memory_info().rss
-    t0 = time.perf_counter()
-    eng.place(bag, cfg)
-    place_s = time.perf_counter() - t0
-    streamer = eng.states(bag)["transformer"].transport
-    out_rows: dict[str, dict] = {}
-    if firstk is not None:  # the manual knob: no planner, blocks 0..K-1 resident
-        streamer.listeners.clear()
-        streamer.set_resident(set(range(firstk)))
-    for w in workloads:
-        med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
-        kept = streamer.details().get("kept", 0) if hasattr(streamer, "details") else 0
-        kept_bytes = sum(b.nbytes for b in getattr(streamer, "blocks", []) if b.resident is not None)
-        out_rows[w] = row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
-            peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
-            peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, free_at_start_gib=free0 / GiB,
-            pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
-            rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, place_s=place_s,
-            kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
-            streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB)
-        del out
-    eng.release(bag)
-    ballast.close()
+    try:
+        rss0 = psutil.Process().memory_info().rss
+        t0 = time.perf_counter()
+        eng.place(bag, cfg)
+        place_s = time.perf_counter() - t0
+        streamer = eng.states(bag)["transformer"].transport
+        out_rows: dict[str, dict] = {}
+        if firstk is not None:  # the manual knob: no planner, blocks 0..K-1 resident
+            streamer.listeners.clear()
+            streamer.set_resident(set(range(firstk)))
+        for w in workloads:
+            med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
+            kept = streamer.details().get("kept", 0) if hasattr(streamer, "details") else 0
+            kept_bytes = sum(b.nbytes for b in getattr(streamer, "blocks", []) if b.resident is not None)
+            out_rows[w] = row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
+                peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
+                peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, free_at_start_gib=free0 / GiB,
+                pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
+                rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, place_s=place_s,
+                kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
+                streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB)
+            del out
+    finally:
+        eng.release(bag)
+        ballast.close()
     assert pinned_bytes() == 0, "release left pinned memory"
     return out_rows
 

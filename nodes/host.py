@@ -65,7 +65,8 @@ def effective_config(config: OffloadConfig) -> OffloadConfig:
         changes.update(preload="off", resident_floor_mb=0.0, on_demand_threshold_gb=0.0)
     if args.disable_pinned_memory:
         changes["pin_memory"] = False
-    note = ", ".join(f"{k} {getattr(config, k)!r} -> {v!r}" for k, v in changes.items() if getattr(config, k) != v)
+    note = ", ".join(f"{k} {getattr(config, k)!r} -> {v!r}"
+                     for k, v in changes.items() if getattr(config, k) != v)
     if note and note not in _noted:
         _noted.add(note)
         log.info("ComfyUI's launch flags adjust the offload settings: %s", note)
@@ -97,19 +98,16 @@ def attach_measures(path: str | None) -> None:
         _measures_path = target
 
 
-class PipelineHolder(torch.nn.Module):
-    """Stands in as ``ModelPatcher.model``: it owns no tensor, so ComfyUI's ``module_size``,
-    ``.to()`` and lowvram walks can neither count nor move the pipeline's weights (the engine
-    owns them). It carries what every clone of the patcher must share."""
+class DiffusersPipeline(torch.nn.Module):
+    """Stands in as ``ModelPatcher.model`` (ComfyUI logs its class name): it owns no tensor, so
+    ComfyUI's ``module_size``, ``.to()`` and lowvram walks can neither count nor move the
+    pipeline's weights (the engine owns them). It carries what every clone of the patcher shares."""
 
     def __init__(self, pipe: Any, dtype: torch.dtype, config: OffloadConfig) -> None:
         super().__init__()
         self.pipe = pipe
         self.dtype = dtype
         self.config = config  # the effective settings the next placement uses
-
-    def extra_repr(self) -> str:
-        return type(self.pipe).__name__
 
 
 class DiffusersPatcher(ModelPatcher):
@@ -209,7 +207,7 @@ class DiffusersPatcher(ModelPatcher):
 
 def manage(pipe: Any, dtype: torch.dtype, config: OffloadConfig) -> DiffusersPatcher:
     """Wrap a freshly loaded pipeline; its placement is released when the last patcher goes."""
-    holder = PipelineHolder(pipe, dtype, effective_config(config))
+    holder = DiffusersPipeline(pipe, dtype, effective_config(config))
     size = sum(c.nbytes for c in ENGINE.report(pipe).components)
     patcher = DiffusersPatcher(holder, torch.device(holder.config.device), OFFLOAD_DEVICE, size)
     weakref.finalize(holder, _release_if_placed, pipe).atexit = False

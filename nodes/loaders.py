@@ -66,7 +66,7 @@ def _model_folders(root: Path) -> Iterator[Path]:
 def resolve_model(name: str) -> Path:
     """The folder a listed name stands for, in the first diffusers root that has it."""
     roots = host.diffusers_roots()
-    if ".." not in Path(name).parts:
+    if not Path(name).is_absolute() and ".." not in Path(name).parts:  # v0.3 does not check combo values
         for root in roots:
             folder = Path(root) / name
             if folder.is_dir() and folder != Path(root):
@@ -78,8 +78,8 @@ def resolve_model(name: str) -> Path:
 
 
 # -- checks ------------------------------------------------------------------------------------
-def check_pipeline_folder(folder: Path) -> dict:
-    """Validate a classic pipeline folder; return its parsed index."""
+def check_pipeline_folder(folder: Path) -> None:
+    """Validate a classic pipeline folder before diffusers reads any of it."""
     index_file = folder / INDEX
     if not index_file.is_file():
         if (folder / MODULAR_INDEX).is_file():
@@ -88,10 +88,8 @@ def check_pipeline_folder(folder: Path) -> dict:
                 "pipeline loader; this node loads classic pipelines (model_index.json)"
             )
         raise PipelineFolderError(f"{folder} is not a diffusers model folder: it has no {INDEX}")
-    index = _read_index(index_file)
-    for name, library, cls in _components(index):
+    for name, library, cls in _components(_read_index(index_file)):
         _check_component(folder / name, name, f"{library}.{cls}")
-    return index
 
 
 def _read_index(path: Path) -> dict:
@@ -124,7 +122,9 @@ def _check_component(folder: Path, name: str, what: str) -> None:
 
 
 def _check_shards(index_file: Path) -> None:
-    weight_map = _read_json(index_file).get("weight_map", {})
+    weight_map = _read_json(index_file).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise PipelineFolderError(f"{index_file} has no weight_map: restore it or download the model again")
     for shard in sorted(set(weight_map.values())):
         if not (index_file.parent / shard).is_file():
             raise PipelineFolderError(f"{index_file.parent / shard} is missing (listed in {index_file.name}): "
@@ -152,11 +152,13 @@ def check_safetensors(path: Path) -> None:
             raise PipelineFolderError(_damaged(path, f"its {size} bytes cannot hold the header it announces"))
         try:
             header = json.loads(f.read(length))
-            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            ends = (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__")
+            end = max(ends, default=0)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             raise PipelineFolderError(_damaged(path, f"its header is not valid ({exc})")) from exc
     if 8 + length + end != size:
-        raise PipelineFolderError(_damaged(path, f"its header describes {8 + length + end} bytes, the file has {size}"))
+        described = 8 + length + end
+        raise PipelineFolderError(_damaged(path, f"its header describes {described} bytes, the file has {size}"))
 
 
 def _damaged(path: Path, why: str) -> str:

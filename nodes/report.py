@@ -23,7 +23,7 @@ class PlacementReportNode(io.ComfyNode):
         )
 
     @classmethod
-    def fingerprint_inputs(cls, pipe: PipeHandle) -> float:
+    def fingerprint_inputs(cls, **inputs: object) -> float:
         """Never cached: placement changes between runs (preload, ComfyUI taking memory back)."""
         return float("nan")
 

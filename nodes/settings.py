@@ -7,6 +7,8 @@ same weights (no reload). An option set that cannot work is refused here, before
 
 from __future__ import annotations
 
+from typing import Any
+
 from comfy_api.latest import io
 
 from ..offload_core import OffloadConfig
@@ -67,16 +69,10 @@ class OffloadSettings(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, mode: str, use_stream: bool, record_stream: bool, pin_memory: bool, pin_reserve_gb: float,
-                on_demand_threshold_gb: float, resident_floor_mb: float, always: str, never: str, preload: str,
-                prefetch_window: int, device: str, measures_path: str) -> io.NodeOutput:
-        config = OffloadConfig(
-            mode=mode, use_stream=use_stream, record_stream=record_stream, pin_memory=pin_memory,
-            pin_reserve_gb=pin_reserve_gb, on_demand_threshold_gb=on_demand_threshold_gb,
-            resident_floor_mb=resident_floor_mb, always=always, never=never, preload=preload,
-            prefetch_window=prefetch_window, device=device.strip() or None,
-            measures_path=measures_path.strip() or None,
-        )
+    def execute(cls, device: str, measures_path: str, **options: Any) -> io.NodeOutput:
+        """Widget ids are OffloadConfig's fields; an empty text field means ComfyUI's own choice."""
+        config = OffloadConfig(device=device.strip() or None, measures_path=measures_path.strip() or None,
+                               **options)
         return io.NodeOutput(config)
 
 

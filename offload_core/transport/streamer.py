@@ -17,7 +17,6 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,6 @@ from diffusers.hooks import ModelHook
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
-from .moves import bytes_on
 from .towers import find_towers
 
 log = get_logger("streamer")
@@ -104,7 +102,6 @@ class BlockStreamer:
         self._seen: list[int] = []
         self._inflight: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._bound: dict[int, torch.Tensor] = {}
-        self._last_exit: torch.cuda.Event | None = None
         self._head_bytes = 0
         self._transit_peak = 0
         self.listeners: list = []  # callables(event: str, streamer, **info) (cycle start, block enter)
@@ -186,21 +183,8 @@ class BlockStreamer:
         self._prefetch_after(block)
 
     def exit(self, block: StreamBlock) -> None:
-        buf = self._bound.pop(block.index, None)
-        if buf is not None:
+        if self._bound.pop(block.index, None) is not None:
             block.bind_host()
-            self._release(buf)
-
-    def _release(self, buf: torch.Tensor) -> None:
-        """Hand a buffer the compute stream used back to the side stream's pool safely: either
-        the allocator tracks the use (record_stream) or the next side-stream copy waits for it."""
-        if self.copy_stream is None:
-            return
-        compute = torch.cuda.current_stream(self.device)
-        if self.ctx.record_stream:
-            buf.record_stream(compute)
-        else:
-            self._last_exit = compute.record_event()
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         if len(self._seen) >= len(self.order) // 2 and self._seen:
@@ -249,15 +233,22 @@ class BlockStreamer:
         return out
 
     def _load(self, block: StreamBlock) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copy a block into a fresh flat buffer. The buffer comes from the *compute* stream's
+        pool (one pool: no memory cached per stream, so a tight card does not make the allocator
+        flush and retry), and the side stream first waits for the compute work queued so far,
+        which may still read memory the allocator just handed out. That wait is on block i-1
+        when block i+1 is prefetched, so the copy still overlaps block i."""
+        buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         stream = self.copy_stream
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            if stream is not None and self._last_exit is not None:
-                stream.wait_event(self._last_exit)  # reused pool memory must be done being read
-            buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        if stream is None:
+            for dst, slot in zip(block.views(buf), block.slots, strict=True):
+                dst.copy_(slot.host)
+            return buf, None
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
             for dst, slot in zip(block.views(buf), block.slots, strict=True):
                 dst.copy_(slot.host, non_blocking=block.pinned)
-            ready = stream.record_event() if stream is not None else None
+            ready = stream.record_event()
         return buf, ready
 
     # -- resident set (preload) ---------------------------------------------------------------
@@ -274,7 +265,6 @@ class BlockStreamer:
                 block.bind(block.views(buf))
             elif not keep and block.resident is not None:
                 block.bind_host()
-                self._release(block.resident)
                 block.resident = None
 
     def resident_indices(self) -> set[int]:
@@ -309,10 +299,12 @@ class BlockStreamer:
         return sum(b.nbytes for b in self.blocks if b.resident is None)
 
     def device_bytes(self) -> int:
-        """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers."""
+        """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers
+        (read from the block table, not by walking every tensor: it runs once per forward)."""
         if self.module is None or self.device == self.ctx.offload_device:
             return 0
-        return bytes_on(self.module, self.device) + sum(e[0].numel() for e in self._inflight.values())
+        kept = sum(b.nbytes for b in self.blocks if b.resident is not None)
+        return self._head_bytes + kept + self._transit_bytes()
 
     def pinned_bytes(self) -> int:
         return self.pins.nbytes

@@ -11,15 +11,17 @@ and no loaded model.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import importlib
 import shutil
+import weakref
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-
 from comfyhost import harness
 
 pytest_plugins = ["comfyhost.fixtures"]
@@ -127,11 +129,13 @@ def probe(comfy: harness.ComfyHost, monkeypatch: pytest.MonkeyPatch) -> list[dic
     return seen
 
 
-def test_nodes_are_registered_with_their_socket_types(comfy: harness.ComfyHost) -> None:
+def test_nodes_are_registered_with_their_socket_types(comfy: harness.ComfyHost, pack: SimpleNamespace) -> None:
     assert set(NODE_IDS) <= set(comfy.pack_node_ids())
     assert all(node_id.startswith("DiffusersOffload") for node_id in comfy.pack_node_ids())
     for node_id, returns in NODE_IDS.items():
         assert list(comfy.nodes.NODE_CLASS_MAPPINGS[node_id].RETURN_TYPES) == returns
+    widgets = comfy.nodes.NODE_CLASS_MAPPINGS["DiffusersOffloadSettings"].INPUT_TYPES()["required"]
+    assert set(widgets) == set(SETTINGS) == {f.name for f in dataclasses.fields(pack.config.OffloadConfig)}
 
 
 def test_outputs_flow_as_comfyui_types(clean: harness.ComfyHost, pack: SimpleNamespace, model: str,
@@ -181,8 +185,8 @@ def test_free_memory_asks_for_a_part_then_detaches(clean: harness.ComfyHost, pac
 
     mm.free_memory(held // 2, mm.get_torch_device())
 
-    assert calls["partially_unload"][0][1] == held // 2  # resident weights cannot go in part...
-    assert calls["detach"] == [(patcher, True)]  # ...so ComfyUI unloads the whole pipeline
+    assert [c[2] for c in calls["partially_unload"]] == [held // 2]  # resident weights cannot go in part...
+    assert [c for c in calls["detach"] if c[0] is patcher] == [(patcher, True)]  # ...so the whole goes
     assert ours(mm, pack) == [] and patcher.loaded_size() == 0
     assert {c.role for c in patcher.report().components} == {"unplaced"}
     assert hooks_left(patcher.pipe) == []
@@ -208,9 +212,10 @@ def test_unload_all_leaves_no_hook_and_the_next_prompt_replaces(clean: harness.C
     mm = clean.model_management
     graph = prompt(model, STREAMED)
     clean.run_prompt(graph).raise_for_error()
-    patcher = only_patcher(clean, pack)
-    pipe = patcher.pipe
+    (entry,) = ours(mm, pack)
+    patcher, pipe = entry.model, entry.model.pipe
     assert hooks_left(pipe), "the streamed placement should have hooked the pipeline"
+    assert entry.model_loaded_memory() == patcher.report().device_bytes
 
     mm.unload_all_models()
 
@@ -223,6 +228,24 @@ def test_unload_all_leaves_no_hook_and_the_next_prompt_replaces(clean: harness.C
     assert "1" in again.events_named("execution_cached")[0]["nodes"]  # no reload...
     assert only_patcher(clean, pack).pipe is pipe  # ...the same pipeline, placed again
     assert hooks_left(pipe) and "per-step" in again.outputs["4"]["text"][0]
+
+
+def test_an_evicted_pipeline_is_released_and_freed(clean: harness.ComfyHost, pack: SimpleNamespace, model: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    clean.run_prompt(prompt(model, STREAMED)).raise_for_error()
+    patcher = only_patcher(clean, pack)
+    released, release = [], pack.host.ENGINE.release
+    monkeypatch.setattr(pack.host.ENGINE, "release", lambda pipe: released.append(hooks_left(pipe)) or release(pipe))
+    pipe_ref = weakref.ref(patcher.pipe)
+    del patcher
+
+    clean.executor.reset()  # the cache drops the loader's output; ComfyUI only holds weak references
+    gc.collect()
+    clean.model_management.cleanup_models()
+
+    assert len(released) == 1 and released[0], "the hooked pipeline should have been released"
+    assert pipe_ref() is None and ours(clean.model_management, pack) == []
+    assert pack.pinning.pinned_bytes() == 0
 
 
 def test_new_settings_replace_the_loaded_pipeline_without_reload(clean: harness.ComfyHost, pack: SimpleNamespace,

@@ -1,0 +1,125 @@
+"""Headless demo: a shipped example workflow through a real ComfyUI, in this process.
+
+Why: shows the pack end to end on any machine, without a GPU, a browser or a download. Without
+``--model`` it builds a tiny random-weight model; it then runs the example's API twin through
+ComfyUI's own validation and executor (the in-process host the tests use), copies what the output
+nodes saved to ``out/`` and prints the notes and the placement report.
+
+    make demo                                  # tiny LTX-2: video with audio, a few seconds
+    make demo MODEL=/models/Wan2.1-T2V-1.3B-Diffusers ARGS="--set steps=4 --set frames=17"
+    .venv/bin/python tools/demo.py --example flux_text_to_image
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import offload_examples as ex
+
+OUT = ex.ROOT / "out"
+BASE = ex.ROOT / ".comfy_base"
+TINY_DIR = ex.ROOT / ".tiny_models"
+DEFAULT_EXAMPLE = "ltx2_text_to_video"
+TITLES = {"PreviewAny": "notes (what the Generate node snapped or ignored)", "DiffusersOffloadReport": "placement report"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Run an example workflow through an in-process ComfyUI.")
+    parser.add_argument("--model", type=Path, help="a diffusers pipeline folder; default: build a tiny one")
+    parser.add_argument(
+        "--example", choices=[e.name for e in ex.EXAMPLES],
+        help=f"example workflow; default: the one for --model's pipeline class, else {DEFAULT_EXAMPLE}",
+    )
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="INPUT=VALUE",
+        help="override an input of the Generate node, e.g. --set steps=4 (JSON values)",
+    )
+    return parser.parse_args(argv)
+
+
+def overrides(pairs: list[str], tiny: bool) -> dict[str, Any]:
+    """Generate-node inputs to change: tiny-model sizes first, then the user's ``--set``."""
+    values: dict[str, Any] = dict(ex.TINY_OVERRIDES) if tiny else {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set wants INPUT=VALUE, got {pair!r}")
+        try:
+            values[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[key] = raw
+    return values
+
+
+def model_folder(args: argparse.Namespace) -> tuple[ex.Example, Path]:
+    """The example to run and its model folder (a tiny one is built when none was given)."""
+    if args.model is not None:
+        folder = args.model.expanduser().resolve()
+        return (ex.example(args.example) if args.example else ex.example_for_model(folder)), folder
+    from fixtures.tiny_models import BUILDERS, FOLDER_NAMES
+
+    example = ex.example(args.example or DEFAULT_EXAMPLE)
+    folder = BUILDERS[example.tiny](TINY_DIR / FOLDER_NAMES[example.tiny])
+    print(f"built tiny {example.pipeline} in {folder.relative_to(ex.ROOT)}")
+    return example, folder
+
+
+def collect(host: Any, result: Any) -> list[Path]:
+    """Copy the files the output nodes saved into ``out/``."""
+    OUT.mkdir(exist_ok=True)
+    copied = []
+    for path in host.output_files(result):
+        target = OUT / path.name
+        shutil.copyfile(path, target)
+        copied.append(target)
+    return copied
+
+
+def texts(result: Any, prompt: dict[str, Any]) -> list[tuple[str, str]]:
+    """(node class, text) of every output node that shows text (the notes, the placement report)."""
+    return [
+        (prompt[node_id]["class_type"], "\n".join(ui["text"]))
+        for node_id, ui in sorted(result.outputs.items())
+        if "text" in ui
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.path.append(str(ex.ROOT / "tests"))  # appended: ComfyUI's own folder must lead sys.path
+    from comfyhost import harness
+
+    example, folder = model_folder(args)
+    if args.model is None:
+        import torch
+
+        torch.set_num_threads(1)  # tiny ops gain nothing from threads
+    host = harness.setup(BASE)
+    model = ex.link_model(Path(host.folder_paths.get_folder_paths("diffusers")[0]), folder)
+    prompt = ex.api_prompt(example.name, model, overrides(args.set, tiny=args.model is None))
+    print(f"running {example.name} on {model} (ComfyUI {host.version}, {host.model_management.get_torch_device()})")
+    try:
+        result = host.run_prompt(prompt).raise_for_error()
+    except (harness.PromptValidationError, harness.PromptExecutionError) as exc:
+        print(f"the workflow failed: {exc}", file=sys.stderr)
+        return 1
+    for node_class, text in texts(result, prompt):
+        print(f"\n--- {TITLES.get(node_class, node_class)} ---\n{text or '(none)'}")
+    print()
+    for path in collect(host, result):
+        print(f"wrote {path.relative_to(ex.ROOT)} ({path.stat().st_size} bytes)")
+    print(f"done in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

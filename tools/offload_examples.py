@@ -1,0 +1,234 @@
+"""The shipped example workflows: their API twins, the UI JSON made from them, and model folders.
+
+Why one module: the demo, the workflow generator and the tests must agree on what an example
+is (which twin, which model placeholder, which tiny-model overrides) and on how ComfyUI describes
+a node (``/object_info``). It imports nothing from ComfyUI; callers hand it a running host.
+
+An example is authored once, as its API twin (``example_workflows/api/<name>.json``, what
+``POST /prompt`` takes, with :data:`MODEL_PLACEHOLDER` for the model folder); the UI JSON users
+drag in (``example_workflows/<name>.json``) is generated from it and the live node schemas.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES_DIR = ROOT / "example_workflows"
+API_DIR = EXAMPLES_DIR / "api"
+MODEL_PLACEHOLDER = "${MODEL}"
+LOADER = "DiffusersOffloadLoadPipeline"
+GENERATE = ("DiffusersOffloadGenerateImage", "DiffusersOffloadGenerateVideo")
+# What makes a tiny random-weight model finish in seconds on a CPU (inputs a node lacks are skipped).
+TINY_OVERRIDES = {"steps": 2, "width": 32, "height": 32, "frames": 9}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMBO_V3"}
+CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
+PACK_ID = "comfyui-diffusers-offload"  # pyproject name: what ComfyUI Manager installs from a cnr_id
+
+
+@dataclass(frozen=True)
+class Example:
+    """One shipped chain: its file stem, the pipeline class it is for, the folder name users have."""
+
+    name: str
+    pipeline: str
+    model: str
+    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS
+
+
+EXAMPLES = (
+    Example("flux_text_to_image", "FluxPipeline", "FLUX.1-dev", "flux"),
+    Example("wan_text_to_video", "WanPipeline", "Wan2.1-T2V-1.3B-Diffusers", "wan"),
+    Example("ltx2_text_to_video", "LTX2Pipeline", "LTX-2", "ltx2"),
+)
+
+
+def example(name: str) -> Example:
+    for ex in EXAMPLES:
+        if ex.name == name:
+            return ex
+    raise KeyError(f"no example {name!r}; shipped: {', '.join(e.name for e in EXAMPLES)}")
+
+
+def example_for_model(folder: Path) -> Example:
+    """The example whose pipeline class the folder's ``model_index.json`` names."""
+    index = json.loads((Path(folder) / "model_index.json").read_text(encoding="utf-8"))
+    for ex in EXAMPLES:
+        if ex.pipeline == index.get("_class_name"):
+            return ex
+    raise ValueError(
+        f"{folder} holds a {index.get('_class_name')}; the examples run "
+        f"{', '.join(e.pipeline for e in EXAMPLES)}"
+    )
+
+
+# ------------------------------------------------------------------------------------ API twins
+
+
+def api_prompt(name: str, model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The API twin of ``name`` for the model folder ``model``; ``overrides`` go to the Generate
+    node (only inputs it has)."""
+    prompt = json.loads((API_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    for node in prompt.values():
+        inputs = node["inputs"]
+        for key, value in inputs.items():
+            if value == MODEL_PLACEHOLDER:
+                inputs[key] = model
+        if node["class_type"] in GENERATE:
+            inputs.update({k: v for k, v in (overrides or {}).items() if k in inputs})
+    return prompt
+
+
+def link_model(models_dir: Path, folder: Path) -> str:
+    """Make ``folder`` listed by the loader: a link named after it in ``models/diffusers``."""
+    folder = Path(folder).resolve()
+    link = Path(models_dir) / folder.name
+    if link.is_symlink() and link.resolve() != folder:
+        link.unlink()  # a stale link from an earlier run with another folder of that name
+    if not link.exists():
+        link.symlink_to(folder, target_is_directory=True)
+    elif link.resolve() != folder:
+        raise FileExistsError(f"{link} exists and is not a link to {folder}")
+    return folder.name
+
+
+# ---------------------------------------------------------------------------------- node schemas
+
+
+def object_info(host: Any, node_type: str) -> dict[str, Any]:
+    """What ``GET /object_info/<node_type>`` answers, from the host's own route (no socket)."""
+    handler = next(
+        r.handler for r in host.server.routes
+        if getattr(r, "method", "") == "GET" and getattr(r, "path", "") == "/object_info/{node_class}"
+    )
+    request = SimpleNamespace(match_info={"node_class": node_type})
+    response = host.loop.run_until_complete(handler(request))
+    info = json.loads(response.body)
+    if node_type not in info:
+        raise KeyError(f"ComfyUI has no node {node_type!r}")
+    return info[node_type]
+
+
+def schema_inputs(info: dict[str, Any]) -> Iterator[tuple[str, Any, dict[str, Any], bool]]:
+    """(name, type, options, optional) of every visible input, in the order the UI shows them."""
+    for section in ("required", "optional"):
+        specs = info["input"].get(section, {})
+        for name in info.get("input_order", {}).get(section, list(specs)):
+            spec = specs[name]
+            yield name, spec[0], (spec[1] if len(spec) > 1 else {}), section == "optional"
+
+
+def is_widget(kind: Any, options: dict[str, Any]) -> bool:
+    return (isinstance(kind, list) or kind in WIDGET_TYPES) and not options.get("forceInput")
+
+
+# ----------------------------------------------------------------------------------- UI JSON
+
+
+def ui_workflow(api: dict[str, Any], schemas: dict[str, dict[str, Any]], model: str) -> dict[str, Any]:
+    """The UI workflow (nodes, links, widgets_values) a frontend would save for ``api``."""
+    depth = _depths(api)
+    links: list[list[Any]] = []
+    nodes = {node_id: _ui_node(node_id, node, schemas[node["class_type"]], model) for node_id, node in api.items()}
+    for node_id, node in api.items():
+        for slot, entry in enumerate(nodes[node_id]["inputs"]):
+            source = node["inputs"].get(entry["name"])
+            if _is_link(source):
+                origin = nodes[source[0]]["outputs"][source[1]]
+                link_id = len(links) + 1
+                links.append([link_id, int(source[0]), source[1], int(node_id), slot, origin["type"]])
+                entry["link"] = link_id
+                origin["links"].append(link_id)
+    _layout(nodes, depth)
+    return {
+        "last_node_id": max(int(n) for n in api),
+        "last_link_id": len(links),
+        "nodes": [nodes[n] for n in sorted(api, key=int)],
+        "links": links,
+        "groups": [],
+        "config": {},
+        "extra": {"ds": {"scale": 1.0, "offset": [0, 0]}},
+        "version": 0.4,
+    }
+
+
+def _is_link(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and isinstance(value[1], int)
+
+
+def _ui_node(node_id: str, node: dict[str, Any], info: dict[str, Any], model: str) -> dict[str, Any]:
+    sockets, widgets, values = [], [], []
+    for name, kind, options, optional in schema_inputs(info):
+        value = node["inputs"].get(name, options.get("default"))
+        entry = {"name": name, "type": "COMBO" if isinstance(kind, list) else kind, "link": None}
+        if optional:
+            entry["shape"] = 7
+        if not is_widget(kind, options):
+            sockets.append(entry)
+            continue
+        widgets.append({**entry, "widget": {"name": name}})
+        values.append(model if value == MODEL_PLACEHOLDER else value)
+        if options.get("control_after_generate"):
+            values.append("fixed")  # examples reproduce; users switch to randomize
+    outputs = [
+        {"name": name, "type": kind, "links": [], "slot_index": slot}
+        for slot, (name, kind) in enumerate(zip(info["output_name"], info["output"], strict=True))
+    ]
+    core = info.get("python_module", "").startswith(("nodes", "comfy_extras"))
+    return {
+        "id": int(node_id),
+        "type": node["class_type"],
+        "pos": [0, 0],
+        "size": [380, _height(info, len(values), max(len(sockets), len(outputs)))],
+        "flags": {},
+        "order": 0,
+        "mode": 0,
+        "inputs": sockets + widgets,
+        "outputs": outputs,
+        "properties": {"Node name for S&R": node["class_type"], "cnr_id": "comfy-core" if core else PACK_ID},
+        "widgets_values": values,
+    }
+
+
+def _height(info: dict[str, Any], widgets: int, sockets: int) -> int:
+    """Room for every widget (multiline text boxes are taller) and for a preview under output nodes."""
+    multiline = sum(1 for _, _, options, _ in schema_inputs(info) if options.get("multiline"))
+    preview = 240 if info.get("output_node") else 0
+    return 46 + 22 * sockets + 26 * widgets + 70 * multiline + preview
+
+
+def _depths(api: dict[str, Any]) -> dict[str, int]:
+    """Column of each node: one right of its deepest source."""
+    depth: dict[str, int] = {}
+
+    def visit(node_id: str) -> int:
+        if node_id not in depth:
+            sources = [v[0] for v in api[node_id]["inputs"].values() if _is_link(v)]
+            depth[node_id] = 1 + max((visit(s) for s in sources), default=-1)
+        return depth[node_id]
+
+    for node_id in api:
+        visit(node_id)
+    return depth
+
+
+def _layout(nodes: dict[str, dict[str, Any]], depth: dict[str, int]) -> None:
+    """Columns by depth, stacked top-down; ``order`` topological (what the frontend would save)."""
+    tops: dict[int, int] = {}
+    for order, node_id in enumerate(sorted(nodes, key=lambda n: (depth[n], int(n)))):
+        node = nodes[node_id]
+        column = depth[node_id]
+        top = tops.get(column, 80)
+        node.update(pos=[60 + 440 * column, top], order=order)
+        tops[column] = top + node["size"][1] + 60
+
+
+def write_ui(name: str, workflow: dict[str, Any]) -> Path:
+    path = EXAMPLES_DIR / f"{name}.json"
+    path.write_text(json.dumps(workflow, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
