@@ -88,7 +88,7 @@ class PreloadDriver:
         elif event == "cycle":
             self._check_shortage(running=None)
             target = self.planner.begin_cycle(workload_of(info["args"], info["kwargs"]), self._pending)
-            streamer.set_resident(set(target))
+            self._apply(target)
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":
@@ -108,9 +108,18 @@ class PreloadDriver:
         evict = self.planner.on_shortage(running=running)
         if not evict:
             return False
-        self.streamer.set_resident(self.streamer.resident_indices() - set(evict))
-        self.memory.empty_cache(self.streamer.device)
+        self._apply(self.streamer.resident_indices() - set(evict))
         return True
+
+    def _apply(self, target) -> None:
+        """Change the resident set; freed buffers go back to the driver at once, so the next
+        differently-sized allocation does not make the allocator flush and retry (a retry we
+        caused ourselves is not a shortage)."""
+        shrinks = bool(self.streamer.resident_indices() - set(target))
+        self.streamer.set_resident(set(target))
+        if shrinks:
+            self.memory.empty_cache(self.streamer.device)
+            self._retries = self.memory.allocator_retries(self.streamer.device)
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:

@@ -176,7 +176,15 @@ class BlockStreamer:
         if block.index == self.order[0] or not self._seen:
             self._begin_cycle(block, args, kwargs)
         self._seen.append(block.index)
-        if block.resident is None:
+        while True:
+            try:
+                return self._make_ready(block)
+            except torch.OutOfMemoryError:  # our own buffer did not fit: give kept blocks up
+                if not self.notify("oom", block=block):
+                    raise
+
+    def _make_ready(self, block: StreamBlock) -> None:
+        if block.resident is None and block.index not in self._bound:
             buf = self._take(block)
             self._bound[block.index] = buf
             block.bind(block.views(buf))

@@ -1,0 +1,158 @@
+"""The shipped example workflows against the node schemas of a real ComfyUI, and their API twins
+run end to end on tiny models.
+
+The UI JSON (``example_workflows/*.json``) is what users drag in: every node type must be
+registered, ``widgets_values`` must match each schema's widgets in count, order and range, every
+link must join the same type on both ends, and the graph must convert to exactly its API twin
+(what the frontend would queue). The twins (``example_workflows/api/*.json``) then run through
+ComfyUI's own validation and executor on the tiny model of their family. Schemas come from the
+``/object_info`` route of the running host, so both ComfyUI trees are checked as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import av
+import pytest
+from comfyhost import harness
+from PIL import Image
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
+import offload_examples as ex  # noqa: E402
+
+pytest_plugins = ["comfyhost.fixtures"]
+
+NAMES = [e.name for e in ex.EXAMPLES]
+FILE_LISTS = {(ex.LOADER, "model")}  # combos listing the user's disk: any name is a valid value
+
+
+def ui(name: str) -> dict[str, Any]:
+    return json.loads((ex.EXAMPLES_DIR / f"{name}.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def schemas(comfy: harness.ComfyHost) -> dict[str, dict[str, Any]]:
+    """``/object_info`` of every node type the examples use (UI files and twins)."""
+    types = {node["type"] for name in NAMES for node in ui(name)["nodes"]}
+    types |= {node["class_type"] for name in NAMES for node in ex.api_prompt(name, "m").values()}
+    missing = sorted(t for t in types if t not in comfy.nodes.NODE_CLASS_MAPPINGS)
+    assert not missing, f"node types not registered in this ComfyUI: {missing}"
+    return {t: ex.object_info(comfy, t) for t in types}
+
+
+def widget_problem(kind: Any, options: dict[str, Any], value: Any, file_list: bool) -> str | None:
+    """Why ``value`` cannot sit in a widget of this schema type, or None."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "INT" or kind == "FLOAT":
+        if not number or (kind == "INT" and not isinstance(value, int)):
+            return f"{value!r} is not {kind}"
+        if not options.get("min", value) <= value <= options.get("max", value):
+            return f"{value!r} outside {options.get('min')}..{options.get('max')}"
+        return None
+    if kind == "STRING" or file_list:
+        return None if isinstance(value, str) else f"{value!r} is not a string"
+    if kind == "BOOLEAN":
+        return None if isinstance(value, bool) else f"{value!r} is not a boolean"
+    choices = kind if isinstance(kind, list) else options.get("options", [])
+    choices = [c["key"] if isinstance(c, dict) else c for c in choices]  # dynamic combos: option keys
+    return None if value in choices else f"{value!r} not among {choices}"
+
+
+def api_from_ui(workflow: dict[str, Any], schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the frontend queues for a UI workflow: widget values by schema order, links as [id, slot]."""
+    links = {link[0]: link for link in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        values = iter(node["widgets_values"])
+        inputs = {}
+        for name, kind, options, _ in ex.schema_inputs(schemas[node["type"]]):
+            if ex.is_widget(kind, options):
+                inputs[name] = next(values)
+                if options.get("control_after_generate"):
+                    next(values)
+        for entry in node["inputs"]:
+            if entry.get("link") is not None:
+                link = links[entry["link"]]
+                inputs[entry["name"]] = [str(link[1]), link[2]]
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+def types_match(a: str, b: str) -> bool:
+    return a == b or "*" in (a, b)
+
+
+def test_every_example_ships_a_ui_workflow_and_an_api_twin() -> None:
+    assert sorted(p.stem for p in ex.EXAMPLES_DIR.glob("*.json")) == sorted(NAMES)
+    assert sorted(p.stem for p in ex.API_DIR.glob("*.json")) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_widgets_match_the_schemas(name: str, schemas: dict[str, dict[str, Any]]) -> None:
+    for node in ui(name)["nodes"]:
+        assert node["mode"] == 0, f"node {node['id']} is muted or bypassed"
+        values = list(node["widgets_values"])
+        for input_name, kind, options, _ in ex.schema_inputs(schemas[node["type"]]):
+            if not ex.is_widget(kind, options):
+                continue
+            where = f"node {node['id']} ({node['type']}) widget {input_name!r}"
+            assert values, f"{where}: widgets_values ends early"
+            problem = widget_problem(kind, options, values.pop(0), (node["type"], input_name) in FILE_LISTS)
+            assert problem is None, f"{where}: {problem}"
+            if options.get("control_after_generate"):
+                assert values and values.pop(0) in ex.CONTROL_VALUES, f"{where}: no control_after_generate value"
+        assert values == [], f"node {node['id']} ({node['type']}): extra widgets_values {values}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sockets_and_links_join_matching_types(name: str, schemas: dict[str, dict[str, Any]]) -> None:
+    workflow = ui(name)
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    for node in nodes.values():
+        info = schemas[node["type"]]
+        declared = {n: ("COMBO" if isinstance(k, list) else k) for n, k, _, _ in ex.schema_inputs(info)}
+        assert {i["name"]: i["type"] for i in node["inputs"]}.items() <= declared.items(), node["id"]
+        assert [(o["name"], o["type"]) for o in node["outputs"]] == list(zip(info["output_name"], info["output"], strict=True))
+    linked = set()
+    for link_id, origin, origin_slot, target, target_slot, kind in workflow["links"]:
+        out, entry = nodes[origin]["outputs"][origin_slot], nodes[target]["inputs"][target_slot]
+        assert out["type"] == kind == schemas[nodes[origin]["type"]]["output"][origin_slot], link_id
+        assert types_match(entry["type"], kind), f"link {link_id}: {kind} into {entry['name']} ({entry['type']})"
+        assert link_id in out["links"] and entry["link"] == link_id, link_id
+        linked.add(link_id)
+    assert {i["link"] for n in nodes.values() for i in n["inputs"]} - {None} == linked
+    assert {x for n in nodes.values() for o in n["outputs"] for x in o["links"]} == linked
+    assert (workflow["last_node_id"], workflow["last_link_id"]) == (max(nodes), len(linked))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_workflow_queues_exactly_its_api_twin(name: str, schemas: dict[str, dict[str, Any]]) -> None:
+    assert api_from_ui(ui(name), schemas) == ex.api_prompt(name, ex.example(name).model)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, request: pytest.FixtureRequest) -> None:
+    example = ex.example(name)
+    folder = request.getfixturevalue(f"tiny_{example.tiny}_dir")
+    model = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), folder)
+    prompt = ex.api_prompt(name, model, ex.TINY_OVERRIDES)
+
+    result = comfy.run_prompt(prompt).raise_for_error()
+
+    kinds = {node_id: node["class_type"] for node_id, node in prompt.items()}
+    texts = {kinds[n]: "\n".join(out["text"]) for n, out in result.outputs.items() if "text" in out}
+    assert texts["PreviewAny"] == ""  # the tiny sizes sit on every grid: nothing to note
+    assert texts["DiffusersOffloadReport"].startswith(f"{example.pipeline} on cpu")
+    (path,) = comfy.output_files(result, next(n for n, k in kinds.items() if k.startswith("Save")))
+    if path.suffix == ".png":
+        with Image.open(path) as image:
+            assert image.size == (32, 32)
+        return
+    with av.open(str(path)) as container:
+        streams = sorted(s.type for s in container.streams)
+        assert streams == (["audio", "video"] if example.tiny == "ltx2" else ["video"])
+        assert sum(1 for _ in container.decode(video=0)) == 9
