@@ -59,9 +59,16 @@ def component_names(pipe: object) -> list[str]:
     if isinstance(specs, dict):
         return list(specs)
     config = _safe_getattr(pipe, "config")
-    if config is not None and hasattr(config, "keys"):
-        return [k for k in config if not k.startswith("_")]
+    if config is not None and hasattr(config, "items"):
+        return [k for k, v in config.items() if not k.startswith("_") and _is_component_entry(v)]
     return []
+
+
+def _is_component_entry(value: object) -> bool:
+    """A classic pipeline registers each component as ``[library, class]``; other config entries
+    (``boundary_ratio``, ``expand_timesteps``...) are settings, and reading them can warn."""
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(
+        v is None or isinstance(v, str) for v in value)
 
 
 def iter_modules(pipe: object) -> Iterator[tuple[str, torch.nn.Module]]:
