@@ -97,6 +97,7 @@ class Engine:
         if module.__dict__.get(SENTINEL):
             log.warning("%s was left mid-apply by an earlier pass: tearing it down and applying again", name)
             self._teardown(module)
+        _refuse_foreign_offload(name, module)
         info = describe(name, module)
         decision = decide(info, config)
         verdict = self._pin_verdict(module, info, decision, config)
@@ -231,6 +232,18 @@ class Engine:
             mode=pstate.config.mode if pstate else "-",
             components=tuple(comps),
         )
+
+
+def _refuse_foreign_offload(name: str, module: torch.nn.Module) -> None:
+    """Two offload systems on one module corrupt each other's idea of where weights are."""
+    for sub_name, sub in module.named_modules():
+        hook = sub.__dict__.get("_hf_hook")
+        if hook is not None and type(hook).__module__.startswith("accelerate"):
+            raise ValueError(
+                f"{name}{'.' + sub_name if sub_name else ''} carries an accelerate offload hook "
+                f"({type(hook).__name__}): call pipe.remove_all_hooks() (undo enable_model_cpu_offload / "
+                "enable_sequential_cpu_offload) before handing the pipeline to the offload engine"
+            )
 
 
 def _component_report(info: ComponentInfo, state: ComponentState | None) -> ComponentReport:
