@@ -112,14 +112,16 @@ class PreloadDriver:
         return True
 
     def _apply(self, target) -> None:
-        """Change the resident set; freed buffers go back to the driver at once, so the next
-        differently-sized allocation does not make the allocator flush and retry (a retry we
-        caused ourselves is not a shortage)."""
-        shrinks = bool(self.streamer.resident_indices() - set(target))
+        """Change the resident set. On any change the allocator's cache goes back to the driver
+        first (the last workload's activation segments would otherwise make the new buffers
+        flush and retry), and the retry baseline is re-read after: a retry our own plan change
+        caused is not a shortage."""
+        if set(target) == self.streamer.resident_indices():
+            return
+        self.memory.empty_cache(self.streamer.device)
         self.streamer.set_resident(set(target))
-        if shrinks:
-            self.memory.empty_cache(self.streamer.device)
-            self._retries = self.memory.allocator_retries(self.streamer.device)
+        self.memory.empty_cache(self.streamer.device)
+        self._retries = self.memory.allocator_retries(self.streamer.device)
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
