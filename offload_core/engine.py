@@ -36,6 +36,7 @@ STATE = "_diffusers_offload_state"
 SENTINEL = "_diffusers_offload_applying"
 PIN_VERDICT = "_diffusers_offload_pin_verdict"
 PIPE_STATE = "_diffusers_offload_pipeline"
+LORA_REPORT = "_diffusers_offload_lora_report"  # the LoRA path a component took (written by lora.py)
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Engine:
         if state is not None:
             log.info("%s: settings changed, re-placing (%s -> %s)", name, state.decision.role.value, decision.role.value)
             self._teardown(module)
-        ctx = self._context(decision, config, pstate, verdict, info)
+        ctx = self._context(config, pstate, verdict)
         transport = _make_transport(decision.role, ctx, info)
         module.__dict__[SENTINEL] = True
         module.__dict__[STATE] = ComponentState(signature, transport, decision, info)
@@ -140,8 +141,8 @@ class Engine:
             )
         return verdict
 
-    def _context(self, decision: RoleDecision, config: OffloadConfig, pstate: PipelineState,
-                 verdict: PinVerdict | None, info: ComponentInfo) -> TransportContext:
+    def _context(self, config: OffloadConfig, pstate: PipelineState,
+                 verdict: PinVerdict | None) -> TransportContext:
         granted = verdict is not None and verdict.granted
         streams = granted and pstate.device.type == "cuda"
         return TransportContext(
@@ -225,7 +226,7 @@ class Engine:
         for name, module in iter_modules(_unwrap(pipe)):
             state = module.__dict__.get(STATE)
             info = state.info if state is not None else describe(name, module)
-            comps.append(_component_report(info, state))
+            comps.append(_component_report(info, state, module.__dict__.get(LORA_REPORT)))
         return PlacementReport(
             pipeline=type(pipe).__name__,
             device=str(pstate.device) if pstate else "unplaced",
@@ -246,8 +247,10 @@ def _refuse_foreign_offload(name: str, module: torch.nn.Module) -> None:
             )
 
 
-def _component_report(info: ComponentInfo, state: ComponentState | None) -> ComponentReport:
+def _component_report(info: ComponentInfo, state: ComponentState | None,
+                      lora: dict[str, object] | None = None) -> ComponentReport:
     t = state.transport if state is not None else None
+    details = {**(t.details() if t else {}), **({"lora": lora} if lora else {})}
     return ComponentReport(
         name=info.name,
         cls=info.cls,
@@ -258,7 +261,7 @@ def _component_report(info: ComponentInfo, state: ComponentState | None) -> Comp
         quantization=info.quantization,
         device_bytes=t.device_bytes() if t else 0,
         pinned_bytes=t.pinned_bytes() if t else 0,
-        details=t.details() if t else {},
+        details=details,
     )
 
 
