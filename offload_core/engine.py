@@ -188,8 +188,10 @@ class Engine:
             for name, module in iter_modules(_unwrap(pipe)):
                 if not module.__dict__.get(STAMP):
                     continue
+                transport = module.__dict__[STATE].transport
                 try:
-                    if module.__dict__[STATE].transport.give_back(1 << 62):
+                    if transport.loaded:
+                        transport.offload()
                         moved.append(name)
                 except Exception as exc:
                     failed.append((name, f"{type(exc).__name__}: {exc}"))

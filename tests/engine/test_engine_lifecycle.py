@@ -1,0 +1,211 @@
+"""Failure mid-apply, always/never precedence, pin budget, release cleanliness, force sweep."""
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig, OffloadConfigError
+from diffusers_offload.offload_core.memory import MemoryReader
+from diffusers_offload.offload_core.pinning import pinned_bytes
+from diffusers_offload.offload_core.transport.leaf import LeafGroupTransport
+from fixtures.tiny_pipes import load_wan, run_wan
+
+CFG = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+SENTINEL = "_diffusers_offload_applying"
+STATE = "_diffusers_offload_state"
+PIN_VERDICT = "_diffusers_offload_pin_verdict"
+
+
+def _hooked(module: torch.nn.Module) -> list[str]:
+    return [p for p, m in module.named_modules()
+            if m.__dict__.get("_diffusers_hook") is not None and m._diffusers_hook.hooks]
+
+
+class Scripted(MemoryReader):
+    def __init__(self, available: int) -> None:
+        self.available = available
+
+    def host_available(self) -> int:
+        return self.available
+
+
+# -- 4. failure mid-apply ------------------------------------------------------------------------
+def test_transport_failing_mid_apply_leaves_no_state_or_hooks(wan_pipe, monkeypatch):
+    original = LeafGroupTransport.apply
+
+    def half_apply(self, module):
+        original(self, module)  # hooks are on; then it dies
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(LeafGroupTransport, "apply", half_apply)
+    with pytest.raises(RuntimeError, match="injected"):
+        Engine().place(wan_pipe, CFG)
+    te = wan_pipe.text_encoder
+    assert STATE not in te.__dict__ and SENTINEL not in te.__dict__
+    assert _hooked(te) == []
+
+
+def test_sentinel_left_by_crash_is_torn_down_and_reapplied(wan_pipe, caplog):
+    expected = run_wan(wan_pipe)
+    engine = Engine()
+    engine.place(wan_pipe, CFG)
+    tr = wan_pipe.transformer
+    stale = tr.__dict__[STATE]
+    # simulate a crash half-way through apply: sentinel set, stream hooks only partly there
+    tr.__dict__[SENTINEL] = True
+    tr.blocks[1]._diffusers_hook.remove_hook("diffusers_offload_stream", recurse=False)
+    with caplog.at_level(logging.WARNING, logger="diffusers_offload"):
+        engine.place(wan_pipe, CFG)
+    assert "mid-apply" in caplog.text
+    assert SENTINEL not in tr.__dict__
+    assert tr.__dict__[STATE] is not stale
+    assert "diffusers_offload_stream" in tr.blocks[1]._diffusers_hook.hooks
+    out = run_wan(wan_pipe)
+    engine.after_run(wan_pipe)
+    torch.testing.assert_close(out, expected)
+
+
+# -- 5. always / never ---------------------------------------------------------------------------
+def test_never_list_keeps_transformer_resident(wan_pipe):
+    report = Engine().place(wan_pipe, CFG.replace(never=("transformer",)))
+    assert report.component("transformer").role == "resident"
+    assert "never" in report.component("transformer").reason
+
+
+def test_always_list_puts_small_vae_on_demand_with_default_thresholds(wan_pipe):
+    report = Engine().place(wan_pipe, OffloadConfig(device="cpu", always=("vae",)))
+    assert report.component("vae").role == "on-demand"
+    assert report.component("transformer").role == "resident"  # small, not listed
+
+
+def test_never_class_entry_beats_always_name_entry(wan_pipe):
+    report = Engine().place(wan_pipe, OffloadConfig(device="cpu", never=("AutoencoderKLWan",), always=("vae",)))
+    assert report.component("vae").role == "resident"
+    assert "never" in report.component("vae").reason
+
+
+def test_same_entry_in_always_and_never_is_refused():
+    with pytest.raises(OffloadConfigError, match="both"):
+        OffloadConfig(always=("vae",), never=("vae",))
+
+
+def test_lists_are_read_fresh_each_pass(wan_pipe):
+    engine = Engine()
+    cfg = OffloadConfig(device="cpu")
+    assert engine.place(wan_pipe, cfg.replace(always=("vae",))).component("vae").role == "on-demand"
+    assert engine.place(wan_pipe, cfg).component("vae").role == "resident"
+    assert engine.place(wan_pipe, cfg.replace(always=("vae",))).component("vae").role == "on-demand"
+
+
+# -- 6. pin budget -------------------------------------------------------------------------------
+def test_pin_granted_when_need_fits_available_less_reserve(wan_pipe):
+    need = sum(p.numel() * p.element_size() for p in wan_pipe.transformer.parameters()) + sum(
+        b.numel() * b.element_size() for b in wan_pipe.transformer.buffers())
+    reserve = 2**30
+    engine = Engine(memory=Scripted(need + reserve))
+    engine.place(wan_pipe, CFG.replace(pin_reserve_gb=1.0))
+    verdict = wan_pipe.transformer.__dict__[PIN_VERDICT]
+    assert verdict.need == need and verdict.granted
+    assert engine.states(wan_pipe)["transformer"].transport.ctx.pin is True
+
+
+def test_pin_denied_falls_back_and_warns_with_per_step_volume(wan_pipe, caplog):
+    engine = Engine(memory=Scripted(2**30))  # exactly the reserve: nothing left to pin
+    with caplog.at_level(logging.WARNING, logger="diffusers_offload"):
+        report = engine.place(wan_pipe, CFG.replace(pin_reserve_gb=1.0))
+    transport = engine.states(wan_pipe)["transformer"].transport
+    assert not wan_pipe.transformer.__dict__[PIN_VERDICT].granted
+    assert transport.ctx.pin is False and transport.ctx.use_stream is False
+    assert report.component("transformer").details["stream"] is False
+    msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    volume = "0.11 MiB"  # the tiny transformer's bytes, moved every step
+    assert any("pageable memory every step" in m and volume in m for m in msgs), msgs
+
+
+def test_pin_verdict_is_cached_on_the_component(wan_pipe):
+    reader = Scripted(1 << 50)
+    engine = Engine(memory=reader)
+    engine.place(wan_pipe, CFG)
+    first = wan_pipe.transformer.__dict__[PIN_VERDICT]
+    reader.available = 0
+    engine.place(wan_pipe, CFG)
+    assert wan_pipe.transformer.__dict__[PIN_VERDICT] is first and first.granted
+    assert engine.states(wan_pipe)["transformer"].transport.ctx.pin is True
+
+
+def test_record_stream_without_streams_refused_before_hooking():
+    with pytest.raises(OffloadConfigError, match="record_stream"):
+        OffloadConfig(use_stream=False, record_stream=True)
+
+
+# -- 7. release ----------------------------------------------------------------------------------
+def test_release_leaves_no_hooks_bridges_or_engine_attributes(wan_pipe):
+    engine = Engine()
+    engine.place(wan_pipe, CFG)
+    run_wan(wan_pipe)
+    engine.after_run(wan_pipe)
+    engine.release(wan_pipe)
+    for comp in ("transformer", "text_encoder", "vae"):
+        for path, m in getattr(wan_pipe, comp).named_modules():
+            reg = m.__dict__.get("_diffusers_hook")
+            assert reg is None or not reg.hooks, f"{comp}.{path} keeps hooks"
+            assert "_hf_hook" not in m.__dict__, f"{comp}.{path} keeps _hf_hook"
+            for attr in (STATE, SENTINEL, PIN_VERDICT, "_diffusers_offload_on_demand"):
+                assert attr not in m.__dict__, f"{comp}.{path} keeps {attr}"
+    assert not hasattr(wan_pipe, "_diffusers_offload_pipeline")
+    assert pinned_bytes() == 0
+
+
+def _placed_refs(pipe, engine):
+    engine.place(pipe, CFG)
+    run_wan(pipe)
+    engine.after_run(pipe)
+    engine.release(pipe)
+    params = [*pipe.transformer.blocks[0].parameters()][:3] + [next(pipe.transformer.proj_out.parameters())]
+    return [weakref.ref(p) for p in params]
+
+
+def test_released_weights_are_not_referenced_by_the_engine(tiny_wan_dir):
+    engine = Engine()
+    pipe = load_wan(tiny_wan_dir)  # not the fixture: pytest's fixture cache would keep it alive
+    refs = _placed_refs(pipe, engine)
+    assert all(r() is not None for r in refs)
+    del pipe
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)
+
+
+# -- 9. force sweep ------------------------------------------------------------------------------
+def test_force_sweep_moves_on_demand_components_back(wan_pipe):
+    engine = Engine()
+    engine.place(wan_pipe, CFG.replace(mode="model"))
+    run_wan(wan_pipe)
+    tr = engine.states(wan_pipe)["transformer"].transport
+    tr.onload()  # as if a run had stopped inside the denoising loop
+    assert tr.loaded
+    result = engine.sweep()
+    assert "transformer" in result.moved and result.failed == ()
+    assert not tr.loaded
+    assert engine.report(wan_pipe).component("transformer").device_bytes == 0
+
+
+def test_force_sweep_reports_a_failing_component_and_moves_the_others(wan_pipe, monkeypatch):
+    engine = Engine()
+    engine.place(wan_pipe, CFG.replace(mode="model"))
+    run_wan(wan_pipe)
+    states = engine.states(wan_pipe)
+    tr, te = states["transformer"].transport, states["text_encoder"].transport
+    tr.onload()
+    monkeypatch.setattr(te, "group", None)  # load the text encoder too, without evicting the transformer
+    te.onload()
+    assert tr.loaded and te.loaded
+
+    def boom():
+        raise RuntimeError("stuck")
+
+    monkeypatch.setattr(tr, "offload", boom)
+    result = engine.sweep()
+    assert [n for n, _ in result.failed] == ["transformer"] and "stuck" in result.failed[0][1]
+    assert "text_encoder" in result.moved and not te.loaded
