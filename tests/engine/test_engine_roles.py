@@ -23,6 +23,11 @@ def test_flux_roles_transformer_per_step_both_text_encoders_leaf_vae_on_demand(f
     }
 
 
+def test_flux_streams_both_towers_dual_and_single_stream_blocks(flux_pipe):
+    details = Engine().place(flux_pipe, CFG).component("transformer").details
+    assert details["blocks"] == 4 and details["kept"] == 0
+
+
 def test_ltx2_roles_vaes_on_demand_transformer_per_step_rest_leaf(ltx2_pipe):
     assert _roles(ltx2_pipe) == {
         "vae": "on-demand", "audio_vae": "on-demand", "transformer": "per-step",
