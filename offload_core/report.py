@@ -34,6 +34,9 @@ class ComponentReport:
         extra = ""
         if "blocks" in self.details:
             extra = f", blocks kept {self.details['kept']}/{self.details['blocks']}"
+        lora = self.details.get("lora")
+        if isinstance(lora, dict):
+            extra += f", LoRA {lora['path']} on {lora['layers']} layers"
         return (
             f"  {self.name:<16} {self.cls:<34} {self.role:<9} {gib(self.nbytes):>11}  {dtype:<16} "
             f"device {gib(self.device_bytes)}, pinned {gib(self.pinned_bytes)}{extra}  ({self.reason})"

@@ -2,7 +2,6 @@
 
 from dataclasses import dataclass
 
-from diffusers_offload.offload_core.preload.policy import parse_policy
 from diffusers_offload.offload_core.preload.fit import (
     GIB,
     MIB,
@@ -14,6 +13,7 @@ from diffusers_offload.offload_core.preload.fit import (
 )
 from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
+from diffusers_offload.offload_core.preload.policy import parse_policy
 from diffusers_offload.offload_core.preload.ranking import BlockInfo
 
 PEAK = 2 * GIB
