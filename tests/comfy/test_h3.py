@@ -1,0 +1,302 @@
+"""MiniMax-H3 through ComfyUI: Load modular pipeline + Generate (H3) on the tiny H3, in-process.
+
+What a user sees: VIDEO with its soundtrack, IMAGE frames and AUDIO out; fl2va from a first frame,
+a last frame or both; a still (frames = 1) that leaves the next run on the same pipeline back on
+the 5–15 s rule; audio off removing the audio decode block (the audio decoder never runs, the saved
+file has no audio stream); sizes snapped with a note; a label and a bar per stage; Cancel stopping
+a text encode within one layer, a denoise within one step and a decode within one chunk, with the
+next run working; re-placing with unchanged settings touching no hook. Every component is given a
+real transport (the settings below), so the stage hooks run beside real offload hooks.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import pytest
+import torch
+from comfyhost import harness
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
+import offload_examples as ex  # noqa: E402
+
+pytest_plugins = ["comfyhost.fixtures"]
+
+LOAD, GEN, CAPTURE = "1", "2", "DiffusersOffloadTest_CaptureH3"
+SETTINGS = {  # every role gets a transport on the tiny model
+    "mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
+    "on_demand_threshold_gb": 0.0, "resident_floor_mb": 0.0, "always": "", "never": "", "preload": "auto",
+    "prefetch_window": 1, "device": "", "measures_path": "",
+}
+UNIT_CLASSES = {  # the module each stage repeats, by class name
+    "text encode": "Qwen3VLTextDecoderLayer",
+    "denoise": "MiniMaxH3Transformer3DModel",
+    "video decode": "MiniMaxH3VideoViTDecoder3d",
+    "audio decode": "MiniMaxH3AudioBigVGANDecoder",
+}
+
+
+class Capture:
+    """Output node recording the live value it receives; registered once for the module."""
+
+    seen: list[tuple[int, Any]] = []
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {"required": {"value": ("*",), "slot": ("INT", {"default": 0})}}
+
+    RETURN_TYPES = ()
+    OUTPUT_NODE = True
+    FUNCTION = "run"
+    CATEGORY = "testing"
+
+    @classmethod
+    def IS_CHANGED(cls, **_: Any) -> float:
+        return float("nan")
+
+    def run(self, value: Any, slot: int) -> dict[str, Any]:
+        self.seen.append((slot, value))
+        return {}
+
+
+@pytest.fixture(scope="module")
+def model(comfy: harness.ComfyHost, tiny_h3_dir: Path) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, CAPTURE, Capture)
+        yield ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_h3_dir)
+
+
+@pytest.fixture
+def captured(model: str) -> dict[int, Any]:
+    Capture.seen.clear()
+    return Capture.seen
+
+
+@pytest.fixture
+def every_update(comfy: harness.ComfyHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2026 trees drop progress updates closer than 0.1 s; tiny units take less."""
+    monkeypatch.setattr(comfy.comfy_utils, "PROGRESS_THROTTLE_MIN_INTERVAL", 0.0, raising=False)
+
+
+@pytest.fixture
+def units_run() -> Iterator[list[str]]:
+    """Stage names of every unit module that finished a forward, in order (a global forward hook)."""
+    names = {cls: stage for stage, cls in UNIT_CLASSES.items()}
+    done: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, *_: done.append(names[type(module).__name__]) if type(module).__name__ in names else None
+    )
+    yield done
+    handle.remove()
+
+
+def graph(model: str, workflow: str = "t2va", outputs: tuple[int, ...] = (0, 1, 2, 3), **inputs: Any) -> dict:
+    """Settings -> Load modular pipeline -> Generate (H3) -> one Capture per output slot (9: the pipe)."""
+    values = {"prompt": "a robot dancing", "seed": 0, "steps": 3, "width": 32, "height": 32, "frames": 124,
+              "duration": 0.0, "generate_audio": True, "vae_scale_factor": 0, **inputs}
+    prompt = {
+        "s": {"class_type": "DiffusersOffloadSettings", "inputs": SETTINGS},
+        LOAD: {"class_type": "DiffusersOffloadLoadModularPipeline",
+               "inputs": {"model": model, "workflow": workflow, "dtype": "fp32", "offload": ["s", 0]}},
+        GEN: {"class_type": "DiffusersOffloadGenerateH3", "inputs": {"pipe": [LOAD, 0], **values}},
+    }
+    for slot in outputs:
+        prompt[f"c{slot}"] = {"class_type": CAPTURE, "inputs": {"value": [GEN, slot], "slot": slot}}
+    return prompt
+
+
+def with_frames(prompt: dict, **colours: int) -> dict:
+    """Connect first_frame / last_frame to flat EmptyImage keyframes (another aspect than the canvas)."""
+    for name, colour in colours.items():
+        prompt[name] = {"class_type": "EmptyImage", "inputs": {"width": 48, "height": 40, "batch_size": 1,
+                                                             "color": colour}}
+        prompt[GEN]["inputs"][name] = [name, 0]
+    return prompt
+
+
+def saved(prompt: dict, prefix: str) -> dict:
+    prompt["save"] = {"class_type": "SaveVideo", "inputs": {"video": [GEN, 0], "filename_prefix": prefix,
+                                                           "format": "auto", "codec": "auto"}}
+    return prompt
+
+
+def outputs(seen: list[tuple[int, Any]]) -> dict[int, Any]:
+    return dict(seen)
+
+
+def texts(result: harness.RunResult) -> list[str]:
+    return [text for node, text in result.progress_texts if node == GEN]
+
+
+def assert_frames(images: Any, count: int) -> None:
+    assert isinstance(images, torch.Tensor) and images.shape == (count, 32, 32, 3)
+    assert images.dtype == torch.float32 and images.device.type == "cpu"
+    assert 0.0 <= images.min() <= images.max() <= 1.0
+
+
+def test_t2va_gives_video_with_audio_frames_and_audio_with_a_label_per_stage(
+    comfy: harness.ComfyHost, model: str, captured: list, every_update: None
+) -> None:
+    prompt = graph(model, outputs=(0, 1, 2, 3))  # not saved: AAC cannot encode the tiny audio VAE's 160 Hz
+    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+
+    result = comfy.run_prompt(prompt).raise_for_error()
+
+    out = outputs(captured)
+    video, images, audio, notes = out[0], out[1], out[2], out[3]
+    assert notes == ""
+    assert_frames(images, 124)
+    assert set(audio) == {"waveform", "sample_rate"} and audio["sample_rate"] == 160
+    assert audio["waveform"].shape == (1, 2, 828) and audio["waveform"].dtype == torch.float32
+    components = video.get_components()
+    assert torch.equal(components.images, images) and torch.equal(components.audio["waveform"], audio["waveform"])
+    assert components.frame_rate == Fraction(24)
+    labels = texts(result)
+    for label in ("text encode layer 1/51", "text encode layer 51/51", "denoise step 2/2",
+                  "video decode chunk 7/7", "audio decode 1/1"):
+        assert label in labels
+    assert labels.index("text encode layer 51/51") < labels.index("denoise step 1/2") < labels.index(
+        "video decode chunk 1/7") < labels.index("audio decode 1/1")
+    assert (7, 7) in [(p.value, p.total) for p in result.progress if p.node_id == GEN]
+    pipe = out[9].pipe  # the model's own scheduler pair is what ran
+    assert (pipe.scheduler.config.shift, pipe.audio_scheduler.config.shift) == (12.0, 3.0)
+
+
+@pytest.mark.parametrize("keyframes", [{"first_frame": 0xC81E1E}, {"last_frame": 0x1E1EC8},
+                                       {"first_frame": 0xC81E1E, "last_frame": 0x1E1EC8}],
+                         ids=["first", "last", "both"])
+def test_fl2va_from_a_first_a_last_or_both_frames(
+    comfy: harness.ComfyHost, model: str, captured: list, keyframes: dict[str, int]
+) -> None:
+    result = comfy.run_prompt(with_frames(graph(model, "fl2va", outputs=(1, 2)), **keyframes)).raise_for_error()
+
+    out = outputs(captured)
+    assert_frames(out[1], 124)
+    assert out[2]["waveform"].shape == (1, 2, 828)
+    assert f"image encode {len(keyframes)}/{len(keyframes)}" in texts(result)
+
+
+def test_a_workflow_mismatch_is_refused_by_name(comfy: harness.ComfyHost, model: str, captured: list) -> None:
+    result = comfy.run_prompt(with_frames(graph(model, "t2va", outputs=(3,)), first_frame=0))
+
+    assert not result.success and result.error["node_id"] == GEN
+    assert "loaded for t2va: load it with workflow fl2va" in result.error["exception_message"]
+
+
+def test_a_still_then_a_normal_run_on_the_same_pipeline(comfy: harness.ComfyHost, model: str, captured: list) -> None:
+    comfy.run_prompt(graph(model, frames=1)).raise_for_error()
+    still = outputs(captured)
+    captured.clear()
+    comfy.run_prompt(graph(model, frames=124, seed=1)).raise_for_error()
+    clip = outputs(captured)
+
+    assert_frames(still[1], 1)
+    assert still[2] is None
+    assert still[3] == "a still has no soundtrack: audio off for this run"
+    assert still[0].get_components().images.shape == (1, 32, 32, 3)
+    assert_frames(clip[1], 124)
+    assert clip[2]["waveform"].shape == (1, 2, 828)
+
+
+def test_audio_off_removes_the_audio_decode_block(
+    comfy: harness.ComfyHost, model: str, captured: list, units_run: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    h3 = comfy.pack_submodule("nodes.h3")
+    views: list[Any] = []
+    make_view = h3.run_view
+    monkeypatch.setattr(h3, "run_view", lambda *a, **k: views.append(make_view(*a, **k)) or views[-1])
+
+    result = comfy.run_prompt(saved(graph(model, generate_audio=False, seed=2), "h3/silent")).raise_for_error()
+
+    out = outputs(captured)
+    assert out[2] is None and out[0].get_components().audio is None
+    assert_frames(out[1], 124)
+    (view,) = views
+    assert not [n for n, b in view._blocks.sub_blocks.items() if type(b).__name__ == "MiniMaxH3AudioDecodeStep"]
+    assert "audio decode" not in units_run and "video decode" in units_run  # the spy saw the decoders that ran
+    assert not [t for t in texts(result) if t.startswith("audio decode")]
+    (path,) = comfy.output_files(result, "save")
+    with av.open(str(path)) as container:
+        assert [s.type for s in container.streams] == ["video"]
+
+
+def test_canvas_and_frames_are_snapped_with_a_note(comfy: harness.ComfyHost, model: str, captured: list) -> None:
+    result = comfy.run_prompt(graph(model, width=40, height=24, frames=130)).raise_for_error()
+
+    notes = outputs(captured)[3]
+    assert notes.splitlines() == [
+        "width 40 → 32 (multiple of 32 for MiniMax-H3)",
+        "height 24 → 32 (multiple of 32 for MiniMax-H3)",
+        "frames 130 → 141 (17n+5 at 24 fps, 5–15 s for MiniMax-H3)",
+    ]
+    assert notes in texts(result)
+    assert_frames(outputs(captured)[1], 141)
+
+
+@pytest.mark.parametrize(("stage", "unit"), [("text encode", 10), ("denoise", 2), ("video decode", 3)])
+def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
+    comfy: harness.ComfyHost, model: str, captured: list, units_run: list[str], monkeypatch: pytest.MonkeyPatch,
+    stage: str, unit: int,
+) -> None:
+    """Cancel pressed while unit ``unit`` of ``stage`` is announced: not one more unit of it runs."""
+    h3 = comfy.pack_submodule("nodes.h3")
+    make_host = h3.stage_host
+    at_flag: list[int] = []
+
+    def pressing_cancel(node_id: str | None, pipe: Any = None) -> Any:
+        host = make_host(node_id, pipe)
+
+        def on_stage(name: str, i: int, n: int) -> None:
+            host.on_stage(name, i, n)
+            if (name, i) == (stage, unit):
+                at_flag.append(units_run.count(stage))
+                comfy.interrupt()
+
+        return type(host)(on_stage=on_stage, check_interrupt=host.check_interrupt)
+
+    monkeypatch.setattr(h3, "stage_host", pressing_cancel)
+    prompt = graph(model, seed=30 + list(UNIT_CLASSES).index(stage), outputs=(3,))  # a seed per case: no cache hit
+
+    stopped = comfy.run_prompt(prompt)
+
+    assert stopped.interrupted and not stopped.success
+    assert at_flag == [unit - 1] and units_run.count(stage) == unit - 1  # nothing of the stage ran after
+    monkeypatch.setattr(h3, "stage_host", make_host)
+    comfy.run_prompt(prompt).raise_for_error()
+
+
+def test_replacing_with_unchanged_settings_changes_no_hook(comfy: harness.ComfyHost, model: str,
+                                                           captured: list) -> None:
+    prompt = graph(model, outputs=(3,), seed=4)
+    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+    comfy.run_prompt(prompt).raise_for_error()
+    handle = outputs(captured)[9]
+    before = hooks(handle.pipe)
+    prompt[GEN]["inputs"]["seed"] = 5
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    assert outputs(captured)[9] is handle  # the loader's output was reused: the same placed pipeline
+    after = hooks(handle.pipe)
+    assert before and after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+
+
+def hooks(pipe: Any) -> dict[tuple[str, str, str], Callable | object]:
+    """Every offload hook (registry entries, instance-level entries) and torch hook under the components."""
+    found: dict[tuple[str, str, str], Any] = {}
+    for comp in ("text_encoder", "transformer", "vae", "audio_vae"):
+        for path, module in getattr(pipe, comp).named_modules():
+            registry = module.__dict__.get("_diffusers_hook")
+            for name, hook in (registry.hooks.items() if registry is not None else ()):
+                found[(comp, path, name)] = hook
+            for attr in ("forward", "encode", "decode", "_hf_hook"):
+                if attr in module.__dict__:
+                    found[(comp, path, attr)] = module.__dict__[attr]
+            for key, hook in [*module._forward_pre_hooks.items(), *module._forward_hooks.items()]:
+                found[(comp, path, f"torch:{key}")] = hook
+    return found

@@ -1,0 +1,89 @@
+"""MiniMax-H3 run rules without ComfyUI: snapping, run views (audio off, stills), short-latent padding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
+from diffusers_offload.offload_core import h3_grid as grid_rules
+from diffusers_offload.offload_core.h3_run import pad_short_latents, run_view
+from fixtures.tiny_pipes import load_h3, run_h3
+
+GRID = grid_rules.H3Grid(vae_scale=16, patch=(1, 2, 2), fps=24, frames_per_chunk=17, latents_per_chunk=5,
+                         min_seconds=5.0, max_seconds=15.0, short_edge=768, max_pixels=768 * 1344)
+
+
+@pytest.fixture(scope="module")
+def h3_pipe(tiny_h3_dir: Path):
+    """One t2va load for the module: views and padding leave the loaded pipeline as it was."""
+    return load_h3(tiny_h3_dir, "t2va")
+
+
+def audio_steps(blocks) -> list[str]:
+    return [name for name, block in blocks.sub_blocks.items() if isinstance(block, MiniMaxH3AudioDecodeStep)]
+
+
+def test_grid_is_read_from_the_pipeline_with_int_or_tuple_patches_and_a_scale_override(h3_pipe) -> None:
+    grid = grid_rules.grid_of(h3_pipe)
+    assert grid == GRID
+    assert (grid.min_frames, grid.max_frames, grid.multiple) == (124, 345, 32)
+    assert grid_rules.grid_of(h3_pipe, vae_scale_factor=8).multiple == 16
+    assert grid_rules.patch_of(SimpleNamespace(config={"patch_size": 2})) == (1, 2, 2)
+    assert grid_rules.patch_of(SimpleNamespace(config={"patch_size": 2, "patch_size_t": 2})) == (2, 2, 2)
+    assert grid_rules.patch_of(SimpleNamespace(config={"patch_size": [1, 2, 2]})) == (1, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("asked", "expected", "notes"),
+    [
+        ((32, 32), (32, 32), []),
+        ((1000, 560), (992, 576), ["width 1000 → 992 (multiple of 32 for MiniMax-H3)",
+                                   "height 560 → 576 (multiple of 32 for MiniMax-H3)"]),
+        ((1920, 1080), (1344, 736), ["canvas 1920×1080 → 1344×736 (at most 1032192 pixels for MiniMax-H3)"]),
+    ],
+)
+def test_canvas_snaps_to_the_grid_and_the_area_cap(asked, expected, notes) -> None:
+    width, height, said = grid_rules.snap_canvas(GRID, *asked)
+    assert (width, height) == expected and said == notes
+    assert width * height <= GRID.max_pixels
+
+
+def test_an_aspect_outside_1_4_to_4_1_is_refused() -> None:
+    with pytest.raises(ValueError, match="1:4 to 4:1: change width or height"):
+        grid_rules.snap_canvas(GRID, 1024, 128)
+
+
+@pytest.mark.parametrize(("asked", "expected"), [(1, 1), (124, 124), (125, 141), (24, 124), (400, 345)])
+def test_frames_align_to_17n_plus_5_within_5_to_15_seconds(asked: int, expected: int) -> None:
+    frames, notes = grid_rules.snap_frames(GRID, asked)
+    assert frames == expected
+    assert notes == ([] if asked == expected else
+                     [f"frames {asked} → {expected} (17n+5 at 24 fps, 5–15 s for MiniMax-H3)"])
+
+
+def test_audio_off_view_drops_the_audio_decode_block_and_never_runs_the_audio_vae(h3_pipe, monkeypatch) -> None:
+    decodes: list[int] = []
+    real = h3_pipe.audio_vae.decode
+    monkeypatch.setattr(h3_pipe.audio_vae, "decode", lambda *a, **k: decodes.append(1) or real(*a, **k))
+
+    out = run_h3(run_view(h3_pipe, audio=False))
+
+    assert out.audio is None and out.video.shape == (1, 124, 3, 32, 32)
+    assert decodes == []
+    assert audio_steps(h3_pipe._blocks) == ["decode.audio"]  # the loaded pipeline keeps its block
+    assert run_h3(h3_pipe).audio.shape == (1, 2, 828) and decodes == [1]
+
+
+def test_a_still_lifts_the_duration_floor_for_its_view_only_and_pads_short_latents(h3_pipe) -> None:
+    with pad_short_latents(h3_pipe.vae):
+        still = run_h3(run_view(h3_pipe, audio=False, still=True), num_frames=1)
+    assert "_decode" not in h3_pipe.vae.__dict__
+
+    assert still.video.shape == (1, 5, 3, 32, 32)  # 1 frame -> 17*0+5 -> 2 latent frames, decoded via one chunk
+    assert torch.isfinite(still.video).all()
+    with pytest.raises(ValueError, match="between 5.0 and 15.0 seconds"):
+        run_h3(h3_pipe, num_frames=1)
+    assert grid_rules.decode_units(h3_pipe.vae, 2, 32, 32) == 1
