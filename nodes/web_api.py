@@ -1,0 +1,328 @@
+"""What the page shows: a read-only state route and two websocket events for ``web/``.
+
+Why: a user watching a long video run wants to see where every component's weights are and what
+the run is doing without reading the server log. The page computes nothing itself: every byte
+count comes from the engine's report (``PlacementReport``), every stage from the pack's own
+progress plumbing. ``GET /diffusers_offload/state`` gives the whole picture (after a page reload
+mid-run); ``diffusers_offload.placement`` / ``.stage`` / ``.removed`` events keep it live.
+
+Hooks (all never raise, all cheap when no page is open):
+
+- ``track(patcher)``     a pipeline was loaded (``host.manage``);
+- ``changed(patcher)``   its placement may have changed (``DiffusersPatcher._sync``);
+- ``finished(patcher)``  a pipeline call ended (``DiffusersPatcher.finish``);
+- ``stage(node_id, name, step, total, pipe)``  the current stage of a node (``progress.py``; the
+  H3 stage hooks can call it with "video decode chunk" / 3 / 8 and the like).
+
+Pipelines are held only through weak references: the registry never keeps a model alive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..offload_core.report import ComponentReport, PlacementReport
+
+log = logging.getLogger("diffusers_offload.web")
+
+ROUTE = "/diffusers_offload/state"
+EVENT_PLACEMENT = "diffusers_offload.placement"
+EVENT_STAGE = "diffusers_offload.stage"
+EVENT_REMOVED = "diffusers_offload.removed"
+SCHEMA = 1
+PLAN_CHECK_S = 0.5  # during a run, re-read the placement (plan changes) at most this often
+
+
+# ------------------------------------------------------------------------------------ snapshot
+
+
+def segments(c: ComponentReport) -> dict[str, int]:
+    """Where a component's bytes are: ``device`` (resident on the run device), ``pinned`` (host,
+    page-locked, streamed to the device per step), ``ram`` (pageable host memory) and
+    ``on_demand`` (host, moved whole to the device when the component is called)."""
+    device = min(c.device_bytes, c.nbytes)
+    host = c.nbytes - device
+    if c.role == "on-demand":
+        return {"device": device, "pinned": 0, "ram": 0, "on_demand": host}
+    pinned = min(c.pinned_bytes, host)
+    return {"device": device, "pinned": pinned, "ram": host - pinned, "on_demand": 0}
+
+
+def plan_of(report: PlacementReport) -> str:
+    """The preload planner's last plan line (from the streamed denoiser's details)."""
+    if report.plan:
+        return report.plan
+    return next((str(c.details["plan"]) for c in report.components if c.details.get("plan")), "")
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def component_dict(c: ComponentReport) -> dict[str, Any]:
+    return {
+        "name": c.name, "cls": c.cls, "role": c.role, "reason": c.reason, "nbytes": c.nbytes,
+        "dtypes": list(c.dtypes), "quantization": c.quantization, "device_bytes": c.device_bytes,
+        "pinned_bytes": c.pinned_bytes, "host_bytes": c.host_bytes, "segments": segments(c),
+        "details": _jsonable(c.details),
+    }
+
+
+# ------------------------------------------------------------------------------------ registry
+
+
+@dataclass
+class Entry:
+    """One pipeline the pack holds, keyed by the holder every clone of its patcher shares."""
+
+    id: str
+    holder: weakref.ref
+    path: str
+    nodes: set[str] = field(default_factory=set)
+    plan: str = ""
+    plan_change: dict[str, Any] | None = None
+    snapshot: dict[str, Any] | None = None
+    checked: float = 0.0
+
+    def refresh(self) -> dict[str, Any] | None:
+        """Re-read the engine's report; None once the pipeline is gone."""
+        holder = self.holder()
+        if holder is None:
+            return None
+        report: PlacementReport = _engine().report(holder.pipe)
+        plan = plan_of(report)
+        if plan and plan != self.plan:
+            self.plan_change = {"line": plan, "previous": self.plan, "at": time.time()}
+        self.plan = plan or self.plan
+        self.checked = time.monotonic()
+        self.snapshot = {
+            "id": self.id, "pipeline": report.pipeline, "path": self.path, "device": report.device,
+            "mode": report.mode, "dtype": str(getattr(holder, "dtype", "")).removeprefix("torch."),
+            "total_bytes": sum(c.nbytes for c in report.components),
+            "device_bytes": report.device_bytes, "pinned_bytes": report.pinned_bytes,
+            "plan": self.plan, "plan_change": self.plan_change, "nodes": sorted(self.nodes),
+            "components": [component_dict(c) for c in report.components], "updated": time.time(),
+        }
+        return self.snapshot
+
+
+class Registry:
+    """Every live pipeline and the current stage per node; thread-safe (runs happen on ComfyUI's
+    worker thread, the route is served on the event loop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[int, Entry] = {}
+        self._stages: dict[str, dict[str, Any]] = {}
+        self._ids = itertools.count(1)
+
+    def entry(self, patcher: Any, node_id: str | None = None) -> Entry:
+        holder = patcher.model
+        with self._lock:
+            entry = self._entries.get(id(holder))
+            if entry is None or entry.holder() is not holder:
+                entry = Entry(f"p{next(self._ids)}", weakref.ref(holder), _path_of(holder.pipe))
+                self._entries[id(holder)] = entry
+                weakref.finalize(holder, self._gone, id(holder), entry.id)
+            if node_id is not None:
+                entry.nodes.add(node_id)
+            return entry
+
+    def for_pipe(self, pipe: Any) -> Entry | None:
+        """The entry whose pipeline is ``pipe`` or shares its denoiser (an image-to-video sibling)."""
+        with self._lock:
+            for entry in list(self._entries.values()):
+                holder = entry.holder()
+                if holder is not None and _same_pipeline(holder.pipe, pipe):
+                    return entry
+        return None
+
+    def publish(self, entry: Entry) -> None:
+        with self._lock:
+            before = _placement_key(entry.snapshot)
+            snapshot = entry.refresh()
+        if snapshot is not None and _placement_key(snapshot) != before:
+            _send(EVENT_PLACEMENT, snapshot)
+
+    def set_stage(self, node_id: str, payload: dict[str, Any] | None) -> None:
+        with self._lock:
+            if payload is None:
+                if self._stages.pop(node_id, None) is None:
+                    return
+            else:
+                self._stages[node_id] = payload
+        _send(EVENT_STAGE, payload or {"node": node_id, "stage": None})
+
+    def end_stages(self, entry: Entry) -> None:
+        with self._lock:
+            nodes = [n for n, s in self._stages.items() if s.get("pipeline") == entry.id]
+        for node_id in nodes:
+            self.set_stage(node_id, None)
+
+    def state(self) -> dict[str, Any]:
+        with self._lock:
+            pipelines = []
+            for entry in list(self._entries.values()):
+                busy = any(s.get("pipeline") == entry.id for s in self._stages.values())
+                # mid-run the last published snapshot is current; idle ones are re-read
+                snap = entry.snapshot if busy and entry.snapshot else _safe(entry.refresh)
+                if snap is not None:
+                    pipelines.append(snap)
+            return {"schema": SCHEMA, "pipelines": pipelines, "stages": dict(self._stages),
+                    "time": time.time()}
+
+    def _gone(self, key: int, entry_id: str) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.id == entry_id:
+                del self._entries[key]
+            stale = [n for n, s in self._stages.items() if s.get("pipeline") == entry_id]
+            for node_id in stale:
+                del self._stages[node_id]
+        _send(EVENT_REMOVED, {"id": entry_id})
+
+
+REGISTRY = Registry()
+
+
+# ----------------------------------------------------------------------------------- the hooks
+
+
+def track(patcher: Any) -> None:
+    """A pipeline was loaded (by the node now executing)."""
+    _guard(lambda: REGISTRY.publish(REGISTRY.entry(patcher, _executing_node())))
+
+
+def changed(patcher: Any) -> None:
+    """The placement may have changed (load, give back, release, end of a call)."""
+    _guard(lambda: REGISTRY.publish(REGISTRY.entry(patcher)))
+
+
+def finished(patcher: Any) -> None:
+    """A pipeline call ended (also on error or interrupt): its nodes' stages are over."""
+    _guard(lambda: REGISTRY.end_stages(REGISTRY.entry(patcher)))
+
+
+def stage(node_id: str | None, name: str, step: int | None = None, total: int | None = None,
+          pipe: Any = None, text: str | None = None) -> None:
+    """Publish the current stage of ``node_id`` ("denoise", 12, 30 -> "denoise 12/30"; ``text``
+    replaces that label, e.g. ``offload_core.stages.label``'s "video decode chunk 3/8")."""
+    _guard(lambda: _stage(node_id, name, step, total, pipe, text))
+
+
+def _stage(node_id: str | None, name: str, step: int | None, total: int | None, pipe: Any,
+           text: str | None) -> None:
+    node_id = node_id if node_id is not None else _executing_node()
+    if node_id is None:
+        return
+    entry = REGISTRY.for_pipe(pipe) if pipe is not None else None
+    if entry is not None:
+        entry.nodes.add(str(node_id))
+        if time.monotonic() - entry.checked >= PLAN_CHECK_S:
+            REGISTRY.publish(entry)  # the planner may have changed plan between steps
+    text = text or (f"{name} {step}/{total}" if step is not None and total else name)
+    REGISTRY.set_stage(str(node_id), {
+        "node": str(node_id), "stage": name, "step": step, "total": total, "text": text,
+        "pipeline": entry.id if entry else None, "at": time.time(),
+    })
+
+
+# ------------------------------------------------------------------------------------- the route
+
+
+_registered = False
+
+
+def register_routes() -> bool:
+    """Add ``GET /diffusers_offload/state`` to ComfyUI's routes; False (and nothing breaks) when
+    there is no server (in-process tests) or the app can no longer take routes."""
+    global _registered
+    if _registered:
+        return True
+    try:
+        from aiohttp import web
+        from server import PromptServer
+
+        server = getattr(PromptServer, "instance", None)
+        routes = getattr(server, "routes", None)
+        if routes is None or server.app.router.frozen:
+            return False
+
+        async def state(_request: web.Request) -> web.Response:
+            return web.json_response(REGISTRY.state(), headers={"Cache-Control": "no-store"})
+
+        routes.get(ROUTE)(state)
+        _registered = True
+    except Exception as exc:  # an older or unusual server: the page hides the view (404)
+        log.debug("state route not registered: %s", exc)
+    return _registered
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _send(event: str, data: dict[str, Any]) -> None:
+    try:
+        from server import PromptServer
+
+        server = getattr(PromptServer, "instance", None)
+        if server is not None:
+            server.send_sync(event, data)
+    except Exception as exc:
+        log.debug("could not send %s: %s", event, exc)
+
+
+def _guard(fn: Any) -> None:
+    """The view must never break a run."""
+    try:
+        fn()
+    except Exception:
+        log.debug("web view update failed", exc_info=True)
+
+
+def _safe(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception:
+        log.debug("web view refresh failed", exc_info=True)
+        return None
+
+
+def _engine() -> Any:
+    from .host import ENGINE
+
+    return ENGINE
+
+
+def _executing_node() -> str | None:
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        return None
+    ctx = get_executing_context()
+    return None if ctx is None or ctx.node_id is None else str(ctx.node_id)
+
+
+def _path_of(pipe: Any) -> str:
+    return str(getattr(pipe, "name_or_path", None) or "")
+
+
+def _same_pipeline(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    denoiser = getattr(a, "transformer", None) or getattr(a, "unet", None)
+    return denoiser is not None and denoiser is (getattr(b, "transformer", None) or getattr(b, "unet", None))
+
+
+def _placement_key(snapshot: dict[str, Any] | None) -> Any:
+    if snapshot is None:
+        return None
+    comps = tuple((c["name"], c["role"], c["device_bytes"], c["pinned_bytes"]) for c in snapshot["components"])
+    return snapshot["device"], snapshot["mode"], snapshot["plan"], tuple(snapshot["nodes"]), comps
