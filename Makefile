@@ -24,5 +24,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# `make demo` builds a tiny LTX-2 and runs its example workflow; `make demo MODEL=/path/to/folder`
+# runs a real diffusers folder; ARGS passes more options (e.g. ARGS="--set steps=4").
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m bench_demo_placeholder
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python tools/demo.py $(if $(MODEL),--model "$(MODEL)") $(ARGS)

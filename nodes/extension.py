@@ -7,12 +7,19 @@ from pathlib import Path
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import loaders, report, settings
+from . import h3, loaders, lora, report, settings, web_api
+
+# The page's state route: at import (v0.3.x never calls on_load) and on load (later servers);
+# idempotent, and a no-op without a server or once the app is running.
+web_api.register_routes()
 
 
 class DiffusersOffloadExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        web_api.register_routes()
+
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [*loaders.NODES, *settings.NODES, *report.NODES, *_generate_nodes()]
+        return [*loaders.NODES, *h3.NODES, *lora.NODES, *settings.NODES, *report.NODES, *_generate_nodes()]
 
 
 def _generate_nodes() -> list[type[io.ComfyNode]]:

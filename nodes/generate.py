@@ -35,6 +35,7 @@ PIPELINE_SPATIAL = {"wan": 16, "ltx2": 32}
 # Playback rate of models whose call takes no frame rate; the call's own default wins otherwise.
 FAMILY_FPS = {"wan": 16.0}
 DEFAULT_FPS = 24.0
+MODULAR_HINT = "; modular pipelines (MiniMax-H3) run through their own node"
 # Text-to-video pipelines whose components also run image-to-video under a sibling class.
 I2V_VARIANTS = {"LTX2Pipeline": "LTX2ImageToVideoPipeline", "LTXPipeline": "LTXImageToVideoPipeline"}
 
@@ -55,9 +56,18 @@ def call_params(pipe: Any) -> Mapping[str, inspect.Parameter]:
     return inspect.signature(pipe.__call__).parameters
 
 
-def _patch(denoiser: Any) -> tuple[int, int]:
+def denoiser(pipe: Any) -> Any:
+    """The module the pipeline denoises with (transformer or UNet), or None."""
+    return getattr(pipe, "transformer", None) or getattr(pipe, "unet", None)
+
+
+def _config(module: Any) -> Mapping[str, Any]:
+    return getattr(module, "config", None) or {}
+
+
+def _patch(module: Any) -> tuple[int, int]:
     """(temporal, spatial) patch of the denoiser; ``patch_size`` may be an int or a (t, h, w) tuple."""
-    config = getattr(denoiser, "config", None) or {}
+    config = _config(module)
     patch = config.get("patch_size", 1) or 1
     if isinstance(patch, (tuple, list)):
         return int(patch[0]), int(patch[-1])
@@ -71,7 +81,7 @@ def model_grid(pipe: Any, family: str) -> Grid:
     vae_temporal = getattr(pipe, "vae_scale_factor_temporal", None) or getattr(
         pipe, "vae_temporal_compression_ratio", 1
     )
-    patch_t, patch_s = _patch(getattr(pipe, "transformer", None) or getattr(pipe, "unet", None))
+    patch_t, patch_s = _patch(denoiser(pipe))
     spatial = math.lcm(vae_spatial * patch_s, PIPELINE_SPATIAL.get(family, 1))
     return Grid(spatial=spatial, temporal=int(vae_temporal) * patch_t)
 
@@ -119,20 +129,31 @@ class Call:
                 self.notes.append(f"{name} {value} → {snapped} (multiple of {grid.spatial} for {self.name})")
             self.kwargs[name] = snapped
 
-    def frames(self, grid: Grid, frames: int) -> int:
+    def frames(self, grid: Grid, frames: int) -> None:
         snapped = snap_frames(frames, grid.temporal)
         if snapped != frames:
             self.notes.append(f"frames {frames} → {snapped} ({grid.temporal}n+1 for {self.name})")
         self.kwargs["num_frames"] = snapped
-        return snapped
+
+    def start_image(self, image: torch.Tensor | None) -> None:
+        if image is None:
+            return
+        self.kwargs["image"] = to_pil(image)
+        if image.shape[0] > 1:
+            self.notes.append(f"start_image: the first of {image.shape[0]} images is used")
 
     def text(self, prompt: str, negative_prompt: str, guidance: float) -> None:
         self.kwargs["prompt"] = prompt
         if negative_prompt.strip():
             self.offer("negative_prompt", negative_prompt, f"{self.name} takes no negative prompt: ignored")
         if guidance > 0:
-            key = "guidance_scale" if self.takes("guidance_scale") else "true_cfg_scale"
-            self.offer(key, guidance, f"{self.name} takes no guidance scale: ignored")
+            self.offer(self.guidance_key(), guidance, f"{self.name} takes no guidance scale: ignored")
+
+    def guidance_key(self) -> str:
+        """``true_cfg_scale`` where the pipeline has real CFG beside a ``guidance_scale`` that only a
+        guidance-distilled denoiser reads (Flux, Qwen-Image); ``guidance_scale`` everywhere else."""
+        distilled = bool(_config(denoiser(self.pipe)).get("guidance_embeds"))
+        return "true_cfg_scale" if self.takes("true_cfg_scale") and not distilled else "guidance_scale"
 
     def sampling(self, seed: int, steps: int, node_id: str | None) -> None:
         """Steps, a CPU generator (same seed, same image on every device) and the step callback."""
@@ -257,7 +278,7 @@ class GenerateImage(io.ComfyNode):
     ) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         call = Call(pipe.pipe)
-        call.require("prompt", "height", "width", hint="Generate image runs text-to-image pipelines.")
+        call.require("prompt", "height", "width", hint=f"Generate image runs text-to-image pipelines{MODULAR_HINT}.")
         if call.takes("num_frames"):
             raise ValueError(f"{call.name} makes video: use 'Generate video (diffusers)'.")
         call.size(model_grid(pipe.pipe, pipe.family), width, height)
@@ -306,20 +327,18 @@ class GenerateVideo(io.ComfyNode):
     ) -> io.NodeOutput:
         node_id = cls.hidden.unique_id
         call = Call(_pipeline_for(pipe.pipe, start_image))
-        call.require("prompt", "num_frames", hint="Generate video runs text/image-to-video pipelines.")
+        call.require("prompt", "num_frames", hint=f"Generate video runs text/image-to-video pipelines{MODULAR_HINT}.")
         grid = model_grid(pipe.pipe, pipe.family)
         call.size(grid, width, height)
         call.frames(grid, frames)
         rate = fps or _default_fps(call.pipe, pipe.family)
         if call.takes("frame_rate"):
             call.kwargs["frame_rate"] = rate
-        if start_image is not None:
-            call.kwargs["image"] = to_pil(start_image)
+        call.start_image(start_image)
         call.text(prompt, negative_prompt, guidance)
         call.sampling(seed, steps, node_id)
         notes = call.announce(node_id)
-        out = run(pipe, call)
-        return _video_output(out, call.pipe, rate, notes)
+        return _video_output(run(pipe, call), call.pipe, rate, notes)
 
 
 def _pipeline_for(pipe: Any, start_image: torch.Tensor | None) -> Any:

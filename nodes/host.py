@@ -29,6 +29,7 @@ from comfy.patcher_extension import CallbacksMP
 from ..offload_core import Engine, OffloadConfig, PlacementReport
 from ..offload_core.memory import MemoryReader
 from ..offload_core.preload import notify_model_load, process_store
+from . import web_api
 
 log = logging.getLogger("diffusers_offload.nodes")
 
@@ -83,6 +84,11 @@ def auto_dtype(config: OffloadConfig) -> torch.dtype:
     return torch.float32
 
 
+def check_interrupt() -> None:
+    """Raise ComfyUI's interrupt exception when the user pressed Cancel (the flag is then reset)."""
+    mm.throw_exception_if_processing_interrupted()
+
+
 def diffusers_roots() -> list[str]:
     """``models/diffusers`` and every location ``extra_model_paths.yaml`` adds for it."""
     return list(folder_paths.get_folder_paths("diffusers"))
@@ -135,6 +141,7 @@ class DiffusersPatcher(ModelPatcher):
         """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
         ENGINE.after_run(self.pipe)
         self._sync()
+        web_api.finished(self)
 
     def report(self) -> PlacementReport:
         return ENGINE.report(self.pipe)
@@ -192,6 +199,7 @@ class DiffusersPatcher(ModelPatcher):
         """Mirror the engine's account into the counters ComfyUI reads straight off the module."""
         self.model.device = self.current_loaded_device()
         self.model.model_loaded_weight_memory = self.loaded_size()
+        web_api.changed(self)
 
     def _retarget(self, device: torch.device) -> None:
         """ComfyUI files a loaded model under its load device: on a device change, unload the
@@ -211,6 +219,7 @@ def manage(pipe: Any, dtype: torch.dtype, config: OffloadConfig) -> DiffusersPat
     size = sum(c.nbytes for c in ENGINE.report(pipe).components)
     patcher = DiffusersPatcher(holder, torch.device(holder.config.device), OFFLOAD_DEVICE, size)
     weakref.finalize(holder, _release_if_placed, pipe).atexit = False
+    web_api.track(patcher)
     return patcher
 
 

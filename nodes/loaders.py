@@ -89,11 +89,11 @@ def check_pipeline_folder(folder: Path) -> None:
             )
         raise PipelineFolderError(f"{folder} is not a diffusers model folder: it has no {INDEX}")
     for name, library, cls in _components(_read_index(index_file)):
-        _check_component(folder / name, name, f"{library}.{cls}")
+        check_component(folder / name, name, f"{library}.{cls}")
 
 
 def _read_index(path: Path) -> dict:
-    index = _read_json(path)
+    index = read_json(path)
     if not isinstance(index.get("_class_name"), str):
         raise PipelineFolderError(f"{path} is not a diffusers pipeline index (no \"_class_name\"): point "
                                   "the loader at the folder of a pipeline saved with save_pretrained")
@@ -107,7 +107,7 @@ def _components(index: dict) -> Iterator[tuple[str, str, str]]:
             yield name, str(spec[0]), str(spec[1])
 
 
-def _check_component(folder: Path, name: str, what: str) -> None:
+def check_component(folder: Path, name: str, what: str) -> None:
     if not folder.is_dir():
         raise PipelineFolderError(f"component {name!r} ({what}) is missing: {folder} does not exist; copy "
                                   "that folder from the original model or download the model again")
@@ -122,7 +122,7 @@ def _check_component(folder: Path, name: str, what: str) -> None:
 
 
 def _check_shards(index_file: Path) -> None:
-    weight_map = _read_json(index_file).get("weight_map")
+    weight_map = read_json(index_file).get("weight_map")
     if not isinstance(weight_map, dict):
         raise PipelineFolderError(f"{index_file} has no weight_map: restore it or download the model again")
     for shard in sorted(set(weight_map.values())):
@@ -131,7 +131,7 @@ def _check_shards(index_file: Path) -> None:
                                       "the download is incomplete; download that file again")
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

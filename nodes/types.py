@@ -14,6 +14,7 @@ import torch
 from comfy_api.latest import io
 
 from ..offload_core import OffloadConfig, PlacementReport
+from ..offload_core.lora import LoraSpec, activate
 from .host import DiffusersPatcher
 
 CATEGORY = "diffusers offload"
@@ -55,11 +56,15 @@ class PipeHandle:
     family: str
     dtype: torch.dtype
     patcher: DiffusersPatcher = field(repr=False)
+    loras: tuple[LoraSpec, ...] = ()  # this branch's LoRA set, made effective by prepare()
 
     def prepare(self, memory_required: int = 0) -> PlacementReport:
         """Place (or re-place, when the settings changed) before a run, through ComfyUI's
-        ``load_models_gpu``; ``memory_required`` is what the run itself needs on the device."""
-        return self.patcher.prepare(self.config, memory_required)
+        ``load_models_gpu``; ``memory_required`` is what the run itself needs on the device.
+        Then make this handle's LoRA set effective (a no-op when the weights already carry it)."""
+        self.patcher.prepare(self.config, memory_required)
+        activate(self.pipe, self.loras)
+        return self.report()
 
     def finish(self) -> None:
         """End of a pipeline call (on-demand modules back to host memory)."""
@@ -70,6 +75,10 @@ class PipeHandle:
 
     def with_config(self, config: OffloadConfig) -> PipeHandle:
         return dataclasses.replace(self, config=config)
+
+    def with_lora(self, lora: LoraSpec) -> PipeHandle:
+        """A view with one more LoRA; this handle (and every other branch) keeps its own set."""
+        return dataclasses.replace(self, loras=(*self.loras, lora))
 
     def get_ram_usage(self) -> int:
         """Read by ComfyUI's RAM-pressure cache (v0.3.x) to weigh evicting this output."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import offload_examples as ex
+from PIL import Image
 
 OUT = ex.ROOT / "out"
 BASE = ex.ROOT / ".comfy_base"
@@ -44,9 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def overrides(pairs: list[str], tiny: bool) -> dict[str, Any]:
-    """Generate-node inputs to change: tiny-model sizes first, then the user's ``--set``."""
-    values: dict[str, Any] = dict(ex.TINY_OVERRIDES) if tiny else {}
+def overrides(example: ex.Example, pairs: list[str], tiny: bool) -> dict[str, dict[str, Any]]:
+    """Inputs to change per node class: the tiny-model ones, then ``--set`` (Generate nodes)."""
+    values: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep:
@@ -55,7 +56,7 @@ def overrides(pairs: list[str], tiny: bool) -> dict[str, Any]:
             values[key] = json.loads(raw)
         except json.JSONDecodeError:
             values[key] = raw
-    return values
+    return example.tiny_overrides(**values) if tiny else dict.fromkeys(ex.GENERATE, values)
 
 
 def model_folder(args: argparse.Namespace) -> tuple[ex.Example, Path]:
@@ -71,6 +72,16 @@ def model_folder(args: argparse.Namespace) -> tuple[ex.Example, Path]:
     return example, folder
 
 
+def placeholder_keyframes(host: Any, prompt: dict[str, Any]) -> None:
+    """Flat pictures for LoadImage nodes whose file is missing (first/last-frame examples)."""
+    folder = Path(host.folder_paths.get_input_directory())
+    for node in prompt.values():
+        path = folder / node["inputs"]["image"] if node["class_type"] == "LoadImage" else None
+        if path is not None and not path.is_file():
+            Image.new("RGB", (64, 64), (200, 30, 30) if "first" in path.name else (30, 30, 200)).save(path)
+            print(f"made a placeholder keyframe {path} (put your own picture there)")
+
+
 def collect(host: Any, result: Any) -> list[Path]:
     """Copy the files the output nodes saved into ``out/``."""
     OUT.mkdir(exist_ok=True)
@@ -82,13 +93,15 @@ def collect(host: Any, result: Any) -> list[Path]:
     return copied
 
 
-def texts(result: Any, prompt: dict[str, Any]) -> list[tuple[str, str]]:
-    """(node class, text) of every output node that shows text (the notes, the placement report)."""
-    return [
-        (prompt[node_id]["class_type"], "\n".join(ui["text"]))
-        for node_id, ui in sorted(result.outputs.items())
-        if "text" in ui
-    ]
+def show(host: Any, result: Any, prompt: dict[str, Any]) -> None:
+    """Print what the output nodes show as text (notes, placement report) and the files written."""
+    for node_id, ui in sorted(result.outputs.items()):
+        if "text" in ui:
+            title = TITLES.get(prompt[node_id]["class_type"], prompt[node_id]["class_type"])
+            print(f"\n--- {title} ---\n{chr(10).join(ui['text']) or '(none)'}")
+    print()
+    for path in collect(host, result):
+        print(f"wrote {path.relative_to(ex.ROOT)} ({path.stat().st_size} bytes)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,18 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)  # tiny ops gain nothing from threads
     host = harness.setup(BASE)
     model = ex.link_model(Path(host.folder_paths.get_folder_paths("diffusers")[0]), folder)
-    prompt = ex.api_prompt(example.name, model, overrides(args.set, tiny=args.model is None))
+    prompt = ex.api_prompt(example.name, model, overrides(example, args.set, tiny=args.model is None))
+    placeholder_keyframes(host, prompt)
     print(f"running {example.name} on {model} (ComfyUI {host.version}, {host.model_management.get_torch_device()})")
     try:
         result = host.run_prompt(prompt).raise_for_error()
     except (harness.PromptValidationError, harness.PromptExecutionError) as exc:
         print(f"the workflow failed: {exc}", file=sys.stderr)
         return 1
-    for node_class, text in texts(result, prompt):
-        print(f"\n--- {TITLES.get(node_class, node_class)} ---\n{text or '(none)'}")
-    print()
-    for path in collect(host, result):
-        print(f"wrote {path.relative_to(ex.ROOT)} ({path.stat().st_size} bytes)")
+    show(host, result, prompt)
     print(f"done in {time.perf_counter() - start:.1f} s")
     return 0
 

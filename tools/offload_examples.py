@@ -12,7 +12,7 @@ drag in (``example_workflows/<name>.json``) is generated from it and the live no
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,9 +23,15 @@ EXAMPLES_DIR = ROOT / "example_workflows"
 API_DIR = EXAMPLES_DIR / "api"
 MODEL_PLACEHOLDER = "${MODEL}"
 LOADER = "DiffusersOffloadLoadPipeline"
-GENERATE = ("DiffusersOffloadGenerateImage", "DiffusersOffloadGenerateVideo")
-# What makes a tiny random-weight model finish in seconds on a CPU (inputs a node lacks are skipped).
-TINY_OVERRIDES = {"steps": 2, "width": 32, "height": 32, "frames": 9}
+GENERATE = ("DiffusersOffloadGenerateImage", "DiffusersOffloadGenerateVideo", "DiffusersOffloadGenerateH3")
+SETTINGS = "DiffusersOffloadSettings"
+# Tiny random-weight models: sizes that finish in seconds on a CPU, and no size floors, so every
+# component gets the role a full-size one would (streamed denoiser, leaf text encoder, on-demand VAE).
+TINY_SIZES = {"steps": 2, "width": 32, "height": 32, "frames": 9}
+TINY_OVERRIDES = {
+    **dict.fromkeys(GENERATE, TINY_SIZES),
+    SETTINGS: {"resident_floor_mb": 0.0, "on_demand_threshold_gb": 0.0},
+}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMBO_V3"}
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
 PACK_ID = "comfyui-diffusers-offload"  # pyproject name: what ComfyUI Manager installs from a cnr_id
@@ -39,12 +45,22 @@ class Example:
     pipeline: str
     model: str
     tiny: str  # key of tests/fixtures/tiny_models.BUILDERS
+    tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example
+
+    def tiny_overrides(self, **inputs: Any) -> dict[str, dict[str, Any]]:
+        """TINY_OVERRIDES with this example's own Generate inputs, then ``inputs`` (e.g. steps=3)."""
+        extra = {**dict(self.tiny_extra), **inputs}
+        return {**TINY_OVERRIDES, **{node: {**TINY_OVERRIDES[node], **extra} for node in GENERATE}}
 
 
 EXAMPLES = (
     Example("flux_text_to_image", "FluxPipeline", "FLUX.1-dev", "flux"),
     Example("wan_text_to_video", "WanPipeline", "Wan2.1-T2V-1.3B-Diffusers", "wan"),
     Example("ltx2_text_to_video", "LTX2Pipeline", "LTX-2", "ltx2"),
+    # H3 clips are 5-15 s (124 frames at least); the tiny audio VAE's 160 Hz cannot be muxed into AAC.
+    Example("h3_first_last_to_video", "MiniMaxH3ModularPipeline", "MiniMax-H3", "h3",
+            (("frames", 124), ("generate_audio", False))),
+    Example("h3_still_image", "MiniMaxH3ModularPipeline", "MiniMax-H3", "h3", (("frames", 1),)),
 )
 
 
@@ -56,8 +72,12 @@ def example(name: str) -> Example:
 
 
 def example_for_model(folder: Path) -> Example:
-    """The example whose pipeline class the folder's ``model_index.json`` names."""
-    index = json.loads((Path(folder) / "model_index.json").read_text(encoding="utf-8"))
+    """The first example whose pipeline class the folder's index (classic or modular) names."""
+    indexes = [Path(folder) / f for f in ("model_index.json", "modular_model_index.json")]
+    found = [p for p in indexes if p.is_file()]
+    if not found:
+        raise ValueError(f"{folder} is not a diffusers pipeline folder: it has no model_index.json")
+    index = json.loads(found[0].read_text(encoding="utf-8"))
     for ex in EXAMPLES:
         if ex.pipeline == index.get("_class_name"):
             return ex
@@ -70,17 +90,22 @@ def example_for_model(folder: Path) -> Example:
 # ------------------------------------------------------------------------------------ API twins
 
 
-def api_prompt(name: str, model: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The API twin of ``name`` for the model folder ``model``; ``overrides`` go to the Generate
-    node (only inputs it has)."""
+def api_prompt(
+    name: str, model: str, overrides: Mapping[str, Mapping[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The API twin of ``name`` for the model folder ``model``; ``overrides`` maps a node class to
+    input values (only inputs the twin's node has are changed), e.g. ``Example.tiny_overrides()``."""
+    flat = [key for key, value in (overrides or {}).items() if not isinstance(value, Mapping)]
+    if flat:
+        raise TypeError(f"overrides map a node class to its inputs ({{class: {{input: value}}}}); got {flat}")
     prompt = json.loads((API_DIR / f"{name}.json").read_text(encoding="utf-8"))
     for node in prompt.values():
         inputs = node["inputs"]
         for key, value in inputs.items():
             if value == MODEL_PLACEHOLDER:
                 inputs[key] = model
-        if node["class_type"] in GENERATE:
-            inputs.update({k: v for k, v in (overrides or {}).items() if k in inputs})
+        changes = (overrides or {}).get(node["class_type"], {})
+        inputs.update({k: v for k, v in changes.items() if k in inputs})
     return prompt
 
 
@@ -165,7 +190,7 @@ def _ui_node(node_id: str, node: dict[str, Any], info: dict[str, Any], model: st
     sockets, widgets, values = [], [], []
     for name, kind, options, optional in schema_inputs(info):
         value = node["inputs"].get(name, options.get("default"))
-        entry = {"name": name, "type": "COMBO" if isinstance(kind, list) else kind, "link": None}
+        entry = {"localized_name": name, "name": name, "type": "COMBO" if isinstance(kind, list) else kind, "link": None}
         if optional:
             entry["shape"] = 7
         if not is_widget(kind, options):
@@ -176,7 +201,7 @@ def _ui_node(node_id: str, node: dict[str, Any], info: dict[str, Any], model: st
         if options.get("control_after_generate"):
             values.append("fixed")  # examples reproduce; users switch to randomize
     outputs = [
-        {"name": name, "type": kind, "links": [], "slot_index": slot}
+        {"localized_name": name, "name": name, "type": kind, "links": [], "slot_index": slot}
         for slot, (name, kind) in enumerate(zip(info["output_name"], info["output"], strict=True))
     ]
     core = info.get("python_module", "").startswith(("nodes", "comfy_extras"))
@@ -223,8 +248,8 @@ def _layout(nodes: dict[str, dict[str, Any]], depth: dict[str, int]) -> None:
     for order, node_id in enumerate(sorted(nodes, key=lambda n: (depth[n], int(n)))):
         node = nodes[node_id]
         column = depth[node_id]
-        top = tops.get(column, 80)
-        node.update(pos=[60 + 440 * column, top], order=order)
+        top = tops.get(column, 140)
+        node.update(pos=[100 + 440 * column, top], order=order)
         tops[column] = top + node["size"][1] + 60
 
 

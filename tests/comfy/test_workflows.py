@@ -27,7 +27,8 @@ import offload_examples as ex  # noqa: E402
 pytest_plugins = ["comfyhost.fixtures"]
 
 NAMES = [e.name for e in ex.EXAMPLES]
-FILE_LISTS = {(ex.LOADER, "model")}  # combos listing the user's disk: any name is a valid value
+# combos listing the user's disk: any name is a valid value
+FILE_LISTS = {(ex.LOADER, "model"), ("DiffusersOffloadLoadModularPipeline", "model"), ("LoadImage", "image")}
 
 
 def ui(name: str) -> dict[str, Any]:
@@ -146,7 +147,12 @@ def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, re
     example = ex.example(name)
     folder = request.getfixturevalue(f"tiny_{example.tiny}_dir")
     model = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), folder)
-    prompt = ex.api_prompt(name, model, ex.TINY_OVERRIDES)
+    overrides = example.tiny_overrides()
+    prompt = ex.api_prompt(name, model, overrides)
+    input_dir = Path(comfy.folder_paths.get_input_directory())
+    for node in prompt.values():  # the keyframes an example loads: flat 32x32 pictures
+        if node["class_type"] == "LoadImage":
+            Image.new("RGB", (32, 32), (200, 30, 30)).save(input_dir / node["inputs"]["image"])
 
     result = comfy.run_prompt(prompt).raise_for_error()
 
@@ -162,4 +168,5 @@ def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, re
     with av.open(str(path)) as container:
         streams = sorted(s.type for s in container.streams)
         assert streams == (["audio", "video"] if example.tiny == "ltx2" else ["video"])
-        assert sum(1 for _ in container.decode(video=0)) == 9
+        frames = next(o["frames"] for node, o in overrides.items() if node in kinds.values() and "frames" in o)
+        assert sum(1 for _ in container.decode(video=0)) == frames
