@@ -18,6 +18,7 @@ import av
 import pytest
 import torch
 from comfyhost import harness
+from comfyhost.capture import capture_class
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -38,31 +39,7 @@ def models(comfy: harness.ComfyHost, tiny_flux_dir: Path, tiny_wan_dir: Path, ti
     return {family: ex.link_model(root, folder) for family, folder in folders.items()}
 
 
-class Capture:
-    """A throwaway output node that records the live value it receives (any socket type).
-
-    Registered once per module: ComfyUI keeps node instances between prompts, so per-test classes
-    would leave cached instances writing into an earlier test's list.
-    """
-
-    seen: list[tuple[int, Any]] = []
-
-    @classmethod
-    def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": {"value": ("*",), "slot": ("INT", {"default": 0})}}
-
-    RETURN_TYPES = ()
-    OUTPUT_NODE = True
-    FUNCTION = "run"
-    CATEGORY = "testing"
-
-    @classmethod
-    def IS_CHANGED(cls, **_: Any) -> float:
-        return float("nan")
-
-    def run(self, value: Any, slot: int) -> dict[str, Any]:
-        self.seen.append((slot, value))
-        return {}
+Capture = capture_class()
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import av
 import pytest
 import torch
 from comfyhost import harness
+from comfyhost.capture import capture_class
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -41,27 +42,7 @@ UNIT_CLASSES = {  # the module each stage repeats, by class name
 }
 
 
-class Capture:
-    """Output node recording the live value it receives; registered once for the module."""
-
-    seen: list[tuple[int, Any]] = []
-
-    @classmethod
-    def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": {"value": ("*",), "slot": ("INT", {"default": 0})}}
-
-    RETURN_TYPES = ()
-    OUTPUT_NODE = True
-    FUNCTION = "run"
-    CATEGORY = "testing"
-
-    @classmethod
-    def IS_CHANGED(cls, **_: Any) -> float:
-        return float("nan")
-
-    def run(self, value: Any, slot: int) -> dict[str, Any]:
-        self.seen.append((slot, value))
-        return {}
+Capture = capture_class()
 
 
 @pytest.fixture(scope="module")

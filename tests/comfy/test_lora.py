@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from comfyhost import harness
+from comfyhost.capture import capture_class
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -23,28 +24,7 @@ VALUES = {"prompt": "a tiny red cat", "negative_prompt": "", "steps": 2, "guidan
           "width": 16, "height": 16, "frames": 5, "fps": 0.0}
 
 
-class Capture:
-    """Output node recording (tag, frames) in execution order (one class per module: ComfyUI keeps
-    node instances between prompts)."""
-
-    seen: list[tuple[str, Any]] = []
-
-    @classmethod
-    def INPUT_TYPES(cls) -> dict[str, Any]:
-        return {"required": {"value": ("*",), "tag": ("STRING", {"default": ""})}}
-
-    RETURN_TYPES = ()
-    OUTPUT_NODE = True
-    FUNCTION = "run"
-    CATEGORY = "testing"
-
-    @classmethod
-    def IS_CHANGED(cls, **_: Any) -> float:
-        return float("nan")
-
-    def run(self, value: Any, tag: str) -> dict[str, Any]:
-        self.seen.append((tag, value))
-        return {}
+Capture = capture_class("tag", "STRING")
 
 
 @pytest.fixture(scope="module")
