@@ -105,6 +105,8 @@ class Engine:
         signature = _signature(decision, config, pstate.device, verdict)
         state: ComponentState | None = module.__dict__.get(STATE)
         if state is not None and state.signature == signature:
+            if hasattr(state.transport, "retune"):
+                state.transport.retune(config.preload)  # the resident set changes without re-hooking
             return
         if state is not None:
             log.info("%s: settings changed, re-placing (%s -> %s)", name, state.decision.role.value, decision.role.value)

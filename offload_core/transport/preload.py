@@ -24,13 +24,25 @@ def preload_policy(value: str | float) -> Policy:
 class PreloadingStreamer(BlockStreamer):
     """The per-step transport: a block streamer whose resident set a planner chooses."""
 
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.driver: PreloadDriver | None = None
+
     def apply(self, module: torch.nn.Module) -> None:
         super().apply(module)
         self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.preload)
         self.driver.load()
 
+    def retune(self, preload: str | float) -> None:
+        """A new preload policy on a placed model: re-planned in place, no re-hooking."""
+        policy = preload_policy(preload)
+        if self.driver is not None and policy != self.driver.planner.policy:
+            self.ctx.preload = preload
+            self.driver.planner.rebind(self.driver.reading, policy)
+            self.driver.load()
+
     def remove(self, module: torch.nn.Module) -> None:
-        driver, self.driver = getattr(self, "driver", None), None
+        driver, self.driver = self.driver, None
         try:
             if driver is not None:
                 driver.unload()
@@ -40,8 +52,7 @@ class PreloadingStreamer(BlockStreamer):
 
     def details(self) -> dict[str, object]:
         out = super().details()
-        driver = getattr(self, "driver", None)
-        out["plan"] = driver.planner.last_plan_line if driver is not None else ""
+        out["plan"] = self.driver.planner.last_plan_line if self.driver is not None else ""
         return out
 
 
@@ -50,13 +61,13 @@ class PreloadDriver:
                  policy: str | float) -> None:
         self.streamer = streamer
         self.memory = memory
-        self.planner = _planner_for(module, streamer, self._reading, preload_policy(policy))
+        self.planner = _planner_for(module, streamer, self.reading, preload_policy(policy))
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
         self._pending: CycleUsage | None = None
         streamer.listeners.append(self.on_event)
 
-    def _reading(self) -> MemoryReading:
+    def reading(self) -> MemoryReading:
         free, cached = self.memory.device_free(self.streamer.device)
         return MemoryReading(free=free, cached_unused=cached, resident=self.streamer.device_bytes())
 

@@ -1,0 +1,108 @@
+"""Preload on real hooks (tiny Wan, CPU): any resident set gives the same output, a set changed
+mid-run stays correct, and an allocation failure gives kept blocks up and the step goes on."""
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.transport import streamer as streamer_module
+from fixtures.tiny_pipes import run_wan
+
+CFG = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, preload="off")
+
+
+def _placed(pipe, config=CFG):
+    engine = Engine()
+    engine.place(pipe, config)
+    return engine, engine.states(pipe)["transformer"].transport
+
+
+def _run(engine, pipe, **kw):
+    try:
+        return run_wan(pipe, **kw)
+    finally:
+        engine.after_run(pipe)
+
+
+@pytest.mark.parametrize("kept", [set(), {0}, {1}, {0, 1}])
+def test_output_is_identical_for_every_resident_set(wan_pipe, kept):
+    ref = run_wan(wan_pipe)
+    engine, streamer = _placed(wan_pipe)
+    streamer.listeners.clear()  # hold the set by hand: no planner
+    streamer.set_resident(kept)
+    assert streamer.resident_indices() == kept
+    torch.testing.assert_close(_run(engine, wan_pipe), ref, rtol=0, atol=0)
+
+
+def test_resident_set_changed_between_steps_mid_run_stays_correct(wan_pipe):
+    ref = run_wan(wan_pipe)
+    engine, streamer = _placed(wan_pipe)
+    streamer.listeners.clear()
+    sets = iter([{0}, {1}, {0, 1}, set()])
+    seen = []
+
+    def change(pipe, step, timestep, kwargs):
+        target = next(sets)
+        streamer.set_resident(target)
+        seen.append(streamer.resident_indices())
+        return kwargs
+
+    out = _run(engine, wan_pipe, callback_on_step_end=change)
+    assert seen == [{0}, {1}]  # two steps, two changes while the pipeline ran
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_fixed_budget_keeps_blocks_and_off_keeps_none(wan_pipe):
+    block = max(b.nbytes for b in _placed(wan_pipe)[1].blocks)
+    _, kept_one = _placed(wan_pipe, CFG.replace(preload=1.5 * block / 2**30))
+    assert len(kept_one.resident_indices()) == 1
+    _, kept_none = _placed(wan_pipe, CFG.replace(preload="off"))
+    assert kept_none.resident_indices() == set()
+
+
+def test_oom_in_a_block_buffer_gives_kept_blocks_up_and_the_step_goes_on(wan_pipe, monkeypatch):
+    ref = run_wan(wan_pipe)
+    block = max(b.nbytes for b in _placed(wan_pipe)[1].blocks)
+    engine, streamer = _placed(wan_pipe, CFG.replace(preload=1.5 * block / 2**30))
+    kept_before = streamer.resident_indices()
+    assert len(kept_before) == 1
+    real_empty, failures = torch.empty, []
+
+    def empty_failing_once(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise torch.OutOfMemoryError("scripted: no room for the block buffer")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(streamer_module.torch, "empty", empty_failing_once)
+    out = _run(engine, wan_pipe)
+    assert failures, "the scripted OOM never fired"
+    assert streamer.resident_indices() == set()  # the kept block was given up
+    assert "blocks kept 0/2" in streamer.details()["plan"]
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_oom_with_nothing_left_to_give_up_is_raised(wan_pipe, monkeypatch):
+    engine, streamer = _placed(wan_pipe)
+    assert streamer.resident_indices() == set()
+
+    def empty_failing(*args, **kwargs):
+        raise torch.OutOfMemoryError("scripted: the card is full")
+
+    monkeypatch.setattr(streamer_module.torch, "empty", empty_failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(engine, wan_pipe)
+    monkeypatch.undo()
+    ref_engine = Engine()
+    ref_engine.release(wan_pipe)
+    assert run_wan(wan_pipe).isfinite().all()  # released after the failure: the pipeline still works
+
+
+def test_a_new_preload_policy_replans_in_place_without_rehooking(wan_pipe):
+    engine, streamer = _placed(wan_pipe)
+    hooks = [b.module._diffusers_hook.hooks for b in streamer.blocks]
+    hook_objects = [dict(h) for h in hooks]
+    block = max(b.nbytes for b in streamer.blocks)
+    engine.place(wan_pipe, CFG.replace(preload=2.5 * block / 2**30))
+    assert engine.states(wan_pipe)["transformer"].transport is streamer
+    assert streamer.resident_indices() == {0, 1}
+    assert [dict(b.module._diffusers_hook.hooks) for b in streamer.blocks] == hook_objects
