@@ -56,10 +56,8 @@ def segments(c: ComponentReport) -> dict[str, int]:
 
 
 def plan_of(report: PlacementReport) -> str:
-    """The preload planner's last plan line (from the streamed denoiser's details)."""
-    if report.plan:
-        return report.plan
-    return next((str(c.details["plan"]) for c in report.components if c.details.get("plan")), "")
+    """The preload planner's last plan line."""
+    return report.plan
 
 
 def _jsonable(value: Any) -> Any:

@@ -236,6 +236,7 @@ class Engine:
             device=str(pstate.device) if pstate else "unplaced",
             mode=pstate.config.mode if pstate else "-",
             components=tuple(comps),
+            plan=next((str(c.details["plan"]) for c in comps if c.details.get("plan")), ""),
         )
 
 
