@@ -55,11 +55,6 @@ def segments(c: ComponentReport) -> dict[str, int]:
     return {"device": device, "pinned": pinned, "ram": host - pinned, "on_demand": 0}
 
 
-def plan_of(report: PlacementReport) -> str:
-    """The preload planner's last plan line."""
-    return report.plan
-
-
 def _jsonable(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
@@ -95,7 +90,7 @@ class Entry:
         if holder is None:
             return None
         report: PlacementReport = _engine().report(holder.pipe)
-        plan = plan_of(report)
+        plan = report.plan
         if plan and plan != self.plan:
             self.plan_change = {"line": plan, "previous": self.plan, "at": time.time()}
         self.plan = plan or self.plan
