@@ -134,7 +134,7 @@ class DiffusersPatcher(ModelPatcher):
         attach_measures(effective.measures_path)
         self._retarget(torch.device(effective.device))
         self.model.config = effective
-        mm.load_models_gpu([self], memory_required=memory_required)
+        mm.load_models_gpu([self], memory_required=memory_required or ENGINE.memory_required(self.pipe))
         return self.report()
 
     def finish(self) -> None:

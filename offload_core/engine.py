@@ -221,6 +221,12 @@ class Engine:
                 freed += state.transport.give_back(nbytes - freed)
         return freed
 
+    def memory_required(self, pipe: object) -> int:
+        """What the next run needs on the device beyond what we hold: the largest single need,
+        since stages run one after another (a VAE moves in after the denoiser is done). Hosts
+        ask their memory manager for this much before a run, as they do for their own models."""
+        return max((s.transport.run_bytes() for s in self.states(pipe).values()), default=0)
+
     def states(self, pipe: object) -> dict[str, ComponentState]:
         return {n: m.__dict__[STATE] for n, m in iter_modules(_unwrap(pipe)) if STATE in m.__dict__}
 

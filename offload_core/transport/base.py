@@ -60,6 +60,10 @@ class Transport(Protocol):
         """Free up to ``nbytes`` of device memory without unhooking; return what was freed."""
         ...
 
+    def run_bytes(self) -> int:
+        """Device bytes a run needs for this component beyond what it holds now."""
+        ...
+
     def details(self) -> dict[str, object]: ...
 
 

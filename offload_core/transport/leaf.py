@@ -11,7 +11,7 @@ import torch
 from diffusers.hooks import apply_group_offloading
 
 from .base import DIFFUSERS_GROUP_HOOKS, TransportContext, strip_hooks
-from .moves import bytes_on, move_module
+from .moves import bytes_on, module_bytes, move_module
 
 
 class LeafGroupTransport:
@@ -50,6 +50,12 @@ class LeafGroupTransport:
 
     def give_back(self, nbytes: int) -> int:
         return 0  # leaf groups hold at most one layer on the device, only while it runs
+
+    def run_bytes(self) -> int:
+        """The largest leaf, on the device while it runs."""
+        if self.module is None:
+            return 0
+        return max((module_bytes(m) for m in self.module.modules() if not list(m.children())), default=0)
 
     def details(self) -> dict[str, object]:
         return {"streams": self.ctx.use_stream}

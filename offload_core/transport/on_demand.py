@@ -16,7 +16,7 @@ import torch
 
 from ..log import get_logger
 from .base import MARKER, MarkerHook, TransportContext, add_hook, remove_hook
-from .moves import bytes_on, move_module
+from .moves import bytes_on, module_bytes, move_module
 
 log = get_logger("on_demand")
 STAMP = "_diffusers_offload_on_demand"
@@ -138,6 +138,10 @@ class OnDemandTransport:
         freed = self.device_bytes()
         self.offload()
         return freed
+
+    def run_bytes(self) -> int:
+        """The whole module, moved in on entry."""
+        return 0 if self.module is None or self.loaded else module_bytes(self.module)
 
     def details(self) -> dict[str, object]:
         return {"entries": list(self.entries) or ["forward"], "loaded": self.loaded, "moves": self.moves}

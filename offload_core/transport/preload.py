@@ -50,6 +50,12 @@ class PreloadingStreamer(BlockStreamer):
             self.listeners.clear()
             super().remove(module)
 
+    def run_bytes(self) -> int:
+        """The streaming slots plus the activations measured for the last workload."""
+        planner = self.driver.planner if self.driver is not None else None
+        measured = planner.measured_peak(planner.last_workload) if planner is not None else None
+        return super().run_bytes() + (measured or 0)
+
     def details(self) -> dict[str, object]:
         out = super().details()
         out["plan"] = self.driver.planner.last_plan_line if self.driver is not None else ""

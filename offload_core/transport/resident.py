@@ -34,5 +34,8 @@ class ResidentTransport:
     def give_back(self, nbytes: int) -> int:
         return 0  # all or nothing: the host detaches the component instead
 
+    def run_bytes(self) -> int:
+        return 0  # already on the device
+
     def details(self) -> dict[str, object]:
         return {}

@@ -330,6 +330,11 @@ class BlockStreamer:
         self.set_resident(keep)
         return freed
 
+    def run_bytes(self) -> int:
+        """The streaming slots: the block being run plus the prefetch window."""
+        streamed = [b.nbytes for b in self.blocks if b.resident is None]
+        return (self.ctx.prefetch_window + 1) * max(streamed, default=0)
+
     def details(self) -> dict[str, object]:
         return {
             "blocks": len(self.blocks),

@@ -209,3 +209,15 @@ def test_force_sweep_reports_a_failing_component_and_moves_the_others(wan_pipe, 
     result = engine.sweep()
     assert [n for n, _ in result.failed] == ["transformer"] and "stuck" in result.failed[0][1]
     assert "text_encoder" in result.moved and not te.loaded
+
+
+def test_memory_required_is_the_largest_single_need_of_the_next_run(wan_pipe):
+    engine = Engine()
+    engine.place(wan_pipe, CFG.replace(mode="model"))
+    sizes = {name: state.info.nbytes for name, state in engine.states(wan_pipe).items()}
+    assert engine.memory_required(wan_pipe) == max(sizes.values())  # each moves in whole, one at a time
+    engine.place(wan_pipe, CFG)  # auto: the streamer needs its slots, the VAE itself
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    slots = 2 * max(b.nbytes for b in streamer.blocks)
+    assert engine.memory_required(wan_pipe) == max(slots, sizes["vae"], engine.states(wan_pipe)[
+        "text_encoder"].transport.run_bytes())
