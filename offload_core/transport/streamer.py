@@ -12,7 +12,9 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 - the next ``window`` blocks in *execution* order (recorded, not assumed) are copied on a side
   stream while the current one computes; a block that was not prefetched loads synchronously, so a
   wrong guess costs time, never correctness;
-- any subset of blocks can be kept resident (``set_resident``), changed between steps.
+- any subset of blocks can be kept resident (``set_resident``), changed between steps;
+- block buffers belong to the compute stream, so ``record_stream`` is never needed here (the
+  option still applies to diffusers' leaf groups).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class BlockStreamer:
         self._bound: dict[int, torch.Tensor] = {}
         self._head_bytes = 0
         self._transit_peak = 0
-        self.listeners: list = []  # callables(event: str, streamer, **info) (cycle start, block enter)
+        self.listeners: list = []  # callables(event, streamer, **info): forward, cycle, oom, end
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
