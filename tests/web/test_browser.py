@@ -33,7 +33,8 @@ VIEW_NODE, LOADER_NODE = "4", "1"
 # A mixed placement on the tiny model: the text encoder resident (under the floor), the VAE on
 # demand, the transformer streamed per step (the preload planner's plan line).
 SETTINGS = {"resident_floor_mb": 0.1, "on_demand_threshold_gb": 0.0}
-SHORT_STEPS, LONG_STEPS = 3, 40
+SHORT_STEPS, LONG_STEPS = 12, 1000  # short: the view draws once per frame, a loaded box may merge a
+# few updates; long: it must outlast a page reload on a slow box (it is interrupted after it)
 DRIVE_TIMEOUT_S = 420
 
 sys.path.insert(0, str(ROOT / "tools"))
