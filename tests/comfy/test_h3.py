@@ -12,7 +12,7 @@ real transport (the settings below), so the stage hooks run beside real offload 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ import pytest
 import torch
 from comfyhost import harness
 from comfyhost.capture import capture_class
+from fixtures.hook_inventory import hook_inventory
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -267,17 +268,6 @@ def test_replacing_with_unchanged_settings_changes_no_hook(comfy: harness.ComfyH
     assert before and after.keys() == before.keys() and all(after[k] is before[k] for k in before)
 
 
-def hooks(pipe: Any) -> dict[tuple[str, str, str], Callable | object]:
+def hooks(pipe: Any) -> dict[tuple[str, str, str], Any]:
     """Every offload hook (registry entries, instance-level entries) and torch hook under the components."""
-    found: dict[tuple[str, str, str], Any] = {}
-    for comp in ("text_encoder", "transformer", "vae", "audio_vae"):
-        for path, module in getattr(pipe, comp).named_modules():
-            registry = module.__dict__.get("_diffusers_hook")
-            for name, hook in (registry.hooks.items() if registry is not None else ()):
-                found[(comp, path, name)] = hook
-            for attr in ("forward", "encode", "decode", "_hf_hook"):
-                if attr in module.__dict__:
-                    found[(comp, path, attr)] = module.__dict__[attr]
-            for key, hook in [*module._forward_pre_hooks.items(), *module._forward_hooks.items()]:
-                found[(comp, path, f"torch:{key}")] = hook
-    return found
+    return hook_inventory(pipe, ("text_encoder", "transformer", "vae", "audio_vae"), torch_hooks=True)

@@ -26,6 +26,7 @@ from diffusers_offload.offload_core.stages import (
     label,
     layer_stack,
 )
+from fixtures.hook_inventory import hook_inventory
 from fixtures.tiny_pipes import load_h3, run_h3
 
 # Every role gets a real transport on the tiny model (leaf text encoder, per-step denoiser, on-demand VAEs).
@@ -82,16 +83,7 @@ def staged_run(engine: Engine, pipe: object, host: Host) -> object:
 
 def offload_hooks(pipe: object) -> dict[tuple[str, str, str], object]:
     """Every diffusers registry hook and instance-level forward/entry under the components."""
-    found = {}
-    for comp in ("text_encoder", "transformer", "vae", "audio_vae"):
-        for path, module in getattr(pipe, comp).named_modules():
-            registry = module.__dict__.get("_diffusers_hook")
-            for name, hook in (registry.hooks.items() if registry is not None else ()):
-                found[(comp, path, name)] = hook
-            for attr in ("forward", "encode", "decode", "_hf_hook"):
-                if attr in module.__dict__:
-                    found[(comp, path, attr)] = module.__dict__[attr]
-    return found
+    return hook_inventory(pipe, ("text_encoder", "transformer", "vae", "audio_vae"))
 
 
 def torch_hooks(pipe: object) -> int:
