@@ -12,6 +12,7 @@ Sections:
   modes    every engine mode on a short model (--mode-blocks): parity, step time, peak VRAM
   stream   full streaming (preload off): small and video, against the bound
   preload  preload auto at each cap
+  window2  preload auto with a prefetch window of 2 (small workload) at each cap
   firstk   hand-picked "first K blocks resident" at each cap (the manual knob users set today)
   anchors  diffusers block_level+stream and leaf_level+stream
   cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines
@@ -202,7 +203,9 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
                 rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, place_s=place_s,
                 kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
-                streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB)
+                streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB,
+                alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
+                ooms=torch.cuda.memory_stats().get("num_ooms", 0))
             del out
     finally:
         eng.release(bag)
@@ -325,6 +328,9 @@ def main() -> None:
         if "preload" in sections:
             auto = run_engine("preload_auto", m, OffloadConfig(preload="auto"), cap, refs, feeds, args,
                               workloads=workloads)
+        if "window2" in sections:
+            run_engine("preload_auto_w2", m, OffloadConfig(preload="auto", prefetch_window=2), cap, refs, feeds,
+                       args, workloads=("small",))
         if "firstk" in sections:
             firstk_rows(m, cap, auto, refs, feeds, args)
     if "cycles" in sections and caps:

@@ -9,9 +9,12 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 - each tower block keeps its weights where they already are in host memory, page-locked in place
   (`PinSet`), as the master copy; a forward binds the block's tensors to views of one flat device
   buffer and re-binds them to the host copy afterwards (the same Parameter objects throughout);
-- the next ``window`` blocks in *execution* order (recorded, not assumed) are copied on a side
-  stream while the current one computes; a block that was not prefetched loads synchronously, so a
-  wrong guess costs time, never correctness;
+- ``window + 1`` buffers circulate: while a block computes, the next ``window`` streamed blocks in
+  *execution* order (recorded, not assumed) are in flight on a side stream, and the moment a block
+  exits, its buffer is handed to the streamed block after those (so a copy is queued a whole
+  block earlier than at the next block's entry: when kept blocks sit between streamed ones, the
+  host's launch time for them no longer delays the copy). A block that was not prefetched loads
+  synchronously, so a wrong guess costs time, never correctness;
 - any subset of blocks can be kept resident (``set_resident``), changed between steps;
 - block buffers belong to the compute stream, so ``record_stream`` is never needed here (the
   option still applies to diffusers' leaf groups).
@@ -19,6 +22,7 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -190,18 +194,26 @@ class BlockStreamer:
             buf = self._take(block)
             self._bound[block.index] = buf
             block.bind(block.views(buf))
-        self._prefetch_after(block)
+        self._prefetch_after(block, self.ctx.prefetch_window)
 
     def exit(self, block: StreamBlock) -> None:
         if self._bound.pop(block.index, None) is not None:
             block.bind_host()
+            # Its buffer's next user. On an OOM that block loads at its entry instead, where an
+            # OOM gives kept blocks up.
+            with contextlib.suppress(torch.OutOfMemoryError):
+                self._prefetch_after(block, self.ctx.prefetch_window + 1)
+
+    def _unbind_all(self) -> None:
+        for index in list(self._bound):
+            del self._bound[index]
+            self.blocks[index].bind_host()
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         if len(self._seen) >= len(self.order) // 2 and self._seen:
             self.order = _dedupe(self._seen)
         self._seen = []
-        for index in list(self._bound):  # a forward that raised never reached exit()
-            self.exit(self.blocks[index])
+        self._unbind_all()  # a forward that raised never reached exit()
         self.notify("cycle", block=block, args=args, kwargs=kwargs)
 
     def notify(self, event: str, **info) -> bool:
@@ -218,10 +230,11 @@ class BlockStreamer:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf
 
-    def _prefetch_after(self, block: StreamBlock) -> None:
+    def _prefetch_after(self, block: StreamBlock, count: int) -> None:
+        """Keep exactly the next ``count`` streamed blocks after ``block`` in flight."""
         if self.copy_stream is None:
             return
-        upcoming = self._upcoming(block.index)
+        upcoming = self._upcoming(block.index, count)
         for index in list(self._inflight):
             if index not in upcoming:
                 del self._inflight[index]  # a skipped branch: its buffer goes back to the pool
@@ -230,13 +243,13 @@ class BlockStreamer:
                 self._inflight[index] = self._load(self.blocks[index])
         self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
-    def _upcoming(self, index: int) -> list[int]:
+    def _upcoming(self, index: int, count: int) -> list[int]:
         order = self.order
         pos = order.index(index) if index in order else -1
         out: list[int] = []
         for step in range(1, len(order) + 1):
             nxt = order[(pos + step) % len(order)]
-            if nxt == index or len(out) >= self.ctx.prefetch_window:
+            if nxt == index or len(out) >= count:
                 break
             if self.blocks[nxt].resident is None:
                 out.append(nxt)
@@ -246,8 +259,8 @@ class BlockStreamer:
         """Copy a block into a fresh flat buffer. The buffer comes from the *compute* stream's
         pool (one pool: no memory cached per stream, so a tight card does not make the allocator
         flush and retry), and the side stream first waits for the compute work queued so far,
-        which may still read memory the allocator just handed out. That wait is on block i-1
-        when block i+1 is prefetched, so the copy still overlaps block i."""
+        which may still read memory the allocator just handed out: at most the block that has
+        just exited, whose buffer this usually is, so the copy still overlaps what runs next."""
         buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         stream = self.copy_stream
         if stream is None:
@@ -284,8 +297,7 @@ class BlockStreamer:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
         self.notify("end")
         self._inflight.clear()
-        for index in list(self._bound):
-            self.exit(self.blocks[index])
+        self._unbind_all()
         self._seen = []
 
     def weights_at_peak(self) -> int:
