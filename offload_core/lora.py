@@ -190,6 +190,9 @@ def _apply(name: str, module: torch.nn.Module, plan: _Plan, signature: tuple, de
     # the next activation (its signature still differs) recomputes every layer from them.
     state: _ComponentLora = module.__dict__.setdefault(LORA_STATE, _ComponentLora())
     copies = _master_copies(module)
+    transport = getattr(module.__dict__.get(STATE), "transport", None)
+    if isinstance(transport, BlockStreamer):
+        transport.drop_prefetched()
     for pname in sorted(set(state.backups) | set(plan.fused)):
         param = module.get_parameter(pname)
         targets = _dedupe([*copies.get(id(param), []), param.data])
@@ -198,7 +201,8 @@ def _apply(name: str, module: torch.nn.Module, plan: _Plan, signature: tuple, de
             if base is None:
                 base = state.backups[pname] = _host_copy(targets[0])
             delta = _delta(plan.fused[pname], pname.endswith(".bias"), device).reshape(base.shape)
-            value = (base.to(device, torch.float32) + delta).to(param.dtype)
+            # Moved first, converted on the device: ``.to(device, float32)`` converts on the host.
+            value = (base.to(device).float() + delta).to(param.dtype)
         else:
             value = state.backups.pop(pname)
         for t in targets:

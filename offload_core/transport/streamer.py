@@ -290,13 +290,17 @@ class BlockStreamer:
                 block.bind_host()
                 block.resident = None
 
+    def drop_prefetched(self) -> None:
+        """Forget the blocks copied ahead: they would be stale after a write to the host copies."""
+        self._inflight.clear()
+
     def resident_indices(self) -> set[int]:
         return {b.index for b in self.blocks if b.resident is not None}
 
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
         self.notify("end")
-        self._inflight.clear()
+        self.drop_prefetched()
         self._unbind_all()
         self._seen = []
 
