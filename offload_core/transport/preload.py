@@ -109,7 +109,8 @@ class PreloadDriver:
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":
-            return self.relieve(info["block"].index)
+            block = info["block"]
+            return self.relieve(block.index if block is not None else None)
         elif event == "end":
             self.planner.end_cycle(self._usage())
         return False

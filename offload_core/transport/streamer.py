@@ -93,6 +93,25 @@ class _BlockHook(ModelHook):
         return output
 
 
+class _ModelHook(MarkerHook):
+    """The marker on the denoiser: announces each forward, and retries one that ran out of memory
+    outside the blocks (the first forward of a larger workload allocates its inputs before the
+    first block, where the plan for it is made): first without the blocks copied ahead, then with
+    kept blocks given up."""
+
+    def __init__(self, streamer: BlockStreamer) -> None:
+        super().__init__(streamer.device, on_enter=lambda: streamer.notify("forward"))
+        self.streamer = streamer
+
+    def new_forward(self, module, *args, **kwargs):
+        while True:
+            try:
+                return self.fn_ref.original_forward(*args, **kwargs)
+            except torch.OutOfMemoryError:
+                if not self.streamer.relieve_outside_blocks():
+                    raise
+
+
 class BlockStreamer:
     name = "per-step"
 
@@ -123,7 +142,7 @@ class BlockStreamer:
                 self.blocks.append(self._make_block(len(self.blocks), tower.name, depth, block))
         for block in self.blocks:
             add_hook(block.module, _BlockHook(self, block), STREAM_HOOK)
-        add_hook(module, MarkerHook(self.device, on_enter=lambda: self.notify("forward")), MARKER)
+        add_hook(module, _ModelHook(self), MARKER)
         self.order = [b.index for b in self.blocks]
         log.info(
             "%s: %d blocks in %d tower(s) streamed (%.2f GiB/step, %s, %s), non-block part resident (%.2f GiB)",
@@ -194,7 +213,7 @@ class BlockStreamer:
             buf = self._take(block)
             self._bound[block.index] = buf
             block.bind(block.views(buf))
-        self._prefetch_after(block, self.ctx.prefetch_window)
+        self._prefetch_after(block)
 
     def exit(self, block: StreamBlock) -> None:
         if self._bound.pop(block.index, None) is not None:
@@ -202,7 +221,7 @@ class BlockStreamer:
             # Its buffer's next user. On an OOM that block loads at its entry instead, where an
             # OOM gives kept blocks up.
             with contextlib.suppress(torch.OutOfMemoryError):
-                self._prefetch_after(block, self.ctx.prefetch_window + 1)
+                self._prefetch_after(block)
 
     def _unbind_all(self) -> None:
         for index in list(self._bound):
@@ -230,11 +249,12 @@ class BlockStreamer:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf
 
-    def _prefetch_after(self, block: StreamBlock, count: int) -> None:
-        """Keep exactly the next ``count`` streamed blocks after ``block`` in flight."""
+    def _prefetch_after(self, block: StreamBlock) -> None:
+        """Keep exactly the next streamed blocks after ``block`` in flight that fill the
+        ``window + 1`` buffers with the one bound now, if any."""
         if self.copy_stream is None:
             return
-        upcoming = self._upcoming(block.index, count)
+        upcoming = self._upcoming(block.index, self.ctx.prefetch_window + 1 - len(self._bound))
         for index in list(self._inflight):
             if index not in upcoming:
                 del self._inflight[index]  # a skipped branch: its buffer goes back to the pool
@@ -289,6 +309,15 @@ class BlockStreamer:
             elif not keep and block.resident is not None:
                 block.bind_host()
                 block.resident = None
+
+    def relieve_outside_blocks(self) -> bool:
+        """Free memory for a forward that ran out of it outside the blocks; False when nothing can go."""
+        self._unbind_all()
+        self._seen = []  # the forward runs again from the start
+        if self._inflight:
+            self.drop_prefetched()
+            return True
+        return self.notify("oom", block=None)
 
     def drop_prefetched(self) -> None:
         """Forget the blocks copied ahead: they would be stale after a write to the host copies."""

@@ -81,6 +81,29 @@ def test_oom_in_a_block_buffer_gives_kept_blocks_up_and_the_step_goes_on(wan_pip
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def test_oom_before_the_first_block_gives_kept_blocks_up_and_the_forward_runs_again(wan_pipe, monkeypatch):
+    """A larger workload's first forward allocates its inputs before the first block, where its
+    plan is made: an OOM there must not fail the step while kept blocks can go."""
+    ref = run_wan(wan_pipe)
+    block = max(b.nbytes for b in _placed(wan_pipe)[1].blocks)
+    engine, streamer = _placed(wan_pipe, CFG.replace(preload=1.5 * block / 2**30))
+    assert len(streamer.resident_indices()) == 1
+    embed = wan_pipe.transformer.patch_embedding
+    real_forward, failures = embed.forward, []
+
+    def failing_once(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise torch.OutOfMemoryError("scripted: no room for the inputs")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(embed, "forward", failing_once)
+    out = _run(engine, wan_pipe)
+    assert failures, "the scripted OOM never fired"
+    assert streamer.resident_indices() == set()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_oom_with_nothing_left_to_give_up_is_raised(wan_pipe, monkeypatch):
     engine, streamer = _placed(wan_pipe)
     assert streamer.resident_indices() == set()
