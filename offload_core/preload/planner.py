@@ -129,6 +129,10 @@ class PreloadPlanner:
         self._cycle = _Cycle(workload, stable)
         return target
 
+    def preview(self, workload: int) -> frozenset[int]:
+        """The resident set a cycle of ``workload`` would start with, changing nothing."""
+        return self._cycle_target(workload)
+
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
         its resident set held still and it saw no shortage; without ``usage`` (another model

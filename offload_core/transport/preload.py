@@ -11,6 +11,7 @@ import torch
 from ..memory import MemoryReader
 from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
 from ..preload.policy import Policy, parse_policy
+from ..preload.workload import entry_signature
 from .streamer import BlockStreamer
 
 PLANNER = "_diffusers_offload_planner"
@@ -71,6 +72,8 @@ class PreloadDriver:
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
         self._pending: CycleUsage | None = None
+        self._entry: tuple = ()  # the shapes this forward entered with
+        self._workload_by_entry: dict[tuple, int] = {}
         streamer.listeners.append(self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -91,20 +94,27 @@ class PreloadDriver:
             return None
         return CycleUsage(peak=peak - self._others, weights_floor=self.streamer.weights_at_peak())
 
-    def _forward_begins(self) -> None:
-        """Before the denoiser's own first allocation: close the books of the last forward and
-        take what others hold now as the baseline, so the activations the non-block part makes
-        before the first block count as ours."""
+    def _forward_begins(self, args: tuple, kwargs: dict) -> None:
+        """Before the denoiser's own first allocation: close the books of the last forward, give
+        up now the blocks a known workload's plan drops (its inputs are made before the first
+        block, where its cycle begins), and take what others hold as the baseline, so the
+        activations the non-block part makes before the first block count as ours."""
         self._pending = self._usage()
+        self._entry = entry_signature(args, kwargs)
+        coming = self._workload_by_entry.get(self._entry)
+        if coming is not None and coming != self.planner.last_workload:
+            self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
         self.memory.reset_peak(self.streamer.device)
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
 
     def on_event(self, event: str, streamer: BlockStreamer, **info) -> bool:
         if event == "forward":
-            self._forward_begins()
+            self._forward_begins(info["args"], info["kwargs"])
         elif event == "cycle":
             self._check_shortage(running=None)
-            target = self.planner.begin_cycle(workload_of(info["args"], info["kwargs"]), self._pending)
+            workload = workload_of(info["args"], info["kwargs"])
+            self._workload_by_entry[self._entry] = workload
+            target = self.planner.begin_cycle(workload, self._pending)
             self._apply(target)
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()

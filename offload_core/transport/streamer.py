@@ -100,8 +100,12 @@ class _ModelHook(MarkerHook):
     kept blocks given up."""
 
     def __init__(self, streamer: BlockStreamer) -> None:
-        super().__init__(streamer.device, on_enter=lambda: streamer.notify("forward"))
+        super().__init__(streamer.device)
         self.streamer = streamer
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.streamer.notify("forward", args=args, kwargs=kwargs)
+        return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
         while True:
@@ -257,7 +261,7 @@ class BlockStreamer:
         upcoming = self._upcoming(block.index, self.ctx.prefetch_window + 1 - len(self._bound))
         for index in list(self._inflight):
             if index not in upcoming:
-                del self._inflight[index]  # a skipped branch: its buffer goes back to the pool
+                self._discard(index)  # a skipped branch, a changed plan
         for index in upcoming:
             if index not in self._inflight:
                 self._inflight[index] = self._load(self.blocks[index])
@@ -300,7 +304,8 @@ class BlockStreamer:
         for block in self.blocks:
             keep = block.index in indices
             if keep and block.resident is None:
-                self._inflight.pop(block.index, None)
+                if block.index in self._inflight:
+                    self._discard(block.index)
                 buf, ready = self._load(block)
                 if ready is not None:
                     torch.cuda.current_stream(self.device).wait_event(ready)
@@ -321,7 +326,16 @@ class BlockStreamer:
 
     def drop_prefetched(self) -> None:
         """Forget the blocks copied ahead: they would be stale after a write to the host copies."""
-        self._inflight.clear()
+        for index in list(self._inflight):
+            self._discard(index)
+
+    def _discard(self, index: int) -> None:
+        """Give a prefetched buffer back to the pool. Its copy may still be running on the side
+        stream, and the pool hands memory out in compute-stream order: the compute stream waits
+        for the copy first, or the next activation placed there would be overwritten."""
+        _buf, ready = self._inflight.pop(index)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
 
     def resident_indices(self) -> set[int]:
         return {b.index for b in self.blocks if b.resident is not None}

@@ -4,6 +4,9 @@ mid-run stays correct, and an allocation failure gives kept blocks up and the st
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.memory import MemoryReader
+from diffusers_offload.offload_core.preload import planner as planner_module
+from diffusers_offload.offload_core.preload.fit import MARGIN_BASE
 from diffusers_offload.offload_core.transport import streamer as streamer_module
 from fixtures.tiny_pipes import run_wan
 
@@ -129,3 +132,37 @@ def test_a_new_preload_policy_replans_in_place_without_rehooking(wan_pipe):
     assert engine.states(wan_pipe)["transformer"].transport is streamer
     assert streamer.resident_indices() == {0, 1}
     assert [dict(b.module._diffusers_hook.hooks) for b in streamer.blocks] == hook_objects
+
+
+
+class _Card(MemoryReader):
+    """A card with ``free`` bytes on which a forward peaks at its weights plus ``activations``
+    (set by the test before each run: all forwards of a run are one workload)."""
+
+    def __init__(self, free: int) -> None:
+        self.free, self.activations, self.streamer = free, 0, None
+
+    def device_free(self, device):
+        return (self.free, 0)
+
+    def peak_allocated(self, device):
+        return self.streamer.weights_at_peak() + self.activations
+
+
+def test_a_known_larger_workload_gets_its_blocks_back_before_its_inputs_are_made(wan_pipe, monkeypatch):
+    """Alternating workloads: the blocks the larger one's plan drops are given up when the model
+    is entered, not at its first block, where its inputs are already made."""
+    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # regrow at once
+    card = _Card(free=MARGIN_BASE + 2**20)  # room for both tiny blocks beside no activations
+    engine = Engine(memory=card)
+    engine.place(wan_pipe, CFG.replace(preload="auto"))
+    card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
+    at_entry = []
+    wan_pipe.transformer.patch_embedding.register_forward_pre_hook(
+        lambda module, args: at_entry.append(streamer.resident_indices()))
+    small, large = {"height": 16, "width": 16}, {"height": 64, "width": 64}
+    for activations, size in ((0, small), (2 * 2**20, large), (0, small), (2 * 2**20, large)):
+        card.activations = activations
+        at_entry.clear()
+        _run(engine, wan_pipe, **size)
+    assert len(streamer.blocks) == 2 and at_entry[0] == set(), at_entry  # second large run: given up at entry
