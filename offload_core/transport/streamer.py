@@ -225,7 +225,7 @@ class BlockStreamer:
             # Its buffer's next user. On an OOM that block loads at its entry instead, where an
             # OOM gives kept blocks up.
             with contextlib.suppress(torch.OutOfMemoryError):
-                self._prefetch_after(block)
+                self._prefetch_after(block, wrap=False)
 
     def _unbind_all(self) -> None:
         for index in list(self._bound):
@@ -253,12 +253,17 @@ class BlockStreamer:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf
 
-    def _prefetch_after(self, block: StreamBlock) -> None:
+    def _prefetch_after(self, block: StreamBlock, wrap: bool = True) -> None:
         """Keep exactly the next streamed blocks after ``block`` in flight that fill the
-        ``window + 1`` buffers with the one bound now, if any."""
+        ``window + 1`` buffers with the one bound now, if any. Without ``wrap``, none of the next
+        forward's: the extra buffer would stay through the non-block tail and the next head,
+        where a large workload's activations peak."""
         if self.copy_stream is None:
             return
-        upcoming = self._upcoming(block.index, self.ctx.prefetch_window + 1 - len(self._bound))
+        count = self.ctx.prefetch_window + 1 - len(self._bound)
+        upcoming = self._upcoming(block.index, count, wrap)
+        if not wrap:
+            upcoming = [*upcoming, *(i for i in self._inflight if i not in upcoming)][:count]
         for index in list(self._inflight):
             if index not in upcoming:
                 self._discard(index)  # a skipped branch, a changed plan
@@ -267,13 +272,13 @@ class BlockStreamer:
                 self._inflight[index] = self._load(self.blocks[index])
         self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
-    def _upcoming(self, index: int, count: int) -> list[int]:
+    def _upcoming(self, index: int, count: int, wrap: bool = True) -> list[int]:
         order = self.order
         pos = order.index(index) if index in order else -1
         out: list[int] = []
         for step in range(1, len(order) + 1):
             nxt = order[(pos + step) % len(order)]
-            if nxt == index or len(out) >= count:
+            if nxt == index or len(out) >= count or (not wrap and pos + step >= len(order)):
                 break
             if self.blocks[nxt].resident is None:
                 out.append(nxt)
