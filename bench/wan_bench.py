@@ -171,7 +171,7 @@ def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
             row(section=f"first_{k}", cap_gib=cap, workload="small", error=f"OOM: {str(e)[:100]}")
             gc.collect()
             torch.cuda.empty_cache()
-    if "video" in auto:
+    if "video" in auto and not args.no_firstk_video:
         k = auto["video"]["kept"]
         run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args, firstk=k,
                    workloads=("video",))
@@ -296,7 +296,7 @@ def main() -> None:
     ap.add_argument("--mode-blocks", type=int, default=4)
     ap.add_argument("--frames", type=int, default=21, help="latent frames of the video workload (21 = 81 frames)")
     ap.add_argument("--caps", default="12,24,48")
-    ap.add_argument("--firstk", default="")
+    ap.add_argument("--no-firstk-video", action="store_true", help="first-K rows for the small workload only")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=30)
