@@ -9,6 +9,7 @@ engine keeps pipelines only through weak references.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,7 @@ class Engine:
             pstate = PipelineState(config, device)
             setattr(pipe, PIPE_STATE, pstate)
         pstate.config = config
+        pstate.on_demand.make_room = _room_maker(self, pipe)
         self._pipelines.add(pipe)
         for name, module in iter_modules(pipe):
             self._place_component(name, module, config, pstate)
@@ -244,6 +246,18 @@ class Engine:
             components=tuple(comps),
             plan=next((str(c.details["plan"]) for c in comps if c.details.get("plan")), ""),
         )
+
+
+def _room_maker(engine: Engine, pipe: object) -> Callable[[int], int]:
+    """``give_back`` on ``pipe`` for its on-demand modules, held weakly: the pipeline's state must
+    not keep the pipeline (or the engine) alive."""
+    engine_ref, pipe_ref = weakref.ref(engine), weakref.ref(pipe)
+
+    def make_room(nbytes: int) -> int:
+        owner, target = engine_ref(), pipe_ref()
+        return owner.give_back(target, nbytes) if owner is not None and target is not None else 0
+
+    return make_room
 
 
 def _refuse_foreign_offload(name: str, module: torch.nn.Module) -> None:

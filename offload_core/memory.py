@@ -29,6 +29,13 @@ class MemoryReader:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free), int(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
+    def device_available(self, device: torch.device) -> int | None:
+        """Free plus cached-unused bytes on a CUDA device; None where that cannot be read."""
+        if device.type != "cuda":
+            return None
+        free, cached = self.device_free(device)
+        return free + cached
+
     def peak_allocated(self, device: torch.device) -> int | None:
         """Allocator peak since the last ``reset_peak``; None where there is no allocator to read."""
         return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None

@@ -166,3 +166,33 @@ def test_a_known_larger_workload_gets_its_blocks_back_before_its_inputs_are_made
         at_entry.clear()
         _run(engine, wan_pipe, **size)
     assert len(streamer.blocks) == 2 and at_entry[0] == set(), at_entry  # second large run: given up at entry
+
+
+class _FullCard(MemoryReader):
+    """A card with no room left beyond what the engine already holds."""
+
+    def device_available(self, device):
+        return 0
+
+
+def test_a_vae_moving_in_gets_kept_blocks_back_and_they_return_next_run(wan_pipe):
+    """Kept blocks are sized to the denoiser's activations; the on-demand VAE entered after the
+    denoiser needs them back, or its decode runs out of memory on a small card."""
+    ref = run_wan(wan_pipe)
+    engine = Engine(memory=_FullCard())
+    engine.place(wan_pipe, CFG)
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    engine.place(wan_pipe, CFG.replace(preload=1.5 * max(b.nbytes for b in streamer.blocks) / 2**30))
+    assert engine.states(wan_pipe)["vae"].decision.role.value == "on-demand"
+    kept = streamer.resident_indices()
+    assert len(kept) == 1
+    during_decode = []
+    wan_pipe.vae.decoder.register_forward_pre_hook(
+        lambda module, args: during_decode.append(streamer.resident_indices()))
+    torch.testing.assert_close(_run(engine, wan_pipe), ref, rtol=0, atol=0)
+    assert during_decode and during_decode[0] == set()  # given back before the decode ran
+    at_first_block = []
+    wan_pipe.transformer.blocks[0].register_forward_hook(  # after the block: its cycle has begun
+        lambda module, args, output: at_first_block.append(streamer.resident_indices()))
+    _run(engine, wan_pipe)
+    assert at_first_block[0] == kept  # the fixed budget's blocks are back for the next run
