@@ -83,19 +83,26 @@ def forward(m, x, enc, t) -> torch.Tensor:
         return m(hidden_states=x, encoder_hidden_states=enc, timestep=t, return_dict=False)[0]
 
 
+def sync() -> None:
+    """Wait for the device (a no-op on the CPU, where the companion benches smoke-test)."""
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(m, feeds, warmup: int, repeats: int) -> tuple[float, list[float], torch.Tensor]:
     """The peak is reset before the warm-up, never between forwards: the engine's planner reads
     the allocator peak of each forward itself."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    sync()
+    if DEV.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         out = forward(m, *feeds)
     runs = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         out = forward(m, *feeds)
-        torch.cuda.synchronize()
+        sync()
         runs.append(time.perf_counter() - t0)
     return statistics.median(runs), runs, out
 
