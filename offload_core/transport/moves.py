@@ -12,6 +12,28 @@ def move_module(module: torch.nn.Module, device: torch.device, non_blocking: boo
     torch.nn.Module.to(module, device, non_blocking=non_blocking)
 
 
+HostTensors = list[tuple[torch.nn.Module, str, bool, torch.Tensor]]
+
+
+def host_tensors(module: torch.nn.Module) -> HostTensors:
+    """Where each parameter and buffer lives now: (owner, name, is parameter, tensor)."""
+    return [(sub, name, is_param, t.data if is_param else t)
+            for sub in module.modules()
+            for is_param, table in ((True, sub._parameters), (False, sub._buffers))
+            for name, t in table.items() if t is not None]
+
+
+def rebind(saved: HostTensors) -> None:
+    """Point a module back at the tensors ``host_tensors`` recorded (same Parameter objects):
+    a module that visited the device goes back without copying its weights out, since inference
+    never writes them."""
+    for sub, name, is_param, tensor in saved:
+        if is_param:
+            sub._parameters[name].data = tensor
+        else:
+            sub._buffers[name] = tensor
+
+
 def bytes_on(module: torch.nn.Module, device: torch.device) -> int:
     seen: set[int] = set()
     total = 0
@@ -22,4 +44,4 @@ def bytes_on(module: torch.nn.Module, device: torch.device) -> int:
     return total
 
 
-__all__ = ["bytes_on", "module_bytes", "move_module"]
+__all__ = ["bytes_on", "host_tensors", "module_bytes", "move_module", "rebind"]

@@ -17,7 +17,7 @@ import torch
 
 from ..log import get_logger
 from .base import MARKER, MarkerHook, TransportContext, add_hook, remove_hook
-from .moves import bytes_on, module_bytes, move_module
+from .moves import HostTensors, bytes_on, host_tensors, module_bytes, move_module, rebind
 
 log = get_logger("on_demand")
 STAMP = "_diffusers_offload_on_demand"
@@ -72,6 +72,7 @@ class OnDemandTransport:
         self.loaded = False
         self.depth = 0
         self.moves = 0
+        self._host: HostTensors = []  # the resting tensors while the module visits the device
 
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -120,10 +121,11 @@ class OnDemandTransport:
         if self.group is not None:
             self.group.evict_except(self)
             self._make_room()
+        self._host = host_tensors(self.module)
         try:
             move_module(self.module, self.ctx.onload_device)
         except BaseException:  # an OOM half-way: leave no part of the module on the device
-            move_module(self.module, self.ctx.offload_device)
+            self._rebind()
             raise
         self.loaded = True
         self.moves += 1
@@ -141,11 +143,17 @@ class OnDemandTransport:
                  type(self.module).__name__, (need - available) / 2**30, self.ctx.onload_device, freed / 2**30)
 
     def offload(self) -> None:
+        """Back to the resting tensors: no copy out (a 5 GiB VAE took 1.8-4.5 s to copy out to
+        pageable memory on the H200)."""
         if not self.loaded or self.module is None:
             return
-        move_module(self.module, self.ctx.offload_device)
+        self._rebind()
         self.loaded = False
         self.moves += 1
+
+    def _rebind(self) -> None:
+        rebind(self._host)
+        self._host = []
 
     def device_bytes(self) -> int:
         if self.module is None or self.ctx.onload_device == self.ctx.offload_device:

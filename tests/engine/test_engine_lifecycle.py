@@ -9,6 +9,8 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig, OffloadConfigError
 from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.pinning import pinned_bytes
+from diffusers_offload.offload_core.transport import OnDemandTransport, TransportContext
+from diffusers_offload.offload_core.transport import on_demand as on_demand_module
 from diffusers_offload.offload_core.transport.leaf import LeafGroupTransport
 from fixtures.tiny_pipes import load_wan, run_wan
 
@@ -221,3 +223,22 @@ def test_memory_required_is_the_largest_single_need_of_the_next_run(wan_pipe):
     slots = 2 * max(b.nbytes for b in streamer.blocks)
     assert engine.memory_required(wan_pipe) == max(slots, sizes["vae"], engine.states(wan_pipe)[
         "text_encoder"].transport.run_bytes())
+
+
+def test_on_demand_goes_back_to_its_resting_tensors_without_copying_out(monkeypatch):
+    """A visit to the device ends by rebinding the host tensors it started from (same storage,
+    same Parameter objects): the only move is the one in."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    transport = OnDemandTransport(TransportContext(onload_device=torch.device("cpu")))
+    transport.apply(module)
+    params = list(module.parameters())
+    storage = [t.data_ptr() for t in (*module.parameters(), *module.buffers())]
+    moves = []
+    real_move = on_demand_module.move_module
+    monkeypatch.setattr(on_demand_module, "move_module", lambda m, device: (moves.append(device), real_move(m, device)))
+    transport.onload()
+    transport.offload()
+    assert moves == [torch.device("cpu")]  # in only
+    assert list(module.parameters()) == params
+    assert [t.data_ptr() for t in (*module.parameters(), *module.buffers())] == storage
+    transport.remove(module)
