@@ -301,8 +301,9 @@ def make_host(a: argparse.Namespace, p: SimpleNamespace, comfy_dir: Path):
     native_bench = load_by_path("coexist_native_bench", anchor_dir(a) / "native_bench.py")
 
     class CoexistHost(harness.ComfyHost):
-        def _bootstrap(self) -> None:
-            sys.path[:] = [q for q in sys.path if Path(q or os.curdir).resolve() != harness.REPO_ROOT]
+        """The suite's host, started the way ``main.py`` starts ComfyUI on a GPU (DynamicVRAM)."""
+
+        def _configure(self) -> None:
             flags = ["--base-directory", str(self.base_dir), "--front-end-root", str(self.base_dir / "web_root")]
             if a.native_dtype == "bf16":
                 flags.append("--bf16-unet")
@@ -310,45 +311,9 @@ def make_host(a: argparse.Namespace, p: SimpleNamespace, comfy_dir: Path):
             opts = SimpleNamespace(comfy_dir=str(self.comfy_dir), cpu=a.cpu, comfy_args=" ".join(flags),
                                    startup="replicate")
             self.startup_args, self.startup_notes = native_bench.comfy_startup(opts)
-            importlib.import_module("utils.install_util")
-            self.folder_paths = importlib.import_module("folder_paths")
-            self.model_management = importlib.import_module("comfy.model_management")
-            self.comfy_utils = importlib.import_module("comfy.utils")
-            self.execution = importlib.import_module("execution")
-            self.nodes = importlib.import_module("nodes")
-            self.server_module = importlib.import_module("server")
-            self._check_origin()
-            self.version = importlib.import_module("comfyui_version").__version__
-            self._finish_bootstrap()
 
-        def _check_origin(self) -> None:
-            for mod in (self.folder_paths, self.model_management, self.execution, self.nodes):
-                origin = Path(mod.__file__).resolve()
-                if self.comfy_dir not in origin.parents:
-                    raise RuntimeError(f"{mod.__name__} was imported from {origin}, not {self.comfy_dir}")
-            if Path(self.folder_paths.base_path).resolve() != self.base_dir:
-                raise RuntimeError(f"folder_paths base {self.folder_paths.base_path} is not {self.base_dir}")
-
-        def _finish_bootstrap(self) -> None:
-            """The rest of ``ComfyHost._bootstrap``: server, progress hook, core and custom nodes."""
-            import asyncio
-
-            self.loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(self.loop)
-            self.server = self.server_module.PromptServer(self.loop)
-            self.server.last_prompt_id = None
-            self._install_progress_hook()
-            recorder = harness._LogRecorder()
-            root = logging.getLogger()
-            root.addHandler(recorder)
-            try:
-                init = self.nodes.init_extra_nodes
-                self.loop.run_until_complete(
-                    init(**harness._kwargs_for(init, init_custom_nodes=True, init_api_nodes=False)))
-            finally:
-                root.removeHandler(recorder)
-            self.init_log = recorder.lines
-            self._drain_events()
+        def _start_server(self) -> None:
+            super()._start_server()
             if a.cache == "ram":  # the 2026 server's default, with main.py's default sizes
                 total = self.model_management.total_ram / 1024.0
                 self.set_cache("ram", ram=min(10.0, max(2.0, total * 0.10)), ram_inactive=min(128.0, total))

@@ -229,6 +229,14 @@ class ComfyHost:
         # ``python -m pytest`` puts the working directory (often the repo root) on sys.path; the
         # pack's ``nodes/`` must never stand in for ComfyUI's ``nodes`` module, so drop it.
         sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != REPO_ROOT]
+        self._configure()
+        importlib.import_module("utils.install_util")  # before nodes puts comfy/ on sys.path
+        self._import_comfy()
+        self._start_server()
+
+    def _configure(self) -> None:
+        """Put the tree first on sys.path and set its arguments: CPU, our base directory. A host
+        that starts ComfyUI another way (``main.py``'s GPU start-up) replaces this step only."""
         comfy_dir = str(self.comfy_dir)
         if comfy_dir in sys.path:
             sys.path.remove(comfy_dir)
@@ -239,8 +247,8 @@ class ComfyHost:
         args.cpu = True  # before comfy.model_management: this CUDA torch raises without a driver
         args.base_directory = str(self.base_dir)  # before folder_paths
         args.front_end_root = str(self.base_dir / "web_root")  # no frontend package needed
-        importlib.import_module("utils.install_util")  # before nodes puts comfy/ on sys.path
 
+    def _import_comfy(self) -> None:
         self.folder_paths = importlib.import_module("folder_paths")
         self.model_management = importlib.import_module("comfy.model_management")
         self.comfy_utils = importlib.import_module("comfy.utils")
@@ -250,6 +258,8 @@ class ComfyHost:
         self._check_origin()
         self.version = importlib.import_module("comfyui_version").__version__
 
+    def _start_server(self) -> None:
+        """The real server (never started), the progress hook, core and custom nodes."""
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
         # The real server, never started: it queues what it would send in ``server.messages``.
