@@ -62,21 +62,27 @@ def test_fixed_budget_keeps_blocks_and_off_keeps_none(wan_pipe):
     assert kept_none.resident_indices() == set()
 
 
+def _fails_once(real, failures: list, why: str):
+    """``real``, except that its first call raises an OOM (recorded in ``failures``)."""
+
+    def call(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise torch.OutOfMemoryError(why)
+        return real(*args, **kwargs)
+
+    return call
+
+
 def test_oom_in_a_block_buffer_gives_kept_blocks_up_and_the_step_goes_on(wan_pipe, monkeypatch):
     ref = run_wan(wan_pipe)
     block = max(b.nbytes for b in _placed(wan_pipe)[1].blocks)
     engine, streamer = _placed(wan_pipe, CFG.replace(preload=1.5 * block / 2**30))
     kept_before = streamer.resident_indices()
     assert len(kept_before) == 1
-    real_empty, failures = torch.empty, []
-
-    def empty_failing_once(*args, **kwargs):
-        if not failures:
-            failures.append(args)
-            raise torch.OutOfMemoryError("scripted: no room for the block buffer")
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(streamer_module.torch, "empty", empty_failing_once)
+    failures = []
+    monkeypatch.setattr(streamer_module.torch, "empty",
+                        _fails_once(torch.empty, failures, "scripted: no room for the block buffer"))
     out = _run(engine, wan_pipe)
     assert failures, "the scripted OOM never fired"
     assert streamer.resident_indices() == set()  # the kept block was given up
@@ -91,16 +97,8 @@ def test_oom_before_the_first_block_gives_kept_blocks_up_and_the_forward_runs_ag
     block = max(b.nbytes for b in _placed(wan_pipe)[1].blocks)
     engine, streamer = _placed(wan_pipe, CFG.replace(preload=1.5 * block / 2**30))
     assert len(streamer.resident_indices()) == 1
-    embed = wan_pipe.transformer.patch_embedding
-    real_forward, failures = embed.forward, []
-
-    def failing_once(*args, **kwargs):
-        if not failures:
-            failures.append(args)
-            raise torch.OutOfMemoryError("scripted: no room for the inputs")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(embed, "forward", failing_once)
+    embed, failures = wan_pipe.transformer.patch_embedding, []
+    monkeypatch.setattr(embed, "forward", _fails_once(embed.forward, failures, "scripted: no room for the inputs"))
     out = _run(engine, wan_pipe)
     assert failures, "the scripted OOM never fired"
     assert streamer.resident_indices() == set()
