@@ -108,12 +108,14 @@ class _ModelHook(MarkerHook):
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
+        attempt = 0
         while True:
             try:
                 return self.fn_ref.original_forward(*args, **kwargs)
             except torch.OutOfMemoryError:
-                if not self.streamer.relieve_outside_blocks():
+                if not self.streamer.relieve_outside_blocks(first=attempt == 0):
                     raise
+            attempt += 1
 
 
 class BlockStreamer:
@@ -320,11 +322,13 @@ class BlockStreamer:
                 block.bind_host()
                 block.resident = None
 
-    def relieve_outside_blocks(self) -> bool:
-        """Free memory for a forward that ran out of it outside the blocks; False when nothing can go."""
+    def relieve_outside_blocks(self, first: bool) -> bool:
+        """Free memory for a forward that ran out of it outside the blocks; False when nothing can
+        go. Dropping the blocks copied ahead is tried on the ``first`` failure only: a forward
+        refills them, so only giving kept blocks up, which runs out, may repeat."""
         self._unbind_all()
         self._seen = []  # the forward runs again from the start
-        if self._inflight:
+        if first and self._inflight:
             self.drop_prefetched()
             return True
         return self.notify("oom", block=None)

@@ -105,6 +105,24 @@ def test_oom_before_the_first_block_gives_kept_blocks_up_and_the_forward_runs_ag
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
+def test_a_forward_that_keeps_running_out_outside_the_blocks_is_not_retried_forever(wan_pipe, monkeypatch):
+    """On the GPU every attempt refills the blocks copied ahead; dropping them is tried once."""
+    engine, streamer = _placed(wan_pipe)
+    calls = []
+
+    def always_short(*args, **kwargs):
+        calls.append(args)
+        if len(calls) > 5:
+            raise RuntimeError("retried without end")
+        streamer._inflight[1] = (torch.empty(1), None)  # what an attempt's prefetch leaves on a GPU
+        raise torch.OutOfMemoryError("scripted: the card is full")
+
+    monkeypatch.setattr(wan_pipe.transformer.patch_embedding, "forward", always_short)
+    with pytest.raises(torch.OutOfMemoryError):
+        _run(engine, wan_pipe)
+    assert len(calls) == 2  # the call, and one retry without the prefetched blocks
+
+
 def test_oom_with_nothing_left_to_give_up_is_raised(wan_pipe, monkeypatch):
     engine, streamer = _placed(wan_pipe)
     assert streamer.resident_indices() == set()
