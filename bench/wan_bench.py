@@ -89,14 +89,48 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(m, feeds, warmup: int, repeats: int) -> tuple[float, list[float], torch.Tensor]:
-    """The peak is reset before the warm-up, never between forwards: the engine's planner reads
-    the allocator peak of each forward itself."""
+class PeakWatch:
+    """The process's allocator peaks over many forwards. The engine's planner resets torch's peak
+    statistics at each forward's start and at its first block, so the watch reads them just before
+    each reset (as the streamer's first listener) and after each forward (``sample``)."""
+
+    def __init__(self, streamer=None) -> None:
+        self.alloc = self.reserved = 0  # since the watch began
+        self.interval = (0, 0)  # (alloc, reserved) since the last ``take``
+        if streamer is not None and hasattr(streamer, "listeners"):
+            streamer.listeners.insert(0, self._on_event)
+
+    def _on_event(self, event: str, streamer, **info) -> bool:
+        if event in ("forward", "cycle"):
+            self.sample()
+        return False
+
+    def sample(self) -> None:
+        if DEV.type != "cuda":
+            return
+        alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        self.alloc, self.reserved = max(self.alloc, alloc), max(self.reserved, reserved)
+        self.interval = (max(self.interval[0], alloc), max(self.interval[1], reserved))
+
+    def take(self) -> tuple[float, float]:
+        """(alloc, reserved) GiB peaks since the last call."""
+        self.sample()
+        out, self.interval = self.interval, (0, 0)
+        return out[0] / GiB, out[1] / GiB
+
+
+def timed(m, feeds, warmup: int, repeats: int, watch: PeakWatch | None = None
+          ) -> tuple[float, list[float], torch.Tensor]:
+    """The peak statistics are reset once, before the warm-up; ``watch`` samples them around the
+    planner's own resets."""
     sync()
     if DEV.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    watch = watch or PeakWatch()
+    watch.alloc = watch.reserved = 0
     for _ in range(warmup):
         out = forward(m, *feeds)
+        watch.sample()
     runs = []
     for _ in range(repeats):
         sync()
@@ -104,6 +138,7 @@ def timed(m, feeds, warmup: int, repeats: int) -> tuple[float, list[float], torc
         out = forward(m, *feeds)
         sync()
         runs.append(time.perf_counter() - t0)
+        watch.sample()
     return statistics.median(runs), runs, out
 
 
@@ -200,13 +235,13 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
         if firstk is not None:  # the manual knob: no planner, blocks 0..K-1 resident
             streamer.listeners.clear()
             streamer.set_resident(set(range(firstk)))
+        watch = PeakWatch(streamer)
         for w in workloads:
-            med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
+            med, runs, out = timed(m, feeds[w], args.warmup, args.repeats, watch)
             kept = streamer.details().get("kept", 0) if hasattr(streamer, "details") else 0
             kept_bytes = sum(b.nbytes for b in getattr(streamer, "blocks", []) if b.resident is not None)
             out_rows[w] = row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
-                peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
-                peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, free_at_start_gib=free0 / GiB,
+                peak_alloc_gib=watch.alloc / GiB, peak_reserved_gib=watch.reserved / GiB, free_at_start_gib=free0 / GiB,
                 pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
                 rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, place_s=place_s,
                 kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
@@ -276,22 +311,28 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
     eng, bag = Engine(), Components(transformer=m)
     eng.place(bag, OffloadConfig(preload="auto"))
     streamer = eng.states(bag)["transformer"].transport
-    plans, ooms0 = [], torch.cuda.memory_stats().get("num_ooms", 0)
+    stats = torch.cuda.memory_stats
+    plans, per_cycle, ooms0, retries0 = [], [], stats().get("num_ooms", 0), stats().get("num_alloc_retries", 0)
     torch.cuda.reset_peak_memory_stats()
+    watch = PeakWatch(streamer)
     worst = 0.0
     for i in range(args.cycles):
         w = "small" if i % 2 == 0 else "video"
+        before = (stats().get("num_ooms", 0), stats().get("num_alloc_retries", 0))
         out = forward(m, *feeds[w])
         torch.cuda.synchronize()
         worst = max(worst, rel_err(out, refs[w]))
         line = streamer.details()["plan"]
         if not plans or plans[-1] != line:
             plans.append(line)
+        alloc, reserved = watch.take()
+        per_cycle.append(dict(workload=w, kept=len(streamer.resident_indices()), peak_alloc_gib=round(alloc, 3),
+                              peak_reserved_gib=round(reserved, 3), ooms=stats().get("num_ooms", 0) - before[0],
+                              retries=stats().get("num_alloc_retries", 0) - before[1]))
         del out
-    row(section="cycles", cap_gib=cap, cycles=args.cycles, ooms=torch.cuda.memory_stats().get("num_ooms", 0) - ooms0,
-        retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
-        peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
-        peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB, worst_rel_err=worst, plans=plans)
+    row(section="cycles", cap_gib=cap, cycles=args.cycles, ooms=stats().get("num_ooms", 0) - ooms0,
+        retries=stats().get("num_alloc_retries", 0) - retries0, peak_reserved_gib=watch.reserved / GiB,
+        peak_alloc_gib=watch.alloc / GiB, worst_rel_err=worst, plans=plans, per_cycle=per_cycle)
     eng.release(bag)
     ballast.close()
 

@@ -9,14 +9,17 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 - each tower block keeps its weights where they already are in host memory, page-locked in place
   (`PinSet`), as the master copy; a forward binds the block's tensors to views of one flat device
   buffer and re-binds them to the host copy afterwards (the same Parameter objects throughout);
-- ``window + 1`` buffers circulate: while a block computes, the next ``window`` streamed blocks in
-  *execution* order (recorded, not assumed) are in flight on a side stream, and the moment a block
-  exits, its buffer is handed to the streamed block after those (so a copy is queued a whole
-  block earlier than at the next block's entry: when kept blocks sit between streamed ones, the
-  host's launch time for them no longer delays the copy). A block that was not prefetched loads
-  synchronously, so a wrong guess costs time, never correctness;
+- ``window + 1`` buffers circulate (`BufferRing`, allocated once per run, never freed inside it):
+  while a block computes, the next ``window`` streamed blocks in *execution* order (recorded, not
+  assumed) are in flight on a side stream, and the moment a block exits, its buffer is handed to
+  the streamed block after those (so a copy is queued a whole block earlier than at the next
+  block's entry: when kept blocks sit between streamed ones, the host's launch time for them no
+  longer delays the copy). A block that was not prefetched loads synchronously, so a wrong guess
+  costs time, never correctness;
 - any subset of blocks can be kept resident (``set_resident``), changed between steps;
-- block buffers belong to the compute stream, so ``record_stream`` is never needed here (the
+- a buffer is written on the side stream after the compute work that last read it (an event per
+  buffer, not a wait for all queued compute), and read on the compute stream after its copy;
+  buffers belong to the compute stream's pool, so ``record_stream`` is never needed here (the
   option still applies to diffusers' leaf groups).
 """
 
@@ -31,6 +34,7 @@ from diffusers.hooks import ModelHook
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
+from .ring import BufferRing, RingSlot
 from .towers import find_towers
 
 log = get_logger("streamer")
@@ -131,8 +135,9 @@ class BlockStreamer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and ctx.use_stream else None
         self.order: list[int] = []  # execution order seen in the last cycle
         self._seen: list[int] = []
-        self._inflight: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
-        self._bound: dict[int, torch.Tensor] = {}
+        self.ring = BufferRing(self.device, ctx.prefetch_window + 1)
+        self._inflight: dict[int, RingSlot] = {}
+        self._bound: dict[int, RingSlot] = {}
         self._head_bytes = 0
         self._transit_peak = 0
         self.listeners: list = []  # callables(event, streamer, **info): forward, cycle, oom, end
@@ -150,6 +155,7 @@ class BlockStreamer:
             add_hook(block.module, _BlockHook(self, block), STREAM_HOOK)
         add_hook(module, _ModelHook(self), MARKER)
         self.order = [b.index for b in self.blocks]
+        self.ring.resize(self._largest_streamed())
         log.info(
             "%s: %d blocks in %d tower(s) streamed (%.2f GiB/step, %s, %s), non-block part resident (%.2f GiB)",
             type(module).__name__, len(self.blocks), len(towers), self.streamed_bytes() / 2**30,
@@ -163,8 +169,8 @@ class BlockStreamer:
             remove_hook(block.module, STREAM_HOOK)
             block.resident = None
             block.bind_host()
-        self._inflight.clear()
-        self._bound.clear()
+        self._unbind_all()
+        self.drop_prefetched()
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.pins.release()
@@ -216,23 +222,26 @@ class BlockStreamer:
 
     def _make_ready(self, block: StreamBlock) -> None:
         if block.resident is None and block.index not in self._bound:
-            buf = self._take(block)
-            self._bound[block.index] = buf
-            block.bind(block.views(buf))
+            slot = self._take(block)
+            self._bound[block.index] = slot
+            block.bind(block.views(slot.buf))
         self._prefetch_after(block)
+        self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
     def exit(self, block: StreamBlock) -> None:
-        if self._bound.pop(block.index, None) is not None:
+        slot = self._bound.pop(block.index, None)
+        if slot is not None:
             block.bind_host()
+            self.ring.release(slot, read_by_compute=True)
             # Its buffer's next user. On an OOM that block loads at its entry instead, where an
             # OOM gives kept blocks up.
             with contextlib.suppress(torch.OutOfMemoryError):
-                self._prefetch_after(block, wrap=False)
+                self._prefetch_after(block)
 
     def _unbind_all(self) -> None:
         for index in list(self._bound):
-            del self._bound[index]
             self.blocks[index].bind_host()
+            self.ring.release(self._bound.pop(index), read_by_compute=True)
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         if len(self._seen) >= len(self.order) // 2 and self._seen:
@@ -246,64 +255,62 @@ class BlockStreamer:
         one of them acted (an OOM was relieved)."""
         return any([bool(listener(event, self, **info)) for listener in self.listeners])
 
-    def _take(self, block: StreamBlock) -> torch.Tensor:
-        entry = self._inflight.pop(block.index, None)
-        if entry is None:
-            entry = self._load(block)
-        buf, ready = entry
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-        return buf
+    def _take(self, block: StreamBlock) -> RingSlot:
+        slot = self._inflight.pop(block.index, None)
+        if slot is None:
+            slot = self._load(block)
+        if slot.written is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.written)
+        return slot
 
-    def _prefetch_after(self, block: StreamBlock, wrap: bool = True) -> None:
+    def _prefetch_after(self, block: StreamBlock) -> None:
         """Keep exactly the next streamed blocks after ``block`` in flight that fill the
-        ``window + 1`` buffers with the one bound now, if any. Without ``wrap``, none of the next
-        forward's: the extra buffer would stay through the non-block tail and the next head,
-        where a large workload's activations peak."""
+        ``window + 1`` ring buffers with the one bound now, if any (past the last block: the next
+        forward's first ones; the ring holds that memory whether or not it is in use)."""
         if self.copy_stream is None:
             return
         count = self.ctx.prefetch_window + 1 - len(self._bound)
-        upcoming = self._upcoming(block.index, count, wrap)
-        if not wrap:
-            upcoming = [*upcoming, *(i for i in self._inflight if i not in upcoming)][:count]
+        upcoming = self._upcoming(block.index, count)
         for index in list(self._inflight):
             if index not in upcoming:
                 self._discard(index)  # a skipped branch, a changed plan
         for index in upcoming:
             if index not in self._inflight:
                 self._inflight[index] = self._load(self.blocks[index])
-        self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
-    def _upcoming(self, index: int, count: int, wrap: bool = True) -> list[int]:
+    def _upcoming(self, index: int, count: int) -> list[int]:
         order = self.order
         pos = order.index(index) if index in order else -1
         out: list[int] = []
         for step in range(1, len(order) + 1):
             nxt = order[(pos + step) % len(order)]
-            if nxt == index or len(out) >= count or (not wrap and pos + step >= len(order)):
+            if nxt == index or len(out) >= count:
                 break
             if self.blocks[nxt].resident is None:
                 out.append(nxt)
         return out
 
-    def _load(self, block: StreamBlock) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Copy a block into a fresh flat buffer. The buffer comes from the *compute* stream's
-        pool (one pool: no memory cached per stream, so a tight card does not make the allocator
-        flush and retry), and the side stream first waits for the compute work queued so far,
-        which may still read memory the allocator just handed out: at most the block that has
-        just exited, whose buffer this usually is, so the copy still overlaps what runs next."""
-        buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+    def _load(self, block: StreamBlock) -> RingSlot:
+        """Copy a streamed block into a ring slot, once the compute work that last read the
+        slot is done (usually the block that has just exited: the copy overlaps what runs next)."""
+        slot = self.ring.acquire()
+        slot.written = self._copy(block, slot.buf, after=slot.read)
+        return slot
+
+    def _copy(self, block: StreamBlock, buf: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Copy ``block``'s host tensors into ``buf``: on the side stream after ``after``, returning
+        the event that marks the copy done, or on the compute stream where there is no side stream."""
         stream = self.copy_stream
         if stream is None:
             for dst, slot in zip(block.views(buf), block.slots, strict=True):
                 dst.copy_(slot.host)
-            return buf, None
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+            return None
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             for dst, slot in zip(block.views(buf), block.slots, strict=True):
                 dst.copy_(slot.host, non_blocking=block.pinned)
-            ready = stream.record_event()
-        return buf, ready
+            return stream.record_event()
 
     # -- resident set (preload) ---------------------------------------------------------------
     def set_resident(self, indices: set[int]) -> None:
@@ -313,14 +320,29 @@ class BlockStreamer:
             if keep and block.resident is None:
                 if block.index in self._inflight:
                     self._discard(block.index)
-                buf, ready = self._load(block)
-                if ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(ready)
-                block.resident = buf
-                block.bind(block.views(buf))
+                block.resident = self._load_resident(block)
+                block.bind(block.views(block.resident))
             elif not keep and block.resident is not None:
                 block.bind_host()
                 block.resident = None
+        largest = self._largest_streamed()
+        if largest != self.ring.slot_bytes:
+            self.drop_prefetched()
+            self.ring.resize(largest)
+
+    def _load_resident(self, block: StreamBlock) -> torch.Tensor:
+        """A kept block's own buffer, from the compute stream's pool: the copy waits for the
+        compute work queued so far, which may still read that memory, and the compute stream for
+        the copy."""
+        buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
+        ready = self._copy(block, buf, after)
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)
+        return buf
+
+    def _largest_streamed(self) -> int:
+        return max((b.nbytes for b in self.blocks if b.resident is None), default=0)
 
     def relieve_outside_blocks(self, first: bool) -> bool:
         """Free memory for a forward that ran out of it outside the blocks; False when nothing can
@@ -334,17 +356,16 @@ class BlockStreamer:
         return self.notify("oom", block=None)
 
     def drop_prefetched(self) -> None:
-        """Forget the blocks copied ahead: they would be stale after a write to the host copies."""
+        """Forget the blocks copied ahead (they would be stale after a write to the host copies)
+        and give the idle ring buffers back to the allocator."""
         for index in list(self._inflight):
             self._discard(index)
+        self.ring.clear()
 
     def _discard(self, index: int) -> None:
-        """Give a prefetched buffer back to the pool. Its copy may still be running on the side
-        stream, and the pool hands memory out in compute-stream order: the compute stream waits
-        for the copy first, or the next activation placed there would be overwritten."""
-        _buf, ready = self._inflight.pop(index)
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+        """A prefetched block will not run next (a skipped branch, a changed plan): its slot
+        goes back to the ring unread."""
+        self.ring.release(self._inflight.pop(index), read_by_compute=False)
 
     def resident_indices(self) -> set[int]:
         return {b.index for b in self.blocks if b.resident is not None}
@@ -352,8 +373,8 @@ class BlockStreamer:
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
         self.notify("end")
-        self.drop_prefetched()
         self._unbind_all()
+        self.drop_prefetched()
         self._seen = []
 
     def weights_at_peak(self) -> int:
@@ -367,7 +388,7 @@ class BlockStreamer:
         self._transit_peak = self._transit_bytes()
 
     def _transit_bytes(self) -> int:
-        return sum(b.numel() for b in self._bound.values()) + sum(e[0].numel() for e in self._inflight.values())
+        return self.ring.nbytes
 
     # -- accounting -------------------------------------------------------------------------
     def head_bytes(self) -> int:

@@ -1,0 +1,87 @@
+"""The streamed blocks' device buffers: a few flat buffers allocated once and reused block after
+block, each with the events that say when it may be written and read.
+
+Why not a fresh buffer per block from the caching allocator: a freed 0.7 GB block buffer is
+split for the activations allocated next, so the next block's buffer needs a new segment. Under
+a video's activations on a 12 GiB card that churn left about 1.7 GiB reserved but unusable
+(run 8: 9.9 GiB allocated at the peak, 11.6 GiB reserved), which the preload had to learn as a
+penalty through shortages. Buffers that are never freed inside a run cannot be split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(eq=False)
+class RingSlot:
+    buf: torch.Tensor
+    written: torch.cuda.Event | None = None  # the last copy into it, on the side stream
+    read: torch.cuda.Event | None = None  # the last compute work that may read it
+
+
+class BufferRing:
+    """``capacity`` buffers of ``slot_bytes``. A slot taken while all are busy (a block that was
+    not prefetched) is allocated beside them and freed when it comes back, so the ring never
+    holds more than ``capacity`` between uses."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.slot_bytes = 0
+        self._free: list[RingSlot] = []
+        self._busy = 0
+        self._cuda = device.type == "cuda"
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the ring holds, free and busy slots together."""
+        return (len(self._free) + self._busy) * self.slot_bytes
+
+    def resize(self, slot_bytes: int) -> None:
+        """The largest streamed block changed (a new resident set): free slots of the old size
+        go now, busy ones when they come back."""
+        if slot_bytes != self.slot_bytes:
+            self.clear()
+            self.slot_bytes = slot_bytes
+
+    def acquire(self) -> RingSlot:
+        """A slot to copy a block into. A new one is allocated from the compute stream's pool,
+        whose queued work may still read that memory: its ``read`` event covers that work."""
+        self._busy += 1
+        if self._free:
+            return self._free.pop()
+        try:
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        except BaseException:
+            self._busy -= 1
+            raise
+        return RingSlot(buf, read=self._record())
+
+    def release(self, slot: RingSlot, read_by_compute: bool) -> None:
+        """A slot is free again: after its block ran (``read_by_compute``), or unread (a
+        dropped prefetch, whose copy may still be running: the next copy into it queues behind
+        it on the same side stream)."""
+        self._busy -= 1
+        if read_by_compute:
+            slot.read = self._record()
+        if slot.buf.numel() == self.slot_bytes and len(self._free) + self._busy < self.capacity:
+            self._free.append(slot)
+        else:
+            self._drop(slot)
+
+    def clear(self) -> None:
+        """Give the free slots back to the allocator (end of a run, an OOM to relieve)."""
+        while self._free:
+            self._drop(self._free.pop())
+
+    def _drop(self, slot: RingSlot) -> None:
+        # The pool hands freed memory out in compute-stream order: the compute stream waits for
+        # a copy still running into it, or the next activation placed there is overwritten.
+        if slot.written is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.written)
+
+    def _record(self) -> torch.cuda.Event | None:
+        return torch.cuda.current_stream(self.device).record_event() if self._cuda else None
