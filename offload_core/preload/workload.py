@@ -9,6 +9,7 @@ the same signature.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -27,6 +28,24 @@ def entry_signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple:
     """The shapes of a model call's tensor inputs: the same workload enters with the same
     shapes, so a workload can be recognised before its first block runs."""
     return tuple(tuple(t.shape) for t in _tensors([*args, *kwargs.values()]))
+
+
+def scaled_workload(entry: tuple, known_entry: tuple, known_workload: int) -> int | None:
+    """A guess at the workload of a call entering with ``entry``, from one that entered with
+    ``known_entry``: the known workload scaled by the input that changed the most (a new
+    resolution or frame count scales the tokens with the latents; the text states stay). None
+    when the calls do not compare."""
+    if len(entry) != len(known_entry) or any(len(a) != len(b) for a, b in zip(entry, known_entry, strict=True)):
+        return None
+    ratios = [max(_numel(new), 1) / max(_numel(old), 1) for new, old in zip(entry, known_entry, strict=True)]
+    return int(known_workload * max(ratios, key=lambda r: abs(math.log(r)), default=1.0))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
 
 
 def _tensors(values: Iterable[Any]) -> Iterator[torch.Tensor]:

@@ -11,7 +11,7 @@ import torch
 from ..memory import MemoryReader
 from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
 from ..preload.policy import Policy, parse_policy
-from ..preload.workload import entry_signature
+from ..preload.workload import entry_signature, scaled_workload
 from .streamer import BlockStreamer
 
 PLANNER = "_diffusers_offload_planner"
@@ -74,6 +74,7 @@ class PreloadDriver:
         self._pending: CycleUsage | None = None
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
+        self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
         streamer.listeners.append(self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -96,16 +97,26 @@ class PreloadDriver:
 
     def _forward_begins(self, args: tuple, kwargs: dict) -> None:
         """Before the denoiser's own first allocation: close the books of the last forward, give
-        up now the blocks a known workload's plan drops (its inputs are made before the first
-        block, where its cycle begins), and take what others hold as the baseline, so the
-        activations the non-block part makes before the first block count as ours."""
+        up now the blocks the coming workload's plan drops (its inputs are made before the first
+        block, where its cycle begins: on a tight card the non-block part would otherwise run out
+        of memory, and cuDNN would pick, and keep for the process, another convolution algorithm
+        for it), and take what others hold as the baseline, so the activations the non-block part
+        makes before the first block count as ours."""
         self._pending = self._usage()
         self._entry = entry_signature(args, kwargs)
-        coming = self._workload_by_entry.get(self._entry)
+        coming = self._coming_workload()
         if coming is not None and coming != self.planner.last_workload:
             self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
         self.memory.reset_peak(self.streamer.device)
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
+
+    def _coming_workload(self) -> int | None:
+        """The workload this forward will run: known from an earlier cycle entered the same way,
+        else guessed from the last cycle's by how its inputs grew."""
+        known = self._workload_by_entry.get(self._entry)
+        if known is not None or self._last is None:
+            return known
+        return scaled_workload(self._entry, *self._last)
 
     def on_event(self, event: str, streamer: BlockStreamer, **info) -> bool:
         if event == "forward":
@@ -114,6 +125,7 @@ class PreloadDriver:
             self._check_shortage(running=None)
             workload = workload_of(info["args"], info["kwargs"])
             self._workload_by_entry[self._entry] = workload
+            self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload, self._pending)
             self._apply(target)
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak

@@ -184,6 +184,26 @@ def test_a_known_larger_workload_gets_its_blocks_back_before_its_inputs_are_made
     assert len(streamer.blocks) == 2 and at_entry[0] == set(), at_entry  # second large run: given up at entry
 
 
+def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_inputs_are_made(wan_pipe, monkeypatch):
+    """Its plan is unmeasured: estimated from the known workload's measure, scaled by how the
+    model's inputs grew, and the blocks it drops go before the non-block part runs."""
+    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # grow at once
+    card = _Card(free=MARGIN_BASE + 2**20)  # both tiny blocks fit beside the small run's activations
+    engine = Engine(memory=card)
+    engine.place(wan_pipe, CFG.replace(preload="auto"))
+    card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
+    at_entry = []
+    wan_pipe.transformer.patch_embedding.register_forward_pre_hook(
+        lambda module, args: at_entry.append(streamer.resident_indices()))
+    card.activations = 128 * 2**10
+    _run(engine, wan_pipe, height=16, width=16)
+    assert len(streamer.resident_indices()) == 2  # measured: both kept for the small workload
+    at_entry.clear()
+    card.activations *= 16  # 64x64 has 16 times the tokens: 2 MiB, more than the room
+    _run(engine, wan_pipe, height=64, width=64)
+    assert at_entry[0] == set(), at_entry
+
+
 class _FullCard(MemoryReader):
     """A card with no room left beyond what the engine already holds."""
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers_offload.offload_core.preload.fit import GIB, MIB
 from diffusers_offload.offload_core.preload.policy import AUTO, OFF, Policy, parse_policy
-from diffusers_offload.offload_core.preload.workload import workload_of
+from diffusers_offload.offload_core.preload.workload import entry_signature, scaled_workload, workload_of
 
 
 @dataclass
@@ -37,6 +37,20 @@ def test_no_tensor_is_zero():
 def test_resolution_changes_the_workload():
     low = workload_of((torch.zeros(1, 1024, 64),), {})
     assert workload_of((torch.zeros(1, 4096, 64),), {}) != low
+
+
+def test_a_new_entry_scales_the_known_workload_by_the_input_that_grew_most():
+    text = torch.zeros(1, 512, 4096)
+    image = entry_signature((torch.zeros(1, 16, 1, 64, 64),), {"text": text, "t": torch.zeros(1)})
+    video = entry_signature((torch.zeros(1, 16, 21, 60, 104),), {"text": text, "t": torch.zeros(1)})
+    assert scaled_workload(video, image, known_workload=1024) == pytest.approx(1024 * 21 * 60 * 104 / 64**2, abs=1)
+    assert scaled_workload(image, video, known_workload=32760) == pytest.approx(32760 * 64**2 / (21 * 60 * 104), abs=1)
+
+
+def test_entries_of_another_structure_give_no_guess():
+    one = entry_signature((torch.zeros(1, 16, 64, 64),), {})
+    assert scaled_workload(entry_signature((torch.zeros(1, 16, 64, 64), torch.zeros(2)), {}), one, 10) is None
+    assert scaled_workload(entry_signature((torch.zeros(16, 64, 64),), {}), one, 10) is None
 
 
 @pytest.mark.parametrize(
