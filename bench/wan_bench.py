@@ -25,6 +25,7 @@ import gc
 import importlib.util
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -91,8 +92,10 @@ def sync() -> None:
 
 class PeakWatch:
     """The process's allocator peaks over many forwards. The engine's planner resets torch's peak
-    statistics at each forward's start and at its first block, so the watch reads them just before
-    each reset (as the streamer's first listener) and after each forward (``sample``)."""
+    statistics when a forward begins and at its first block, so the watch reads them just before
+    each reset (as the streamer's first listener) and after each forward (``take``/``sample``).
+    The reading at a forward's start covers the time since the last forward ended (the bench's
+    own work): it counts for the whole run, not for the forward that begins."""
 
     def __init__(self, streamer=None) -> None:
         self.alloc = self.reserved = 0  # since the watch began
@@ -102,15 +105,16 @@ class PeakWatch:
 
     def _on_event(self, event: str, streamer, **info) -> bool:
         if event in ("forward", "cycle"):
-            self.sample()
+            self.sample(interval=event == "cycle")
         return False
 
-    def sample(self) -> None:
+    def sample(self, interval: bool = True) -> None:
         if DEV.type != "cuda":
             return
         alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
         self.alloc, self.reserved = max(self.alloc, alloc), max(self.reserved, reserved)
-        self.interval = (max(self.interval[0], alloc), max(self.interval[1], reserved))
+        if interval:
+            self.interval = (max(self.interval[0], alloc), max(self.interval[1], reserved))
 
     def take(self) -> tuple[float, float]:
         """(alloc, reserved) GiB peaks since the last call."""
@@ -358,7 +362,8 @@ def main() -> None:
     import diffusers
 
     row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
-        h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB)
+        h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB,
+        allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     if "modes" in sections:
         section_modes(args)
     if not set(sections) - {"modes"}:
