@@ -251,7 +251,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
                 streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB,
                 alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
-                ooms=torch.cuda.memory_stats().get("num_ooms", 0))
+                ooms=torch.cuda.memory_stats().get("num_ooms", 0), ooms_met_by_engine=getattr(streamer, "ooms", 0))
             del out
             if out_rows[w]["rel_err"] > 1e-3:
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")
@@ -322,7 +322,7 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
     worst = 0.0
     for i in range(args.cycles):
         w = "small" if i % 2 == 0 else "video"
-        before = (stats().get("num_ooms", 0), stats().get("num_alloc_retries", 0))
+        before = (stats().get("num_ooms", 0), stats().get("num_alloc_retries", 0), streamer.ooms)
         out = forward(m, *feeds[w])
         torch.cuda.synchronize()
         worst = max(worst, rel_err(out, refs[w]))
@@ -332,9 +332,11 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
         alloc, reserved = watch.take()
         per_cycle.append(dict(workload=w, kept=len(streamer.resident_indices()), peak_alloc_gib=round(alloc, 3),
                               peak_reserved_gib=round(reserved, 3), ooms=stats().get("num_ooms", 0) - before[0],
-                              retries=stats().get("num_alloc_retries", 0) - before[1]))
+                              retries=stats().get("num_alloc_retries", 0) - before[1],
+                              ooms_met_by_engine=streamer.ooms - before[2]))
         del out
     row(section="cycles", cap_gib=cap, cycles=args.cycles, ooms=stats().get("num_ooms", 0) - ooms0,
+        ooms_met_by_engine=sum(c["ooms_met_by_engine"] for c in per_cycle),
         retries=stats().get("num_alloc_retries", 0) - retries0, peak_reserved_gib=watch.reserved / GiB,
         peak_alloc_gib=watch.alloc / GiB, worst_rel_err=worst, plans=plans, per_cycle=per_cycle)
     eng.release(bag)

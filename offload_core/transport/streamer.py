@@ -25,7 +25,6 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +88,7 @@ class _BlockHook(ModelHook):
             try:
                 return self.fn_ref.original_forward(*args, **kwargs)
             except torch.OutOfMemoryError:
+                self.streamer.ooms += 1
                 if not self.streamer.notify("oom", block=self.block):
                     raise
 
@@ -117,6 +117,7 @@ class _ModelHook(MarkerHook):
             try:
                 return self.fn_ref.original_forward(*args, **kwargs)
             except torch.OutOfMemoryError:
+                self.streamer.ooms += 1
                 if not self.streamer.relieve_outside_blocks(first=attempt == 0):
                     raise
             attempt += 1
@@ -140,6 +141,7 @@ class BlockStreamer:
         self._bound: dict[int, RingSlot] = {}
         self._head_bytes = 0
         self._transit_peak = 0
+        self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
         self.listeners: list = []  # callables(event, streamer, **info): forward, cycle, oom, end
 
     # -- apply / remove -------------------------------------------------------------------
@@ -217,6 +219,7 @@ class BlockStreamer:
             try:
                 return self._make_ready(block)
             except torch.OutOfMemoryError:  # our own buffer did not fit: give kept blocks up
+                self.ooms += 1
                 if not self.notify("oom", block=block):
                     raise
 
@@ -235,8 +238,10 @@ class BlockStreamer:
             self.ring.release(slot, read_by_compute=True)
             # Its buffer's next user. On an OOM that block loads at its entry instead, where an
             # OOM gives kept blocks up.
-            with contextlib.suppress(torch.OutOfMemoryError):
+            try:
                 self._prefetch_after(block)
+            except torch.OutOfMemoryError:
+                self.ooms += 1
 
     def _unbind_all(self) -> None:
         for index in list(self._bound):
@@ -433,6 +438,7 @@ class BlockStreamer:
             "streamed_per_step": self.streamed_bytes(),
             "stream": self.copy_stream is not None,
             "window": self.ctx.prefetch_window,
+            "ooms": self.ooms,
         }
 
 

@@ -87,6 +87,7 @@ def test_oom_in_a_block_buffer_gives_kept_blocks_up_and_the_step_goes_on(wan_pip
     assert failures, "the scripted OOM never fired"
     assert streamer.resident_indices() == set()  # the kept block was given up
     assert "blocks kept 0/2" in streamer.details()["plan"]
+    assert streamer.details()["ooms"] == len(failures) == 1
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
