@@ -22,8 +22,9 @@ class MemoryReading:
     free: the device's free memory (``torch.cuda.mem_get_info()[0]``).
     cached_unused: held by the caching allocator but not allocated
         (``memory_reserved() - memory_allocated()``): reusable by us.
-    resident: bytes of this model's weights on the device now; the plan may reuse them, so
-        they count as available although the device does not report them free.
+    resident: bytes of this model's kept blocks and streaming buffers on the device now; the
+        plan may reuse them, so they count as available although the device does not report
+        them free (the non-block part, which stays whatever the plan, is not among them).
     """
 
     free: int

@@ -78,8 +78,12 @@ class PreloadDriver:
         streamer.listeners.append(self.on_event)
 
     def reading(self) -> MemoryReading:
+        """The room a plan may use: the device's free and cached memory plus this model's kept
+        blocks and streaming buffers, which a plan reuses; not the non-block part, which stays
+        (counting it over-committed by its size: 0.5 GB on Wan, 1.6 GiB on H3, found as OOMs)."""
         free, cached = self.memory.device_free(self.streamer.device)
-        return MemoryReading(free=free, cached_unused=cached, resident=self.streamer.device_bytes())
+        reusable = self.streamer.device_bytes() - self.streamer.head_bytes()
+        return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0))
 
     def load(self) -> None:
         self.streamer.set_resident(set(self.planner.on_load()))

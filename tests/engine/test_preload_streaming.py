@@ -205,6 +205,17 @@ def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_in
     assert at_entry[0] == set(), at_entry
 
 
+def test_the_non_block_part_is_not_room_a_plan_may_reuse(wan_pipe, monkeypatch):
+    """Kept blocks and streaming buffers can be reused by a new plan; the resident non-block
+    part cannot, so it must not count as available."""
+    engine = Engine(memory=_Card(free=0))
+    engine.place(wan_pipe, CFG.replace(preload="auto"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    assert streamer.head_bytes() > 0
+    monkeypatch.setattr(streamer, "device_bytes", lambda: streamer.head_bytes() + 4096)  # as on a GPU
+    assert streamer.driver.reading().resident == 4096
+
+
 class _FullCard(MemoryReader):
     """A card with no room left beyond what the engine already holds."""
 
