@@ -225,6 +225,8 @@ class BlockStreamer:
 
     def _make_ready(self, block: StreamBlock) -> None:
         if block.resident is None and block.index not in self._bound:
+            if block.index not in self._inflight:
+                self._drop_wrong_guesses(block)
             slot = self._take(block)
             self._bound[block.index] = slot
             block.bind(block.views(slot.buf))
@@ -267,6 +269,15 @@ class BlockStreamer:
         if slot.written is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.written)
         return slot
+
+    def _drop_wrong_guesses(self, block: StreamBlock) -> None:
+        """``block`` was not prefetched (a new plan, a skipped branch): the blocks in flight that
+        will not run after it give their buffers back first, so it loads into one of them rather
+        than into a buffer allocated beside them while the step's activations are live."""
+        after = self.ctx.prefetch_window - len(self._bound)
+        keep = set(self._upcoming(block.index, after))
+        for index in [i for i in self._inflight if i not in keep]:
+            self._discard(index)
 
     def _prefetch_after(self, block: StreamBlock) -> None:
         """Keep exactly the next streamed blocks after ``block`` in flight that fill the

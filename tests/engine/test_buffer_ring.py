@@ -3,7 +3,7 @@ uses, and a new resident set's block size replaces them (CPU: the event logic ne
 checked by the parity rows of bench/wan_bench.py)."""
 
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import Components, Engine, OffloadConfig
 from diffusers_offload.offload_core.transport.ring import BufferRing
 from fixtures.tiny_pipes import run_wan
 
@@ -40,20 +40,26 @@ def test_resizing_drops_slots_of_the_old_size_and_clear_drops_the_idle_ones():
     assert ring.acquire().buf.numel() == 512
 
 
+def _count_block_buffers(monkeypatch) -> list:
+    """Record every flat block buffer allocated from now on (uint8 ``torch.empty`` calls)."""
+    allocations = []
+    real_empty = torch.empty
+
+    def counting_empty(*args, **kwargs):
+        if kwargs.get("dtype") is torch.uint8:
+            allocations.append(args)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    return allocations
+
+
 def test_a_run_allocates_one_block_buffer_not_one_per_block_and_its_end_frees_it(wan_pipe, monkeypatch):
     ref = run_wan(wan_pipe)
     engine = Engine()
     engine.place(wan_pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, preload="off"))
     streamer = engine.states(wan_pipe)["transformer"].transport
-    allocations = []
-    real_empty = torch.empty
-
-    def counting_empty(*args, **kwargs):
-        if kwargs.get("dtype") is torch.uint8:  # flat block buffers
-            allocations.append(args)
-        return real_empty(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "empty", counting_empty)
+    allocations = _count_block_buffers(monkeypatch)
     try:
         out = run_wan(wan_pipe)  # 2 steps x 2 streamed blocks, no side stream on the CPU
         assert streamer.ring.nbytes == streamer.ring.slot_bytes
@@ -62,3 +68,53 @@ def test_a_run_allocates_one_block_buffer_not_one_per_block_and_its_end_frees_it
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     assert len(allocations) == 1
     assert streamer.ring.nbytes == 0
+
+
+class _SideStreamOnCpu:
+    """Stands in for the CUDA side stream on the CPU: the streamer's prefetch bookkeeping (which
+    blocks are in flight, in which buffer) runs as on a GPU; the copies happen at once."""
+
+
+def _copy_now(block, buf, after):
+    for dst, slot in zip(block.views(buf), block.slots, strict=True):
+        dst.copy_(slot.host)
+
+
+def _six_block_wan():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
+                                  out_channels=4, text_dim=16, freq_dim=32, ffn_dim=32, num_layers=6,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads").eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.5)  # random init leaves some weights zero: every block must matter
+    feeds = {"hidden_states": torch.randn(1, 4, 2, 8, 8), "encoder_hidden_states": torch.randn(1, 5, 16),
+             "timestep": torch.full((1,), 500.0), "return_dict": False}
+    return model, feeds
+
+
+def _forward(model, feeds):
+    with torch.inference_mode():
+        return model(**feeds)[0]
+
+
+def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reuses_the_buffers(monkeypatch):
+    model, feeds = _six_block_wan()
+    ref = _forward(model, feeds)
+    engine = Engine()
+    bag = Components(transformer=model)
+    engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0))
+    streamer = engine.states(bag)["transformer"].transport
+    streamer.listeners.clear()  # the plans are set by hand
+    monkeypatch.setattr(streamer, "copy_stream", _SideStreamOnCpu())
+    monkeypatch.setattr(streamer, "_copy", _copy_now)
+    streamer.set_resident({0, 2, 4})
+    torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
+    assert set(streamer._inflight) == {1, 3}  # the next forward's first streamed blocks, both buffers
+    streamer.set_resident(set())  # block 0 now streams first: 3 is a wrong guess
+    allocations = _count_block_buffers(monkeypatch)
+    torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
+    assert allocations == []  # block 0 loaded into the wrong guess's buffer, not a third one
+    assert streamer.ring.nbytes == 2 * streamer.ring.slot_bytes
+    engine.release(bag)
