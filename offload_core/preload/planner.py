@@ -247,4 +247,4 @@ def plan_line(
 
 
 def _gb(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GB"
+    return f"{nbytes / GIB:.2f} GiB"

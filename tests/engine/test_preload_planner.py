@@ -156,17 +156,17 @@ def test_each_plan_change_logs_one_line(caplog):
     planner.on_shortage()
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "wan: blocks kept 8/16 (8.00 GB), activations measured 2.00 GB (workload 100), penalty 0.00 GB",
-        "wan: blocks kept 7/16 (7.00 GB), activations measured 2.00 GB (workload 100), penalty 1.00 GB",
+        "wan: blocks kept 8/16 (8.00 GiB), activations measured 2.00 GiB (workload 100), penalty 0.00 GiB",
+        "wan: blocks kept 7/16 (7.00 GiB), activations measured 2.00 GiB (workload 100), penalty 1.00 GiB",
     ]
     assert planner.last_plan_line == lines[-1].removeprefix("wan: ")
 
 
 def test_plan_line_names_an_unmeasured_workload():
-    planner = make_planner(policy="3 GB")
+    planner = make_planner(policy="3 GiB")
     planner.on_unload()
     planner.on_load()
-    assert planner.last_plan_line == "blocks kept 3/16 (3.00 GB), activations unmeasured, penalty 0.00 GB"
+    assert planner.last_plan_line == "blocks kept 3/16 (3.00 GiB), activations unmeasured, penalty 0.00 GiB"
     planner.begin_cycle(100)
     planner.on_shortage()
     assert "activations unmeasured (workload 100)" in planner.last_plan_line
