@@ -12,7 +12,8 @@ How the streamer drives a ``PreloadPlanner``:
 
 1. Build it once per model object, with one ``BlockInfo`` per entry of its block table and a
    ``reader`` returning ``MemoryReading(free, cached_unused, resident)``: device free bytes,
-   allocator reserved minus allocated, and this model's weight bytes now on the device.
+   allocator reserved minus allocated, and this model's kept blocks and streaming buffers
+   on the device (what a new plan may reuse).
 2. ``on_load()`` when placing the weights: returns the block indices to load resident.
 3. On entering the first block of the first tower: ``begin_cycle(workload, ended)``, with
    ``workload = workload_of(args, kwargs)`` of that call (or the model's own function) and

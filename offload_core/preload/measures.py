@@ -1,9 +1,12 @@
-"""Measured activation peaks, keyed by model and workload, kept for the whole process.
+"""Measured activation peaks and learnt penalties, keyed by model and workload, kept for the
+whole process.
 
 A measure outlives the planner that took it (unload, reload, a new planner for the same
 weights) and, once a file is attached, the process: the first run after a restart is then
 planned from its first cycle. Each key keeps the largest peak seen: a plan must fit the worst
-step of a workload, not the last one.
+step of a workload, not the last one. The penalty a workload's shortages taught (what the
+allocator wastes beyond the measure) is kept beside it, so a restart does not learn it again
+through the same shortages (on a 12 GiB card, a 480p video's first step met two).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ..log import get_logger
 
 logger = get_logger("preload")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added penalties; files of version 1 are read as penalty-free
 
 
 @dataclass(frozen=True)
@@ -34,10 +37,12 @@ class MeasureKey:
 
 
 class MeasureStore:
-    """Peak activation bytes per ``MeasureKey``; saved to ``path`` (when attached) on change."""
+    """Peak activation bytes and penalty bytes per ``MeasureKey``; saved to ``path`` (when
+    attached) on change."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self._peaks: dict[MeasureKey, int] = {}
+        self._penalties: dict[MeasureKey, int] = {}
         self._path: Path | None = None
         if path is not None:
             self.attach(path)
@@ -46,8 +51,25 @@ class MeasureStore:
         """Read the file (missing or corrupt: start from what is in memory) and save every
         later change to it."""
         self._path = Path(path)
-        for key, peak in _read(self._path).items():
+        peaks, penalties = _read(self._path)
+        for key, peak in peaks.items():
             self._peaks[key] = max(peak, self._peaks.get(key, 0))
+        for key, penalty in penalties.items():
+            self._penalties.setdefault(key, penalty)
+
+    def penalty(self, key: MeasureKey) -> int:
+        return self._penalties.get(key, 0)
+
+    def record_penalty(self, key: MeasureKey, nbytes: int) -> None:
+        """The workload's penalty is now ``nbytes`` (0: none)."""
+        if nbytes == self._penalties.get(key, 0):
+            return
+        if nbytes:
+            self._penalties[key] = nbytes
+        else:
+            del self._penalties[key]
+        if self._path is not None:
+            self._save(self._path)
 
     def get(self, key: MeasureKey) -> int | None:
         return self._peaks.get(key)
@@ -73,9 +95,12 @@ class MeasureStore:
             self._save(self._path)
 
     def _save(self, path: Path) -> None:
+        keys = [*self._peaks, *(k for k in self._penalties if k not in self._peaks)]
         data = {
             "version": FORMAT_VERSION,
-            "measures": [{**asdict(k), "peak": v} for k, v in self._peaks.items()],
+            "measures": [
+                {**asdict(k), "peak": self._peaks.get(k), "penalty": self._penalties.get(k, 0)} for k in keys
+            ],
         }
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
@@ -86,17 +111,21 @@ class MeasureStore:
             logger.warning("preload measures not saved to %s: %s", path, exc)
 
 
-def _read(path: Path) -> dict[MeasureKey, int]:
+def _read(path: Path) -> tuple[dict[MeasureKey, int], dict[MeasureKey, int]]:
+    """(peaks, penalties) saved in ``path``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("version") != FORMAT_VERSION:
+        if data.get("version") not in (1, FORMAT_VERSION):
             raise ValueError(f"version {data.get('version')!r}")
-        return {_key(entry): int(entry["peak"]) for entry in data["measures"]}
+        entries = [(_key(entry), entry) for entry in data["measures"]]
+        peaks = {key: int(entry["peak"]) for key, entry in entries if entry["peak"] is not None}
+        penalties = {key: int(entry.get("penalty", 0)) for key, entry in entries if entry.get("penalty")}
+        return peaks, penalties
     except FileNotFoundError:
-        return {}
+        return {}, {}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         logger.warning("preload measures in %s unreadable (%s): starting without them", path, exc)
-        return {}
+        return {}, {}
 
 
 def _key(entry: dict) -> MeasureKey:

@@ -145,6 +145,7 @@ class PreloadPlanner:
         penalty = self._penalties.get(cycle.workload)
         if penalty is not None:
             penalty.close_cycle(clean=not cycle.shortage)
+            self._store.record_penalty(self._key(cycle.workload), penalty.bytes)
 
     def on_shortage(self, running: int | None = None, needed: int = 0) -> frozenset[int]:
         """An allocation failed or the allocator had to free its cache and retry: release
@@ -158,13 +159,21 @@ class PreloadPlanner:
         if self._cycle is not None:
             self._cycle.shortage = True
         if self.policy.mode == "auto" and self.last_workload is not None:
-            self._penalties.setdefault(self.last_workload, Penalty()).add(self._bytes(released))
+            penalty = self._penalty_of(self.last_workload)
+            penalty.add(self._bytes(released))
+            self._store.record_penalty(self._key(self.last_workload), penalty.bytes)
         self._log_plan(self.last_workload)
         return released
 
     def penalty(self, workload: int | None) -> int:
-        found = self._penalties.get(workload) if workload is not None else None
-        return found.bytes if found is not None else 0
+        return 0 if workload is None else self._penalty_of(workload).bytes
+
+    def _penalty_of(self, workload: int) -> Penalty:
+        """The workload's penalty state, starting from the stored bytes (an earlier planner or
+        process learnt them)."""
+        if workload not in self._penalties:
+            self._penalties[workload] = Penalty(bytes=self._store.penalty(self._key(workload)))
+        return self._penalties[workload]
 
     def measured_peak(self, workload: int | None) -> int | None:
         return None if workload is None else self._store.get(self._key(workload))

@@ -84,3 +84,34 @@ def test_first_run_after_a_restart_is_already_planned(tmp_path):
 
     assert run(MeasureStore(path)) == frozenset()
     assert len(run(MeasureStore(path))) == 16
+
+
+def test_a_learnt_penalty_is_planned_with_after_a_restart(tmp_path):
+    path = tmp_path / "preload.json"
+    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+
+    def reader() -> MemoryReading:
+        return MemoryReading(12 * GIB, 0, 0)
+
+    def planner() -> PreloadPlanner:
+        made = PreloadPlanner(blocks, reader, model_class="M", identity="/m", store=MeasureStore(path))
+        made.on_load()
+        return made
+
+    first = planner()
+    first.begin_cycle(100)
+    fitted = first.begin_cycle(100, CycleUsage(peak=2 * GIB, weights_floor=0))
+    assert len(fitted) == 7  # 12 - 2 - margin 0.6: 7 kept + 2 slots
+    first.on_shortage()
+    after_restart = planner().begin_cycle(100)
+    assert len(after_restart) == 6  # the 1 GiB penalty is remembered, not met again
+
+
+def test_a_file_of_the_first_version_is_read_without_penalties(tmp_path):
+    path = tmp_path / "preload.json"
+    entry = {"model_class": "M", "identity": "/m", "block_count": 40, "total_bytes": 28 * GIB, "workload": 7}
+    path.write_text(json.dumps({"version": 1, "measures": [{**entry, "peak": GIB}]}), encoding="utf-8")
+    store = MeasureStore(path)
+    key = MeasureKey("M", "/m", 40, 28 * GIB, 7)
+    assert store.get(key) == GIB
+    assert store.penalty(key) == 0
