@@ -362,11 +362,12 @@ class BlockStreamer:
 
     def relieve_outside_blocks(self, first: bool) -> bool:
         """Free memory for a forward that ran out of it outside the blocks; False when nothing can
-        go. Dropping the blocks copied ahead is tried on the ``first`` failure only: a forward
-        refills them, so only giving kept blocks up, which runs out, may repeat."""
+        go. Giving the streaming buffers back (and the blocks copied into them) is tried on the
+        ``first`` failure only: a forward refills them, so only giving kept blocks up, which runs
+        out, may repeat."""
         self._unbind_all()
         self._seen = []  # the forward runs again from the start
-        if first and self._inflight:
+        if first and self.ring.nbytes:
             self.drop_prefetched()
             return True
         return self.notify("oom", block=None)
