@@ -166,17 +166,24 @@ class _Card(MemoryReader):
         return self.streamer.weights_at_peak() + self.activations
 
 
+def _on_a_card_watching_model_entry(pipe, monkeypatch):
+    """Auto preload on a card with room for both tiny blocks beside about 1 MiB of activations,
+    regrowing at once; returns (engine, card, streamer, the resident sets at each model entry)."""
+    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
+    card = _Card(free=MARGIN_BASE + 2**20)
+    engine = Engine(memory=card)
+    engine.place(pipe, CFG.replace(preload="auto"))
+    card.streamer = streamer = engine.states(pipe)["transformer"].transport
+    at_entry = []
+    pipe.transformer.patch_embedding.register_forward_pre_hook(
+        lambda module, args: at_entry.append(streamer.resident_indices()))
+    return engine, card, streamer, at_entry
+
+
 def test_a_known_larger_workload_gets_its_blocks_back_before_its_inputs_are_made(wan_pipe, monkeypatch):
     """Alternating workloads: the blocks the larger one's plan drops are given up when the model
     is entered, not at its first block, where its inputs are already made."""
-    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # regrow at once
-    card = _Card(free=MARGIN_BASE + 2**20)  # room for both tiny blocks beside no activations
-    engine = Engine(memory=card)
-    engine.place(wan_pipe, CFG.replace(preload="auto"))
-    card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
-    at_entry = []
-    wan_pipe.transformer.patch_embedding.register_forward_pre_hook(
-        lambda module, args: at_entry.append(streamer.resident_indices()))
+    engine, card, streamer, at_entry = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
     small, large = {"height": 16, "width": 16}, {"height": 64, "width": 64}
     for activations, size in ((0, small), (2 * 2**20, large), (0, small), (2 * 2**20, large)):
         card.activations = activations
@@ -188,14 +195,7 @@ def test_a_known_larger_workload_gets_its_blocks_back_before_its_inputs_are_made
 def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_inputs_are_made(wan_pipe, monkeypatch):
     """Its plan is unmeasured: estimated from the known workload's measure, scaled by how the
     model's inputs grew, and the blocks it drops go before the non-block part runs."""
-    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # grow at once
-    card = _Card(free=MARGIN_BASE + 2**20)  # both tiny blocks fit beside the small run's activations
-    engine = Engine(memory=card)
-    engine.place(wan_pipe, CFG.replace(preload="auto"))
-    card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
-    at_entry = []
-    wan_pipe.transformer.patch_embedding.register_forward_pre_hook(
-        lambda module, args: at_entry.append(streamer.resident_indices()))
+    engine, card, streamer, at_entry = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
     card.activations = 128 * 2**10
     _run(engine, wan_pipe, height=16, width=16)
     assert len(streamer.resident_indices()) == 2  # measured: both kept for the small workload
