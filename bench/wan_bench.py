@@ -200,6 +200,11 @@ class Ballast:
         torch.cuda.empty_cache()
 
 
+def config(args, **kw) -> OffloadConfig:
+    """The engine's config for a row: ``--stream-parts`` streams the blocks in parts."""
+    return OffloadConfig(stream_parts=args.stream_parts, **kw)
+
+
 def row(**kw) -> dict:
     ROWS.append(kw)
     print(json.dumps(kw), flush=True)
@@ -211,7 +216,7 @@ def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
     ks = sorted({max(0, auto["small"]["kept"] + d) for d in (-2, 0, 2)})  # K=0 is the stream row
     for k in ks:
         try:
-            run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args, firstk=k,
+            run_engine(f"first_{k}", m, config(args, preload="off"), cap, refs, feeds, args, firstk=k,
                        workloads=("small",))
         except torch.OutOfMemoryError as e:
             row(section=f"first_{k}", cap_gib=cap, workload="small", error=f"OOM: {str(e)[:100]}")
@@ -219,7 +224,7 @@ def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
             torch.cuda.empty_cache()
     if "video" in auto and not args.no_firstk_video:
         k = auto["video"]["kept"]
-        run_engine(f"first_{k}", m, OffloadConfig(preload="off"), cap, refs, feeds, args, firstk=k,
+        run_engine(f"first_{k}", m, config(args, preload="off"), cap, refs, feeds, args, firstk=k,
                    workloads=("video",))
 
 
@@ -313,7 +318,7 @@ def section_anchors(m, refs, feeds, args) -> None:
 def section_cycles(m, refs, feeds, args, cap: float) -> None:
     ballast = Ballast(cap)
     eng, bag = Engine(), Components(transformer=m)
-    eng.place(bag, OffloadConfig(preload="auto"))
+    eng.place(bag, config(args, preload="auto"))
     streamer = eng.states(bag)["transformer"].transport
     stats = torch.cuda.memory_stats
     plans, per_cycle, ooms0, retries0 = [], [], stats().get("num_ooms", 0), stats().get("num_alloc_retries", 0)
@@ -355,6 +360,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="small,video")
+    ap.add_argument("--stream-parts", action="store_true", help="engine rows stream blocks in parts")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -365,7 +371,8 @@ def main() -> None:
 
     row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
         h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB,
-        allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+        allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        stream_parts=args.stream_parts)
     if "modes" in sections:
         section_modes(args)
     if not set(sections) - {"modes"}:
@@ -380,13 +387,13 @@ def main() -> None:
             peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB)
     row(section="to_host", seconds=to_host(m), rss_gib=psutil.Process().memory_info().rss / GiB)
     if "stream" in sections:
-        run_engine("stream", m, OffloadConfig(preload="off"), None, refs, feeds, args, workloads=workloads)
+        run_engine("stream", m, config(args, preload="off"), None, refs, feeds, args, workloads=workloads)
     for cap in caps:
         if "preload" in sections:
-            auto = run_engine("preload_auto", m, OffloadConfig(preload="auto"), cap, refs, feeds, args,
+            auto = run_engine("preload_auto", m, config(args, preload="auto"), cap, refs, feeds, args,
                               workloads=workloads)
         if "window2" in sections:
-            run_engine("preload_auto_w2", m, OffloadConfig(preload="auto", prefetch_window=2), cap, refs, feeds,
+            run_engine("preload_auto_w2", m, config(args, preload="auto", prefetch_window=2), cap, refs, feeds,
                        args, workloads=("small",))
         if "firstk" in sections:
             firstk_rows(m, cap, auto, refs, feeds, args)

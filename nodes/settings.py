@@ -64,6 +64,10 @@ class OffloadSettings(io.ComfyNode):
                 io.String.Input("measures_path", default=d.measures_path or "",
                                 tooltip="File keeping preload measures across restarts; empty: ComfyUI's "
                                         "user folder."),
+                io.Boolean.Input("stream_parts", default=d.stream_parts, optional=True,  # saved workflows lack it
+                                 tooltip="Experimental: stream denoiser blocks in parts (attention, "
+                                         "feed-forward) for smaller buffers and more blocks kept on a "
+                                         "small card."),
             ],
             outputs=[OffloadConfigType.Output(display_name="offload")],
         )

@@ -34,6 +34,12 @@ class OffloadConfig:
     mode: ``auto`` places by role (denoiser streamed per step, VAEs on demand, text encoders
     leaf-level); ``model`` moves every component whole on demand; ``leaf`` uses leaf-level groups
     everywhere; ``none`` keeps everything resident on the device.
+
+    stream_parts: a streamed denoiser's blocks move in parts (their large children) instead of
+    whole, so its streaming buffers are smaller and more blocks stay on a small card. A block's
+    large children must then use their weights only inside their own forward (true of diffusers'
+    attention and feed-forward modules); GPU figures in ``bench/RESULTS.md`` before it becomes
+    the default.
     """
 
     mode: Mode = "auto"
@@ -47,6 +53,7 @@ class OffloadConfig:
     never: tuple[str, ...] = field(default=())
     preload: str | float = "auto"
     prefetch_window: int = 1
+    stream_parts: bool = False
     device: str | None = None
     measures_path: str | None = None
 

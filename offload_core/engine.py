@@ -155,6 +155,7 @@ class Engine:
             record_stream=config.record_stream and streams,
             pin=granted,
             prefetch_window=config.prefetch_window,
+            stream_parts=config.stream_parts,
             memory=self.memory,
             preload=config.preload,
             owner=pstate.on_demand,
@@ -294,7 +295,8 @@ def _signature(decision: RoleDecision, config: OffloadConfig, device: torch.devi
                verdict: PinVerdict | None) -> tuple:
     return (
         decision.role, config.mode, config.use_stream, config.record_stream,
-        verdict.granted if verdict else None, str(device), "cpu", config.prefetch_window, decision.lists,
+        verdict.granted if verdict else None, str(device), "cpu", config.prefetch_window, config.stream_parts,
+        decision.lists,
     )
 
 

@@ -50,16 +50,19 @@ def growth_threshold(largest_block: int) -> int:
     return max(GROWTH_FLOOR, 2 * largest_block)
 
 
-def fit_prefix(sizes: Sequence[int], budget: int, slot_count: int, outside: int = 0) -> int:
+def fit_prefix(sizes: Sequence[int], budget: int, slot_count: int, outside: int = 0,
+               slot_sizes: Sequence[int] | None = None) -> int:
     """Length of the longest prefix of ``sizes`` that fits ``budget`` together with the slots
-    the streamed blocks need (``slot_count`` times the largest block left out).
+    the streamed blocks need (``slot_count`` times the largest slot a block left out needs:
+    ``slot_sizes``, where a block streams in parts, else its size).
 
-    ``outside`` is the largest block that is streamed whatever the prefix. The slots shrink as
-    the prefix grows, so the total is not monotonic: every length is tried.
+    ``outside`` is the largest slot needed whatever the prefix. The slots shrink as the prefix
+    grows, so the total is not monotonic: every length is tried.
     """
+    slots = sizes if slot_sizes is None else slot_sizes
     largest_after = [outside] * (len(sizes) + 1)
     for i in range(len(sizes) - 1, -1, -1):
-        largest_after[i] = max(sizes[i], largest_after[i + 1])
+        largest_after[i] = max(slots[i], largest_after[i + 1])
     best, kept = 0, 0
     for k in range(len(sizes) + 1):
         if kept + slot_count * largest_after[k] <= budget:

@@ -69,6 +69,7 @@ class PreloadPlanner:
         self.last_workload: int | None = None
         self.last_plan_line = ""
         self._sizes = {b.index: b.nbytes for b in blocks}
+        self.slot_sizes = {b.index: b.slot_bytes or b.nbytes for b in blocks}
         self._largest = max(self._sizes.values(), default=0)
         self._reader = reader
         self._slot_count = prefetch_window + 1
@@ -208,8 +209,9 @@ class PreloadPlanner:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty."""
         budget = weight_budget(self._reader(), peak, self.penalty(workload))
         chosen = set(order)
-        outside = max((s for i, s in self._sizes.items() if i not in chosen), default=0)
-        k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside)
+        outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
+        k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside,
+                       [self.slot_sizes[i] for i in order])
         return frozenset(order[:k])
 
     def _release(self, running: int | None, needed: int) -> frozenset[int]:

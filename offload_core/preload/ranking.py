@@ -27,6 +27,7 @@ class BlockInfo:
     depth: int  # position within its tower (ignored when tower is None)
     nbytes: int
     pinnable: bool = True
+    slot_bytes: int | None = None  # the largest piece it streams in (None: whole, ``nbytes``)
 
 
 def rank_blocks(blocks: Sequence[BlockInfo]) -> list[int]:

@@ -38,6 +38,7 @@ class TransportContext:
     record_stream: bool = False
     pin: bool = False
     prefetch_window: int = 1
+    stream_parts: bool = False  # denoiser blocks stream in parts (their large children)
     memory: MemoryReader = field(default_factory=MemoryReader)
     preload: str | float = "off"
     owner: object | None = None  # the pipeline-level group (on-demand eviction peers)

@@ -169,9 +169,11 @@ class PreloadDriver:
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
-    blocks = [BlockInfo(b.index, b.tower, b.depth, b.nbytes, b.pinned or not streamer.cuda) for b in streamer.blocks]
+    blocks = [BlockInfo(b.index, b.tower, b.depth, b.nbytes, b.pinned or not streamer.cuda, b.largest_unit)
+              for b in streamer.blocks]
     planner: PreloadPlanner | None = module.__dict__.get(PLANNER)
-    if planner is None or len(planner.ranking) != len(blocks):
+    slots = {b.index: b.slot_bytes for b in blocks}
+    if planner is None or len(planner.ranking) != len(blocks) or planner.slot_sizes != slots:
         identity = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
         planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
                                  policy=policy, prefetch_window=streamer.ctx.prefetch_window)

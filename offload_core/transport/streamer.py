@@ -17,6 +17,9 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
   longer delays the copy). A block that was not prefetched loads synchronously, so a wrong guess
   costs time, never correctness;
 - any subset of blocks can be kept resident (``set_resident``), changed between steps;
+- what moves as one is a unit of the block table (`blocks.py`): the whole block, or, with
+  ``stream_parts``, each large child of it, bound only while that child's forward runs (smaller
+  buffers: more blocks kept on a small card);
 - a buffer is written on the side stream after the compute work that last read it (an event per
   buffer, not a wait for all queued compute), and read on the compute stream after its copy;
   buffers belong to the compute stream's pool, so ``record_stream`` is never needed here (the
@@ -25,60 +28,24 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from diffusers.hooks import ModelHook
 
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
+from .blocks import StreamBlock, StreamUnit, make_block
 from .ring import BufferRing, RingSlot
 from .towers import find_towers
 
 log = get_logger("streamer")
-ALIGN = 512
-
-
-@dataclass
-class _Slot:
-    tensor: torch.Tensor  # the module's Parameter / buffer object (identity preserved)
-    host: torch.Tensor  # master copy in host memory
-    offset: int
-    nbytes: int
-
-
-@dataclass
-class StreamBlock:
-    index: int
-    name: str
-    tower: str
-    depth: int
-    module: torch.nn.Module
-    slots: list[_Slot] = field(default_factory=list)
-    nbytes: int = 0
-    pinned: bool = False
-    resident: torch.Tensor | None = None  # flat device buffer while kept resident
-
-    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        return [buf[s.offset : s.offset + s.nbytes].view(s.host.dtype).view(s.host.shape) for s in self.slots]
-
-    def bind(self, tensors: list[torch.Tensor]) -> None:
-        for slot, t in zip(self.slots, tensors, strict=True):
-            slot.tensor.data = t
-
-    def bind_host(self) -> None:
-        for slot in self.slots:
-            slot.tensor.data = slot.host
-
-
 class _BlockHook(ModelHook):
     def __init__(self, streamer: BlockStreamer, block: StreamBlock) -> None:
         super().__init__()
         self.streamer, self.block = streamer, block
 
     def pre_forward(self, module, *args, **kwargs):
-        self.streamer.enter(self.block, args, kwargs)
+        self.streamer.enter_block(self.block, args, kwargs)
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
@@ -93,7 +60,25 @@ class _BlockHook(ModelHook):
                     raise
 
     def post_forward(self, module, output):
-        self.streamer.exit(self.block)
+        if not self.block.in_parts:
+            self.streamer.exit(self.block.units[0])
+        return output
+
+
+class _PartHook(ModelHook):
+    """On a large child of a block streamed in parts: its weights are bound for its forward
+    only (an OOM inside goes up to the block's retry)."""
+
+    def __init__(self, streamer: BlockStreamer, unit: StreamUnit) -> None:
+        super().__init__()
+        self.streamer, self.unit = streamer, unit
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.streamer.enter(self.unit)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.streamer.exit(self.unit)
         return output
 
 
@@ -130,11 +115,12 @@ class BlockStreamer:
         self.ctx = ctx
         self.device = ctx.onload_device
         self.blocks: list[StreamBlock] = []
+        self.units: list[StreamUnit] = []
         self.module: torch.nn.Module | None = None
         self.pins = PinSet()
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and ctx.use_stream else None
-        self.order: list[int] = []  # execution order seen in the last cycle
+        self.order: list[int] = []  # units in the execution order seen in the last cycle
         self._seen: list[int] = []
         self.ring = BufferRing(self.device, ctx.prefetch_window + 1)
         self._inflight: dict[int, RingSlot] = {}
@@ -152,16 +138,24 @@ class BlockStreamer:
         self._head_bytes = self._move_head(module, tower_ids, self.device)
         for tower in towers:
             for depth, block in enumerate(tower.blocks):
-                self.blocks.append(self._make_block(len(self.blocks), tower.name, depth, block))
+                made = make_block(len(self.blocks), tower.name, depth, block, parts=self.ctx.stream_parts,
+                                  host_of=self._host_master, device=self.device, first_unit=len(self.units))
+                made.pinned = self.ctx.pin and self.cuda
+                self._head_bytes += made.rest_bytes
+                self.blocks.append(made)
+                self.units.extend(made.units)
         for block in self.blocks:
             add_hook(block.module, _BlockHook(self, block), STREAM_HOOK)
+            for unit in block.units if block.in_parts else ():
+                add_hook(unit.module, _PartHook(self, unit), STREAM_HOOK)
         add_hook(module, _ModelHook(self), MARKER)
-        self.order = [b.index for b in self.blocks]
+        self.order = [u.index for u in self.units]
         self.ring.resize(self._largest_streamed())
         log.info(
-            "%s: %d blocks in %d tower(s) streamed (%.2f GiB/step, %s, %s), non-block part resident (%.2f GiB)",
-            type(module).__name__, len(self.blocks), len(towers), self.streamed_bytes() / 2**30,
-            "side-stream prefetch" if self.copy_stream else "no stream",
+            "%s: %d blocks in %d tower(s) streamed in %d units (%.2f GiB/step, buffers of %.2f GiB, %s, %s), "
+            "non-block part resident (%.2f GiB)",
+            type(module).__name__, len(self.blocks), len(towers), len(self.units), self.streamed_bytes() / 2**30,
+            self.ring.slot_bytes / 2**30, "side-stream prefetch" if self.copy_stream else "no stream",
             "pinned" if self.ctx.pin and self.cuda else "pageable", self.head_bytes() / 2**30,
         )
 
@@ -169,6 +163,8 @@ class BlockStreamer:
         remove_hook(module, MARKER)
         for block in self.blocks:
             remove_hook(block.module, STREAM_HOOK)
+            for unit in block.units if block.in_parts else ():
+                remove_hook(unit.module, STREAM_HOOK)
             block.resident = None
             block.bind_host()
         self._unbind_all()
@@ -177,6 +173,7 @@ class BlockStreamer:
             torch.cuda.current_stream(self.device).synchronize()
         self.pins.release()
         self.blocks.clear()
+        self.units.clear()
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
 
@@ -191,63 +188,54 @@ class BlockStreamer:
                     total += t.numel() * t.element_size()
         return total
 
-    def _make_block(self, index: int, tower: str, depth: int, module: torch.nn.Module) -> StreamBlock:
-        block = StreamBlock(index, f"{tower}.{depth}", tower, depth, module)
-        seen: set[int] = set()
-        offset = 0
-        for t in (*module.parameters(), *module.buffers()):
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
-            if self.ctx.pin:
-                host = self.pins.pin(host)
-            t.data = host
-            nbytes = host.numel() * host.element_size()
-            block.slots.append(_Slot(t, host, offset, nbytes))
-            offset += -(-nbytes // ALIGN) * ALIGN
-        block.nbytes = offset
-        block.pinned = self.ctx.pin and self.cuda
-        return block
+    def _host_master(self, t: torch.Tensor) -> torch.Tensor:
+        """The host copy a streamed tensor rests in: where it already lies, page-locked in place."""
+        host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
+        return self.pins.pin(host) if self.ctx.pin else host
 
     # -- the per-forward path ---------------------------------------------------------------
-    def enter(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
-        if block.index == self.order[0] or not self._seen:
+    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
+        """A block is entered: a cycle begins at the first block; a whole block is made ready."""
+        if block is self.units[self.order[0]].block or not self._seen:
             self._begin_cycle(block, args, kwargs)
-        self._seen.append(block.index)
+        if not block.in_parts:
+            self.enter(block.units[0])
+
+    def enter(self, unit: StreamUnit) -> None:
+        self._seen.append(unit.index)
         while True:
             try:
-                return self._make_ready(block)
+                return self._make_ready(unit)
             except torch.OutOfMemoryError:  # our own buffer did not fit: give kept blocks up
                 self.ooms += 1
-                if not self.notify("oom", block=block):
+                if not self.notify("oom", block=unit.block):
                     raise
 
-    def _make_ready(self, block: StreamBlock) -> None:
-        if block.resident is None and block.index not in self._bound:
-            if block.index not in self._inflight:
-                self._drop_wrong_guesses(block)
-            slot = self._take(block)
-            self._bound[block.index] = slot
-            block.bind(block.views(slot.buf))
-        self._prefetch_after(block)
+    def _make_ready(self, unit: StreamUnit) -> None:
+        if unit.block.resident is None and unit.index not in self._bound:
+            if unit.index not in self._inflight:
+                self._drop_wrong_guesses(unit)
+            slot = self._take(unit)
+            self._bound[unit.index] = slot
+            unit.bind(slot.buf)
+        self._prefetch_after(unit)
         self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
-    def exit(self, block: StreamBlock) -> None:
-        slot = self._bound.pop(block.index, None)
+    def exit(self, unit: StreamUnit) -> None:
+        slot = self._bound.pop(unit.index, None)
         if slot is not None:
-            block.bind_host()
+            unit.bind_host()
             self.ring.release(slot, read_by_compute=True)
             # Its buffer's next user. On an OOM that block loads at its entry instead, where an
             # OOM gives kept blocks up.
             try:
-                self._prefetch_after(block)
+                self._prefetch_after(unit)
             except torch.OutOfMemoryError:
                 self.ooms += 1
 
     def _unbind_all(self) -> None:
         for index in list(self._bound):
-            self.blocks[index].bind_host()
+            self.units[index].bind_host()
             self.ring.release(self._bound.pop(index), read_by_compute=True)
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
@@ -262,37 +250,37 @@ class BlockStreamer:
         one of them acted (an OOM was relieved)."""
         return any([bool(listener(event, self, **info)) for listener in self.listeners])
 
-    def _take(self, block: StreamBlock) -> RingSlot:
-        slot = self._inflight.pop(block.index, None)
+    def _take(self, unit: StreamUnit) -> RingSlot:
+        slot = self._inflight.pop(unit.index, None)
         if slot is None:
-            slot = self._load(block)
+            slot = self._load(unit)
         if slot.written is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.written)
         return slot
 
-    def _drop_wrong_guesses(self, block: StreamBlock) -> None:
-        """``block`` was not prefetched (a new plan, a skipped branch): the blocks in flight that
+    def _drop_wrong_guesses(self, unit: StreamUnit) -> None:
+        """``unit`` was not prefetched (a new plan, a skipped branch): the units in flight that
         will not run after it give their buffers back first, so it loads into one of them rather
         than into a buffer allocated beside them while the step's activations are live."""
         after = self.ctx.prefetch_window - len(self._bound)
-        keep = set(self._upcoming(block.index, after))
+        keep = set(self._upcoming(unit.index, after))
         for index in [i for i in self._inflight if i not in keep]:
             self._discard(index)
 
-    def _prefetch_after(self, block: StreamBlock) -> None:
-        """Keep exactly the next streamed blocks after ``block`` in flight that fill the
+    def _prefetch_after(self, unit: StreamUnit) -> None:
+        """Keep exactly the next streamed units after ``unit`` in flight that fill the
         ``window + 1`` ring buffers with the one bound now, if any (past the last block: the next
         forward's first ones; the ring holds that memory whether or not it is in use)."""
         if self.copy_stream is None:
             return
         count = self.ctx.prefetch_window + 1 - len(self._bound)
-        upcoming = self._upcoming(block.index, count)
+        upcoming = self._upcoming(unit.index, count)
         for index in list(self._inflight):
             if index not in upcoming:
                 self._discard(index)  # a skipped branch, a changed plan
         for index in upcoming:
             if index not in self._inflight:
-                self._inflight[index] = self._load(self.blocks[index])
+                self._inflight[index] = self._load(self.units[index])
 
     def _upcoming(self, index: int, count: int) -> list[int]:
         order = self.order
@@ -302,30 +290,32 @@ class BlockStreamer:
             nxt = order[(pos + step) % len(order)]
             if nxt == index or len(out) >= count:
                 break
-            if self.blocks[nxt].resident is None:
+            if self.units[nxt].block.resident is None:
                 out.append(nxt)
         return out
 
-    def _load(self, block: StreamBlock) -> RingSlot:
-        """Copy a streamed block into a ring slot, once the compute work that last read the
-        slot is done (usually the block that has just exited: the copy overlaps what runs next)."""
+    def _load(self, unit: StreamUnit) -> RingSlot:
+        """Copy a streamed unit into a ring slot, once the compute work that last read the
+        slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
         slot = self.ring.acquire()
-        slot.written = self._copy(block, slot.buf, after=slot.read)
+        slot.written = self._copy(unit.slots, unit.start, unit.block.pinned, slot.buf, after=slot.read)
         return slot
 
-    def _copy(self, block: StreamBlock, buf: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """Copy ``block``'s host tensors into ``buf``: on the side stream after ``after``, returning
-        the event that marks the copy done, or on the compute stream where there is no side stream."""
+    def _copy(self, slots: list, base: int, pinned: bool, buf: torch.Tensor,
+              after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Copy the host masters of ``slots`` (laid out from ``base``) into ``buf``: on the side
+        stream after ``after``, returning the event that marks the copy done, or on the compute
+        stream where there is no side stream."""
         stream = self.copy_stream
         if stream is None:
-            for dst, slot in zip(block.views(buf), block.slots, strict=True):
-                dst.copy_(slot.host)
+            for slot in slots:
+                slot.view(buf, base).copy_(slot.host)
             return None
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
-            for dst, slot in zip(block.views(buf), block.slots, strict=True):
-                dst.copy_(slot.host, non_blocking=block.pinned)
+            for slot in slots:
+                slot.view(buf, base).copy_(slot.host, non_blocking=pinned)
             return stream.record_event()
 
     # -- resident set (preload) ---------------------------------------------------------------
@@ -334,10 +324,11 @@ class BlockStreamer:
         for block in self.blocks:
             keep = block.index in indices
             if keep and block.resident is None:
-                if block.index in self._inflight:
-                    self._discard(block.index)
+                for unit in block.units:
+                    if unit.index in self._inflight:
+                        self._discard(unit.index)
                 block.resident = self._load_resident(block)
-                block.bind(block.views(block.resident))
+                block.bind(block.resident)
             elif not keep and block.resident is not None:
                 block.bind_host()
                 block.resident = None
@@ -352,13 +343,14 @@ class BlockStreamer:
         the copy."""
         buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        ready = self._copy(block, buf, after)
+        ready = self._copy(block.slots, 0, block.pinned, buf, after)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf
 
     def _largest_streamed(self) -> int:
-        return max((b.nbytes for b in self.blocks if b.resident is None), default=0)
+        """The ring's buffer size: the largest unit of the blocks not kept."""
+        return max((b.largest_unit for b in self.blocks if b.resident is None), default=0)
 
     def relieve_outside_blocks(self, first: bool) -> bool:
         """Free memory for a forward that ran out of it outside the blocks; False when nothing can
@@ -439,9 +431,8 @@ class BlockStreamer:
         return freed
 
     def run_bytes(self) -> int:
-        """The streaming slots: the block being run plus the prefetch window."""
-        streamed = [b.nbytes for b in self.blocks if b.resident is None]
-        return (self.ctx.prefetch_window + 1) * max(streamed, default=0)
+        """The streaming slots: the unit being run plus the prefetch window."""
+        return (self.ctx.prefetch_window + 1) * self._largest_streamed()
 
     def details(self) -> dict[str, object]:
         return {
@@ -450,6 +441,7 @@ class BlockStreamer:
             "streamed_per_step": self.streamed_bytes(),
             "stream": self.copy_stream is not None,
             "window": self.ctx.prefetch_window,
+            "units": len(self.units),
             "ooms": self.ooms,
         }
 

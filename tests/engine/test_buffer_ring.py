@@ -2,6 +2,7 @@
 uses, and a new resident set's block size replaces them (CPU: the event logic needs a GPU and is
 checked by the parity rows of bench/wan_bench.py)."""
 
+import pytest
 import torch
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig
 from diffusers_offload.offload_core.transport.ring import BufferRing
@@ -75,9 +76,9 @@ class _SideStreamOnCpu:
     blocks are in flight, in which buffer) runs as on a GPU; the copies happen at once."""
 
 
-def _copy_now(block, buf, after):
-    for dst, slot in zip(block.views(buf), block.slots, strict=True):
-        dst.copy_(slot.host)
+def _copy_now(slots, base, pinned, buf, after):
+    for slot in slots:
+        slot.view(buf, base).copy_(slot.host)
 
 
 def _six_block_wan():
@@ -99,22 +100,27 @@ def _forward(model, feeds):
         return model(**feeds)[0]
 
 
-def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reuses_the_buffers(monkeypatch):
+@pytest.mark.parametrize(("parts", "in_flight"), [(False, {1, 3}), (True, {1})])
+def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reuses_the_buffers(
+        monkeypatch, parts, in_flight):
+    """``in_flight``: the blocks whose units are copied ahead for the next forward (two buffers:
+    two whole blocks, or two parts of one)."""
     model, feeds = _six_block_wan()
     ref = _forward(model, feeds)
     engine = Engine()
     bag = Components(transformer=model)
-    engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0))
+    engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts))
     streamer = engine.states(bag)["transformer"].transport
     streamer.listeners.clear()  # the plans are set by hand
     monkeypatch.setattr(streamer, "copy_stream", _SideStreamOnCpu())
     monkeypatch.setattr(streamer, "_copy", _copy_now)
     streamer.set_resident({0, 2, 4})
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
-    assert set(streamer._inflight) == {1, 3}  # the next forward's first streamed blocks, both buffers
-    streamer.set_resident(set())  # block 0 now streams first: 3 is a wrong guess
+    assert {streamer.units[i].block.index for i in streamer._inflight} == in_flight
+    assert len(streamer._inflight) == 2
+    streamer.set_resident(set())  # block 0 now streams first: what is in flight is a wrong guess
     allocations = _count_block_buffers(monkeypatch)
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
-    assert allocations == []  # block 0 loaded into the wrong guess's buffer, not a third one
+    assert allocations == []  # block 0 loaded into a wrong guess's buffer, not a third one
     assert streamer.ring.nbytes == 2 * streamer.ring.slot_bytes
     engine.release(bag)

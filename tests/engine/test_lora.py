@@ -22,6 +22,7 @@ ONE_BLOCK_GB = 40_000 / 2**30  # a tiny Wan block is ~27 KB: this budget keeps e
 CONFIGS = {
     "auto-preload-off": OffloadConfig(mode="auto", preload="off", **BASE),
     "auto-preload-fixed": OffloadConfig(mode="auto", preload=ONE_BLOCK_GB, **BASE),
+    "auto-parts-fixed": OffloadConfig(mode="auto", preload=ONE_BLOCK_GB, stream_parts=True, **BASE),
     "model": OffloadConfig(mode="model", **BASE),
     "leaf": OffloadConfig(mode="leaf", **BASE),
     "none": OffloadConfig(mode="none", **BASE),

@@ -74,6 +74,13 @@ def test_fit_prefix_slots_include_blocks_outside_the_order():
     assert fit_prefix([1, 1], budget=8, slot_count=2, outside=3) == 2
 
 
+def test_fit_prefix_slots_are_the_largest_part_of_a_block_streamed_in_parts():
+    sizes = [1, 2, 2, 2, 2, 2]
+    parts = [1, 1, 1, 1, 1, 1]  # each block streams in pieces of at most 1
+    assert fit_prefix(sizes, budget=8, slot_count=2, slot_sizes=parts) == 3  # 5 kept + 2 x 1 = 7
+    assert fit_prefix(sizes, budget=8, slot_count=2) == 2  # whole blocks: 2 x 2 slots
+
+
 def test_growth_threshold_is_512_mib_or_two_blocks():
     assert growth_threshold(100 * MIB) == 512 * MIB
     assert growth_threshold(GIB) == 2 * GIB

@@ -1,0 +1,140 @@
+"""The block streamer's table: each tower block's tensors laid out for one flat buffer, and the
+pieces of it ("units") that move to the device as one.
+
+A unit is a whole block, or, when blocks stream in parts, one large child of it (an attention,
+a feed-forward: at least 1/8 of the block's bytes). Why parts: the streaming buffers are sized to
+the largest unit, and on a 12 GiB card two whole Wan-14B blocks of buffer (1.31 GiB) cost the
+preload one kept block; parts of at most 0.26 GiB cost 0.53 GiB. A part is on the device only
+while its child's forward runs, so a block streamed in parts must use its large children's
+weights only inside their forward; what is left of it (norms, scale tables) stays resident, like
+the non-block part. A block whose rest would be large (over 1/16 of it) streams whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN = 512
+PART_FRACTION = 8  # a child of at least 1/8 of its block's bytes streams as its own part
+REST_FRACTION = 16  # a block streams in parts only if what stays resident is at most 1/16 of it
+
+
+@dataclass
+class TensorSlot:
+    tensor: torch.Tensor  # the module's Parameter / buffer object (identity preserved)
+    host: torch.Tensor  # master copy in host memory
+    offset: int  # in the block's flat layout
+    nbytes: int
+
+    def view(self, buf: torch.Tensor, base: int = 0) -> torch.Tensor:
+        start = self.offset - base
+        return buf[start : start + self.nbytes].view(self.host.dtype).view(self.host.shape)
+
+
+@dataclass(eq=False)
+class StreamUnit:
+    """Tensors that move together; they lie in ``[start, start + nbytes)`` of their block's
+    flat layout. ``module``: the module whose forward binds them (the block, or a child)."""
+
+    index: int  # position in the streamer's unit table
+    block: StreamBlock
+    module: torch.nn.Module
+    slots: list[TensorSlot]
+    start: int
+    nbytes: int
+
+    def bind(self, buf: torch.Tensor) -> None:
+        """Bind the tensors to views of ``buf``, a buffer holding this unit alone."""
+        for slot in self.slots:
+            slot.tensor.data = slot.view(buf, self.start)
+
+    def bind_host(self) -> None:
+        for slot in self.slots:
+            slot.tensor.data = slot.host
+
+
+@dataclass(eq=False)
+class StreamBlock:
+    index: int
+    name: str
+    tower: str
+    depth: int
+    module: torch.nn.Module
+    slots: list[TensorSlot] = field(default_factory=list)
+    units: list[StreamUnit] = field(default_factory=list)
+    nbytes: int = 0
+    rest_bytes: int = 0  # resident beside the non-block part (blocks streamed in parts)
+    pinned: bool = False
+    resident: torch.Tensor | None = None  # flat device buffer of all units while kept resident
+
+    @property
+    def in_parts(self) -> bool:
+        return self.units[0].module is not self.module
+
+    @property
+    def largest_unit(self) -> int:
+        return max(u.nbytes for u in self.units)
+
+    def bind(self, buf: torch.Tensor) -> None:
+        """Bind every unit to views of ``buf``, a buffer holding the whole block."""
+        for slot in self.slots:
+            slot.tensor.data = slot.view(buf)
+
+    def bind_host(self) -> None:
+        for slot in self.slots:
+            slot.tensor.data = slot.host
+
+
+def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, parts: bool,
+               host_of: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+               first_unit: int) -> StreamBlock:
+    """Lay ``module``'s tensors out flat, one unit after another (``host_of`` gives each its
+    host master copy); with ``parts``, a block that splits well keeps its rest on ``device``."""
+    block = StreamBlock(index, f"{tower}.{depth}", tower, depth, module)
+    pieces, rest = _pieces(module) if parts else ([(module, _tensors(module))], [])
+    for t in rest:
+        t.data = t.data.to(device)
+        block.rest_bytes += _nbytes(t)
+    offset = 0
+    for owner, tensors in pieces:
+        start = offset
+        slots = []
+        for t in tensors:
+            host = host_of(t)
+            t.data = host
+            slots.append(TensorSlot(t, host, offset, _nbytes(host)))
+            offset += -(-_nbytes(host) // ALIGN) * ALIGN
+        block.units.append(StreamUnit(first_unit + len(block.units), block, owner, slots, start, offset - start))
+        block.slots.extend(slots)
+    block.nbytes = offset
+    return block
+
+
+def _pieces(block: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module, list[torch.Tensor]]], list[torch.Tensor]]:
+    """(the large children with their tensors, the rest); the whole block as one piece and no
+    rest when it does not split well (no large child, shared tensors, a large rest)."""
+    everything = _tensors(block)
+    total = sum(_nbytes(t) for t in everything)
+    owners: dict[int, int] = {}
+    children = [child for _name, child in block.named_children()]
+    for child in children:
+        for t in _tensors(child):
+            owners[id(t)] = owners.get(id(t), 0) + 1
+    large = [c for c in children if sum(_nbytes(t) for t in _tensors(c)) * PART_FRACTION >= total
+             and all(owners[id(t)] == 1 for t in _tensors(c))]
+    moved = {id(t) for c in large for t in _tensors(c)}
+    rest = [t for t in everything if id(t) not in moved]
+    if not large or sum(_nbytes(t) for t in rest) * REST_FRACTION > total:
+        return [(block, everything)], []
+    return [(c, _tensors(c)) for c in large], rest
+
+
+def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return list({id(t): t for t in (*module.parameters(), *module.buffers())}.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
