@@ -89,11 +89,12 @@ class StreamBlock:
 
 
 def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, parts: bool,
-               host_of: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
+               host_of: Callable[[torch.Tensor], torch.Tensor], pinned: bool, device: torch.device,
                first_unit: int) -> StreamBlock:
     """Lay ``module``'s tensors out flat, one unit after another (``host_of`` gives each its
-    host master copy); with ``parts``, a block that splits well keeps its rest on ``device``."""
-    block = StreamBlock(index, f"{tower}.{depth}", tower, depth, module)
+    host master copy, ``pinned`` says whether those are page-locked); with ``parts``, a block
+    that splits well keeps its rest on ``device``."""
+    block = StreamBlock(index, f"{tower}.{depth}", tower, depth, module, pinned=pinned)
     pieces, rest = _pieces(module) if parts else ([(module, _tensors(module))], [])
     for t in rest:
         t.data = t.data.to(device)

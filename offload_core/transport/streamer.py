@@ -139,8 +139,8 @@ class BlockStreamer:
         for tower in towers:
             for depth, block in enumerate(tower.blocks):
                 made = make_block(len(self.blocks), tower.name, depth, block, parts=self.ctx.stream_parts,
-                                  host_of=self._host_master, device=self.device, first_unit=len(self.units))
-                made.pinned = self.ctx.pin and self.cuda
+                                  host_of=self._host_master, pinned=self.ctx.pin and self.cuda,
+                                  device=self.device, first_unit=len(self.units))
                 self._head_bytes += made.rest_bytes
                 self.blocks.append(made)
                 self.units.extend(made.units)
