@@ -86,3 +86,29 @@ def test_a_block_kept_resident_in_parts_mode_holds_all_its_parts(wan_pipe):
             engine.after_run(wan_pipe)
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     engine.release(wan_pipe)
+
+
+def test_an_oom_inside_a_part_gives_kept_blocks_up_and_the_block_runs_again(wan_pipe, monkeypatch):
+    ref = run_wan(wan_pipe)
+    engine = Engine()
+    engine.place(wan_pipe, PARTS.replace(preload=40_000 / 2**30))  # one tiny block kept
+    streamer = _denoiser(engine, wan_pipe)
+    (kept,) = streamer.resident_indices()
+    streamed = wan_pipe.transformer.blocks[1 - kept]
+    inner, failures = streamed.ffn.net[0], []  # inside the feed-forward part, past its binding
+
+    def fails_once(*args, **kwargs):
+        if not failures:
+            failures.append(args)
+            raise torch.OutOfMemoryError("scripted: no room inside the feed-forward")
+        return real(*args, **kwargs)
+
+    real = inner.forward
+    monkeypatch.setattr(inner, "forward", fails_once)
+    try:
+        out = run_wan(wan_pipe)
+    finally:
+        engine.after_run(wan_pipe)
+    assert failures and streamer.resident_indices() == set()
+    assert streamer.details()["ooms"] == 1
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
