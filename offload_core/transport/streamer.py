@@ -39,6 +39,8 @@ from .ring import BufferRing, RingSlot
 from .towers import find_towers
 
 log = get_logger("streamer")
+
+
 class _BlockHook(ModelHook):
     def __init__(self, streamer: BlockStreamer, block: StreamBlock) -> None:
         super().__init__()
