@@ -56,7 +56,7 @@ class OffloadSettings(io.ComfyNode):
                                         "separated; wins over always."),
                 io.String.Input("preload", default=str(d.preload),
                                 tooltip="Denoiser blocks kept on the device: auto (fit to free VRAM), "
-                                        "off, or a budget in GB such as 8."),
+                                        "off, or a budget in GiB such as 8."),
                 io.Int.Input("prefetch_window", default=d.prefetch_window, min=1, max=16,
                              tooltip="Blocks copied ahead of the one computing."),
                 io.String.Input("device", default=d.device or "",

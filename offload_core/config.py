@@ -99,7 +99,7 @@ class OffloadConfig:
 
 
 def _parse_preload(value: str | float | int) -> str | float:
-    """``auto`` / ``off`` / a fixed budget in GB (a number or a numeric string)."""
+    """``auto`` / ``off`` / a fixed budget in GiB (a number or a numeric string)."""
     if isinstance(value, str):
         v = value.strip().lower()
         if v in ("auto", "off"):
@@ -108,7 +108,7 @@ def _parse_preload(value: str | float | int) -> str | float:
             value = float(v.removesuffix("gb").strip())
         except ValueError:
             raise OffloadConfigError(
-                f"preload {value!r} is not understood: use 'auto', 'off' or a budget in GB such as '8'"
+                f"preload {value!r} is not understood: use 'auto', 'off' or a budget in GiB such as '8'"
             ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise OffloadConfigError(f"preload budget must be a number of GB >= 0, got {value!r}")

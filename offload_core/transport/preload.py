@@ -18,7 +18,7 @@ PLANNER = "_diffusers_offload_planner"
 
 
 def preload_policy(value: str | float) -> Policy:
-    """The config's ``auto`` / ``off`` / budget in GB as a planner policy."""
+    """The config's ``auto`` / ``off`` / budget in GiB as a planner policy."""
     return parse_policy(value if isinstance(value, str) else int(value * 2**30))
 
 
