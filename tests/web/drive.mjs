@@ -94,10 +94,13 @@ async function finished(promptId, timeoutMs = 240000) {
 async function recordStages(page, nodeId) {
   await page.evaluate((id) => {
     window.__seen = [];
-    window.__events = { placement: 0, stage: 0 };
+    window.__events = { placement: 0, stage: 0, stages: [] };
     const api = window.comfyAPI.api.api;
     api.addEventListener("diffusers_offload.placement", () => window.__events.placement++);
-    api.addEventListener("diffusers_offload.stage", () => window.__events.stage++);
+    api.addEventListener("diffusers_offload.stage", ({ detail }) => {
+      window.__events.stage++;
+      if (String(detail?.node) === String(id)) window.__events.stages.push(detail.stage ?? "");
+    });
     const note = () => {
       const text = document.querySelector(`.dofl-node[data-node="${id}"] .dofl-stage-text`)?.textContent;
       if (text && window.__seen.at(-1) !== text) window.__seen.push(text);
