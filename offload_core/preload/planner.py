@@ -143,8 +143,8 @@ class PreloadPlanner:
             return
         if usage is not None and cycle.stable and not cycle.shortage:
             self._store.record(self._key(cycle.workload), usage.activations)
-        penalty = self._penalties.get(cycle.workload)
-        if penalty is not None:
+        if cycle.workload in self._penalties or self.penalty(cycle.workload):  # learnt here or stored
+            penalty = self._penalty_of(cycle.workload)
             penalty.close_cycle(clean=not cycle.shortage)
             self._store.record_penalty(self._key(cycle.workload), penalty.bytes)
 
@@ -167,7 +167,10 @@ class PreloadPlanner:
         return released
 
     def penalty(self, workload: int | None) -> int:
-        return 0 if workload is None else self._penalty_of(workload).bytes
+        if workload is None:
+            return 0
+        found = self._penalties.get(workload)
+        return found.bytes if found is not None else self._store.penalty(self._key(workload))
 
     def _penalty_of(self, workload: int) -> Penalty:
         """The workload's penalty state, starting from the stored bytes (an earlier planner or
