@@ -648,7 +648,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--frames", type=int, default=124, help="17n+5 within 5-15 s at 24 fps: 124 is the shortest")
     ap.add_argument("--steps", type=int, default=None, help="H3 grid points: steps-1 forwards; default 4 (tiny 3)")
     ap.add_argument("--preload", default="auto")
-    ap.add_argument("--stream-parts", action="store_true", help="the transformer's blocks stream in parts")
+    ap.add_argument("--whole-blocks", action="store_true", help="the transformer's blocks stream whole")
     ap.add_argument("--runs", default="plain,room", help="plain: engine alone; room: bench frees room first")
     ap.add_argument("--headroom", type=float, default=1.0, help="GiB asked beside an on-demand module (room runs)")
     ap.add_argument("--dtype", default="bfloat16")
@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> None:
     tracker = PeakTracker(device)
     engine = Engine(memory=TrackingReader(tracker))
     config = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, preload=args.preload,
-                           stream_parts=args.stream_parts,
+                           stream_parts=not args.whole_blocks,
                            device=None if device.type == "cuda" else str(device))
     try:
         free0 = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0

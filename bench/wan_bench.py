@@ -201,8 +201,8 @@ class Ballast:
 
 
 def config(args, **kw) -> OffloadConfig:
-    """The engine's config for a row: ``--stream-parts`` streams the blocks in parts."""
-    return OffloadConfig(stream_parts=args.stream_parts, **kw)
+    """The engine's config for a row: ``--whole-blocks`` streams each block whole."""
+    return OffloadConfig(stream_parts=not args.whole_blocks, **kw)
 
 
 def row(**kw) -> dict:
@@ -360,7 +360,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="small,video")
-    ap.add_argument("--stream-parts", action="store_true", help="engine rows stream blocks in parts")
+    ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -372,7 +372,7 @@ def main() -> None:
     row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
         h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB,
         allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        stream_parts=args.stream_parts)
+        stream_parts=not args.whole_blocks)
     if "modes" in sections:
         section_modes(args)
     if not set(sections) - {"modes"}:

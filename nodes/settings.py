@@ -65,9 +65,9 @@ class OffloadSettings(io.ComfyNode):
                                 tooltip="File keeping preload measures across restarts; empty: ComfyUI's "
                                         "user folder."),
                 io.Boolean.Input("stream_parts", default=d.stream_parts, optional=True,  # saved workflows lack it
-                                 tooltip="Experimental: stream denoiser blocks in parts (attention, "
-                                         "feed-forward) for smaller buffers and more blocks kept on a "
-                                         "small card."),
+                                 tooltip="Stream denoiser blocks in parts (attention, feed-forward): "
+                                         "smaller buffers, so more blocks stay on a small card. Off "
+                                         "streams each block whole."),
             ],
             outputs=[OffloadConfigType.Output(display_name="offload")],
         )

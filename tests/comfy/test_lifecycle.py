@@ -37,7 +37,7 @@ NODE_IDS = {
 SETTINGS = {
     "mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
     "on_demand_threshold_gb": 1.0, "resident_floor_mb": 64.0, "always": "", "never": "", "preload": "auto",
-    "prefetch_window": 1, "device": "", "measures_path": "", "stream_parts": False,
+    "prefetch_window": 1, "device": "", "measures_path": "", "stream_parts": True,
 }
 RESIDENT = {"mode": "none"}
 STREAMED = {"resident_floor_mb": 0.0, "on_demand_threshold_gb": 0.0}  # tiny parts get real roles

@@ -218,9 +218,9 @@ def test_memory_required_is_the_largest_single_need_of_the_next_run(wan_pipe):
     engine.place(wan_pipe, CFG.replace(mode="model"))
     sizes = {name: state.info.nbytes for name, state in engine.states(wan_pipe).items()}
     assert engine.memory_required(wan_pipe) == max(sizes.values())  # each moves in whole, one at a time
-    engine.place(wan_pipe, CFG)  # auto: the streamer needs its slots, the VAE itself
+    engine.place(wan_pipe, CFG)  # auto: the streamer needs its ring, the VAE itself
     streamer = engine.states(wan_pipe)["transformer"].transport
-    slots = 2 * max(b.nbytes for b in streamer.blocks)
+    slots = 2 * max(b.largest_unit for b in streamer.blocks)  # a ring of window + 1 unit buffers
     assert engine.memory_required(wan_pipe) == max(slots, sizes["vae"], engine.states(wan_pipe)[
         "text_encoder"].transport.run_bytes())
 

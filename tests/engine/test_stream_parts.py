@@ -112,3 +112,30 @@ def test_an_oom_inside_a_part_gives_kept_blocks_up_and_the_block_runs_again(wan_
     assert failures and streamer.resident_indices() == set()
     assert streamer.details()["ooms"] == 1
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_the_first_forward_guesses_each_blocks_parts_in_the_order_the_first_block_ran_them(h3_pipe):
+    """H3's blocks register their modulation last and run it first. Before any cycle is recorded,
+    the parts are guessed in registration order; once block 0 has run, the other blocks are
+    guessed in its order, so their prefetches are not all misses in the first forward."""
+    engine = Engine()
+    engine.place(h3_pipe, PARTS)
+    streamer = _denoiser(engine, h3_pipe)
+    second = streamer.blocks[1]
+    guesses: list[list[str]] = []
+
+    def guess(module, args) -> None:
+        mine = [streamer.units[i] for i in streamer.order if streamer.units[i].block is second]
+        guesses.append([type(u.module).__name__ for u in mine])
+
+    registered = [type(u.module).__name__ for u in second.units]
+    handle = second.units[0].module.register_forward_pre_hook(guess)
+    try:
+        RUNNERS["h3"](h3_pipe, seed=0)
+    finally:
+        handle.remove()
+        engine.after_run(h3_pipe)
+    ran_first = "MiniMaxH3AdaLayerNormModulation"
+    assert registered[-1] == ran_first  # the guess before block 0 ran would be wrong
+    assert all(g[0] == ran_first and sorted(g) == sorted(registered) for g in guesses)
+    engine.release(h3_pipe)
