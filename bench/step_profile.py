@@ -1,0 +1,79 @@
+"""Where a preloaded step's time goes: the host's launch time against the GPU's, and a profiler
+trace of one forward (Wan-14B geometry, ballast cap as in ``wan_bench.py``).
+
+Why: at 24 GiB the image-sized step stays near 0.104 s whatever the kept count (32-34 blocks),
+while its bound falls to 0.076 s (RESULTS.md, run 11). This tells a host-bound step (launch time
+≈ step time) from exposed copies (the compute stream idle while a copy runs).
+
+    python bench/step_profile.py --caps 24 --trace $OUT/trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import wan_bench as wb  # registers the pack as ``diffusers_offload``
+
+
+def launch_and_step(m, feeds, repeats: int = 5) -> tuple[float, float]:
+    """Median host time until the forward returns (its launches) and until the GPU is done."""
+    for _ in range(2):
+        wb.forward(m, *feeds)
+    launch, step = [], []
+    for _ in range(repeats):
+        wb.sync()
+        t0 = time.perf_counter()
+        wb.forward(m, *feeds)
+        launch.append(time.perf_counter() - t0)
+        wb.sync()
+        step.append(time.perf_counter() - t0)
+    return statistics.median(launch), statistics.median(step)
+
+
+def trace(m, feeds, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    wb.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wb.forward(m, *feeds)
+        wb.sync()
+    prof.export_chrome_trace(path)
+
+
+def row(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--caps", default="24")
+    ap.add_argument("--workload", default="small")
+    ap.add_argument("--whole-blocks", action="store_true")
+    ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
+    args = ap.parse_args()
+    m = wb.build(40)
+    feeds = wb.inputs(args.workload, 21)
+    row(section="resident", launch_s=(r := launch_and_step(m, feeds))[0], step_s=r[1])
+    wb.to_host(m)
+    for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
+        ballast = wb.Ballast(cap) if cap else None
+        eng, bag = wb.Engine(), wb.Components(transformer=m)
+        try:
+            eng.place(bag, wb.OffloadConfig(stream_parts=not args.whole_blocks))
+            launch, step = launch_and_step(m, feeds)
+            streamer = eng.states(bag)["transformer"].transport
+            row(section="auto", cap_gib=cap or None, launch_s=launch, step_s=step, kept=streamer.details()["kept"],
+                streamed_gib=streamer.streamed_bytes() / 2**30)
+            if args.trace and cap and cap == float(args.caps.split(",")[0]):
+                trace(m, feeds, args.trace)
+        finally:
+            eng.release(bag)
+            if ballast is not None:
+                ballast.close()
+
+
+if __name__ == "__main__":
+    main()
