@@ -37,7 +37,7 @@ class OffloadConfig:
 
     stream_parts: a streamed denoiser's blocks move in parts (their large children) instead of
     whole, so its streaming buffers are smaller and more blocks stay on a small card (Wan-14B at
-    12 GiB: one block more, 0.312 s a step against 0.340 s; ``bench/RESULTS.md``, run 11). A
+    12 GiB: one block more, 0.325 s a step against 0.340 s; ``bench/RESULTS.md``, run 11). A
     block's large children must use their weights only inside their own forward (true of
     diffusers' attention and feed-forward modules); off streams every block whole.
     """

@@ -257,9 +257,9 @@ class BlockStreamer:
         self._guessed.discard(done.tower)
         if ran == sorted(ran):
             return
-        like = {b.index for b in self.blocks if b.tower == done.tower and len(b.units) == len(done.units)}
-        self.order = [u.block.units[ran[u.index - u.block.units[0].index]].index if u.block.index in like else i
-                      for i, u in ((i, self.units[i]) for i in self.order)]
+        like = [b for b in self.blocks if b.tower == done.tower and len(b.units) == len(done.units)]
+        guess = {u.index: b.units[ran[k]].index for b in like for k, u in enumerate(b.units)}
+        self.order = [guess.get(i, i) for i in self.order]
         self._prefetch_after(self.units[self._seen[-1]])
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
