@@ -16,6 +16,8 @@ Sections:
   firstk   hand-picked "first K blocks resident" at each cap (the manual knob users set today)
   anchors  diffusers block_level+stream and leaf_level+stream
   cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines
+  mmgp     mmgp 3.8.2 (WanGP's engine) keeping --mmgp-kept blocks at the first cap; runs last, and
+           needs ``mmgp`` and ``optimum-quanto`` (carry their wheels: the GPU machine has no network)
 """
 
 from __future__ import annotations
@@ -315,6 +317,44 @@ def section_anchors(m, refs, feeds, args) -> None:
         torch.cuda.empty_cache()
 
 
+def section_mmgp(m, refs, feeds, args, cap: float | None) -> None:
+    """mmgp 3.8.2 as WanGP runs it: pinned, async transfers, no quantization, fp32 modules kept
+    fp32 (as ours), ``--mmgp-kept`` blocks preloaded. Its budget (MiB) buys blocks as
+    ``int((budget - non-block - 2 * block) / block)`` (``offload.tune_preloading``), so the budget
+    for K blocks is asked with one MiB to spare, and the row reports the count mmgp actually kept.
+    Last in the process: mmgp moves the weights into its own pinned chunks and leaves them there."""
+    from mmgp import offload
+
+    def nbytes(mod: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in (*mod.parameters(), *mod.buffers()))
+
+    block = max(nbytes(b) for b in m.blocks)
+    budget_mib = (nbytes(m) - sum(nbytes(b) for b in m.blocks) + (args.mmgp_kept + 2) * block) / 2**20 + 1
+    ballast = Ballast(cap)
+    try:
+        t0 = time.perf_counter()
+        mm = offload.all({"transformer": m}, pinnedMemory=True, quantizeTransformer=False, asyncTransfers=True,
+                         budgets={"transformer": budget_mib}, convertWeightsFloatTo=None, verboseLevel=1)
+        place_s = time.perf_counter() - t0
+        kept = len(mm.preloaded_blocks_per_model["transformer"])
+        for w in feeds:
+            try:
+                med, runs, out = timed(m, feeds[w], args.warmup, args.repeats)
+                row(section="mmgp", cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
+                    kept=kept, asked=args.mmgp_kept, budget_mib=budget_mib, place_s=place_s,
+                    peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
+                    peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
+                    rss_gib=psutil.Process().memory_info().rss / GiB)
+                del out
+            except torch.OutOfMemoryError as e:
+                row(section="mmgp", cap_gib=cap, workload=w, kept=kept, error=f"OOM: {str(e)[:100]}")
+                gc.collect()
+                torch.cuda.empty_cache()
+        mm.release()
+    finally:
+        ballast.close()
+
+
 def section_cycles(m, refs, feeds, args, cap: float) -> None:
     ballast = Ballast(cap)
     eng, bag = Engine(), Components(transformer=m)
@@ -361,6 +401,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="small,video")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
+    ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -401,6 +442,8 @@ def main() -> None:
         section_cycles(m, refs, feeds, args, min(caps))
     if "anchors" in sections:
         section_anchors(m, refs, feeds, args)
+    if "mmgp" in sections:
+        section_mmgp(m, refs, feeds, args, caps[0] if caps else None)
     finish(args)
 
 
