@@ -46,10 +46,13 @@ class StreamUnit:
     start: int
     nbytes: int
 
-    def bind(self, buf: torch.Tensor) -> None:
-        """Bind the tensors to views of ``buf``, a buffer holding this unit alone."""
-        for slot in self.slots:
-            slot.tensor.data = slot.view(buf, self.start)
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""
+        return [slot.view(buf, self.start) for slot in self.slots]
+
+    def bind(self, views: list[torch.Tensor]) -> None:
+        for slot, view in zip(self.slots, views, strict=True):
+            slot.tensor.data = view
 
     def bind_host(self) -> None:
         for slot in self.slots:

@@ -10,7 +10,7 @@ penalty through shortages. Buffers that are never freed inside a run cannot be s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ class RingSlot:
     buf: torch.Tensor
     written: torch.cuda.Event | None = None  # the last copy into it, on the side stream
     read: torch.cuda.Event | None = None  # the last compute work that may read it
+    views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per unit: its tensors in ``buf``
 
 
 class BufferRing:

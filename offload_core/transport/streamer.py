@@ -223,7 +223,7 @@ class BlockStreamer:
                 self._drop_wrong_guesses(unit)
             slot = self._take(unit)
             self._bound[unit.index] = slot
-            unit.bind(slot.buf)
+            unit.bind(self._views(unit, slot))
         self._prefetch_after(unit)
         self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
@@ -323,24 +323,34 @@ class BlockStreamer:
         """Copy a streamed unit into a ring slot, once the compute work that last read the
         slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
         slot = self.ring.acquire()
-        slot.written = self._copy(unit.slots, unit.start, unit.block.pinned, slot.buf, after=slot.read)
+        pairs = zip(self._views(unit, slot), (s.host for s in unit.slots), strict=True)
+        slot.written = self._copy(pairs, unit.block.pinned, after=slot.read)
         return slot
 
-    def _copy(self, slots: list, base: int, pinned: bool, buf: torch.Tensor,
-              after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        """Copy the host masters of ``slots`` (laid out from ``base``) into ``buf``: on the side
-        stream after ``after``, returning the event that marks the copy done, or on the compute
-        stream where there is no side stream."""
+    @staticmethod
+    def _views(unit: StreamUnit, slot: RingSlot) -> list[torch.Tensor]:
+        """``unit``'s tensors in ``slot``'s buffer, made once per buffer and unit: a step uses
+        them twice per streamed unit (copy, bind), and building them is most of the host time a
+        streamed block costs (0.8 of 1.1 ms per block in a CPU profile)."""
+        views = slot.views.get(unit.index)
+        if views is None:
+            views = slot.views[unit.index] = unit.views(slot.buf)
+        return views
+
+    def _copy(self, pairs, pinned: bool, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Copy each (device view, host master) pair: on the side stream after ``after``,
+        returning the event that marks the copy done, or on the compute stream where there is
+        no side stream."""
         stream = self.copy_stream
         if stream is None:
-            for slot in slots:
-                slot.view(buf, base).copy_(slot.host)
+            for dst, src in pairs:
+                dst.copy_(src)
             return None
         if after is not None:
             stream.wait_event(after)
         with torch.cuda.stream(stream):
-            for slot in slots:
-                slot.view(buf, base).copy_(slot.host, non_blocking=pinned)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=pinned)
             return stream.record_event()
 
     # -- resident set (preload) ---------------------------------------------------------------
@@ -368,7 +378,7 @@ class BlockStreamer:
         the copy."""
         buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        ready = self._copy(block.slots, 0, block.pinned, buf, after)
+        ready = self._copy(((s.view(buf), s.host) for s in block.slots), block.pinned, after)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf

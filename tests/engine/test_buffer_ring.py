@@ -76,9 +76,9 @@ class _SideStreamOnCpu:
     blocks are in flight, in which buffer) runs as on a GPU; the copies happen at once."""
 
 
-def _copy_now(slots, base, pinned, buf, after):
-    for slot in slots:
-        slot.view(buf, base).copy_(slot.host)
+def _copy_now(pairs, pinned, after):
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 def _six_block_wan():
@@ -123,4 +123,30 @@ def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reu
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert allocations == []  # block 0 loaded into a wrong guess's buffer, not a third one
     assert streamer.ring.nbytes == 2 * streamer.ring.slot_bytes
+    engine.release(bag)
+
+
+@pytest.mark.parametrize("parts", [False, True])
+def test_a_units_views_of_a_buffer_are_made_once_and_later_forwards_make_none(monkeypatch, parts):
+    """Building a unit's tensor views was most of the host time a streamed block cost; the ring's
+    buffers live for the run, so each (buffer, unit) pair builds its views once."""
+    from diffusers_offload.offload_core.transport.blocks import StreamUnit
+
+    model, feeds = _six_block_wan()
+    ref = _forward(model, feeds)
+    engine = Engine()
+    bag = Components(transformer=model)
+    engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts))
+    streamer = engine.states(bag)["transformer"].transport
+    monkeypatch.setattr(streamer, "copy_stream", _SideStreamOnCpu())
+    monkeypatch.setattr(streamer, "_copy", _copy_now)
+    built = []
+    real_views = StreamUnit.views
+    monkeypatch.setattr(StreamUnit, "views", lambda unit, buf: built.append(unit.index) or real_views(unit, buf))
+    outs = [_forward(model, feeds) for _ in range(2)]
+    settled = len(built)  # at most each unit in each of the two buffers
+    outs += [_forward(model, feeds) for _ in range(2)]
+    assert 0 < settled <= 2 * len(streamer.units) and len(built) == settled
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
     engine.release(bag)
