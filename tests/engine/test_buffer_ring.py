@@ -100,20 +100,26 @@ def _forward(model, feeds):
         return model(**feeds)[0]
 
 
-@pytest.mark.parametrize(("parts", "in_flight"), [(False, {1, 3}), (True, {1})])
-def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reuses_the_buffers(
-        monkeypatch, parts, in_flight):
-    """``in_flight``: the blocks whose units are copied ahead for the next forward (two buffers:
-    two whole blocks, or two parts of one)."""
+def _placed_with_side_stream(monkeypatch, parts: bool):
+    """The six-block model, its unplaced output, and its streamer with the side stream stood in."""
     model, feeds = _six_block_wan()
     ref = _forward(model, feeds)
     engine = Engine()
     bag = Components(transformer=model)
     engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts))
     streamer = engine.states(bag)["transformer"].transport
-    streamer.listeners.clear()  # the plans are set by hand
     monkeypatch.setattr(streamer, "copy_stream", _SideStreamOnCpu())
     monkeypatch.setattr(streamer, "_copy", _copy_now)
+    return model, feeds, ref, engine, bag, streamer
+
+
+@pytest.mark.parametrize(("parts", "in_flight"), [(False, {1, 3}), (True, {1})])
+def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reuses_the_buffers(
+        monkeypatch, parts, in_flight):
+    """``in_flight``: the blocks whose units are copied ahead for the next forward (two buffers:
+    two whole blocks, or two parts of one)."""
+    model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, parts)
+    streamer.listeners.clear()  # the plans are set by hand
     streamer.set_resident({0, 2, 4})
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert {streamer.units[i].block.index for i in streamer._inflight} == in_flight
@@ -132,14 +138,7 @@ def test_a_units_views_of_a_buffer_are_made_once_and_later_forwards_make_none(mo
     buffers live for the run, so each (buffer, unit) pair builds its views once."""
     from diffusers_offload.offload_core.transport.blocks import StreamUnit
 
-    model, feeds = _six_block_wan()
-    ref = _forward(model, feeds)
-    engine = Engine()
-    bag = Components(transformer=model)
-    engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts))
-    streamer = engine.states(bag)["transformer"].transport
-    monkeypatch.setattr(streamer, "copy_stream", _SideStreamOnCpu())
-    monkeypatch.setattr(streamer, "_copy", _copy_now)
+    model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, parts)
     built = []
     real_views = StreamUnit.views
     monkeypatch.setattr(StreamUnit, "views", lambda unit, buf: built.append(unit.index) or real_views(unit, buf))
