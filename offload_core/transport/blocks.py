@@ -51,6 +51,7 @@ class StreamUnit:
         return [slot.view(buf, self.start) for slot in self.slots]
 
     def bind(self, views: list[torch.Tensor]) -> None:
+        """Bind the tensors to ``views`` (as made by `views`, in slot order)."""
         for slot, view in zip(self.slots, views, strict=True):
             slot.tensor.data = view
 
