@@ -35,6 +35,7 @@ from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
 from .blocks import StreamBlock, StreamUnit, make_block
+from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
 from .towers import find_towers
 
@@ -122,7 +123,7 @@ class BlockStreamer:
         self.pins = PinSet()
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and ctx.use_stream else None
-        self.order: list[int] = []  # units in the execution order seen in the last cycle
+        self.order = ExecutionOrder([], lambda u: self.units[u].block.resident is None)  # as the last cycle ran
         self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
         self._seen: list[int] = []
         self.ring = BufferRing(self.device, ctx.prefetch_window + 1)
@@ -152,7 +153,7 @@ class BlockStreamer:
             for unit in block.units if block.in_parts else ():
                 add_hook(unit.module, _PartHook(self, unit), STREAM_HOOK)
         add_hook(module, _ModelHook(self), MARKER)
-        self.order = [u.index for u in self.units]
+        self.order.set([u.index for u in self.units])
         self._guessed = {b.tower for b in self.blocks if b.in_parts}
         self.ring.resize(self._largest_streamed())
         log.info(
@@ -200,7 +201,7 @@ class BlockStreamer:
     # -- the per-forward path ---------------------------------------------------------------
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         """A block is entered: a cycle begins at the first block; a whole block is made ready."""
-        if block is self.units[self.order[0]].block or not self._seen:
+        if block is self.units[self.order.first()].block or not self._seen:
             self._begin_cycle(block, args, kwargs)
         elif self._guessed:
             self._learn_part_order()
@@ -261,12 +262,12 @@ class BlockStreamer:
             return
         like = [b for b in self.blocks if b.tower == done.tower and len(b.units) == len(done.units)]
         guess = {u.index: b.units[ran[k]].index for b in like for k, u in enumerate(b.units)}
-        self.order = [guess.get(i, i) for i in self.order]
+        self.order.set([guess.get(i, i) for i in self.order.units])
         self._prefetch_after(self.units[self._seen[-1]])
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
-        if len(self._seen) >= len(self.order) // 2 and self._seen:
-            self.order = _dedupe(self._seen)
+        if len(self._seen) >= len(self.order.units) // 2 and self._seen:
+            self.order.set(_dedupe(self._seen))
             self._guessed.clear()
         self._seen = []
         self._unbind_all()  # a forward that raised never reached exit()
@@ -290,7 +291,7 @@ class BlockStreamer:
         will not run after it give their buffers back first, so it loads into one of them rather
         than into a buffer allocated beside them while the step's activations are live."""
         after = self.ctx.prefetch_window - len(self._bound)
-        keep = set(self._upcoming(unit.index, after))
+        keep = set(self.order.upcoming(unit.index, after))
         for index in [i for i in self._inflight if i not in keep]:
             self._discard(index)
 
@@ -301,25 +302,13 @@ class BlockStreamer:
         if self.copy_stream is None:
             return
         count = self.ctx.prefetch_window + 1 - len(self._bound)
-        upcoming = self._upcoming(unit.index, count)
+        upcoming = self.order.upcoming(unit.index, count)
         for index in list(self._inflight):
             if index not in upcoming:
                 self._discard(index)  # a skipped branch, a changed plan
         for index in upcoming:
             if index not in self._inflight:
                 self._inflight[index] = self._load(self.units[index])
-
-    def _upcoming(self, index: int, count: int) -> list[int]:
-        order = self.order
-        pos = order.index(index) if index in order else -1
-        out: list[int] = []
-        for step in range(1, len(order) + 1):
-            nxt = order[(pos + step) % len(order)]
-            if nxt == index or len(out) >= count:
-                break
-            if self.units[nxt].block.resident is None:
-                out.append(nxt)
-        return out
 
     def _load(self, unit: StreamUnit) -> RingSlot:
         """Copy a streamed unit into a ring slot, once the compute work that last read the
@@ -369,6 +358,7 @@ class BlockStreamer:
             elif not keep and block.resident is not None:
                 block.bind_host()
                 block.resident = None
+        self.order.refresh()
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()

@@ -125,7 +125,7 @@ def test_the_first_forward_guesses_each_blocks_parts_in_the_order_the_first_bloc
     guesses: list[list[str]] = []
 
     def guess(module, args) -> None:
-        mine = [streamer.units[i] for i in streamer.order if streamer.units[i].block is second]
+        mine = [streamer.units[i] for i in streamer.order.units if streamer.units[i].block is second]
         guesses.append([type(u.module).__name__ for u in mine])
 
     registered = [type(u.module).__name__ for u in second.units]
