@@ -328,6 +328,12 @@ def section_mmgp(m, refs, feeds, args, cap: float | None) -> None:
     def nbytes(mod: torch.nn.Module) -> int:
         return sum(t.numel() * t.element_size() for t in (*mod.parameters(), *mod.buffers()))
 
+    # As WanGP declares mixed precision to mmgp (which asserts one dtype otherwise): the model's
+    # dtype, and the modules kept in fp32 locked to it.
+    m._model_dtype = torch.bfloat16
+    for sub in m.modules():
+        if any(p.dtype == torch.float32 for p in sub.parameters(recurse=False)):
+            sub._lock_dtype = torch.float32
     block = max(nbytes(b) for b in m.blocks)
     budget_mib = (nbytes(m) - sum(nbytes(b) for b in m.blocks) + (args.mmgp_kept + 2) * block) / 2**20 + 1
     ballast = Ballast(cap)
