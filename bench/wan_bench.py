@@ -12,7 +12,6 @@ Sections:
   modes    every engine mode on a short model (--mode-blocks): parity, step time, peak VRAM
   stream   full streaming (preload off): small and video, against the bound
   preload  preload auto at each cap
-  window2  preload auto with a prefetch window of 2 (small workload) at each cap
   firstk   hand-picked "first K blocks resident" at each cap (the manual knob users set today)
   anchors  diffusers block_level+stream and leaf_level+stream
   cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines
@@ -203,8 +202,9 @@ class Ballast:
 
 
 def config(args, **kw) -> OffloadConfig:
-    """The engine's config for a row: ``--whole-blocks`` streams each block whole."""
-    return OffloadConfig(stream_parts=not args.whole_blocks, **kw)
+    """The engine's config for a row: ``--whole-blocks`` streams each block whole; ``--window``
+    sets the prefetch window (the ring holds window + 1 of the largest unit)."""
+    return OffloadConfig(**{"stream_parts": not args.whole_blocks, "prefetch_window": args.window, **kw})
 
 
 def row(**kw) -> dict:
@@ -407,6 +407,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="small,video")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
+    ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -419,7 +420,7 @@ def main() -> None:
     row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
         h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB,
         allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        stream_parts=not args.whole_blocks)
+        stream_parts=not args.whole_blocks, window=args.window)
     if "modes" in sections:
         section_modes(args)
     if not set(sections) - {"modes"}:
@@ -439,9 +440,6 @@ def main() -> None:
         if "preload" in sections:
             auto = run_engine("preload_auto", m, config(args, preload="auto"), cap, refs, feeds, args,
                               workloads=workloads)
-        if "window2" in sections:
-            run_engine("preload_auto_w2", m, config(args, preload="auto", prefetch_window=2), cap, refs, feeds,
-                       args, workloads=("small",))
         if "firstk" in sections:
             firstk_rows(m, cap, auto, refs, feeds, args)
     if "cycles" in sections and caps:

@@ -29,9 +29,9 @@ class TensorSlot:
     offset: int  # in the block's flat layout
     nbytes: int
 
-    def view(self, buf: torch.Tensor) -> torch.Tensor:
-        """This tensor in ``buf``, a buffer laid out as its whole block."""
-        return buf[self.offset : self.offset + self.nbytes].view(self.host.dtype).view(self.host.shape)
+    def view(self, buf: torch.Tensor, base: int = 0) -> torch.Tensor:
+        start = self.offset - base
+        return buf[start : start + self.nbytes].view(self.host.dtype).view(self.host.shape)
 
 
 @dataclass(eq=False)
@@ -46,8 +46,12 @@ class StreamUnit:
     start: int
     nbytes: int
 
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""
+        return [slot.view(buf, self.start) for slot in self.slots]
+
     def bind(self, views: list[torch.Tensor]) -> None:
-        """Bind the tensors to ``views`` (device tensors of their dtypes and shapes, in slot order)."""
+        """Bind the tensors to ``views`` (as made by `views`, in slot order)."""
         for slot, view in zip(self.slots, views, strict=True):
             slot.tensor.data = view
 

@@ -12,7 +12,7 @@ bisection.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 
 class ExecutionOrder:
@@ -37,13 +37,17 @@ class ExecutionOrder:
     def first(self) -> int:
         return self._units[0]
 
-    def following(self, index: int) -> Iterator[int]:
-        """The streamed units that run after ``index``, wrapping into the next forward, up to
-        ``index`` itself (a unit outside the order: from the order's start)."""
+    def upcoming(self, index: int, count: int) -> list[int]:
+        """Up to ``count`` streamed units that run after ``index``, wrapping to the next forward,
+        ``index`` itself excluded (a unit outside the order: from the order's start)."""
         streamed = self._positions
+        if count <= 0 or not streamed:
+            return []
         start = bisect_right(streamed, self._pos.get(index, -1))
-        for k in range(len(streamed)):
+        out: list[int] = []
+        for k in range(min(count, len(streamed))):
             unit = self._units[streamed[(start + k) % len(streamed)]]
             if unit == index:
-                return
-            yield unit
+                break
+            out.append(unit)
+        return out

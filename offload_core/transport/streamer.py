@@ -9,26 +9,24 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 - each tower block keeps its weights where they already are in host memory, page-locked in place
   (`PinSet`), as the master copy; a forward binds the block's tensors to views of one flat device
   buffer and re-binds them to the host copy afterwards (the same Parameter objects throughout);
-- streamed blocks are copied into one flat buffer of ``window + 1`` times the largest unit
-  (`ByteRing`, allocated once per run, never freed inside it), tensor after tensor in *execution*
-  order (recorded, not assumed), on a side stream, as far ahead as its bytes allow: the moment a
-  unit exits, its bytes go to the next tensors in line (so a copy is queued as soon as memory
-  allows, not at the next block's entry: when kept blocks sit between streamed ones, the copies
-  run through them). A unit that was not prefetched loads synchronously, so a wrong guess costs
-  time, never correctness;
+- ``window + 1`` buffers circulate (`BufferRing`, allocated once per run, never freed inside it):
+  while a block computes, the next ``window`` streamed blocks in *execution* order (recorded, not
+  assumed) are in flight on a side stream, and the moment a block exits, its buffer is handed to
+  the streamed block after those (so a copy is queued a whole block earlier than at the next
+  block's entry: when kept blocks sit between streamed ones, the host's launch time for them no
+  longer delays the copy). A block that was not prefetched loads synchronously, so a wrong guess
+  costs time, never correctness;
 - any subset of blocks can be kept resident (``set_resident``), changed between steps;
 - what moves as one is a unit of the block table (`blocks.py`): the whole block, or, with
-  ``stream_parts``, each large child of it, bound only while that child's forward runs (a smaller
-  ring: more blocks kept on a small card);
-- ring bytes are written on the side stream after the compute work that last read them (an event
-  per unit, not a wait for all queued compute), and read on the compute stream after their copy;
-  the ring belongs to the compute stream's pool, so ``record_stream`` is never needed here (the
+  ``stream_parts``, each large child of it, bound only while that child's forward runs (smaller
+  buffers: more blocks kept on a small card);
+- a buffer is written on the side stream after the compute work that last read it (an event per
+  buffer, not a wait for all queued compute), and read on the compute stream after its copy;
+  buffers belong to the compute stream's pool, so ``record_stream`` is never needed here (the
   option still applies to diffusers' leaf groups).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 from diffusers.hooks import ModelHook
@@ -38,21 +36,10 @@ from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
 from .blocks import StreamBlock, StreamUnit, make_block
 from .order import ExecutionOrder
-from .ring import ALIGN, ByteRing, Piece
+from .ring import BufferRing, RingSlot
 from .towers import find_towers
 
 log = get_logger("streamer")
-
-
-@dataclass(eq=False)
-class _Flight:
-    """A streamed unit's tensors on the device: ring pieces in slot order (maybe not all of them
-    yet), and, for a unit that met a full ring at its entry, a buffer of its own for the rest."""
-
-    pieces: list[Piece] = field(default_factory=list)
-    views: list[torch.Tensor] = field(default_factory=list)
-    written: torch.cuda.Event | None = None  # the last copy into its pieces
-    own: torch.Tensor | None = None
 
 
 class _BlockHook(ModelHook):
@@ -139,9 +126,9 @@ class BlockStreamer:
         self.order = ExecutionOrder([], lambda u: self.units[u].block.resident is None)  # as the last cycle ran
         self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
         self._seen: list[int] = []
-        self.ring = ByteRing(self.device)
-        self._inflight: dict[int, _Flight] = {}  # units copied ahead, in execution order
-        self._bound: dict[int, _Flight] = {}
+        self.ring = BufferRing(self.device, ctx.prefetch_window + 1)
+        self._inflight: dict[int, RingSlot] = {}
+        self._bound: dict[int, RingSlot] = {}
         self._head_bytes = 0
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
@@ -168,12 +155,12 @@ class BlockStreamer:
         add_hook(module, _ModelHook(self), MARKER)
         self.order.set([u.index for u in self.units])
         self._guessed = {b.tower for b in self.blocks if b.in_parts}
-        self.ring.resize(self.run_bytes())
+        self.ring.resize(self._largest_streamed())
         log.info(
-            "%s: %d blocks in %d tower(s) streamed in %d units (%.2f GiB/step, a ring of %.2f GiB, %s, %s), "
+            "%s: %d blocks in %d tower(s) streamed in %d units (%.2f GiB/step, buffers of %.2f GiB, %s, %s), "
             "non-block part resident (%.2f GiB)",
             type(module).__name__, len(self.blocks), len(towers), len(self.units), self.streamed_bytes() / 2**30,
-            self.ring.capacity / 2**30, "side-stream prefetch" if self.copy_stream else "no stream",
+            self.ring.slot_bytes / 2**30, "side-stream prefetch" if self.copy_stream else "no stream",
             "pinned" if self.ctx.pin and self.cuda else "pageable", self.head_bytes() / 2**30,
         )
 
@@ -234,20 +221,20 @@ class BlockStreamer:
     def _make_ready(self, unit: StreamUnit) -> None:
         if unit.block.resident is None and unit.index not in self._bound:
             if unit.index not in self._inflight:
-                self._drop_wrong_guesses()
-            flight = self._take(unit)
-            self._bound[unit.index] = flight
-            unit.bind(flight.views)
+                self._drop_wrong_guesses(unit)
+            slot = self._take(unit)
+            self._bound[unit.index] = slot
+            unit.bind(self._views(unit, slot))
         self._prefetch_after(unit)
         self._transit_peak = max(self._transit_peak, self._transit_bytes())
 
     def exit(self, unit: StreamUnit) -> None:
-        flight = self._bound.pop(unit.index, None)
-        if flight is not None:
+        slot = self._bound.pop(unit.index, None)
+        if slot is not None:
             unit.bind_host()
-            self.ring.release(flight.pieces, self._record())
-            # Its bytes' next users. On an OOM (the ring's first allocation) the unit loads at its
-            # entry instead, where an OOM gives kept blocks up.
+            self.ring.release(slot, read_by_compute=True)
+            # Its buffer's next user. On an OOM that block loads at its entry instead, where an
+            # OOM gives kept blocks up.
             try:
                 self._prefetch_after(unit)
             except torch.OutOfMemoryError:
@@ -256,7 +243,7 @@ class BlockStreamer:
     def _unbind_all(self) -> None:
         for index in list(self._bound):
             self.units[index].bind_host()
-            self.ring.release(self._bound.pop(index).pieces, self._record())
+            self.ring.release(self._bound.pop(index), read_by_compute=True)
 
     def _learn_part_order(self) -> None:
         """First forward, a block entered after one that ran in parts: guess its tower's other
@@ -291,85 +278,58 @@ class BlockStreamer:
         one of them acted (an OOM was relieved)."""
         return any([bool(listener(event, self, **info)) for listener in self.listeners])
 
-    def _take(self, unit: StreamUnit) -> _Flight:
-        """``unit``'s tensors on the device, the compute stream waiting for their copies: what was
-        copied ahead, the rest now (into the ring, or beside it when the ring is full)."""
-        flight = self._inflight.pop(unit.index, None) or _Flight()
-        try:
-            if not self._fill(unit, flight):
-                self._fill_own(unit, flight)
-        except BaseException:  # an OOM: the pieces taken must not block the ring
-            self.ring.release(flight.pieces, None)
-            raise
-        if flight.written is not None:
-            torch.cuda.current_stream(self.device).wait_event(flight.written)
-        return flight
+    def _take(self, unit: StreamUnit) -> RingSlot:
+        slot = self._inflight.pop(unit.index, None)
+        if slot is None:
+            slot = self._load(unit)
+        if slot.written is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.written)
+        return slot
 
-    def _drop_wrong_guesses(self) -> None:
-        """A unit was not prefetched (a new plan, a skipped branch): what is in flight gives its
-        bytes back first, so the unit loads into the ring rather than into a buffer allocated
-        beside it while the step's activations are live; the prefetch after it refills."""
-        for index in list(self._inflight):
+    def _drop_wrong_guesses(self, unit: StreamUnit) -> None:
+        """``unit`` was not prefetched (a new plan, a skipped branch): the units in flight that
+        will not run after it give their buffers back first, so it loads into one of them rather
+        than into a buffer allocated beside them while the step's activations are live."""
+        after = self.ctx.prefetch_window - len(self._bound)
+        keep = set(self.order.upcoming(unit.index, after))
+        for index in [i for i in self._inflight if i not in keep]:
             self._discard(index)
 
     def _prefetch_after(self, unit: StreamUnit) -> None:
-        """Copy the streamed units after ``unit`` in execution order into the ring, tensor by
-        tensor, as far as its bytes allow (past the last block: the next forward's first ones;
-        the ring holds that memory whether or not it is in use)."""
+        """Keep exactly the next streamed units after ``unit`` in flight that fill the
+        ``window + 1`` ring buffers with the one bound now, if any (past the last block: the next
+        forward's first ones; the ring holds that memory whether or not it is in use)."""
         if self.copy_stream is None:
             return
-        ahead: set[int] = set()
-        for index in self.order.following(unit.index):
-            if index in self._bound:
-                continue
-            flight = self._inflight.pop(index, None) or _Flight()
-            full = self._fill(self.units[index], flight)
-            if flight.pieces:
-                self._inflight[index] = flight
-                ahead.add(index)
-            if not full:
-                break
-        for index in [i for i in self._inflight if i not in ahead]:
-            self._discard(index)  # a skipped branch, a changed plan
+        count = self.ctx.prefetch_window + 1 - len(self._bound)
+        upcoming = self.order.upcoming(unit.index, count)
+        for index in list(self._inflight):
+            if index not in upcoming:
+                self._discard(index)  # a skipped branch, a changed plan
+        for index in upcoming:
+            if index not in self._inflight:
+                self._inflight[index] = self._load(self.units[index])
 
-    def _fill(self, unit: StreamUnit, flight: _Flight) -> bool:
-        """Copy as many of ``unit``'s remaining tensors into the ring as it has room for, each
-        once the compute work that last read its bytes is done; True when all are in."""
-        pairs, waits = [], []
-        for slot in unit.slots[len(flight.pieces):]:
-            taken = self.ring.take(slot.nbytes)
-            if taken is None:
-                break
-            piece, after = taken
-            view = self.ring.view(piece, slot.host)
-            flight.pieces.append(piece)
-            flight.views.append(view)
-            pairs.append((view, slot.host))
-            waits.extend(after)
-        if pairs:
-            flight.written = self.ring.written = self._copy(pairs, unit.block.pinned, waits)
-        return len(flight.pieces) == len(unit.slots)
+    def _load(self, unit: StreamUnit) -> RingSlot:
+        """Copy a streamed unit into a ring slot, once the compute work that last read the
+        slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
+        slot = self.ring.acquire()
+        pairs = zip(self._views(unit, slot), (s.host for s in unit.slots), strict=True)
+        slot.written = self._copy(pairs, unit.block.pinned, after=slot.read)
+        return slot
 
-    def _fill_own(self, unit: StreamUnit, flight: _Flight) -> None:
-        """The ring had no room left for ``unit`` (a wrong guess kept in flight): the rest of its
-        tensors go into a buffer of its own from the compute stream's pool, copied on that stream
-        (it waits for them anyway), freed at its exit."""
-        rest = unit.slots[len(flight.pieces):]
-        sizes = [-(-s.nbytes // ALIGN) * ALIGN for s in rest]
-        flight.own = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        log.debug("%s: unit %d loads beside the ring (%d tensors)", type(self.module).__name__, unit.index, len(rest))
-        offset = 0
-        for slot, size in zip(rest, sizes, strict=True):
-            view = flight.own[offset : offset + slot.nbytes].view(slot.host.dtype).view(slot.host.shape)
-            view.copy_(slot.host, non_blocking=unit.block.pinned)
-            flight.views.append(view)
-            offset += size
+    @staticmethod
+    def _views(unit: StreamUnit, slot: RingSlot) -> list[torch.Tensor]:
+        """``unit``'s tensors in ``slot``'s buffer, made once per buffer and unit: a step uses
+        them twice per streamed unit (copy, bind), and building them is most of the host time a
+        streamed block costs (0.8 of 1.1 ms per block in a CPU profile)."""
+        views = slot.views.get(unit.index)
+        if views is None:
+            views = slot.views[unit.index] = unit.views(slot.buf)
+        return views
 
-    def _record(self) -> torch.cuda.Event | None:
-        return torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-
-    def _copy(self, pairs, pinned: bool, after: list[torch.cuda.Event]) -> torch.cuda.Event | None:
-        """Copy each (device view, host master) pair: on the side stream after the ``after`` events,
+    def _copy(self, pairs, pinned: bool, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Copy each (device view, host master) pair: on the side stream after ``after``,
         returning the event that marks the copy done, or on the compute stream where there is
         no side stream."""
         stream = self.copy_stream
@@ -377,8 +337,8 @@ class BlockStreamer:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
-        for event in after:
-            stream.wait_event(event)
+        if after is not None:
+            stream.wait_event(after)
         with torch.cuda.stream(stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=pinned)
@@ -399,8 +359,10 @@ class BlockStreamer:
                 block.bind_host()
                 block.resident = None
         self.order.refresh()
-        if self.ring.resize(self.run_bytes()):
+        largest = self._largest_streamed()
+        if largest != self.ring.slot_bytes:
             self.drop_prefetched()
+            self.ring.resize(largest)
 
     def _load_resident(self, block: StreamBlock) -> torch.Tensor:
         """A kept block's own buffer, from the compute stream's pool: the copy waits for the
@@ -408,13 +370,13 @@ class BlockStreamer:
         the copy."""
         buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
         after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        ready = self._copy(((s.view(buf), s.host) for s in block.slots), block.pinned, [after] if after else [])
+        ready = self._copy(((s.view(buf), s.host) for s in block.slots), block.pinned, after)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf
 
     def _largest_streamed(self) -> int:
-        """The largest unit of the blocks not kept (the ring is sized by it)."""
+        """The ring's buffer size: the largest unit of the blocks not kept."""
         return max((b.largest_unit for b in self.blocks if b.resident is None), default=0)
 
     def relieve_outside_blocks(self, first: bool) -> bool:
@@ -431,15 +393,15 @@ class BlockStreamer:
 
     def drop_prefetched(self) -> None:
         """Forget the blocks copied ahead (they would be stale after a write to the host copies)
-        and give the ring back to the allocator."""
+        and give the idle ring buffers back to the allocator."""
         for index in list(self._inflight):
             self._discard(index)
         self.ring.clear()
 
     def _discard(self, index: int) -> None:
-        """A prefetched unit will not run next (a skipped branch, a changed plan): its bytes go
-        back to the ring unread."""
-        self.ring.release(self._inflight.pop(index).pieces, None)
+        """A prefetched block will not run next (a skipped branch, a changed plan): its slot
+        goes back to the ring unread."""
+        self.ring.release(self._inflight.pop(index), read_by_compute=False)
 
     def resident_indices(self) -> set[int]:
         return {b.index for b in self.blocks if b.resident is not None}
@@ -462,7 +424,7 @@ class BlockStreamer:
         self._transit_peak = self._transit_bytes()
 
     def _transit_bytes(self) -> int:
-        return self.ring.nbytes + sum(f.own.numel() for f in self._bound.values() if f.own is not None)
+        return self.ring.nbytes
 
     # -- accounting -------------------------------------------------------------------------
     def head_bytes(self) -> int:
@@ -496,7 +458,7 @@ class BlockStreamer:
         return freed
 
     def run_bytes(self) -> int:
-        """The ring: the unit being run plus the prefetch window, in units of the largest one."""
+        """The streaming slots: the unit being run plus the prefetch window."""
         return (self.ctx.prefetch_window + 1) * self._largest_streamed()
 
     def details(self) -> dict[str, object]:

@@ -1,9 +1,8 @@
-"""The streamer's execution order answers "the streamed units after this one" as a walk along the
-order would: in execution order, skipping kept units, wrapping into the next forward, up to the
-asking unit itself."""
+"""The streamer's execution order answers "the next streamed units after this one" as a walk along
+the order would: in execution order, skipping kept units, wrapping into the next forward, never
+the asking unit itself."""
 
 import random
-from itertools import islice
 
 from diffusers_offload.offload_core.transport.order import ExecutionOrder
 
@@ -21,11 +20,7 @@ def _walk(order: list[int], streamed: set[int], index: int, count: int) -> list[
     return out
 
 
-def _upcoming(eo: ExecutionOrder, index: int, count: int) -> list[int]:
-    return list(islice(eo.following(index), count))
-
-
-def test_following_matches_a_walk_along_the_order_for_random_orders_and_resident_sets():
+def test_upcoming_matches_a_walk_along_the_order_for_random_orders_and_resident_sets():
     rng = random.Random(0)
     for _ in range(300):
         n = rng.randint(1, 30)
@@ -34,16 +29,16 @@ def test_following_matches_a_walk_along_the_order_for_random_orders_and_resident
         eo = ExecutionOrder(order, streamed.__contains__)
         for index in range(n + 3):
             for count in (0, 1, 2, 3, n + 5):
-                assert _upcoming(eo, index, count) == _walk(order, streamed, index, count), (order, streamed, index)
+                assert eo.upcoming(index, count) == _walk(order, streamed, index, count), (order, streamed, index)
 
 
 def test_refresh_reads_the_new_resident_set_and_set_the_new_order():
     streamed = {1, 3}
     eo = ExecutionOrder([0, 1, 2, 3], streamed.__contains__)
-    assert _upcoming(eo, 3, 2) == [1]
+    assert eo.upcoming(3, 2) == [1]
     streamed.add(2)
-    assert _upcoming(eo, 1, 1) == [3]  # not re-read yet: the streamer refreshes on every resident change
+    assert eo.upcoming(1, 1) == [3]  # not re-read yet: the streamer refreshes on every resident change
     eo.refresh()
-    assert _upcoming(eo, 1, 1) == [2]
+    assert eo.upcoming(1, 1) == [2]
     eo.set([3, 2, 1, 0])
-    assert _upcoming(eo, 1, 3) == [3, 2] and eo.first() == 3
+    assert eo.upcoming(1, 3) == [3, 2] and eo.first() == 3

@@ -115,9 +115,7 @@ def test_a_forward_that_keeps_running_out_outside_the_blocks_is_not_retried_fore
         calls.append(args)
         if len(calls) > 5:
             raise RuntimeError("retried without end")
-        flight = streamer_module._Flight()  # what an attempt's prefetch leaves on a GPU
-        streamer._fill(streamer.units[1], flight)
-        streamer._inflight[1] = flight
+        streamer._inflight[1] = streamer.ring.acquire()  # what an attempt's prefetch leaves on a GPU
         raise torch.OutOfMemoryError("scripted: the card is full")
 
     monkeypatch.setattr(wan_pipe.transformer.patch_embedding, "forward", always_short)

@@ -57,19 +57,17 @@ def test_parts_give_the_unplaced_output_and_no_part_is_read_from_the_host(name, 
     torch.testing.assert_close(run(pipe, seed=0), expected, rtol=0, atol=0)
 
 
-def test_the_ring_is_sized_to_the_largest_part_and_the_rest_stays_with_the_non_block_part(wan_pipe):
+def test_the_buffers_are_sized_to_the_largest_part_and_the_rest_stays_with_the_non_block_part(wan_pipe):
     whole = Engine()
     whole.place(wan_pipe, PARTS.replace(stream_parts=False))
-    whole_streamer = _denoiser(whole, wan_pipe)
-    ring_bytes, head, whole_block = whole_streamer.ring.capacity, whole_streamer.head_bytes(), whole_streamer.blocks[0]
-    assert ring_bytes == 2 * whole_block.nbytes  # window 1: two whole blocks
+    block_bytes, head = _denoiser(whole, wan_pipe).ring.slot_bytes, _denoiser(whole, wan_pipe).head_bytes()
     whole.release(wan_pipe)
     engine = Engine()
     engine.place(wan_pipe, PARTS)
     streamer = _denoiser(engine, wan_pipe)
     block = streamer.blocks[0]
     assert [type(u.module).__name__ for u in block.units] == ["WanAttention", "WanAttention", "FeedForward"]
-    assert streamer.ring.capacity == 2 * max(u.nbytes for u in block.units) < ring_bytes
+    assert streamer.ring.slot_bytes == max(u.nbytes for u in block.units) < block_bytes
     assert streamer.head_bytes() == head + sum(b.rest_bytes for b in streamer.blocks) > head
     assert streamer.driver.planner.slot_sizes == {b.index: b.largest_unit for b in streamer.blocks}
 
