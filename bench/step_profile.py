@@ -64,6 +64,22 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
     prof.export_chrome_trace(path)
 
 
+def by_hand(m, feeds, streamer, sets: list[str]) -> None:
+    """Rows with the planner detached and the streamed blocks set by hand (the resident set is
+    restored after): the effect of where the streamed blocks sit, at the same count."""
+    planned = streamer.resident_indices()
+    listeners, streamer.listeners = streamer.listeners, []
+    try:
+        for text in sets:
+            streamed = {int(i) for i in text.split(",")}
+            streamer.set_resident(set(range(len(streamer.blocks))) - streamed)
+            launch, step = launch_and_step(m, feeds)
+            row(section="by_hand", streamed=sorted(streamed), launch_s=launch, step_s=step)
+    finally:
+        streamer.set_resident(planned)
+        streamer.listeners = listeners
+
+
 def row(**kw) -> None:
     print(json.dumps(kw), flush=True)
 
@@ -76,6 +92,9 @@ def main() -> None:
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
+    ap.add_argument("--streamed", action="append", default=[],
+                    help="after the first cap's auto row, the same placement with exactly these blocks streamed "
+                         "(comma-separated; repeatable): which blocks stream, at the same count")
     args = ap.parse_args()
     m = wb.build(40)
     feeds = wb.inputs(args.workload, 21)
@@ -93,8 +112,10 @@ def main() -> None:
             wb.forward(m, *feeds)
             row(section="auto", cap_gib=cap or None, window=args.window, launch_s=launch, step_s=step,
                 in_hooks_s=spent[0], kept=streamer.details()["kept"], streamed_gib=streamer.streamed_bytes() / 2**30)
-            if args.trace and cap and cap == float(args.caps.split(",")[0]):
-                trace(m, feeds, args.trace, args.with_host)
+            if cap and cap == float(args.caps.split(",")[0]):
+                if args.trace:
+                    trace(m, feeds, args.trace, args.with_host)
+                by_hand(m, feeds, streamer, args.streamed)
         finally:
             eng.release(bag)
             if ballast is not None:
