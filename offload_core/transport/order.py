@@ -28,12 +28,12 @@ class ExecutionOrder:
     def set(self, units: list[int]) -> None:
         """A new order (learnt from a cycle, or guessed)."""
         self._units = list(units)
+        self._pos = {u: p for p, u in enumerate(self._units)}
         self.refresh()
 
     def refresh(self) -> None:
         """Re-read which units stream (the resident set changed)."""
         self._positions = [p for p, u in enumerate(self._units) if self._streamed_fn(u)]
-        self._pos = {u: p for p, u in enumerate(self._units)}
 
     def first(self) -> int:
         return self._units[0]
