@@ -115,7 +115,8 @@ def main() -> None:
             if cap and cap == float(args.caps.split(",")[0]):
                 if args.trace:
                     trace(m, feeds, args.trace, args.with_host)
-                by_hand(m, feeds, streamer, args.streamed)
+                if args.streamed:
+                    by_hand(m, feeds, streamer, args.streamed)
         finally:
             eng.release(bag)
             if ballast is not None:
