@@ -15,6 +15,7 @@ import json
 import statistics
 import time
 
+import torch
 import wan_bench as wb  # registers the pack as ``diffusers_offload``
 
 
@@ -64,7 +65,7 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
     prof.export_chrome_trace(path)
 
 
-def by_hand(m, feeds, streamer, sets: list[str]) -> None:
+def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
     """Rows with the planner detached and the streamed blocks set by hand (the resident set is
     restored after): the effect of where the streamed blocks sit, at the same count."""
     planned = streamer.resident_indices()
@@ -73,8 +74,12 @@ def by_hand(m, feeds, streamer, sets: list[str]) -> None:
         for text in sets:
             streamed = {int(i) for i in text.split(",")}
             streamer.set_resident(set(range(len(streamer.blocks))) - streamed)
-            launch, step = launch_and_step(m, feeds)
-            row(section="by_hand", streamed=sorted(streamed), launch_s=launch, step_s=step)
+            try:
+                launch, step = launch_and_step(m, feeds)
+            except torch.OutOfMemoryError:  # the planner, which would give blocks up, is detached
+                row(section="by_hand", window=window, streamed=sorted(streamed), error="out of memory")
+                continue
+            row(section="by_hand", window=window, streamed=sorted(streamed), launch_s=launch, step_s=step)
     finally:
         streamer.set_resident(planned)
         streamer.listeners = listeners
@@ -91,7 +96,8 @@ def main() -> None:
     ap.add_argument("--whole-blocks", action="store_true")
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
-    ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
+    ap.add_argument("--window", default="1", help="prefetch window(s) of the engine rows, comma-separated: "
+                                                    "each cap runs once per window, in one process")
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
                          "(comma-separated; repeatable): which blocks stream, at the same count")
@@ -100,27 +106,34 @@ def main() -> None:
     feeds = wb.inputs(args.workload, 21)
     row(section="resident", launch_s=(r := launch_and_step(m, feeds))[0], step_s=r[1])
     wb.to_host(m)
+    first = float(args.caps.split(",")[0])
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
-        ballast = wb.Ballast(cap) if cap else None
-        eng, bag = wb.Engine(), wb.Components(transformer=m)
-        try:
-            eng.place(bag, wb.OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=args.window))
-            streamer = eng.states(bag)["transformer"].transport
-            spent = in_hooks(streamer)
-            launch, step = launch_and_step(m, feeds)
-            spent[0] = 0.0
-            wb.forward(m, *feeds)
-            row(section="auto", cap_gib=cap or None, window=args.window, launch_s=launch, step_s=step,
-                in_hooks_s=spent[0], kept=streamer.details()["kept"], streamed_gib=streamer.streamed_bytes() / 2**30)
-            if cap and cap == float(args.caps.split(",")[0]):
-                if args.trace:
-                    trace(m, feeds, args.trace, args.with_host)
-                if args.streamed:
-                    by_hand(m, feeds, streamer, args.streamed)
-        finally:
-            eng.release(bag)
-            if ballast is not None:
-                ballast.close()
+        for window in [int(w) for w in args.window.split(",")]:
+            auto_row(m, feeds, cap, window, args, extras=cap == first)
+
+
+def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
+    """The engine at ``cap`` with preload auto; at the first cap, the trace and hand-set rows."""
+    ballast = wb.Ballast(cap) if cap else None
+    eng, bag = wb.Engine(), wb.Components(transformer=m)
+    try:
+        eng.place(bag, wb.OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
+        streamer = eng.states(bag)["transformer"].transport
+        spent = in_hooks(streamer)
+        launch, step = launch_and_step(m, feeds)
+        spent[0] = 0.0
+        wb.forward(m, *feeds)
+        row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step,
+            in_hooks_s=spent[0], kept=streamer.details()["kept"], streamed_gib=streamer.streamed_bytes() / 2**30)
+        if extras and cap:
+            if args.trace:
+                trace(m, feeds, args.trace.replace(".json", f"_w{window}.json"), args.with_host)
+            if args.streamed:
+                by_hand(m, feeds, streamer, args.streamed, window)
+    finally:
+        eng.release(bag)
+        if ballast is not None:
+            ballast.close()
 
 
 if __name__ == "__main__":

@@ -70,3 +70,12 @@ def fit_prefix(sizes: Sequence[int], budget: int, slot_count: int, outside: int 
         if k < len(sizes):
             kept += sizes[k]
     return best
+
+
+def lookahead_slots(kept: int, budget: int, slot: int, base: int, most: int) -> int:
+    """Streaming buffers beside ``kept`` bytes of resident blocks: ``base`` (the prefetch
+    window's), plus as many more of ``slot`` bytes as the room the fit left under ``budget``
+    holds, up to ``most``."""
+    if slot <= 0:
+        return base
+    return max(base, min(most, (budget - kept) // slot))

@@ -86,7 +86,7 @@ class PreloadDriver:
         return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0))
 
     def load(self) -> None:
-        self.streamer.set_resident(set(self.planner.on_load()))
+        self._apply(self.planner.on_load())
 
     def unload(self) -> None:
         self.planner.on_unload()
@@ -159,7 +159,8 @@ class PreloadDriver:
         """Change the resident set. On any change the allocator's cache goes back to the driver
         first (the last workload's activation segments would otherwise make the new buffers
         flush and retry), and the retry baseline is re-read after: a retry our own plan change
-        caused is not a shortage."""
+        caused is not a shortage. The planner's lookahead is applied with it."""
+        self.streamer.set_lookahead(self.planner.ring_slots)
         if set(target) == self.streamer.resident_indices():
             return
         self.memory.empty_cache(self.streamer.device)
@@ -169,8 +170,8 @@ class PreloadDriver:
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
-    blocks = [BlockInfo(b.index, b.tower, b.depth, b.nbytes, b.pinned or not streamer.cuda, b.largest_unit)
-              for b in streamer.blocks]
+    blocks = [BlockInfo(b.index, b.tower, b.depth, b.nbytes, b.pinned or not streamer.cuda, b.largest_unit,
+                        len(b.units)) for b in streamer.blocks]
     planner: PreloadPlanner | None = module.__dict__.get(PLANNER)
     slots = {b.index: b.slot_bytes for b in blocks}
     if planner is None or len(planner.ranking) != len(blocks) or planner.slot_sizes != slots:

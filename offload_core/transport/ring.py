@@ -41,6 +41,13 @@ class BufferRing:
         """Device bytes the ring holds, free and busy slots together."""
         return (len(self._free) + self._busy) * self.slot_bytes
 
+    def set_capacity(self, capacity: int) -> None:
+        """A new number of buffers (the plan's lookahead): free ones beyond it go now, busy ones
+        when they come back."""
+        self.capacity = capacity
+        while self._free and len(self._free) + self._busy > capacity:
+            self._drop(self._free.pop())
+
     def resize(self, slot_bytes: int) -> None:
         """The largest streamed block changed (a new resident set): free slots of the old size
         go now, busy ones when they come back."""

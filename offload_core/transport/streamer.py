@@ -9,9 +9,10 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 - each tower block keeps its weights where they already are in host memory, page-locked in place
   (`PinSet`), as the master copy; a forward binds the block's tensors to views of one flat device
   buffer and re-binds them to the host copy afterwards (the same Parameter objects throughout);
-- ``window + 1`` buffers circulate (`BufferRing`, allocated once per run, never freed inside it):
-  while a block computes, the next ``window`` streamed blocks in *execution* order (recorded, not
-  assumed) are in flight on a side stream, and the moment a block exits, its buffer is handed to
+- ``window + 1`` buffers circulate (`BufferRing`, allocated once per run, never freed inside it;
+  more when the preload plan leaves room for them, up to a whole streamed block ahead): while a
+  block computes, the next streamed blocks in *execution* order (recorded, not assumed) fill the
+  other buffers on a side stream, and the moment a block exits, its buffer is handed to
   the streamed block after those (so a copy is queued a whole block earlier than at the next
   block's entry: when kept blocks sit between streamed ones, the host's launch time for them no
   longer delays the copy). A block that was not prefetched loads synchronously, so a wrong guess
@@ -290,18 +291,18 @@ class BlockStreamer:
         """``unit`` was not prefetched (a new plan, a skipped branch): the units in flight that
         will not run after it give their buffers back first, so it loads into one of them rather
         than into a buffer allocated beside them while the step's activations are live."""
-        after = self.ctx.prefetch_window - len(self._bound)
+        after = self.ring.capacity - 1 - len(self._bound)
         keep = set(self.order.upcoming(unit.index, after))
         for index in [i for i in self._inflight if i not in keep]:
             self._discard(index)
 
     def _prefetch_after(self, unit: StreamUnit) -> None:
-        """Keep exactly the next streamed units after ``unit`` in flight that fill the
-        ``window + 1`` ring buffers with the one bound now, if any (past the last block: the next
-        forward's first ones; the ring holds that memory whether or not it is in use)."""
+        """Keep exactly the next streamed units after ``unit`` in flight that fill the ring's
+        buffers with the one bound now, if any (past the last block: the next forward's first
+        ones; the ring holds that memory whether or not it is in use)."""
         if self.copy_stream is None:
             return
-        count = self.ctx.prefetch_window + 1 - len(self._bound)
+        count = self.ring.capacity - len(self._bound)
         upcoming = self.order.upcoming(unit.index, count)
         for index in list(self._inflight):
             if index not in upcoming:
@@ -346,23 +347,32 @@ class BlockStreamer:
 
     # -- resident set (preload) ---------------------------------------------------------------
     def set_resident(self, indices: set[int]) -> None:
-        """Keep exactly ``indices`` resident; called between forwards (no re-hooking)."""
+        """Keep exactly ``indices`` resident; called between forwards (no re-hooking). Blocks
+        leaving go before blocks arriving, so a set that moves needs no room for both."""
         for block in self.blocks:
-            keep = block.index in indices
-            if keep and block.resident is None:
+            if block.index not in indices and block.resident is not None:
+                block.bind_host()
+                block.resident = None
+        for block in self.blocks:
+            if block.index in indices and block.resident is None:
                 for unit in block.units:
                     if unit.index in self._inflight:
                         self._discard(unit.index)
                 block.resident = self._load_resident(block)
                 block.bind(block.resident)
-            elif not keep and block.resident is not None:
-                block.bind_host()
-                block.resident = None
         self.order.refresh()
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()
             self.ring.resize(largest)
+
+    def set_lookahead(self, buffers: int) -> None:
+        """How many streaming buffers to fill ahead (at least the window's ``window + 1``)."""
+        buffers = max(buffers, self.ctx.prefetch_window + 1)
+        if buffers != self.ring.capacity:
+            for index in list(self._inflight)[buffers - len(self._bound):]:
+                self._discard(index)
+            self.ring.set_capacity(buffers)
 
     def _load_resident(self, block: StreamBlock) -> torch.Tensor:
         """A kept block's own buffer, from the compute stream's pool: the copy waits for the
@@ -458,8 +468,8 @@ class BlockStreamer:
         return freed
 
     def run_bytes(self) -> int:
-        """The streaming slots: the unit being run plus the prefetch window."""
-        return (self.ctx.prefetch_window + 1) * self._largest_streamed()
+        """The streaming slots: the unit being run plus those filled ahead."""
+        return self.ring.capacity * self._largest_streamed()
 
     def details(self) -> dict[str, object]:
         return {
@@ -468,6 +478,7 @@ class BlockStreamer:
             "streamed_per_step": self.streamed_bytes(),
             "stream": self.copy_stream is not None,
             "window": self.ctx.prefetch_window,
+            "buffers": self.ring.capacity,
             "units": len(self.units),
             "ooms": self.ooms,
         }

@@ -8,13 +8,14 @@ from diffusers_offload.offload_core.preload.fit import (
     MemoryReading,
     fit_prefix,
     growth_threshold,
+    lookahead_slots,
     margin,
     weight_budget,
 )
 from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
 from diffusers_offload.offload_core.preload.policy import parse_policy
-from diffusers_offload.offload_core.preload.ranking import BlockInfo
+from diffusers_offload.offload_core.preload.ranking import BlockInfo, spread_kept
 
 PEAK = 2 * GIB
 PEAK_MARGIN = 512 * MIB + 107_374_182  # 512 MiB + int(5 % of 2 GiB)
@@ -122,7 +123,8 @@ def test_shrinking_is_always_applied():
     planner = planner_of_16(device)
     planner.begin_cycle(100)
     device.free -= GIB // 4  # 7.75 GiB left for weights beside the 2 slots
-    assert planner.begin_cycle(100) == frozenset(planner.ranking[:7])
+    seven = spread_kept(frozenset(planner.ranking[:7]), [BlockInfo(i, "t", i, GIB) for i in range(16)])
+    assert planner.begin_cycle(100) == seven
 
 
 def test_unmeasured_workload_of_an_unmeasured_model_keeps_the_resident_set():
@@ -142,3 +144,10 @@ def test_unmeasured_workload_shrinks_to_an_estimate_scaled_from_a_smaller_one():
     larger = planner.begin_cycle(300)  # estimated at 3x the activations of workload 100
     assert larger < kept
     assert planner.begin_cycle(50) <= kept  # a smaller workload borrows the larger measure: no growth
+
+
+def test_lookahead_slots_spend_the_room_left_up_to_the_most():
+    assert lookahead_slots(kept=8 * GIB, budget=9 * GIB, slot=GIB // 4, base=2, most=5) == 4
+    assert lookahead_slots(kept=8 * GIB, budget=10 * GIB, slot=GIB // 4, base=2, most=5) == 5
+    assert lookahead_slots(kept=8 * GIB, budget=8 * GIB + GIB // 4, slot=GIB // 4, base=2, most=5) == 2
+    assert lookahead_slots(kept=0, budget=9 * GIB, slot=0, base=2, most=5) == 2  # nothing streamed

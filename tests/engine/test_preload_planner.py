@@ -9,7 +9,7 @@ from diffusers_offload.offload_core.preload import notify_model_load
 from diffusers_offload.offload_core.preload.fit import GIB, MIB, MemoryReading
 from diffusers_offload.offload_core.preload.measures import MeasureKey, MeasureStore
 from diffusers_offload.offload_core.preload.planner import CycleUsage, PreloadPlanner
-from diffusers_offload.offload_core.preload.ranking import BlockInfo
+from diffusers_offload.offload_core.preload.ranking import BlockInfo, spread_kept
 
 PEAK_MARGIN = 512 * MIB + 107_374_182  # for a 2 GiB peak
 USAGE = CycleUsage(peak=7 * GIB, weights_floor=5 * GIB)  # 2 GiB of activations
@@ -127,8 +127,9 @@ def test_begin_before_load_is_an_error():
 
 def test_fixed_budget_keeps_its_prefix_whatever_the_measure():
     planner = make_planner(Device(budget=0), policy="5 GB")
-    assert planner.resident == frozenset(planner.ranking[:5])
-    assert measured(planner).resident == frozenset(planner.ranking[:5])
+    five = spread_kept(frozenset(planner.ranking[:5]), [BlockInfo(i, "t", i, GIB) for i in range(16)])
+    assert planner.resident == five
+    assert measured(planner).resident == five
 
 
 def test_fixed_budget_yields_under_pressure_until_the_next_load():
@@ -156,8 +157,8 @@ def test_each_plan_change_logs_one_line(caplog):
     planner.on_shortage()
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "wan: blocks kept 8/16 (8.00 GiB), activations measured 2.00 GiB (workload 100), penalty 0.00 GiB",
-        "wan: blocks kept 7/16 (7.00 GiB), activations measured 2.00 GiB (workload 100), penalty 1.00 GiB",
+        "wan: blocks kept 8/16 (8.00 GiB), activations measured 2.00 GiB (workload 100), penalty 0.00 GiB, 2 streaming buffers",
+        "wan: blocks kept 7/16 (7.00 GiB), activations measured 2.00 GiB (workload 100), penalty 1.00 GiB, 2 streaming buffers",
     ]
     assert planner.last_plan_line == lines[-1].removeprefix("wan: ")
 
@@ -166,7 +167,39 @@ def test_plan_line_names_an_unmeasured_workload():
     planner = make_planner(policy="3 GiB")
     planner.on_unload()
     planner.on_load()
-    assert planner.last_plan_line == "blocks kept 3/16 (3.00 GiB), activations unmeasured, penalty 0.00 GiB"
+    assert planner.last_plan_line == "blocks kept 3/16 (3.00 GiB), activations unmeasured, penalty 0.00 GiB, 2 streaming buffers"
     planner.begin_cycle(100)
     planner.on_shortage()
     assert "activations unmeasured (workload 100)" in planner.last_plan_line
+
+
+def parts_planner(device: Device, **kwargs) -> PreloadPlanner:
+    """16 blocks of 1 GiB, each streamed in 4 parts of 0.25 GiB: slots of 0.25 GiB."""
+    blocks = [BlockInfo(i, "t", i, GIB, slot_bytes=GIB // 4, units=4) for i in range(16)]
+    planner = PreloadPlanner(blocks, device, model_class="M", store=MeasureStore(), **kwargs)
+    planner.on_load()
+    return planner
+
+
+def test_room_the_fit_leaves_buys_buffers_ahead_up_to_a_block():
+    device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)  # 8 blocks and 3 slots of 0.25 GiB
+    planner = measured(parts_planner(device))
+    assert len(planner.resident) == 8 and planner.ring_slots == 3
+    device.budget = 9 * GIB + GIB // 4  # still 8 blocks (9 need 9.5 GiB); room for 5 slots
+    planner.begin_cycle(100)
+    assert len(planner.resident) == 8 and planner.ring_slots == 5  # the window's 2, at most 1 + 4
+
+
+def test_a_shortage_returns_to_the_windows_buffers():
+    device = Device(budget=9 * GIB)
+    planner = measured(parts_planner(device))
+    assert planner.ring_slots > 2
+    planner.on_shortage()
+    assert planner.ring_slots == 2
+    assert "2 streaming buffers" in planner.last_plan_line
+
+
+@pytest.mark.parametrize("policy", ["off", "4 GiB"])
+def test_off_and_fixed_budgets_fill_only_the_windows_buffers(policy):
+    planner = measured(parts_planner(Device(budget=9 * GIB), policy=policy))
+    assert planner.ring_slots == 2

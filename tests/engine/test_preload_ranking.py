@@ -1,10 +1,10 @@
 """Preload order: unpinnable first, then non-tower blocks, then towers spread over depth and
-sharing ranks in proportion to their bytes."""
+sharing ranks in proportion to their bytes; and the kept set's streamed blocks spread evenly."""
 
 from itertools import pairwise
 
 import pytest
-from diffusers_offload.offload_core.preload.ranking import BlockInfo, rank_blocks
+from diffusers_offload.offload_core.preload.ranking import BlockInfo, rank_blocks, spread_kept
 
 
 def tower(name: str, count: int, nbytes: int = 100, start: int = 0) -> list[BlockInfo]:
@@ -76,3 +76,39 @@ def test_each_tower_stays_spread_when_interleaved():
     depths_b = [i - 40 for i in order if i >= 40]
     for k in range(1, 21):
         assert max_gap(depths_b[:k], 20) <= 2 * 20 // k + 1
+
+
+def streamed_gaps(kept: frozenset[int], depths: range) -> list[int]:
+    """Kept blocks between consecutive streamed ones, around the stack (the forward repeats)."""
+    streamed = [d for d in depths if d not in kept]
+    wrapped = [*streamed, streamed[0] + len(depths)]
+    return [b - a - 1 for a, b in pairwise(wrapped)]
+
+
+@pytest.mark.parametrize("count", [7, 16, 40, 48])
+def test_spread_kept_streams_evenly_at_every_count(count):
+    blocks = tower("t", count)
+    order = rank_blocks(blocks)
+    for k in range(count):
+        kept = spread_kept(frozenset(order[:k]), blocks)
+        gaps = streamed_gaps(kept, range(count))
+        assert len(kept) == k and max(gaps) - min(gaps) <= 1, (k, gaps)
+
+
+def test_spread_kept_keeps_each_towers_count_and_leaves_the_rest():
+    blocks = [BlockInfo(0, None, 0, 5), *tower("a", 20, start=1), *tower("b", 10, nbytes=300, start=21)]
+    order = rank_blocks(blocks)
+    prefix = frozenset(order[:18])
+    kept = spread_kept(prefix, blocks)
+    for lo, hi in ((0, 1), (1, 21), (21, 31)):
+        assert len(kept & set(range(lo, hi))) == len(prefix & set(range(lo, hi)))
+    gaps = streamed_gaps(frozenset(i - 1 for i in kept if 1 <= i < 21), range(20))
+    assert max(gaps) - min(gaps) <= 1
+
+
+def test_spread_kept_leaves_towers_of_mixed_or_unpinnable_blocks_as_ranked():
+    mixed = [*tower("t", 7), BlockInfo(7, "t", 7, 999)]
+    pinned_not = [*tower("t", 7), BlockInfo(7, "t", 7, 100, pinnable=False)]
+    for blocks in (mixed, pinned_not):
+        prefix = frozenset(rank_blocks(blocks)[:5])
+        assert spread_kept(prefix, blocks) == prefix
