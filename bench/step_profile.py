@@ -124,7 +124,9 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
         spent[0] = 0.0
         wb.forward(m, *feeds)
         row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step,
-            in_hooks_s=spent[0], kept=streamer.details()["kept"], streamed_gib=streamer.streamed_bytes() / 2**30)
+            in_hooks_s=spent[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
+            streamed=sorted(set(range(len(streamer.blocks))) - streamer.resident_indices()),
+            streamed_gib=streamer.streamed_bytes() / 2**30)
         if extras and cap:
             if args.trace:
                 trace(m, feeds, args.trace.replace(".json", f"_w{window}.json"), args.with_host)

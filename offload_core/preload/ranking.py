@@ -105,7 +105,8 @@ def spread_kept(kept: frozenset[int], blocks: Sequence[BlockInfo]) -> frozenset[
         by_depth = sorted(tower, key=lambda b: b.depth)
         n, streamed = len(by_depth), sum(b.index not in kept for b in by_depth)
         if 0 < streamed < n:
-            gaps = {int((j + 0.5) * n / streamed) for j in range(streamed)}
+            # the first block streams: the previous forward's last kept run then hides its copy
+            gaps = {j * n // streamed for j in range(streamed)}
             out -= {b.index for b in by_depth}
             out |= {b.index for d, b in enumerate(by_depth) if d not in gaps}
     return frozenset(out)

@@ -36,11 +36,13 @@ def free_for(budget: int) -> int:
     return budget + PEAK + PEAK_MARGIN
 
 
+BLOCKS = [BlockInfo(i, "t", i, GIB) for i in range(16)]
+
+
 def planner_of_16(device: Device, prefetch_window: int = 1) -> PreloadPlanner:
     """16 tower blocks of 1 GiB, workload 100 measured at PEAK, loaded."""
     store = MeasureStore()
-    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
-    planner = PreloadPlanner(blocks, device, model_class="M", store=store, prefetch_window=prefetch_window)
+    planner = PreloadPlanner(BLOCKS, device, model_class="M", store=store, prefetch_window=prefetch_window)
     planner.on_load()
     planner.begin_cycle(100)
     planner.end_cycle(CycleUsage(peak=PEAK + 5 * GIB, weights_floor=5 * GIB))
@@ -87,11 +89,11 @@ def test_growth_threshold_is_512_mib_or_two_blocks():
     assert growth_threshold(GIB) == 2 * GIB
 
 
-def test_measured_workload_keeps_the_longest_fitting_ranked_prefix():
+def test_measured_workload_keeps_as_many_as_the_longest_fitting_ranked_prefix_spread():
     device = Device(free=free_for(10 * GIB))  # 8 blocks + 2 slots of 1 GiB
     planner = planner_of_16(device)
     assert planner.measured_peak(100) == PEAK
-    assert planner.begin_cycle(100) == frozenset(planner.ranking[:8])
+    assert planner.begin_cycle(100) == spread_kept(frozenset(planner.ranking[:8]), BLOCKS)
 
 
 def test_prefetch_window_widens_the_slots():
@@ -123,14 +125,13 @@ def test_shrinking_is_always_applied():
     planner = planner_of_16(device)
     planner.begin_cycle(100)
     device.free -= GIB // 4  # 7.75 GiB left for weights beside the 2 slots
-    seven = spread_kept(frozenset(planner.ranking[:7]), [BlockInfo(i, "t", i, GIB) for i in range(16)])
+    seven = spread_kept(frozenset(planner.ranking[:7]), BLOCKS)
     assert planner.begin_cycle(100) == seven
 
 
 def test_unmeasured_workload_of_an_unmeasured_model_keeps_the_resident_set():
     device = Device(free=free_for(10 * GIB))
-    blocks = [BlockInfo(i, "t", i, GIB) for i in range(16)]
-    planner = PreloadPlanner(blocks, device, model_class="M", store=MeasureStore(), policy=4 * GIB)
+    planner = PreloadPlanner(BLOCKS, device, model_class="M", store=MeasureStore(), policy=4 * GIB)
     kept = planner.on_load()
     planner.policy = parse_policy("auto")
     device.free = 0
