@@ -74,9 +74,8 @@ class PreloadPlanner:
         self.slot_sizes = {b.index: b.slot_bytes or b.nbytes for b in blocks}
         self._largest = max(self._sizes.values(), default=0)
         self._reader = reader
-        self._slot_count = prefetch_window + 1
-        self._most_slots = max(self._slot_count, prefetch_window + max((b.units for b in blocks), default=1))
-        self.ring_slots = self._slot_count
+        self._units = max((b.units for b in blocks), default=1)
+        self._set_window(prefetch_window)
         self._store = process_store() if store is None else store
         self._model = (model_class, identity)
         self._resident: frozenset[int] = frozenset()
@@ -86,11 +85,19 @@ class PreloadPlanner:
         self._penalties: dict[int, Penalty] = {}
         registry.register(self)
 
-    def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float) -> None:
-        """Attach the live transport's readings and the current policy: the planner outlives
+    def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float, prefetch_window: int) -> None:
+        """Attach the live transport's readings, policy and window: the planner outlives
         transports (it lives on the model), so a re-placement hands it fresh ones."""
         self._reader = reader
         self.policy = parse_policy(policy)
+        self._set_window(prefetch_window)
+
+    def _set_window(self, prefetch_window: int) -> None:
+        """The streaming buffers: ``window + 1`` always, up to a whole block ahead of the unit
+        running when there is room (``_ring_for``)."""
+        self._slot_count = prefetch_window + 1
+        self._most_slots = max(self._slot_count, prefetch_window + self._units)
+        self.ring_slots = self._slot_count
 
     @property
     def resident(self) -> frozenset[int]:

@@ -39,7 +39,7 @@ class PreloadingStreamer(BlockStreamer):
         policy = preload_policy(preload)
         if self.driver is not None and policy != self.driver.planner.policy:
             self.ctx.preload = preload
-            self.driver.planner.rebind(self.driver.reading, policy)
+            self.driver.planner.rebind(self.driver.reading, policy, self.ctx.prefetch_window)
             self.driver.load()
 
     def remove(self, module: torch.nn.Module) -> None:
@@ -179,5 +179,5 @@ def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, poli
         planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
                                  policy=policy, prefetch_window=streamer.ctx.prefetch_window)
         module.__dict__[PLANNER] = planner
-    planner.rebind(reading, policy)
+    planner.rebind(reading, policy, streamer.ctx.prefetch_window)
     return planner

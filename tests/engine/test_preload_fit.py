@@ -152,3 +152,10 @@ def test_lookahead_slots_spend_the_room_left_up_to_the_most():
     assert lookahead_slots(kept=8 * GIB, budget=10 * GIB, slot=GIB // 4, base=2, most=5) == 5
     assert lookahead_slots(kept=8 * GIB, budget=8 * GIB + GIB // 4, slot=GIB // 4, base=2, most=5) == 2
     assert lookahead_slots(kept=0, budget=9 * GIB, slot=0, base=2, most=5) == 2  # nothing streamed
+
+
+def test_a_placement_with_another_window_rebinds_the_slots():
+    device = Device(free=free_for(10 * GIB))
+    planner = planner_of_16(device)  # the planner outlives the transport that made it
+    planner.rebind(device, "auto", prefetch_window=3)
+    assert len(planner.begin_cycle(100)) == 6
