@@ -207,7 +207,9 @@ class PreloadPlanner:
 
     def _cycle_target(self, workload: int) -> frozenset[int]:
         """Auto with a measure: the fitted prefix's blocks per tower, spread evenly, unless it
-        grows by too little to be worth the transfer. Unmeasured: the set already resident, shrunk to what fits beside an
+        grows by too little to be worth the transfer; a shrink only releases (lowest-ranked
+        first), so a smaller workload's plan loads nothing (alternating image and video cycles
+        would otherwise reload blocks to re-spread them each time). Unmeasured: the set already resident, shrunk to what fits beside an
         estimate from the model's other workloads (so a first video step after images does not
         run out of memory). Off and fixed: the set already resident."""
         if self.policy.mode != "auto":
@@ -218,9 +220,13 @@ class PreloadPlanner:
             if guess is None:
                 return self._resident
             return self._shrunk(self._resident, self._bytes(self._fit(self.ranking, guess, workload)))
-        fitted = spread_kept(self._fit(self.ranking, peak, workload), self._blocks)
+        fitted = self._fit(self.ranking, peak, workload)
         growth = self._bytes(fitted) - self._bytes(self._resident)
-        return self._resident if 0 < growth < growth_threshold(self._largest) else fitted
+        if growth < 0:
+            return self._shrunk(self._resident, self._bytes(fitted))
+        if growth < growth_threshold(self._largest):
+            return self._resident
+        return spread_kept(fitted, self._blocks)
 
     def _fit(self, order: Sequence[int], peak: int, workload: int | None) -> frozenset[int]:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty."""

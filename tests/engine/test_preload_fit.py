@@ -116,17 +116,18 @@ def test_small_growth_is_skipped_and_large_growth_applied():
     planner.begin_cycle(100)
     device.free += GIB  # 9 would fit: 1 GiB more is under max(512 MiB, two blocks)
     assert len(planner.begin_cycle(100)) == 8
-    device.free += GIB  # 10 fit: 2 GiB more is worth it
-    assert len(planner.begin_cycle(100)) == 10
+    device.free += GIB  # 10 fit: 2 GiB more is worth it, placed evenly
+    assert planner.begin_cycle(100) == spread_kept(frozenset(planner.ranking[:10]), BLOCKS)
 
 
-def test_shrinking_is_always_applied():
+def test_shrinking_is_always_applied_and_only_releases():
     device = Device(free=free_for(10 * GIB))
     planner = planner_of_16(device)
-    planner.begin_cycle(100)
+    eight = planner.begin_cycle(100)
     device.free -= GIB // 4  # 7.75 GiB left for weights beside the 2 slots
-    seven = spread_kept(frozenset(planner.ranking[:7]), BLOCKS)
-    assert planner.begin_cycle(100) == seven
+    seven = planner.begin_cycle(100)
+    assert len(seven) == 7 and seven < eight
+    assert eight - seven == {max(eight, key=planner.ranking.index)}  # the lowest-ranked went
 
 
 def test_unmeasured_workload_of_an_unmeasured_model_keeps_the_resident_set():
