@@ -73,7 +73,7 @@ def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
     try:
         for text in sets:
             streamed = {int(i) for i in text.split(",")}
-            streamer.set_resident(set(range(len(streamer.blocks))) - streamed)
+            streamer.set_resident(streamer.pieces_of(set(range(len(streamer.blocks))) - streamed))
             try:
                 launch, step = launch_and_step(m, feeds)
             except torch.OutOfMemoryError:  # the planner, which would give blocks up, is detached
@@ -83,6 +83,11 @@ def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
     finally:
         streamer.set_resident(planned)
         streamer.listeners = listeners
+
+
+def piece_name(piece) -> str:
+    """A block's index, with ``c`` for its core or ``r`` for its rest where it streams in parts."""
+    return f"{piece.block.index}{'c' if piece.core else 'r' if len(piece.block.units) > 1 else ''}"
 
 
 def row(**kw) -> None:
@@ -125,7 +130,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
         wb.forward(m, *feeds)
         row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step,
             in_hooks_s=spent[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
-            streamed=sorted(set(range(len(streamer.blocks))) - streamer.resident_indices()),
+            streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],
             streamed_gib=streamer.streamed_bytes() / 2**30)
         if extras and cap:
             if args.trace:

@@ -245,12 +245,12 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
         out_rows: dict[str, dict] = {}
         if firstk is not None:  # the manual knob: no planner, blocks 0..K-1 resident
             streamer.listeners.clear()
-            streamer.set_resident(set(range(firstk)))
+            streamer.set_resident(streamer.pieces_of(set(range(firstk))))
         watch = PeakWatch(streamer)
         for w in workloads:
             med, runs, out = timed(m, feeds[w], args.warmup, args.repeats, watch)
             kept = streamer.details().get("kept", 0) if hasattr(streamer, "details") else 0
-            kept_bytes = sum(b.nbytes for b in getattr(streamer, "blocks", []) if b.resident is not None)
+            kept_bytes = getattr(streamer, "kept_bytes", lambda: 0)()
             out_rows[w] = row(section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
                 peak_alloc_gib=watch.alloc / GiB, peak_reserved_gib=watch.reserved / GiB, free_at_start_gib=free0 / GiB,
                 pinned_gib=pinned_bytes() / GiB, rss_gib=psutil.Process().memory_info().rss / GiB,
@@ -381,7 +381,8 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
         if not plans or plans[-1] != line:
             plans.append(line)
         alloc, reserved = watch.take()
-        per_cycle.append(dict(workload=w, kept=len(streamer.resident_indices()), peak_alloc_gib=round(alloc, 3),
+        per_cycle.append(dict(workload=w, kept=len(streamer.resident_blocks()), kept_gib=round(streamer.kept_bytes() / GiB, 2),
+                              peak_alloc_gib=round(alloc, 3),
                               peak_reserved_gib=round(reserved, 3), ooms=stats().get("num_ooms", 0) - before[0],
                               retries=stats().get("num_alloc_retries", 0) - before[1],
                               ooms_met_by_engine=streamer.ooms - before[2]))

@@ -10,7 +10,7 @@ docstring for the call sequence.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from ..log import get_logger
@@ -161,9 +161,9 @@ class PreloadPlanner:
             penalty.close_cycle(clean=not cycle.shortage)
             self._store.record_penalty(self._key(cycle.workload), penalty.bytes)
 
-    def on_shortage(self, running: int | None = None, needed: int = 0) -> frozenset[int]:
+    def on_shortage(self, running: Collection[int] = (), needed: int = 0) -> frozenset[int]:
         """An allocation failed or the allocator had to free its cache and retry: release
-        resident blocks, lowest-ranked first and never ``running``, until ``needed`` bytes
+        resident blocks, lowest-ranked first and never those ``running``, until ``needed`` bytes
         (at least one block). Returns the released blocks, for the streamer to evict; empty
         when nothing can go (a true out-of-memory)."""
         released = self._release(running, needed)
@@ -261,16 +261,26 @@ class PreloadPlanner:
                 held -= self._sizes[index]
         return frozenset(out)
 
-    def _release(self, running: int | None, needed: int) -> frozenset[int]:
+    def _release(self, running: Collection[int], needed: int) -> frozenset[int]:
         released: list[int] = []
         freed = 0
         for index in reversed(self.ranking):
-            if index in self._resident and index != running:
+            if index in self._resident and index not in running:
                 released.append(index)
                 freed += self._sizes[index]
                 if freed >= needed:
                     break
         return frozenset(released)
+
+    def _block_counts(self) -> tuple[int, int, int]:
+        """(blocks kept whole, blocks kept in part, blocks): a block streamed in parts is two
+        entries of the plan (its core and its rest)."""
+        groups: dict[tuple, list[int]] = {}
+        for b in self._blocks:
+            groups.setdefault((b.tower, b.depth) if b.tower is not None else (None, b.index), []).append(b.index)
+        held = [sum(i in self._resident for i in g) for g in groups.values()]
+        whole = sum(h == len(g) for h, g in zip(held, groups.values(), strict=True))
+        return whole, sum(h > 0 for h in held) - whole, len(groups)
 
     def _bytes(self, blocks: frozenset[int]) -> int:
         return sum(self._sizes[i] for i in blocks)
@@ -280,9 +290,11 @@ class PreloadPlanner:
         return MeasureKey(model_class, identity, len(self._sizes), sum(self._sizes.values()), workload)
 
     def _log_plan(self, workload: int | None) -> None:
+        whole, partly, total = self._block_counts()
         self.last_plan_line = plan_line(
-            kept=len(self._resident),
-            total=len(self.ranking),
+            kept=whole,
+            partly=partly,
+            total=total,
             kept_bytes=self._bytes(self._resident),
             peak=self.measured_peak(workload),
             workload=workload,
@@ -294,7 +306,7 @@ class PreloadPlanner:
 
 def plan_line(
     *, kept: int, total: int, kept_bytes: int, peak: int | None, workload: int | None, penalty: int,
-    buffers: int,
+    buffers: int, partly: int = 0,
 ) -> str:
     """The one line a change of plan prints (and the UI shows)."""
     if peak is not None:
@@ -303,7 +315,8 @@ def plan_line(
         activations = f"activations unmeasured (workload {workload})"
     else:
         activations = "activations unmeasured"
-    return (f"blocks kept {kept}/{total} ({_gb(kept_bytes)}), {activations}, penalty {_gb(penalty)}, "
+    part = f", {partly} in part" if partly else ""
+    return (f"blocks kept {kept}/{total}{part} ({_gb(kept_bytes)}), {activations}, penalty {_gb(penalty)}, "
             f"{buffers} streaming buffers")
 
 

@@ -9,7 +9,11 @@ partial preload buys:
   prefix is spread over the stack and the streamed gaps between kept blocks stay short (the
   prefetch window then hides them better than one long streamed run);
 - towers share ranks in proportion to their bytes: every prefix takes about the same fraction
-  of each tower.
+  of each tower;
+- of blocks streamed in parts, the planner sees two entries per block: its largest part (the
+  core) and the rest. Every core ranks before any rest: a block whose whole does not fit the
+  streaming buffers then streams only its rest, which does, instead of waiting on its own core
+  (see `StreamPiece`).
 
 A nested order cannot keep its *complements* even: at 34 of 40 kept, the streamed rest of a van
 der Corput prefix sits 5, 5, 10, 5, 5, 10 apart, and the nine-block kept runs outlast what the
@@ -35,6 +39,7 @@ class BlockInfo:
     pinnable: bool = True
     slot_bytes: int | None = None  # the largest piece it streams in (None: whole, ``nbytes``)
     units: int = 1  # the pieces it streams in
+    core: bool = False  # the largest part of a block streamed in parts (ranks before the rests)
 
 
 def rank_blocks(blocks: Sequence[BlockInfo]) -> list[int]:
@@ -45,12 +50,19 @@ def rank_blocks(blocks: Sequence[BlockInfo]) -> list[int]:
 
 
 def _rank_group(blocks: list[BlockInfo]) -> list[int]:
-    loose = [b.index for b in sorted(blocks, key=lambda b: b.index) if b.tower is None]
+    ranked = [b.index for b in sorted(blocks, key=lambda b: b.index) if b.tower is None]
+    for core in (True, False):
+        towers = _towers([b for b in blocks if b.core == core])
+        ranked += _interleave_towers([_spread(t) for t in towers.values()])
+    return ranked
+
+
+def _towers(blocks: Sequence[BlockInfo]) -> dict[str, list[BlockInfo]]:
     towers: dict[str, list[BlockInfo]] = {}
     for b in blocks:
         if b.tower is not None:
             towers.setdefault(b.tower, []).append(b)
-    return loose + _interleave_towers([_spread(t) for t in towers.values()])
+    return towers
 
 
 def _spread(tower: list[BlockInfo]) -> list[BlockInfo]:
@@ -92,21 +104,22 @@ def _interleave_towers(towers: list[list[BlockInfo]]) -> list[int]:
 
 def spread_kept(kept: frozenset[int], blocks: Sequence[BlockInfo]) -> frozenset[int]:
     """``kept`` with each tower's streamed blocks moved to even spacing over its depth, the
-    count per tower unchanged. Only towers of pinnable blocks of one size are moved: there the
-    bytes are the same, so the fit that chose ``kept`` still holds."""
-    towers: dict[str, list[BlockInfo]] = {}
-    for b in blocks:
-        if b.tower is not None:
-            towers.setdefault(b.tower, []).append(b)
+    count per tower unchanged (cores and rests apart). Only towers of pinnable blocks of one
+    size are moved: there the bytes are the same, so the fit that chose ``kept`` still holds."""
     out = set(kept)
-    for tower in towers.values():
-        if len({(b.nbytes, b.slot_bytes) for b in tower}) > 1 or not all(b.pinnable for b in tower):
-            continue
-        by_depth = sorted(tower, key=lambda b: b.depth)
-        n, streamed = len(by_depth), sum(b.index not in kept for b in by_depth)
-        if 0 < streamed < n:
-            # the first block streams: the previous forward's last kept run then hides its copy
-            gaps = {j * n // streamed for j in range(streamed)}
-            out -= {b.index for b in by_depth}
-            out |= {b.index for d, b in enumerate(by_depth) if d not in gaps}
+    for core in (True, False):
+        for tower in _towers([b for b in blocks if b.core == core]).values():
+            _spread_tower(tower, kept, out)
     return frozenset(out)
+
+
+def _spread_tower(tower: list[BlockInfo], kept: frozenset[int], out: set[int]) -> None:
+    if len({(b.nbytes, b.slot_bytes) for b in tower}) > 1 or not all(b.pinnable for b in tower):
+        return
+    by_depth = sorted(tower, key=lambda b: b.depth)
+    n, streamed = len(by_depth), sum(b.index not in kept for b in by_depth)
+    if 0 < streamed < n:
+        # the first block streams: the previous forward's last kept run then hides its copy
+        gaps = {j * n // streamed for j in range(streamed)}
+        out -= {b.index for b in by_depth}
+        out |= {b.index for d, b in enumerate(by_depth) if d not in gaps}

@@ -126,7 +126,7 @@ class PreloadDriver:
         if event == "forward":
             self._forward_begins(info["args"], info["kwargs"])
         elif event == "cycle":
-            self._check_shortage(running=None)
+            self._check_shortage()
             workload = workload_of(info["args"], info["kwargs"])
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
@@ -136,19 +136,20 @@ class PreloadDriver:
             streamer.reset_peak()
         elif event == "oom":
             block = info["block"]
-            return self.relieve(block.index if block is not None else None)
+            return self.relieve(streamer.pieces_of({block.index}) if block is not None else set())
         elif event == "end":
             self.planner.end_cycle(self._usage())
         return False
 
-    def _check_shortage(self, running: int | None) -> None:
+    def _check_shortage(self) -> None:
         retries = self.memory.allocator_retries(self.streamer.device)
         if retries > self._retries:
-            self.relieve(running)
+            self.relieve(set())
         self._retries = retries
 
-    def relieve(self, running: int | None) -> bool:
-        """A shortage: evict what the planner gives up; False when nothing more can go."""
+    def relieve(self, running: set[int]) -> bool:
+        """A shortage: evict what the planner gives up (never the pieces ``running``); False when
+        nothing more can go."""
         evict = self.planner.on_shortage(running=running)
         if not evict:
             return False
@@ -170,8 +171,8 @@ class PreloadDriver:
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
-    blocks = [BlockInfo(b.index, b.tower, b.depth, b.nbytes, b.pinned or not streamer.cuda, b.largest_unit,
-                        len(b.units)) for b in streamer.blocks]
+    blocks = [BlockInfo(p.index, p.block.tower, p.block.depth, p.nbytes, p.block.pinned or not streamer.cuda,
+                        p.largest_unit, len(p.units), p.core) for p in streamer.pieces]
     planner: PreloadPlanner | None = module.__dict__.get(PLANNER)
     slots = {b.index: b.slot_bytes for b in blocks}
     if planner is None or len(planner.ranking) != len(blocks) or planner.slot_sizes != slots:

@@ -17,7 +17,8 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
   block's entry: when kept blocks sit between streamed ones, the host's launch time for them no
   longer delays the copy). A block that was not prefetched loads synchronously, so a wrong guess
   costs time, never correctness;
-- any subset of blocks can be kept resident (``set_resident``), changed between steps;
+- any subset of pieces can be kept resident (``set_resident``), changed between steps; a piece
+  is a whole block, or, of a block streamed in parts, its largest part or the rest (`blocks.py`);
 - what moves as one is a unit of the block table (`blocks.py`): the whole block, or, with
   ``stream_parts``, each large child of it, bound only while that child's forward runs (smaller
   buffers: more blocks kept on a small card);
@@ -35,7 +36,7 @@ from diffusers.hooks import ModelHook
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
-from .blocks import StreamBlock, StreamUnit, make_block
+from .blocks import StreamBlock, StreamPiece, StreamUnit, make_block, make_pieces
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
 from .towers import find_towers
@@ -120,11 +121,12 @@ class BlockStreamer:
         self.device = ctx.onload_device
         self.blocks: list[StreamBlock] = []
         self.units: list[StreamUnit] = []
+        self.pieces: list[StreamPiece] = []
         self.module: torch.nn.Module | None = None
         self.pins = PinSet()
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and ctx.use_stream else None
-        self.order = ExecutionOrder([], lambda u: self.units[u].block.resident is None)  # as the last cycle ran
+        self.order = ExecutionOrder([], lambda u: self.units[u].piece.resident is None)  # as the last cycle ran
         self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
         self._seen: list[int] = []
         self.ring = BufferRing(self.device, ctx.prefetch_window + 1)
@@ -149,6 +151,7 @@ class BlockStreamer:
                 self._head_bytes += made.rest_bytes
                 self.blocks.append(made)
                 self.units.extend(made.units)
+                self.pieces.extend(make_pieces(made, len(self.pieces)))
         for block in self.blocks:
             add_hook(block.module, _BlockHook(self, block), STREAM_HOOK)
             for unit in block.units if block.in_parts else ():
@@ -171,8 +174,9 @@ class BlockStreamer:
             remove_hook(block.module, STREAM_HOOK)
             for unit in block.units if block.in_parts else ():
                 remove_hook(unit.module, STREAM_HOOK)
-            block.resident = None
             block.bind_host()
+        for piece in self.pieces:
+            piece.resident = None
         self._unbind_all()
         self.drop_prefetched()
         if self.cuda:
@@ -180,6 +184,7 @@ class BlockStreamer:
         self.pins.release()
         self.blocks.clear()
         self.units.clear()
+        self.pieces.clear()
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
 
@@ -220,7 +225,7 @@ class BlockStreamer:
                     raise
 
     def _make_ready(self, unit: StreamUnit) -> None:
-        if unit.block.resident is None and unit.index not in self._bound:
+        if unit.piece.resident is None and unit.index not in self._bound:
             if unit.index not in self._inflight:
                 self._drop_wrong_guesses(unit)
             slot = self._take(unit)
@@ -347,19 +352,20 @@ class BlockStreamer:
 
     # -- resident set (preload) ---------------------------------------------------------------
     def set_resident(self, indices: set[int]) -> None:
-        """Keep exactly ``indices`` resident; called between forwards (no re-hooking). Blocks
-        leaving go before blocks arriving, so a set that moves needs no room for both."""
-        for block in self.blocks:
-            if block.index not in indices and block.resident is not None:
-                block.bind_host()
-                block.resident = None
-        for block in self.blocks:
-            if block.index in indices and block.resident is None:
-                for unit in block.units:
+        """Keep exactly the pieces ``indices`` resident; called between forwards (no
+        re-hooking). Pieces leaving go before pieces arriving, so a set that moves needs no
+        room for both."""
+        for piece in self.pieces:
+            if piece.index not in indices and piece.resident is not None:
+                piece.bind_host()
+                piece.resident = None
+        for piece in self.pieces:
+            if piece.index in indices and piece.resident is None:
+                for unit in piece.units:
                     if unit.index in self._inflight:
                         self._discard(unit.index)
-                block.resident = self._load_resident(block)
-                block.bind(block.resident)
+                piece.resident = self._load_resident(piece)
+                piece.bind(piece.resident)
         self.order.refresh()
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
@@ -374,20 +380,22 @@ class BlockStreamer:
                 self._discard(index)
             self.ring.set_capacity(buffers)
 
-    def _load_resident(self, block: StreamBlock) -> torch.Tensor:
-        """A kept block's own buffer, from the compute stream's pool: the copy waits for the
+    def _load_resident(self, piece: StreamPiece) -> torch.Tensor:
+        """A kept piece's own buffer, from the compute stream's pool: the copy waits for the
         compute work queued so far, which may still read that memory, and the compute stream for
         the copy."""
-        buf = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)
+        buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
         after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        ready = self._copy(((s.view(buf), s.host) for s in block.slots), block.pinned, after)
+        pairs = [(view, slot.host) for unit, views in zip(piece.units, piece.views(buf), strict=True)
+                 for view, slot in zip(views, unit.slots, strict=True)]
+        ready = self._copy(pairs, piece.block.pinned, after)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
         return buf
 
     def _largest_streamed(self) -> int:
-        """The ring's buffer size: the largest unit of the blocks not kept."""
-        return max((b.largest_unit for b in self.blocks if b.resident is None), default=0)
+        """The ring's buffer size: the largest unit of the pieces not kept."""
+        return max((p.largest_unit for p in self.pieces if p.resident is None), default=0)
 
     def relieve_outside_blocks(self, first: bool) -> bool:
         """Free memory for a forward that ran out of it outside the blocks; False when nothing can
@@ -413,8 +421,16 @@ class BlockStreamer:
         goes back to the ring unread."""
         self.ring.release(self._inflight.pop(index), read_by_compute=False)
 
+    def pieces_of(self, blocks: set[int]) -> set[int]:
+        """The pieces of the blocks ``blocks`` (block-table indices): keeping blocks whole."""
+        return {p.index for p in self.pieces if p.block.index in blocks}
+
+    def resident_blocks(self) -> set[int]:
+        """Blocks with every piece resident."""
+        return {b.index for b in self.blocks if all(u.piece.resident is not None for u in b.units)}
+
     def resident_indices(self) -> set[int]:
-        return {b.index for b in self.blocks if b.resident is not None}
+        return {p.index for p in self.pieces if p.resident is not None}
 
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
@@ -427,8 +443,7 @@ class BlockStreamer:
         """Weight bytes on the device when the allocator peaked: the resident part plus the most
         streamed-block buffers that were alive at once this cycle (the peak happens inside a block,
         with its successor prefetched)."""
-        kept = sum(b.nbytes for b in self.blocks if b.resident is not None)
-        return self._head_bytes + kept + self._transit_peak
+        return self._head_bytes + self.kept_bytes() + self._transit_peak
 
     def reset_peak(self) -> None:
         self._transit_peak = self._transit_bytes()
@@ -441,29 +456,31 @@ class BlockStreamer:
         return self._head_bytes
 
     def streamed_bytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks if b.resident is None)
+        return sum(p.nbytes for p in self.pieces if p.resident is None)
+
+    def kept_bytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces if p.resident is not None)
 
     def device_bytes(self) -> int:
         """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers
         (read from the block table, not by walking every tensor: it runs once per forward)."""
         if self.module is None or self.device == self.ctx.offload_device:
             return 0
-        kept = sum(b.nbytes for b in self.blocks if b.resident is not None)
-        return self._head_bytes + kept + self._transit_bytes()
+        return self._head_bytes + self.kept_bytes() + self._transit_bytes()
 
     def pinned_bytes(self) -> int:
         return self.pins.nbytes
 
     def give_back(self, nbytes: int) -> int:
-        """Release kept blocks, deepest-ranked last kept first, until ``nbytes`` are freed."""
+        """Release kept pieces, last in the table first, until ``nbytes`` are freed."""
         freed = 0
-        kept = [b for b in reversed(self.blocks) if b.resident is not None]
         keep = self.resident_indices()
-        for block in kept:
+        for piece in reversed(self.pieces):
             if freed >= nbytes:
                 break
-            keep.discard(block.index)
-            freed += block.nbytes
+            if piece.resident is not None:
+                keep.discard(piece.index)
+                freed += piece.nbytes
         self.set_resident(keep)
         return freed
 
@@ -474,7 +491,10 @@ class BlockStreamer:
     def details(self) -> dict[str, object]:
         return {
             "blocks": len(self.blocks),
-            "kept": len(self.resident_indices()),
+            "pieces": len(self.pieces),
+            "kept": len(self.resident_blocks()),  # whole blocks
+            "kept_pieces": len(self.resident_indices()),
+            "kept_bytes": self.kept_bytes(),
             "streamed_per_step": self.streamed_bytes(),
             "stream": self.copy_stream is not None,
             "window": self.ctx.prefetch_window,

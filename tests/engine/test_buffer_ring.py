@@ -120,7 +120,7 @@ def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reu
     two whole blocks, or two parts of one)."""
     model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, parts)
     streamer.listeners.clear()  # the plans are set by hand
-    streamer.set_resident({0, 2, 4})
+    streamer.set_resident(streamer.pieces_of({0, 2, 4}))
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert {streamer.units[i].block.index for i in streamer._inflight} == in_flight
     assert len(streamer._inflight) == 2

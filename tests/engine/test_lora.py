@@ -68,7 +68,8 @@ def test_lora_under_offload_matches_unplaced_stacks_changes_and_restores(
     engine = Engine()
     engine.place(wan_pipe, CONFIGS[mode])
     if mode == "auto-preload-fixed":
-        assert engine.report(wan_pipe).component("transformer").details["kept"] == 1
+        streamer = engine.states(wan_pipe)["transformer"].transport
+        assert 0 < len(streamer.resident_indices()) < len(streamer.pieces)  # some kept, some streamed
 
     def run(*loras: LoraSpec) -> torch.Tensor:
         activate(wan_pipe, loras)

@@ -88,7 +88,7 @@ def test_shortage_releases_lowest_ranked_first_never_the_running_block():
     planner = make_planner()
     assert len(planner.begin_cycle(100)) == 8
     lowest = planner.ranking[-1]
-    released = planner.on_shortage(running=lowest, needed=2 * GIB)
+    released = planner.on_shortage(running={lowest}, needed=2 * GIB)
     assert released == frozenset(planner.ranking[-3:-1])
     assert planner.resident == frozenset(planner.ranking[:-3]) | {lowest}
     assert planner.penalty(100) == 2 * GIB

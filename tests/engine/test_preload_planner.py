@@ -206,3 +206,11 @@ def test_a_shortage_returns_to_the_windows_buffers():
 def test_off_and_fixed_budgets_fill_only_the_windows_buffers(policy):
     planner = measured(parts_planner(Device(budget=9 * GIB), policy=policy))
     assert planner.ring_slots == 2
+
+
+def test_plan_line_counts_blocks_kept_whole_and_in_part():
+    """A block streamed in parts is two plan entries (core, rest); the line speaks in blocks."""
+    blocks = [BlockInfo(2 * d + r, "t", d, GIB if r else GIB // 2, core=not r) for d in range(4) for r in (0, 1)]
+    planner = PreloadPlanner(blocks, Device(), model_class="M", store=MeasureStore(), policy="3 GiB")
+    planner.on_load()  # four cores (2 GiB) and one rest
+    assert planner.last_plan_line.startswith("blocks kept 1/4, 3 in part (3.00 GiB)")

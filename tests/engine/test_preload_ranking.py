@@ -112,3 +112,15 @@ def test_spread_kept_leaves_towers_of_mixed_or_unpinnable_blocks_as_ranked():
     for blocks in (mixed, pinned_not):
         prefix = frozenset(rank_blocks(blocks)[:5])
         assert spread_kept(prefix, blocks) == prefix
+
+
+def test_cores_rank_before_any_rest_and_each_kind_spreads_apart():
+    """A block streamed in parts is two entries: its largest part (core) and the rest."""
+    blocks = [BlockInfo(2 * d + r, "t", d, 100 if r else 140, core=not r) for d in range(8) for r in (0, 1)]
+    order = rank_blocks(blocks)
+    assert all(blocks[i].core for i in order[:8]) and not any(blocks[i].core for i in order[8:])
+    kept = spread_kept(frozenset(order[:11]), blocks)  # all cores, three rests
+    assert {i for i in kept if blocks[i].core} == set(order[:8])
+    rests = frozenset(blocks[i].depth for i in kept if not blocks[i].core)
+    gaps = streamed_gaps(rests, range(8))
+    assert len(rests) == 3 and max(gaps) - min(gaps) <= 1
