@@ -34,6 +34,8 @@ class ComponentReport:
         extra = ""
         if "blocks" in self.details:
             extra = f", blocks kept {self.details['kept']}/{self.details['blocks']}"
+            held = int(self.details.get("kept_bytes", 0))  # whole blocks and blocks' largest parts
+            extra += f" ({gib(held)} kept)" if held else ""
         lora = self.details.get("lora")
         if isinstance(lora, dict):
             extra += f", LoRA {lora['path']} on {lora['layers']} layers"

@@ -209,9 +209,10 @@ class PreloadPlanner:
         """Auto with a measure: the fitted prefix's blocks per tower, spread evenly, unless it
         grows by too little to be worth the transfer; a shrink only releases (lowest-ranked
         first), so a smaller workload's plan loads nothing (alternating image and video cycles
-        would otherwise reload blocks to re-spread them each time). Unmeasured: the set already resident, shrunk to what fits beside an
-        estimate from the model's other workloads (so a first video step after images does not
-        run out of memory). Off and fixed: the set already resident."""
+        would otherwise reload blocks to re-spread them each time). Unmeasured: the set already
+        resident, shrunk to what fits beside an estimate from the model's other workloads (so a
+        first video step after images does not run out of memory). Off and fixed: the set
+        already resident."""
         if self.policy.mode != "auto":
             return self._resident
         peak = self.measured_peak(workload)

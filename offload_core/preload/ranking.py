@@ -17,8 +17,8 @@ partial preload buys:
 
 A nested order cannot keep its *complements* even: at 34 of 40 kept, the streamed rest of a van
 der Corput prefix sits 5, 5, 10, 5, 5, 10 apart, and the nine-block kept runs outlast what the
-streaming buffers can copy ahead (H200, Wan-14B at 24 GiB: 0.094 s a step against 0.084 s with
-the same six blocks streamed evenly, RESULTS run 13). So the ranking decides how many blocks of
+streaming buffers can copy ahead (H200, Wan-14B at 24 GiB, four buffers: 0.094 s a step against
+0.084 s with six blocks streamed evenly instead, RESULTS run 13). So the ranking decides how many blocks of
 each tower stay, and `spread_kept` then places a tower's streamed blocks evenly over its depth.
 """
 
@@ -38,7 +38,7 @@ class BlockInfo:
     nbytes: int
     pinnable: bool = True
     slot_bytes: int | None = None  # the largest piece it streams in (None: whole, ``nbytes``)
-    units: int = 1  # the pieces it streams in
+    units: int = 1  # the units (parts) it streams in
     core: bool = False  # the largest part of a block streamed in parts (ranks before the rests)
 
 
