@@ -149,3 +149,20 @@ def test_a_units_views_of_a_buffer_are_made_once_and_later_forwards_make_none(mo
     for out in outs:
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     engine.release(bag)
+
+
+def test_a_plan_that_changes_the_buffer_size_makes_the_buffers_then_not_mid_forward(monkeypatch):
+    """A plan whose streamed units are of another size (a video plan streams 283 MB feed-forwards
+    where an image plan streamed 210 MB attentions; here: none, then all) gets the ring's buffers
+    of the new size at the plan change, between forwards, where no activations are live."""
+    model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, True)
+    streamer.listeners.clear()  # the plans are set by hand
+    streamer.set_resident({p.index for p in streamer.pieces})  # nothing streams: no buffers
+    torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
+    assert streamer.ring.nbytes == 0
+    streamer.set_resident(set())  # everything streams
+    assert streamer.ring.nbytes == streamer.ring.capacity * streamer.ring.slot_bytes
+    allocations = _count_block_buffers(monkeypatch)
+    torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
+    assert allocations == []
+    engine.release(bag)
