@@ -153,21 +153,25 @@ class PreloadDriver:
         evict = self.planner.on_shortage(running=running)
         if not evict:
             return False
-        self._apply(self.streamer.resident_indices() - set(evict))
+        self._apply(self.streamer.resident_indices() - set(evict), planned=False)
         return True
 
-    def _apply(self, target) -> None:
+    def _apply(self, target, planned: bool = True) -> None:
         """Change the resident set. On any change the allocator's cache goes back to the driver
         first (the last workload's activation segments would otherwise make the new buffers
         flush and retry), and the retry baseline is re-read after: a retry our own plan change
-        caused is not a shortage. The planner's lookahead is applied with it."""
+        caused is not a shortage. The planner's lookahead is applied with it, and a ``planned``
+        change (not a shortage's relief, which needs the memory now) makes the streaming
+        buffers at once."""
         self.streamer.set_lookahead(self.planner.ring_slots)
-        if set(target) == self.streamer.resident_indices():
-            return
-        self.memory.empty_cache(self.streamer.device)
-        self.streamer.set_resident(set(target))
-        self.memory.empty_cache(self.streamer.device)
-        self._retries = self.memory.allocator_retries(self.streamer.device)
+        changed = set(target) != self.streamer.resident_indices()
+        if changed:
+            self.memory.empty_cache(self.streamer.device)
+            self.streamer.set_resident(set(target))
+            self.memory.empty_cache(self.streamer.device)
+        made = planned and self.streamer.fill_ring()
+        if changed or made:  # else a retry since the last reading is still to be seen
+            self._retries = self.memory.allocator_retries(self.streamer.device)
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:

@@ -55,18 +55,22 @@ class BufferRing:
             self.clear()
             self.slot_bytes = slot_bytes
 
-    def fill(self) -> None:
+    def fill(self) -> bool:
         """Allocate the missing buffers now, at a plan change between forwards, rather than at
         the first prefetch: there the step's activations are live, and a new buffer of another
         size (a video plan streams 283 MB feed-forwards where an image plan streamed 210 MB
         attentions) may find the cache fragmented, an allocator retry that the planner counts
-        as a shortage. Best effort: what does not fit now is allocated when first needed."""
+        as a shortage. Best effort: what does not fit now is allocated when first needed. True
+        when any buffer was made."""
+        made = False
         while self.slot_bytes and len(self._free) + self._busy < self.capacity:
             try:
                 buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
             except torch.OutOfMemoryError:
-                return
+                break
             self._free.append(RingSlot(buf, read=self._record()))
+            made = True
+        return made
 
     def acquire(self) -> RingSlot:
         """A slot to copy a block into. A new one is allocated from the compute stream's pool,

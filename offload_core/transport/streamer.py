@@ -371,7 +371,6 @@ class BlockStreamer:
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()
             self.ring.resize(largest)
-        self._fill_ring()
 
     def set_lookahead(self, buffers: int) -> None:
         """How many streaming buffers to fill ahead (at least the window's ``window + 1``)."""
@@ -380,12 +379,11 @@ class BlockStreamer:
             for index in list(self._inflight)[buffers - len(self._bound):]:
                 self._discard(index)
             self.ring.set_capacity(buffers)
-            self._fill_ring()
 
-    def _fill_ring(self) -> None:
-        """With prefetch on, the ring's buffers are made at the plan change (see `BufferRing.fill`)."""
-        if self.copy_stream is not None:
-            self.ring.fill()
+    def fill_ring(self) -> bool:
+        """With prefetch on, make the ring's missing buffers now (a planned change: see
+        `BufferRing.fill`); True when any was made."""
+        return self.copy_stream is not None and self.ring.fill()
 
     def _load_resident(self, piece: StreamPiece) -> torch.Tensor:
         """A kept piece's own buffer, from the compute stream's pool: the copy waits for the

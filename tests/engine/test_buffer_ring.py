@@ -161,8 +161,17 @@ def test_a_plan_that_changes_the_buffer_size_makes_the_buffers_then_not_mid_forw
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert streamer.ring.nbytes == 0
     streamer.set_resident(set())  # everything streams
+    streamer.fill_ring()
     assert streamer.ring.nbytes == streamer.ring.capacity * streamer.ring.slot_bytes
     allocations = _count_block_buffers(monkeypatch)
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert allocations == []
+    engine.release(bag)
+
+
+def test_a_planned_load_makes_the_streaming_buffers_at_once(monkeypatch):
+    model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, True)
+    assert streamer.ring.nbytes == 0  # placed before the side stream was stood in
+    streamer.driver.load()
+    assert streamer.ring.nbytes == streamer.ring.capacity * streamer.ring.slot_bytes > 0
     engine.release(bag)

@@ -159,10 +159,13 @@ class _Card(MemoryReader):
     (set by the test before each run: all forwards of a run are one workload)."""
 
     def __init__(self, free: int) -> None:
-        self.free, self.activations, self.streamer = free, 0, None
+        self.free, self.activations, self.streamer, self.retries = free, 0, None, 0
 
     def device_free(self, device):
         return (self.free, 0)
+
+    def allocator_retries(self, device):
+        return self.retries
 
     def peak_allocated(self, device):
         return self.streamer.weights_at_peak() + self.activations
@@ -246,3 +249,23 @@ def test_a_vae_moving_in_gets_kept_blocks_back_and_they_return_next_run(wan_pipe
         lambda module, args, output: at_first_block.append(streamer.resident_indices()))
     _run(engine, wan_pipe)
     assert at_first_block[0] == kept  # the fixed budget's blocks are back for the next run
+
+
+def test_an_allocator_retry_inside_a_forward_is_a_shortage_at_the_next_cycle(wan_pipe, monkeypatch):
+    """PyTorch's flush-and-retry counter is a shortage signal: a retry during one forward gives
+    kept pieces up at the next cycle and records a penalty."""
+    engine, card, streamer, _ = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
+    _run(engine, wan_pipe, height=16, width=16)  # measured: everything kept
+    kept = streamer.resident_indices()
+    planner = streamer.driver.planner
+    assert kept and planner.penalty(planner.last_workload) == 0
+    bumped = []
+
+    def retry_once(module, args, output):
+        if not bumped:
+            bumped.append(1)
+            card.retries += 1  # the allocator flushed its cache and retried during this forward
+
+    wan_pipe.transformer.blocks[1].register_forward_hook(retry_once)
+    _run(engine, wan_pipe, height=16, width=16)
+    assert bumped and planner.penalty(planner.last_workload) > 0  # kept pieces were given up for it
