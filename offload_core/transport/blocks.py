@@ -29,7 +29,8 @@ class TensorSlot:
     offset: int  # in the block's flat layout
     nbytes: int
 
-    def view(self, buf: torch.Tensor, base: int = 0) -> torch.Tensor:
+    def view(self, buf: torch.Tensor, base: int) -> torch.Tensor:
+        """This tensor in ``buf``, a buffer whose byte 0 is the layout's byte ``base``."""
         start = self.offset - base
         return buf[start : start + self.nbytes].view(self.host.dtype).view(self.host.shape)
 
@@ -119,10 +120,6 @@ class StreamPiece:
             out.append(unit.views(buf[offset : offset + unit.nbytes]))
             offset += unit.nbytes
         return out
-
-    def bind(self, buf: torch.Tensor) -> None:
-        for unit, views in zip(self.units, self.views(buf), strict=True):
-            unit.bind(views)
 
     def bind_host(self) -> None:
         for unit in self.units:

@@ -365,7 +365,6 @@ class BlockStreamer:
                     if unit.index in self._inflight:
                         self._discard(unit.index)
                 piece.resident = self._load_resident(piece)
-                piece.bind(piece.resident)
         self.order.refresh()
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
@@ -386,16 +385,18 @@ class BlockStreamer:
         return self.copy_stream is not None and self.ring.fill()
 
     def _load_resident(self, piece: StreamPiece) -> torch.Tensor:
-        """A kept piece's own buffer, from the compute stream's pool: the copy waits for the
-        compute work queued so far, which may still read that memory, and the compute stream for
-        the copy."""
+        """A kept piece's own buffer, its units bound to it. From the compute stream's pool: the
+        copy waits for the compute work queued so far, which may still read that memory, and the
+        compute stream for the copy."""
         buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
         after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        pairs = [(view, slot.host) for unit, views in zip(piece.units, piece.views(buf), strict=True)
-                 for view, slot in zip(views, unit.slots, strict=True)]
+        per_unit = list(zip(piece.units, piece.views(buf), strict=True))
+        pairs = [(view, slot.host) for unit, views in per_unit for view, slot in zip(views, unit.slots, strict=True)]
         ready = self._copy(pairs, piece.block.pinned, after)
         if ready is not None:
             torch.cuda.current_stream(self.device).wait_event(ready)
+        for unit, views in per_unit:
+            unit.bind(views)
         return buf
 
     def _largest_streamed(self) -> int:
