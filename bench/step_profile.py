@@ -14,9 +14,11 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import wan_bench as wb  # registers the pack as ``diffusers_offload``
+from diffusers_offload.offload_core.memory import MemoryReader
 
 
 def in_hooks(streamer) -> list[float]:
@@ -37,8 +39,26 @@ def in_hooks(streamer) -> list[float]:
     return spent
 
 
-def launch_and_step(m, feeds, repeats: int = 5) -> tuple[float, float]:
-    """Median host time until the forward returns (its launches) and until the GPU is done."""
+def in_driver(streamer) -> list[float]:
+    """Count the host time the preload driver takes at its events (forward, cycle start): all of
+    it runs before the first block is launched, while a synchronized step's GPU waits."""
+    spent = [0.0]
+
+    def timed(*a, _fn=streamer.notify, **k):
+        t0 = time.perf_counter()
+        try:
+            return _fn(*a, **k)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    streamer.notify = timed
+    return spent
+
+
+def launch_and_step(m, feeds, repeats: int = 5) -> tuple[float, float, float]:
+    """Median host time until the forward returns (its launches) and until the GPU is done, each
+    forward synchronized; and the mean step of ``repeats`` forwards queued back to back, as a
+    sampling loop queues them."""
     for _ in range(2):
         wb.forward(m, *feeds)
     launch, step = [], []
@@ -49,7 +69,43 @@ def launch_and_step(m, feeds, repeats: int = 5) -> tuple[float, float]:
         launch.append(time.perf_counter() - t0)
         wb.sync()
         step.append(time.perf_counter() - t0)
-    return statistics.median(launch), statistics.median(step)
+    return statistics.median(launch), statistics.median(step), wb.loop_time(m, feeds, repeats)
+
+
+def reading_costs(repeats: int = 200) -> None:
+    """Host microseconds per allocator reading: the flat table against the nested one the engine
+    reads, and the driver's free-memory query."""
+    calls = {
+        "memory_stats": torch.cuda.memory_stats,
+        "memory_stats_as_nested_dict": torch.cuda.memory_stats_as_nested_dict,
+        "memory_allocated": torch.cuda.memory_allocated,
+        "mem_get_info": torch.cuda.mem_get_info,
+        "MemoryReader.device_free": lambda: MemoryReader().device_free(wb.DEV),
+        "MemoryReader.allocated": lambda: MemoryReader().allocated(wb.DEV),
+    }
+    out = {}
+    for name, call in calls.items():
+        call()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            call()
+        out[name] = (time.perf_counter() - t0) / repeats * 1e6
+    row(section="reading_us", **out)
+
+
+def trace_summary(path: str) -> None:
+    """Copy-engine and kernel busy time over the traced forward, and the copy engine's idle
+    time from the forward's first GPU work to its first copy."""
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"]
+    if not kernels or not copies:
+        return row(section="trace", path=path, error="no kernels or copies recorded")
+    start = min(a for a, _ in kernels + copies)
+    end = max(b for _, b in kernels + copies)
+    row(section="trace", span_ms=(end - start) / 1e3, kernels_ms=sum(b - a for a, b in kernels) / 1e3,
+        copies_ms=sum(b - a for a, b in copies) / 1e3, first_copy_at_ms=(min(a for a, _ in copies) - start) / 1e3,
+        last_kernel_end_ms=(max(b for _, b in kernels) - start) / 1e3)
 
 
 def trace(m, feeds, path: str, with_host: bool) -> None:
@@ -63,6 +119,7 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
         wb.forward(m, *feeds)
         wb.sync()
     prof.export_chrome_trace(path)
+    trace_summary(path)
 
 
 def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
@@ -109,7 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     m = wb.build(40)
     feeds = wb.inputs(args.workload, 21)
-    row(section="resident", launch_s=(r := launch_and_step(m, feeds))[0], step_s=r[1])
+    reading_costs()
+    row(section="resident", launch_s=(r := launch_and_step(m, feeds))[0], step_s=r[1], loop_s=r[2])
     wb.to_host(m)
     first = float(args.caps.split(",")[0])
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
@@ -124,12 +182,13 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
     try:
         eng.place(bag, wb.OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
         streamer = eng.states(bag)["transformer"].transport
-        spent = in_hooks(streamer)
-        launch, step = launch_and_step(m, feeds)
-        spent[0] = 0.0
+        spent, driver = in_hooks(streamer), in_driver(streamer)
+        launch, step, loop = launch_and_step(m, feeds)
+        spent[0] = driver[0] = 0.0
+        wb.sync()
         wb.forward(m, *feeds)
-        row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step,
-            in_hooks_s=spent[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
+        row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step, loop_s=loop,
+            in_hooks_s=spent[0], in_driver_s=driver[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
             streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],
             streamed_gib=streamer.streamed_bytes() / 2**30)
         if extras and cap:

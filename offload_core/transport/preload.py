@@ -86,7 +86,8 @@ class PreloadDriver:
         return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0))
 
     def load(self) -> None:
-        self._apply(self.planner.on_load())
+        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
+        self._apply(self.planner.on_load(), workload=self.planner.last_workload)
 
     def unload(self) -> None:
         self.planner.on_unload()
@@ -108,11 +109,11 @@ class PreloadDriver:
         makes before the first block count as ours."""
         self._pending = self._usage()
         self._entry = entry_signature(args, kwargs)
+        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         coming = self._coming_workload()
         if coming is not None and coming != self.planner.last_workload:
-            self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
+            self._apply(self.streamer.resident_indices() & self.planner.preview(coming), workload=coming)
         self.memory.reset_peak(self.streamer.device)
-        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
 
     def _coming_workload(self) -> int | None:
         """The workload this forward will run: known from an earlier cycle entered the same way,
@@ -131,7 +132,7 @@ class PreloadDriver:
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload, self._pending)
-            self._apply(target)
+            self._apply(target, workload=workload)
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":
@@ -156,13 +157,13 @@ class PreloadDriver:
         self._apply(self.streamer.resident_indices() - set(evict), planned=False)
         return True
 
-    def _apply(self, target, planned: bool = True) -> None:
+    def _apply(self, target, planned: bool = True, workload: int | None = None) -> None:
         """Change the resident set. On any change the allocator's cache goes back to the driver
         first (the last workload's activation segments would otherwise make the new buffers
         flush and retry), and the retry baseline is re-read after: a retry our own plan change
-        caused is not a shortage. The planner's lookahead is applied with it, and a ``planned``
+        caused is not a shortage. The planner's lookahead is applied with it. A ``planned``
         change (not a shortage's relief, which needs the memory now) makes the streaming
-        buffers at once."""
+        buffers at once, then leaves room for ``workload``'s activations cached in one piece."""
         self.streamer.set_lookahead(self.planner.ring_slots)
         changed = set(target) != self.streamer.resident_indices()
         if changed:
@@ -170,8 +171,19 @@ class PreloadDriver:
             self.streamer.set_resident(set(target))
             self.memory.empty_cache(self.streamer.device)
         made = planned and self.streamer.fill_ring()
+        if planned and changed:
+            self._cache_activations(workload)
         if changed or made:  # else a retry since the last reading is still to be seen
             self._retries = self.memory.allocator_retries(self.streamer.device)
+
+    def _cache_activations(self, workload: int | None) -> None:
+        """Right after the cache was emptied: the activations ``workload`` is expected to peak
+        at, less those of this forward already made, as one cached block (`warm_cache`)."""
+        expected = self.planner.expected_activations(workload)
+        if expected:
+            device = self.streamer.device
+            live = self.memory.allocated(device) - self._others - self.streamer.device_bytes()
+            self.memory.warm_cache(device, expected - max(live, 0))
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
