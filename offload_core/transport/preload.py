@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from ..log import get_logger
 from ..memory import MemoryReader
 from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
+from ..preload.fit import margin
 from ..preload.policy import Policy, parse_policy
 from ..preload.workload import entry_signature, scaled_workload
 from .streamer import BlockStreamer
 
 PLANNER = "_diffusers_offload_planner"
+SMALL_SEGMENTS = 256 << 20  # left free beside the cached activations: allocations under 1 MiB get their own segments
+
+log = get_logger("preload")
 
 
 def preload_policy(value: str | float) -> Policy:
@@ -71,6 +76,7 @@ class PreloadDriver:
         self.planner = _planner_for(module, streamer, self.reading, preload_policy(policy))
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
+        self._emptied = False  # the cache was emptied since the activations were last cached
         self._pending: CycleUsage | None = None
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
@@ -87,7 +93,8 @@ class PreloadDriver:
 
     def load(self) -> None:
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
-        self._apply(self.planner.on_load(), workload=self.planner.last_workload)
+        self._apply(self.planner.on_load())
+        self._cache_activations(self.planner.last_workload)
 
     def unload(self) -> None:
         self.planner.on_unload()
@@ -106,13 +113,16 @@ class PreloadDriver:
         block, where its cycle begins: on a tight card the non-block part would otherwise run out
         of memory, and cuDNN would pick, and keep for the process, another convolution algorithm
         for it), and take what others hold as the baseline, so the activations the non-block part
-        makes before the first block count as ours."""
+        makes before the first block count as ours. A new workload starts from an empty cache:
+        the last one's activation segments, cut up by this one's, would otherwise also take the
+        blocks its plan adds at the first block, and keep them apart when they go."""
         self._pending = self._usage()
         self._entry = entry_signature(args, kwargs)
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         coming = self._coming_workload()
-        if coming is not None and coming != self.planner.last_workload:
-            self._apply(self.streamer.resident_indices() & self.planner.preview(coming), workload=coming)
+        if coming != self.planner.last_workload:
+            target = self.streamer.resident_indices()
+            self._apply(target & self.planner.preview(coming) if coming is not None else target, emptied=True)
         self.memory.reset_peak(self.streamer.device)
 
     def _coming_workload(self) -> int | None:
@@ -132,7 +142,8 @@ class PreloadDriver:
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload, self._pending)
-            self._apply(target, workload=workload)
+            self._apply(target)
+            self._cache_activations(workload)
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":
@@ -157,33 +168,42 @@ class PreloadDriver:
         self._apply(self.streamer.resident_indices() - set(evict), planned=False)
         return True
 
-    def _apply(self, target, planned: bool = True, workload: int | None = None) -> None:
-        """Change the resident set. On any change the allocator's cache goes back to the driver
-        first (the last workload's activation segments would otherwise make the new buffers
-        flush and retry), and the retry baseline is re-read after: a retry our own plan change
-        caused is not a shortage. The planner's lookahead is applied with it. A ``planned``
-        change (not a shortage's relief, which needs the memory now) makes the streaming
-        buffers at once, then leaves room for ``workload``'s activations cached in one piece."""
+    def _apply(self, target, planned: bool = True, emptied: bool = False) -> None:
+        """Change the resident set. On any change (or when ``emptied`` asks) the allocator's
+        cache goes back to the driver first (the last workload's activation segments would
+        otherwise make the new buffers flush and retry), and the retry baseline is re-read after:
+        a retry our own plan change caused is not a shortage. The planner's lookahead is applied
+        with it, and a ``planned`` change (not a shortage's relief, which needs the memory now)
+        makes the streaming buffers at once."""
         self.streamer.set_lookahead(self.planner.ring_slots)
         changed = set(target) != self.streamer.resident_indices()
-        if changed:
+        if changed or emptied:
             self.memory.empty_cache(self.streamer.device)
+            self._emptied = True
+        if changed:
             self.streamer.set_resident(set(target))
             self.memory.empty_cache(self.streamer.device)
         made = planned and self.streamer.fill_ring()
-        if planned and changed:
-            self._cache_activations(workload)
         if changed or made:  # else a retry since the last reading is still to be seen
             self._retries = self.memory.allocator_retries(self.streamer.device)
 
     def _cache_activations(self, workload: int | None) -> None:
-        """Right after the cache was emptied: the activations ``workload`` is expected to peak
-        at, less those of this forward already made, as one cached block (`warm_cache`)."""
+        """Once the plan's buffers are made after the cache was emptied, leave the room the fit
+        kept for ``workload``'s activations (its expected peak and margin, less those of this
+        forward already made, up to what is free less `SMALL_SEGMENTS`) cached as one block
+        (`MemoryReader.warm_cache`). Last, so that no kept block is cut from it."""
         expected = self.planner.expected_activations(workload)
-        if expected:
-            device = self.streamer.device
-            live = self.memory.allocated(device) - self._others - self.streamer.device_bytes()
-            self.memory.warm_cache(device, expected - max(live, 0))
+        if not (self._emptied and expected):
+            return
+        self._emptied = False
+        device = self.streamer.device
+        live = max(self.memory.allocated(device) - self._others - self.streamer.device_bytes(), 0)
+        free, _cached = self.memory.device_free(device)
+        nbytes = min(expected + margin(expected) - live, free - SMALL_SEGMENTS)
+        if nbytes > 0 and not self.memory.warm_cache(device, nbytes):
+            log.info("%s: the activations' %.2f GiB could not be cached in one block (%.2f GiB free)",
+                     self.planner.label, nbytes / 2**30, free / 2**30)
+        self._retries = self.memory.allocator_retries(device)
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:

@@ -6,7 +6,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.preload import planner as planner_module
-from diffusers_offload.offload_core.preload.fit import MARGIN_BASE
+from diffusers_offload.offload_core.preload.fit import MARGIN_BASE, margin
 from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.transport import streamer as streamer_module
 from fixtures.tiny_pipes import run_wan
@@ -217,18 +217,18 @@ def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_in
     assert at_entry[0] == set(), at_entry
 
 
-def test_a_plan_change_leaves_the_coming_activations_cached_in_one_piece(wan_pipe, monkeypatch):
-    """When a plan change has emptied the allocator's cache, the coming workload's expected
-    activations (here estimated from the smaller one's measure) are cached again as one block,
-    so that its activations are cut from one segment rather than spread over many."""
-    engine, card, streamer, at_entry = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
-    card.activations = 128 * 2**10
-    _run(engine, wan_pipe, height=16, width=16)
-    card.warmed.clear()
-    card.activations *= 16  # 64x64 has 16 times the tokens, as the estimate scales
-    _run(engine, wan_pipe, height=64, width=64)
-    assert at_entry[0] == set()  # the plan changed at the model's entry
-    assert card.warmed[0] == card.activations, card.warmed
+def test_a_new_workload_gets_the_room_for_its_activations_cached_in_one_block(wan_pipe, monkeypatch):
+    """A new workload starts from an emptied cache, and the room its plan leaves for its
+    activations (its measured peak and the fit's margin) is cached again as one block, so that
+    they are cut from one segment."""
+    engine, card, streamer, _ = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
+    card.free = 4 * 2**30
+    small, large = {"height": 16, "width": 16}, {"height": 64, "width": 64}
+    for activations, size in ((2 * 2**20, large), (128 * 2**10, small), (2 * 2**20, large)):
+        card.activations = activations
+        card.warmed.clear()
+        _run(engine, wan_pipe, **size)
+    assert card.warmed == [2 * 2**20 + margin(2 * 2**20)]  # once: at the change
 
 
 def test_the_non_block_part_is_not_room_a_plan_may_reuse(wan_pipe, monkeypatch):
