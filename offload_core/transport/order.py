@@ -38,13 +38,16 @@ class ExecutionOrder:
     def first(self) -> int:
         return self._units[0]
 
-    def upcoming(self, index: int, count: int) -> list[int]:
-        """Up to ``count`` streamed units that run after ``index``, wrapping to the next forward,
-        ``index`` itself excluded (a unit outside the order: from the order's start)."""
+    def upcoming(self, index: int | None, count: int, next_forward: int | None = None) -> list[int]:
+        """Up to ``count`` streamed units that run after ``index``, wrapping to the next forward
+        (at most ``next_forward`` of them from there), ``index`` itself excluded (``None``, or a
+        unit outside the order: from the order's start)."""
         streamed = self._positions
         if count <= 0 or not streamed:
             return []
         start = bisect_right(streamed, self._pos.get(index, -1))
+        if next_forward is not None:
+            count = min(count, len(streamed) - start + next_forward)
         out: list[int] = []
         for k in range(min(count, len(streamed))):
             unit = self._units[streamed[(start + k) % len(streamed)]]

@@ -7,15 +7,21 @@ import random
 from diffusers_offload.offload_core.transport.order import ExecutionOrder
 
 
-def _walk(order: list[int], streamed: set[int], index: int, count: int) -> list[int]:
-    """The definition: step along the order from ``index`` (from the start when it is not in it)."""
+def _walk(order: list[int], streamed: set[int], index: int, count: int, next_forward: int | None = None) -> list[int]:
+    """The definition: step along the order from ``index`` (from the start when it is not in it),
+    taking at most ``next_forward`` units once the walk has wrapped past the order's end."""
     pos = order.index(index) if index in order else -1
     out: list[int] = []
+    wrapped = 0
     for step in range(1, len(order) + 1):
         nxt = order[(pos + step) % len(order)]
         if nxt == index or len(out) >= count:
             break
         if nxt in streamed:
+            if pos + step >= len(order):
+                if next_forward is not None and wrapped >= next_forward:
+                    break
+                wrapped += 1
             out.append(nxt)
     return out
 
@@ -29,7 +35,9 @@ def test_upcoming_matches_a_walk_along_the_order_for_random_orders_and_resident_
         eo = ExecutionOrder(order, streamed.__contains__)
         for index in range(n + 3):
             for count in (0, 1, 2, 3, n + 5):
-                assert eo.upcoming(index, count) == _walk(order, streamed, index, count), (order, streamed, index)
+                for ahead in (None, 0, 1, 2):
+                    assert eo.upcoming(index, count, ahead) == _walk(order, streamed, index, count, ahead), (
+                        order, streamed, index, count, ahead)
 
 
 def test_refresh_reads_the_new_resident_set_and_set_the_new_order():
