@@ -11,13 +11,11 @@ import torch
 from ..log import get_logger
 from ..memory import MemoryReader
 from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
-from ..preload.fit import margin
 from ..preload.policy import Policy, parse_policy
 from ..preload.workload import entry_signature, scaled_workload
 from .streamer import BlockStreamer
 
 PLANNER = "_diffusers_offload_planner"
-SMALL_SEGMENTS = 256 << 20  # left free beside the cached activations: allocations under 1 MiB get their own segments
 
 log = get_logger("preload")
 
@@ -188,21 +186,23 @@ class PreloadDriver:
             self._retries = self.memory.allocator_retries(self.streamer.device)
 
     def _cache_activations(self, workload: int | None) -> None:
-        """Once the plan's buffers are made after the cache was emptied, leave the room the fit
-        kept for ``workload``'s activations (its expected peak and margin, less those of this
-        forward already made, up to what is free less `SMALL_SEGMENTS`) cached as one block
-        (`MemoryReader.warm_cache`). Last, so that no kept block is cut from it."""
+        """Once the plan's buffers are made after the cache was emptied, leave ``workload``'s
+        expected activation peak, less the activations of this forward already made, cached as
+        one block (`MemoryReader.warm_cache`). Last, so that no kept block is cut from it. The
+        fit's margin stays free beside it, for the segments the allocator adds when the block
+        fragments: those it can give back and retry, where a cut-up block it cannot (a margin
+        inside the block turned the retry of a growth that did not fit into an out-of-memory
+        error, RESULTS run 14)."""
         expected = self.planner.expected_activations(workload)
         if not (self._emptied and expected):
             return
         self._emptied = False
         device = self.streamer.device
         live = max(self.memory.allocated(device) - self._others - self.streamer.device_bytes(), 0)
-        free, _cached = self.memory.device_free(device)
-        nbytes = min(expected + margin(expected) - live, free - SMALL_SEGMENTS)
+        nbytes = expected - live
         if nbytes > 0 and not self.memory.warm_cache(device, nbytes):
-            log.info("%s: the activations' %.2f GiB could not be cached in one block (%.2f GiB free)",
-                     self.planner.label, nbytes / 2**30, free / 2**30)
+            log.info("%s: the activations' %.2f GiB could not be cached in one block", self.planner.label,
+                     nbytes / 2**30)
         self._retries = self.memory.allocator_retries(device)
 
 
