@@ -45,7 +45,6 @@ if "diffusers_offload" not in sys.modules:  # import the pack without putting th
     _spec.loader.exec_module(_mod)
 
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
-from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
 GB, GiB = 1e9, 2**30
@@ -425,12 +424,8 @@ def main() -> None:
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
-    ap.add_argument("--no-warm-cache", action="store_true",
-                    help="the engine does not cache the activations' room in one block (A/B of that choice)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    if args.no_warm_cache:
-        MemoryReader.warm_cache = lambda self, device, nbytes: False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sections = args.sections.split(",")
     caps = [float(c) for c in args.caps.split(",") if c]
@@ -440,7 +435,7 @@ def main() -> None:
     row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
         h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB,
         allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        stream_parts=not args.whole_blocks, window=args.window, warm_cache=not args.no_warm_cache)
+        stream_parts=not args.whole_blocks, window=args.window)
     if "modes" in sections:
         section_modes(args)
     if not set(sections) - {"modes"}:
@@ -452,8 +447,7 @@ def main() -> None:
     for w in workloads:
         med, runs, refs[w] = timed(m, feeds[w], 1, args.repeats)
         row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop_time(m, feeds[w], args.repeats),
-            weights_gib=total / GiB,
-            peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB)
+            weights_gib=total / GiB, peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB)
     row(section="to_host", seconds=to_host(m), rss_gib=psutil.Process().memory_info().rss / GiB)
     if "stream" in sections:
         run_engine("stream", m, config(args, preload="off"), None, refs, feeds, args, workloads=workloads)

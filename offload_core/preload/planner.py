@@ -196,13 +196,6 @@ class PreloadPlanner:
     def measured_peak(self, workload: int | None) -> int | None:
         return None if workload is None else self._store.get(self._key(workload))
 
-    def expected_activations(self, workload: int | None) -> int | None:
-        """The workload's activation peak: measured, else estimated from the model's others."""
-        if workload is None:
-            return None
-        measured = self.measured_peak(workload)
-        return measured if measured is not None else self._store.estimate(self._key(workload))
-
     def _load_set(self) -> frozenset[int]:
         if self.policy.mode == "off":
             return frozenset()
@@ -224,7 +217,7 @@ class PreloadPlanner:
             return self._resident
         peak = self.measured_peak(workload)
         if peak is None:
-            guess = self.expected_activations(workload)
+            guess = self._store.estimate(self._key(workload))
             if guess is None:
                 return self._resident
             return self._shrunk(self._resident, self._bytes(self._fit(self.ranking, guess, workload)))

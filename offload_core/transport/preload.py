@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ..log import get_logger
 from ..memory import MemoryReader
 from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
 from ..preload.policy import Policy, parse_policy
@@ -16,8 +15,6 @@ from ..preload.workload import entry_signature, scaled_workload
 from .streamer import BlockStreamer
 
 PLANNER = "_diffusers_offload_planner"
-
-log = get_logger("preload")
 
 
 def preload_policy(value: str | float) -> Policy:
@@ -74,7 +71,6 @@ class PreloadDriver:
         self.planner = _planner_for(module, streamer, self.reading, preload_policy(policy))
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
-        self._emptied = False  # the cache was emptied since the activations were last cached
         self._pending: CycleUsage | None = None
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
@@ -90,9 +86,7 @@ class PreloadDriver:
         return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0))
 
     def load(self) -> None:
-        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         self._apply(self.planner.on_load())
-        self._cache_activations(self.planner.last_workload)
 
     def unload(self) -> None:
         self.planner.on_unload()
@@ -111,17 +105,14 @@ class PreloadDriver:
         block, where its cycle begins: on a tight card the non-block part would otherwise run out
         of memory, and cuDNN would pick, and keep for the process, another convolution algorithm
         for it), and take what others hold as the baseline, so the activations the non-block part
-        makes before the first block count as ours. A new workload starts from an empty cache:
-        the last one's activation segments, cut up by this one's, would otherwise also take the
-        blocks its plan adds at the first block, and keep them apart when they go."""
+        makes before the first block count as ours."""
         self._pending = self._usage()
         self._entry = entry_signature(args, kwargs)
-        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         coming = self._coming_workload()
-        if coming != self.planner.last_workload:
-            target = self.streamer.resident_indices()
-            self._apply(target & self.planner.preview(coming) if coming is not None else target, emptied=True)
+        if coming is not None and coming != self.planner.last_workload:
+            self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
         self.memory.reset_peak(self.streamer.device)
+        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
 
     def _coming_workload(self) -> int | None:
         """The workload this forward will run: known from an earlier cycle entered the same way,
@@ -141,7 +132,6 @@ class PreloadDriver:
             self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload, self._pending)
             self._apply(target)
-            self._cache_activations(workload)
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":
@@ -166,44 +156,22 @@ class PreloadDriver:
         self._apply(self.streamer.resident_indices() - set(evict), planned=False)
         return True
 
-    def _apply(self, target, planned: bool = True, emptied: bool = False) -> None:
-        """Change the resident set. On any change (or when ``emptied`` asks) the allocator's
-        cache goes back to the driver first (the last workload's activation segments would
-        otherwise make the new buffers flush and retry), and the retry baseline is re-read after:
-        a retry our own plan change caused is not a shortage. The planner's lookahead is applied
-        with it, and a ``planned`` change (not a shortage's relief, which needs the memory now)
-        makes the streaming buffers at once."""
+    def _apply(self, target, planned: bool = True) -> None:
+        """Change the resident set. On any change the allocator's cache goes back to the driver
+        first (the last workload's activation segments would otherwise make the new buffers
+        flush and retry), and the retry baseline is re-read after: a retry our own plan change
+        caused is not a shortage. The planner's lookahead is applied with it, and a ``planned``
+        change (not a shortage's relief, which needs the memory now) makes the streaming
+        buffers at once."""
         self.streamer.set_lookahead(self.planner.ring_slots)
         changed = set(target) != self.streamer.resident_indices()
-        if changed or emptied:
-            self.memory.empty_cache(self.streamer.device)
-            self._emptied = True
         if changed:
+            self.memory.empty_cache(self.streamer.device)
             self.streamer.set_resident(set(target))
             self.memory.empty_cache(self.streamer.device)
         made = planned and self.streamer.fill_ring()
         if changed or made:  # else a retry since the last reading is still to be seen
             self._retries = self.memory.allocator_retries(self.streamer.device)
-
-    def _cache_activations(self, workload: int | None) -> None:
-        """Once the plan's buffers are made after the cache was emptied, leave ``workload``'s
-        expected activation peak, less the activations of this forward already made, cached as
-        one block (`MemoryReader.warm_cache`). Last, so that no kept block is cut from it. The
-        fit's margin stays free beside it, for the segments the allocator adds when the block
-        fragments: those it can give back and retry, where a cut-up block it cannot (a margin
-        inside the block turned the retry of a growth that did not fit into an out-of-memory
-        error, RESULTS run 14)."""
-        expected = self.planner.expected_activations(workload)
-        if not (self._emptied and expected):
-            return
-        self._emptied = False
-        device = self.streamer.device
-        live = max(self.memory.allocated(device) - self._others - self.streamer.device_bytes(), 0)
-        nbytes = expected - live
-        if nbytes > 0 and not self.memory.warm_cache(device, nbytes):
-            log.info("%s: the activations' %.2f GiB could not be cached in one block", self.planner.label,
-                     nbytes / 2**30)
-        self._retries = self.memory.allocator_retries(device)
 
 
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:

@@ -7,7 +7,6 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.preload import planner as planner_module
 from diffusers_offload.offload_core.preload.fit import MARGIN_BASE
-from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.transport import streamer as streamer_module
 from fixtures.tiny_pipes import run_wan
 
@@ -161,14 +160,9 @@ class _Card(MemoryReader):
 
     def __init__(self, free: int) -> None:
         self.free, self.activations, self.streamer, self.retries = free, 0, None, 0
-        self.warmed: list[int] = []
 
     def device_free(self, device):
         return (self.free, 0)
-
-    def warm_cache(self, device, nbytes):
-        self.warmed.append(nbytes)
-        return True
 
     def allocator_retries(self, device):
         return self.retries
@@ -181,7 +175,6 @@ def _on_a_card_watching_model_entry(pipe, monkeypatch):
     """Auto preload on a card with room for both tiny blocks beside about 1 MiB of activations,
     regrowing at once; returns (engine, card, streamer, the resident sets at each model entry)."""
     monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
-    monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no other test's measures
     card = _Card(free=MARGIN_BASE + 2**20)
     engine = Engine(memory=card)
     engine.place(pipe, CFG.replace(preload="auto"))
@@ -215,19 +208,6 @@ def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_in
     card.activations *= 16  # 64x64 has 16 times the tokens: 2 MiB, more than the room
     _run(engine, wan_pipe, height=64, width=64)
     assert at_entry[0] == set(), at_entry
-
-
-def test_a_new_workload_gets_the_room_for_its_activations_cached_in_one_block(wan_pipe, monkeypatch):
-    """A new workload starts from an emptied cache, and its measured activation peak is cached
-    again as one block, so that its activations are cut from one segment."""
-    engine, card, streamer, _ = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
-    card.free = 4 * 2**30
-    small, large = {"height": 16, "width": 16}, {"height": 64, "width": 64}
-    for activations, size in ((2 * 2**20, large), (128 * 2**10, small), (2 * 2**20, large)):
-        card.activations = activations
-        card.warmed.clear()
-        _run(engine, wan_pipe, **size)
-    assert card.warmed == [2 * 2**20]  # once: at the change
 
 
 def test_the_non_block_part_is_not_room_a_plan_may_reuse(wan_pipe, monkeypatch):
