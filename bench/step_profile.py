@@ -21,11 +21,14 @@ import wan_bench as wb  # registers the pack as ``diffusers_offload``
 from diffusers_offload.offload_core.memory import MemoryReader
 
 
-def in_hooks(streamer) -> list[float]:
-    """Count the host time spent in the streamer's hook entry points (outermost calls only):
-    the rest of the launch time beyond resident is diffusers' hook dispatch and the model."""
+def in_hooks(streamer, names=("enter_block", "enter", "exit")) -> list[float]:
+    """Count the host time spent in the streamer's methods ``names`` (outermost calls only): by
+    default its hook entry points (the rest of the launch time beyond resident is diffusers' hook
+    dispatch and the model); ``("notify",)``: the preload driver's work at a forward's and a
+    cycle's start, all of it before the first block is launched, while a synchronized step's GPU
+    waits."""
     spent, depth = [0.0], [0]
-    for name in ("enter_block", "enter", "exit"):
+    for name in names:
         def timed(*a, _fn=getattr(streamer, name), **k):
             depth[0] += 1
             t0 = time.perf_counter()
@@ -36,22 +39,6 @@ def in_hooks(streamer) -> list[float]:
                 if not depth[0]:
                     spent[0] += time.perf_counter() - t0
         setattr(streamer, name, timed)  # an instance attribute shadows the method for this process
-    return spent
-
-
-def in_driver(streamer) -> list[float]:
-    """Count the host time the preload driver takes at its events (forward, cycle start): all of
-    it runs before the first block is launched, while a synchronized step's GPU waits."""
-    spent = [0.0]
-
-    def timed(*a, _fn=streamer.notify, **k):
-        t0 = time.perf_counter()
-        try:
-            return _fn(*a, **k)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    streamer.notify = timed
     return spent
 
 
@@ -182,7 +169,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
     try:
         eng.place(bag, wb.OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
         streamer = eng.states(bag)["transformer"].transport
-        spent, driver = in_hooks(streamer), in_driver(streamer)
+        spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
         launch, step, loop = launch_and_step(m, feeds)
         spent[0] = driver[0] = 0.0
         wb.sync()
