@@ -25,15 +25,20 @@ class MemoryReading:
     resident: bytes of this model's kept blocks and streaming buffers on the device now; the
         plan may reuse them, so they count as available although the device does not report
         them free (the non-block part, which stays whatever the plan, is not among them).
+    opening: activations of the cycle that is starting, already allocated when it is read (the
+        non-block part's outputs, at the first block): the measured peak counts them, so they
+        count as available rather than twice against the plan (one streamed piece of Wan-14B's
+        video at 12 GiB, RESULTS run 15).
     """
 
     free: int
     cached_unused: int
     resident: int
+    opening: int = 0
 
     @property
     def available(self) -> int:
-        return self.free + self.cached_unused + self.resident
+        return self.free + self.cached_unused + self.resident + self.opening
 
 
 def margin(peak: int) -> int:

@@ -71,6 +71,7 @@ class PreloadDriver:
         self.planner = _planner_for(module, streamer, self.reading, preload_policy(policy))
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
+        self._entering = False  # a forward has started and its first block not yet
         self._pending: CycleUsage | None = None
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
@@ -83,7 +84,14 @@ class PreloadDriver:
         (counting it over-committed by its size: 0.5 GB on Wan, 1.6 GiB on H3, found as OOMs)."""
         free, cached = self.memory.device_free(self.streamer.device)
         reusable = self.streamer.device_bytes() - self.streamer.head_bytes()
-        return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0))
+        return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0), opening=self._opening())
+
+    def _opening(self) -> int:
+        """Between a forward's start and its first block: what the forward has allocated so far
+        beyond what others held at its start."""
+        if not self._entering:
+            return 0
+        return max(0, self.memory.allocated(self.streamer.device) - self.streamer.device_bytes() - self._others)
 
     def load(self) -> None:
         self._apply(self.planner.on_load())
@@ -108,11 +116,12 @@ class PreloadDriver:
         makes before the first block count as ours."""
         self._pending = self._usage()
         self._entry = entry_signature(args, kwargs)
+        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
+        self._entering = True
         coming = self._coming_workload()
         if coming is not None and coming != self.planner.last_workload:
             self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
         self.memory.reset_peak(self.streamer.device)
-        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
 
     def _coming_workload(self) -> int | None:
         """The workload this forward will run: known from an earlier cycle entered the same way,
@@ -132,6 +141,7 @@ class PreloadDriver:
             self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload, self._pending)
             self._apply(target)
+            self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
         elif event == "oom":

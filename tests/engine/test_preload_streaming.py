@@ -269,3 +269,35 @@ def test_an_allocator_retry_inside_a_forward_is_a_shortage_at_the_next_cycle(wan
     wan_pipe.transformer.blocks[1].register_forward_hook(retry_once)
     _run(engine, wan_pipe, height=16, width=16)
     assert bumped and planner.penalty(planner.last_workload) > 0  # kept pieces were given up for it
+
+
+class _EntryCard(_Card):
+    """A `_Card` on which the non-block part's outputs (``opening`` bytes) are allocated from
+    the model's entry to its first block, and the measured activations include them."""
+
+    def __init__(self, free: int, opening: int) -> None:
+        super().__init__(free)
+        self.opening, self.live = opening, 0
+
+    def device_free(self, device):
+        return (self.free - self.live, 0)
+
+    def allocated(self, device):
+        return self.streamer.device_bytes() + self.live
+
+
+@pytest.mark.parametrize("opening", [0, 1 << 20])
+def test_the_non_block_part_outputs_are_not_counted_twice_at_the_cycle_start(wan_pipe, monkeypatch, opening):
+    """At the first block the forward's inputs to it are allocated, and the workload's measure
+    already holds them: the plan must be the one a forward without them would get."""
+    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
+    card = _EntryCard(free=MARGIN_BASE + 2**20 + opening * 21 // 20, opening=opening)
+    engine = Engine(memory=card)
+    engine.place(wan_pipe, CFG.replace(preload="auto"))
+    card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
+    card.activations = 128 * 2**10 + opening
+    wan_pipe.transformer.patch_embedding.register_forward_hook(lambda m, a, out: setattr(card, "live", opening))
+    wan_pipe.transformer.proj_out.register_forward_hook(lambda m, a, out: setattr(card, "live", 0))
+    for _ in range(2):
+        _run(engine, wan_pipe, height=16, width=16)
+    assert streamer.resident_blocks() == {0, 1}
