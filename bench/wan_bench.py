@@ -45,6 +45,7 @@ if "diffusers_offload" not in sys.modules:  # import the pack without putting th
     _spec.loader.exec_module(_mod)
 
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core import memory as engine_memory  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
 GB, GiB = 1e9, 2**30
@@ -272,7 +273,8 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 kept=kept, kept_gib=kept_bytes / GiB, plan=streamer.details().get("plan", ""),
                 streamed_gib=getattr(streamer, "streamed_bytes", lambda: 0)() / GiB,
                 alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
-                ooms=torch.cuda.memory_stats().get("num_ooms", 0), ooms_met_by_engine=getattr(streamer, "ooms", 0))
+                ooms=torch.cuda.memory_stats().get("num_ooms", 0), ooms_met_by_engine=getattr(streamer, "ooms", 0),
+                expandable_by_engine=engine_memory._expandable_turned_on)
             del out
             if out_rows[w]["rel_err"] > 1e-3:
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")

@@ -6,6 +6,7 @@ Every reading goes through `MemoryReader` so tests (and the planner) can script 
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass
 
 import psutil
@@ -71,6 +72,37 @@ def _allocator_stats(device: torch.device) -> dict:
 
 def _stat(stats: dict, name: str, field: str = "current") -> int:
     return int(stats.get(name, {}).get("all", {}).get(field, 0))
+
+
+_ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+_expandable_turned_on = False
+
+
+def wants_expandable_segments(alloc_conf: str, backend: str) -> bool:
+    """Whether the engine should turn expandable segments on: PyTorch's native allocator, and
+    the user's allocator configuration does not choose either way."""
+    return backend == "native" and "expandable_segments" not in alloc_conf
+
+
+def prefer_expandable_segments(device: torch.device) -> None:
+    """Turn PyTorch's expandable segments on for the rest of the process, unless the user chose
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` keeps them off; ComfyUI's default
+    ``backend:cudaMallocAsync`` has none). Why: a video's activations (Wan-14B, 480p: 320, 640
+    and 864 MiB tensors in turn) leave the native allocator's fixed segments cut into holes none
+    of the next sizes fits, so at 12 GiB it reserved 2.4 GiB beyond what it had allocated, each
+    new segment flushed the cache and retried, and the preload learnt that as a penalty: 19
+    pieces kept where the fit allowed 25. Expandable segments map pages into one growing range
+    instead: 26 pieces kept, no retry in 30 cycles, the same step time (RESULTS run 15)."""
+    global _expandable_turned_on
+    if device.type != "cuda" or _expandable_turned_on:
+        return
+    conf = ",".join(os.environ.get(name, "") for name in _ALLOC_CONF_VARS)
+    if not wants_expandable_segments(conf, torch.cuda.get_allocator_backend()):
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    _expandable_turned_on = True
+    log.info("allocator: expandable segments on, so that activations of changing sizes do not fragment the "
+             "cache (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps them off)")
 
 
 @dataclass(frozen=True)

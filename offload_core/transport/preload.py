@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..memory import MemoryReader
+from ..memory import MemoryReader, prefer_expandable_segments
 from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
 from ..preload.policy import Policy, parse_policy
 from ..preload.workload import entry_signature, scaled_workload
@@ -30,6 +30,7 @@ class PreloadingStreamer(BlockStreamer):
         self.driver: PreloadDriver | None = None
 
     def apply(self, module: torch.nn.Module) -> None:
+        prefer_expandable_segments(self.device)  # before the first segment of this model is made
         super().apply(module)
         self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.preload)
         self.driver.load()
