@@ -1,9 +1,9 @@
 """Where the caching allocator's reserved-beyond-allocated memory sits at a preloaded video step's
 peak (Wan-14B geometry, ballast cap as in ``wan_bench.py``).
 
-Why: at 12 GiB the video plan keeps 19 pieces where the penalty-free fit keeps 24, because the
-native allocator reserves about 2.4 GiB beyond what it has allocated at the video peak and the
-allocation that needs a new segment then flushes the cache and retries (a shortage). This records
+Why: at 12 GiB the video plan kept 19 pieces where the penalty-free fit kept 24 (RESULTS run 14),
+because the native allocator reserved about 2.4 GiB beyond what it had allocated at the video peak
+and each allocation that needed a new segment flushed the cache and retried (a shortage). This records
 PyTorch's allocator history over alternating forwards and replays it: every new segment made
 inside a forward (with the cached-but-free bytes and the largest free hole at that moment, and
 the code that asked), and the segments at the peak.

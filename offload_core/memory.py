@@ -91,8 +91,8 @@ def prefer_expandable_segments(device: torch.device) -> None:
     and 864 MiB tensors in turn) leave the native allocator's fixed segments cut into holes none
     of the next sizes fits, so at 12 GiB it reserved 2.4 GiB beyond what it had allocated, each
     new segment flushed the cache and retried, and the preload learnt that as a penalty: 19
-    pieces kept where the fit allowed 25. Expandable segments map pages into one growing range
-    instead: 26 pieces kept, no retry in 30 cycles, the same step time (RESULTS run 15)."""
+    pieces kept (RESULTS run 14). Expandable segments map pages into one growing range instead:
+    25-26 pieces kept, no retry in 30 cycles, the same step time (run 15)."""
     global _expandable_turned_on
     if device.type != "cuda" or _expandable_turned_on:
         return
