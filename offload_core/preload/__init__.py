@@ -15,10 +15,7 @@ How the streamer drives a ``PreloadPlanner``:
    allocator reserved minus allocated, and this model's kept blocks and streaming buffers
    on the device (what a new plan may reuse).
 2. ``on_load()`` when placing the weights: returns the block indices to load resident.
-3. At the model's entry, before its first allocation: ``end_cycle(usage)`` with the last
-   cycle's usage, then ``preview(workload)`` for the coming one (when it can be told from the
-   inputs): the resident set and streaming buffers to put in place now, before any activation.
-   On entering the first block of the first tower: ``begin_cycle(workload, ended)``, with
+3. On entering the first block of the first tower: ``begin_cycle(workload, ended)``, with
    ``workload = workload_of(args, kwargs)`` of that call (or the model's own function) and
    ``ended = CycleUsage(peak, weights_floor)`` of the cycle now ending (``None`` if unknown).
    It returns the resident set for this cycle: load what is new, evict what left, then reset

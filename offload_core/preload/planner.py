@@ -143,11 +143,9 @@ class PreloadPlanner:
         self._cycle = _Cycle(workload, stable)
         return target
 
-    def preview(self, workload: int) -> tuple[frozenset[int], int]:
-        """The resident set and streaming buffers a cycle of ``workload`` would start with,
-        changing nothing."""
-        target = self._cycle_target(workload)
-        return target, self._ring_for(target, workload)
+    def preview(self, workload: int) -> frozenset[int]:
+        """The resident set a cycle of ``workload`` would start with, changing nothing."""
+        return self._cycle_target(workload)
 
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when

@@ -73,6 +73,7 @@ class PreloadDriver:
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
         self._entering = False  # a forward has started and its first block not yet
+        self._pending: CycleUsage | None = None
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
         self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
@@ -108,21 +109,19 @@ class PreloadDriver:
         return CycleUsage(peak=peak - self._others, weights_floor=self.streamer.weights_at_peak())
 
     def _forward_begins(self, args: tuple, kwargs: dict) -> None:
-        """Before the denoiser's own first allocation: close the last cycle with its usage, take
-        what others hold as the baseline (so the activations the non-block part makes before the
-        first block count as ours), and apply the coming workload's plan now. Why now and not at
-        the first block, where its cycle begins: the non-block part makes its inputs first. On a
-        tight card blocks the plan drops would make it run out of memory (and cuDNN would pick,
-        and keep for the process, another convolution algorithm for it); and kept pieces or
-        streaming buffers allocated beside live activations leave holes when those are freed (a
-        third buffer added at the first block met an allocator retry at 12 GiB, RESULTS run 15)."""
-        self.planner.end_cycle(self._usage())
+        """Before the denoiser's own first allocation: close the books of the last forward, give
+        up now the blocks the coming workload's plan drops (its inputs are made before the first
+        block, where its cycle begins: on a tight card the non-block part would otherwise run out
+        of memory, and cuDNN would pick, and keep for the process, another convolution algorithm
+        for it), and take what others hold as the baseline, so the activations the non-block part
+        makes before the first block count as ours."""
+        self._pending = self._usage()
         self._entry = entry_signature(args, kwargs)
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         self._entering = True
         coming = self._coming_workload()
-        if coming is not None:
-            self._apply(*self.planner.preview(coming))
+        if coming is not None and coming != self.planner.last_workload:
+            self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
         self.memory.reset_peak(self.streamer.device)
 
     def _coming_workload(self) -> int | None:
@@ -141,7 +140,8 @@ class PreloadDriver:
             workload = workload_of(info["args"], info["kwargs"])
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
-            self._apply(self.planner.begin_cycle(workload))
+            target = self.planner.begin_cycle(workload, self._pending)
+            self._apply(target)
             self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             streamer.reset_peak()
@@ -167,14 +167,14 @@ class PreloadDriver:
         self._apply(self.streamer.resident_indices() - set(evict), planned=False)
         return True
 
-    def _apply(self, target, slots: int | None = None, planned: bool = True) -> None:
+    def _apply(self, target, planned: bool = True) -> None:
         """Change the resident set. On any change the allocator's cache goes back to the driver
         first (the last workload's activation segments would otherwise make the new buffers
         flush and retry), and the retry baseline is re-read after: a retry our own plan change
-        caused is not a shortage. The planner's lookahead (or ``slots``) is applied with it, and a ``planned``
+        caused is not a shortage. The planner's lookahead is applied with it, and a ``planned``
         change (not a shortage's relief, which needs the memory now) makes the streaming
         buffers at once."""
-        self.streamer.set_lookahead(self.planner.ring_slots if slots is None else slots)
+        self.streamer.set_lookahead(self.planner.ring_slots)
         changed = set(target) != self.streamer.resident_indices()
         if changed:
             self.memory.empty_cache(self.streamer.device)

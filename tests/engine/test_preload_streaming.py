@@ -301,14 +301,3 @@ def test_the_non_block_part_outputs_are_not_counted_twice_at_the_cycle_start(wan
     for _ in range(2):
         _run(engine, wan_pipe, height=16, width=16)
     assert streamer.resident_blocks() == {0, 1}
-
-
-def test_a_plan_that_grows_is_in_place_at_the_model_entry(wan_pipe, monkeypatch):
-    """Once the first forward is measured, the blocks the plan adds are loaded when the model is
-    entered, before the non-block part makes any activation: loaded at the first block, they
-    would sit beside live activations and leave holes in the allocator's cache when those go."""
-    engine, card, streamer, at_entry = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
-    card.activations = 128 * 2**10
-    _run(engine, wan_pipe, height=16, width=16)
-    assert at_entry[0] == set()  # unmeasured: nothing kept yet
-    assert at_entry[1] == streamer.pieces_of({0, 1}), at_entry  # measured by the first: both kept from the entry
