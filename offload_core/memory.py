@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from dataclasses import dataclass
 
 import psutil
@@ -94,7 +95,7 @@ def prefer_expandable_segments(device: torch.device) -> None:
     pieces kept (RESULTS run 14). Expandable segments map pages into one growing range instead:
     25-26 pieces kept, no retry in 30 cycles, the same step time (run 15)."""
     global _expandable_turned_on
-    if device.type != "cuda" or _expandable_turned_on:
+    if device.type != "cuda" or _expandable_turned_on or sys.platform == "win32":  # PyTorch has none there
         return
     conf = ",".join(os.environ.get(name, "") for name in _ALLOC_CONF_VARS)
     if not wants_expandable_segments(conf, torch.cuda.get_allocator_backend()):
