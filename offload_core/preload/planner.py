@@ -231,15 +231,15 @@ class PreloadPlanner:
 
     def _fit(self, order: Sequence[int], peak: int, workload: int | None) -> frozenset[int]:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty."""
-        reading = self._reader()
-        budget = weight_budget(reading, peak, self.penalty(workload))
+        reading, penalty = self._reader(), self.penalty(workload)
+        budget = weight_budget(reading, peak, penalty)
         chosen = set(order)
         outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
         k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside,
                        [self.slot_sizes[i] for i in order])
         logger.debug("%s: fit: free %s + cached %s + ours %s - activations %s - margin %s - penalty %s = %s: %d of %d",
                      self.label, *map(_gb, (reading.free, reading.cached_unused, reading.resident, peak, margin(peak),
-                                            self.penalty(workload), budget)), k, len(order))
+                                            penalty, budget)), k, len(order))
         return frozenset(order[:k])
 
     def _ring_for(self, resident: frozenset[int], workload: int | None) -> int:

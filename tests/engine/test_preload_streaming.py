@@ -272,12 +272,12 @@ def test_an_allocator_retry_inside_a_forward_is_a_shortage_at_the_next_cycle(wan
 
 
 class _EntryCard(_Card):
-    """A `_Card` on which the non-block part's outputs (``opening`` bytes) are allocated from
-    the model's entry to its first block, and the measured activations include them."""
+    """A `_Card` that also reports ``live`` bytes of activations allocated (and not free): the
+    test sets them while the non-block part's outputs exist."""
 
-    def __init__(self, free: int, opening: int) -> None:
+    def __init__(self, free: int) -> None:
         super().__init__(free)
-        self.opening, self.live = opening, 0
+        self.live = 0
 
     def device_free(self, device):
         return (self.free - self.live, 0)
@@ -291,7 +291,7 @@ def test_the_non_block_part_outputs_are_not_counted_twice_at_the_cycle_start(wan
     """At the first block the forward's inputs to it are allocated, and the workload's measure
     already holds them: the plan must be the one a forward without them would get."""
     monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
-    card = _EntryCard(free=MARGIN_BASE + 2**20 + opening * 21 // 20, opening=opening)
+    card = _EntryCard(free=MARGIN_BASE + 2**20 + opening * 21 // 20)
     engine = Engine(memory=card)
     engine.place(wan_pipe, CFG.replace(preload="auto"))
     card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
