@@ -8,7 +8,11 @@ PyTorch's allocator history over alternating forwards and replays it: every new 
 inside a forward (with the cached-but-free bytes and the largest free hole at that moment, and
 the code that asked), and the segments at the peak.
 
-    python bench/alloc_trace.py --cap 12 --json $OUT/alloc.json
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python bench/alloc_trace.py --cap 12 --json $OUT/alloc.json
+
+The variable keeps the fixed segments the engine would otherwise replace with expandable ones
+(run 15); the replayed layout describes fixed segments only (an expandable one maps and unmaps
+pages in place, which the replay does not follow).
 """
 
 from __future__ import annotations
@@ -177,7 +181,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=40)
     ap.add_argument("--frames", type=int, default=21)
     ap.add_argument("--sequence", default="small,video,video,small,video",
-                    help="forwards, each traced after an untraced small and video")
+                    help="the forwards traced one by one, after an untraced small and video")
     ap.add_argument("--trim", type=float, default=0, help="experiment: trim the cache at block entries beyond MiB")
     ap.add_argument("--timed", type=int, default=3, help="untraced video forwards timed at the end")
     ap.add_argument("--json", default="")
