@@ -11,8 +11,11 @@ the code that asked), and the segments at the peak.
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python bench/alloc_trace.py --cap 12 --json $OUT/alloc.json
 
 The variable keeps the fixed segments the engine would otherwise replace with expandable ones
-(run 15); the replayed layout describes fixed segments only (an expandable one maps and unmaps
-pages in place, which the replay does not follow).
+(run 15); the replayed peak layout describes fixed segments only. Under the engine's expandable
+segments, each flush-and-retry is printed with the mapped address range at that moment (run 16);
+to replay the history of wan_bench's 12 GiB video row:
+
+    python bench/alloc_trace.py --resident --cap 12 --warm small --sequence video,video,video,video,video --timed 0
 """
 
 from __future__ import annotations
@@ -114,6 +117,76 @@ def replay_forward(start: dict, events: list[dict]) -> dict:
                 **{f"at_{k}_peak": layout_after(start, events, i) for k, (_, i) in peaks.items()})
 
 
+def retry_sites(start: dict, events: list[dict]) -> list[dict]:
+    """Expandable segments: each flush-and-retry inside a forward (pages unmapped on behalf of a
+    model or engine line, not by our own ``empty_cache``), with the request that caused it, the
+    mapped-but-free holes at that moment, and the live blocks in address order (``W`` weights the
+    engine placed, ``A`` activations, ``.`` a free hole; MiB)."""
+    mapped: dict[int, int] = {}
+    for seg in start["segments"]:
+        mapped[seg["address"]] = seg["total_size"]
+    live = {addr: size for addr, (size, _) in Replay(start).blocks.items()}
+    kinds = {addr: "W" if _is_weight(w) else "A" for addr, (_, w) in Replay(start).blocks.items()}
+    sites, unmapping = [], None
+    for ev in events:
+        action, addr, size = ev["action"], ev.get("addr", 0), ev.get("size", 0)
+        asker = who(ev.get("frames", []))
+        if action == "segment_unmap" and unmapping is None and "empty_cache" not in asker:
+            unmapping = dict(for_=asker, layout=_address_map(mapped, live, kinds), unmapped_mib=0)
+        if action == "segment_unmap" and unmapping is not None:
+            unmapping["unmapped_mib"] += size // MiB
+        if action == "alloc" and unmapping is not None:
+            unmapping.update(request_mib=size // MiB)
+            sites.append(unmapping)
+            unmapping = None
+        if action in ("segment_alloc", "segment_map"):
+            mapped[addr] = size
+        elif action in ("segment_free", "segment_unmap"):
+            _unmap(mapped, addr, size)
+        elif action == "alloc":
+            live[addr], kinds[addr] = size, "W" if _is_weight(asker) else "A"
+        elif action == "free_completed":
+            live.pop(addr, None)
+    return sites
+
+
+def _is_weight(asker: str) -> bool:
+    return "ring.py" in asker or "streamer.py" in asker
+
+
+def _unmap(mapped: dict[int, int], addr: int, size: int) -> None:
+    """Remove [addr, addr + size) from the mapped ranges, splitting the range that holds it."""
+    for start, length in list(mapped.items()):
+        if start <= addr < start + length:
+            del mapped[start]
+            if addr > start:
+                mapped[start] = addr - start
+            if addr + size < start + length:
+                mapped[addr + size] = start + length - addr - size
+            return
+
+
+def _address_map(mapped: dict[int, int], live: dict[int, int], kinds: dict[int, str]) -> dict:
+    """The mapped ranges in address order as ``W272 A320 .640`` tokens, and the hole totals."""
+    tokens, holes = [], []
+    for start, length in sorted(mapped.items()):
+        cursor = start
+        for addr in sorted(a for a in live if start <= a < start + length):
+            if addr > cursor:
+                holes.append(addr - cursor)
+                tokens.append(f".{(addr - cursor) // MiB}")
+            tokens.append(f"{kinds.get(addr, '?')}{live[addr] // MiB}")
+            cursor = addr + live[addr]
+        if start + length > cursor:
+            holes.append(start + length - cursor)
+            tokens.append(f".{(start + length - cursor) // MiB}")
+        tokens.append("|")
+    small = [t for t in tokens if t[1:].isdigit() and int(t[1:]) < 16]
+    return dict(mapped_mib=sum(mapped.values()) // MiB, free_mib=sum(holes) // MiB,
+                largest_hole_mib=max(holes, default=0) // MiB,
+                tokens=" ".join(t for t in tokens if t not in small), under_16_mib=len(small))
+
+
 def layout_after(start: dict, events: list[dict], last: int) -> dict:
     r = Replay(start)
     for ev in events[: last + 1]:
@@ -129,6 +202,12 @@ def summary(found: dict) -> str:
              "  segments made (MiB, after frees, cached free, largest hole, for): "
              + "; ".join(f"{g['mib']} {g['after_frees']} {g['cached_free_mib']} {g['largest_hole_mib']} {g.get('for', '')}"
                          for g in found["segments_made"])]
+    lines.append(f"  buffers {found['buffers']}; segments at start (address, MiB, expandable, blocks): "
+                 f"{found['segments_at_start']}")
+    for site in found["retry_sites"]:
+        lines.append(f"  retry for {site['for_']} ({site.get('request_mib')} MiB), {site['unmapped_mib']} MiB unmapped; "
+                     f"mapped {site['layout']['mapped_mib']}, free in holes {site['layout']['free_mib']}, largest "
+                     f"{site['layout']['largest_hole_mib']}: {site['layout']['tokens']}")
     for k in ("at_allocated_peak", "at_reserved_peak"):
         peak = found[k]
         held: Counter = Counter()
@@ -180,8 +259,11 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=12)
     ap.add_argument("--blocks", type=int, default=40)
     ap.add_argument("--frames", type=int, default=21)
+    ap.add_argument("--warm", default="small,video",
+                    help="the untraced workloads first, each timed as a wan_bench row (2 + 3 + 3 forwards)")
+    ap.add_argument("--resident", action="store_true", help="first one resident forward of each workload, as wan_bench")
     ap.add_argument("--sequence", default="small,video,video,small,video",
-                    help="the forwards traced one by one, after an untraced small and video")
+                    help="the forwards traced one by one, after the --warm ones")
     ap.add_argument("--trim", type=float, default=0, help="experiment: trim the cache at block entries beyond MiB")
     ap.add_argument("--timed", type=int, default=3, help="untraced video forwards timed at the end")
     ap.add_argument("--json", default="")
@@ -190,30 +272,40 @@ def main() -> None:
     logging.getLogger("diffusers_offload.preload").setLevel(logging.DEBUG)
     m = wb.build(args.blocks)
     feeds = {w: wb.inputs(w, args.frames) for w in ("small", "video")}
+    if args.resident:
+        for w in ("small", "video"):
+            wb.forward(m, *feeds[w])
     wb.to_host(m)
     ballast = wb.Ballast(args.cap)
+    # From before the placement on, so that the weights' blocks carry the engine's frames.
+    torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
     eng, bag = Engine(), Components(transformer=m)
     eng.place(bag, OffloadConfig(preload="auto"))
     streamer = eng.states(bag)["transformer"].transport
     trims = trim_at_blocks(streamer, int(args.trim * MiB)) if args.trim else [0]
-    for w in ("small", "video"):
-        wb.forward(m, *feeds[w])
+    for w in args.warm.split(","):
+        wb.timed(m, feeds[w], 2, 3)
+        wb.loop_time(m, feeds[w], 3)
+    torch.cuda.reset_peak_memory_stats()  # as the next row's timing does
     out = []
     for w in args.sequence.split(","):
         torch.cuda.synchronize()
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python", clear_history=True)
         start = torch.cuda.memory._snapshot()
+        seen = len(start["device_traces"][torch.cuda.current_device()])
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         wb.forward(m, *feeds[w])
         torch.cuda.synchronize()
-        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
-        torch.cuda.memory._record_memory_history(enabled=None)
+        events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()][seen:]
         found = replay_forward(start, events)
         found.update(workload=w, plan=streamer.details()["plan"], events=len(events), trims=trims[0],
                      retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
+                     retry_sites=retry_sites(start, events), buffers=streamer.details()["buffers"],
+                     segments_at_start=[(s["address"], s["total_size"] // MiB, s.get("is_expandable"), len(s["blocks"]))
+                                        for s in start["segments"]],
                      asked_by=Counter(who(e.get("frames", [])) for e in events if e["action"] == "alloc").most_common(12))
         print(summary(found), flush=True)
         out.append(found)
+    torch.cuda.memory._record_memory_history(enabled=None)
     if args.timed:
         out.append(timed_video(m, feeds["video"], streamer, args.timed, trims))
         print(json.dumps(out[-1]), flush=True)

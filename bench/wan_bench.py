@@ -426,9 +426,12 @@ def main() -> None:
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
+    ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.debug:
+        logging.getLogger("diffusers_offload.preload").setLevel(logging.DEBUG)
     sections = args.sections.split(",")
     caps = [float(c) for c in args.caps.split(",") if c]
     workloads = tuple(args.workloads.split(","))
