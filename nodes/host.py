@@ -74,6 +74,28 @@ def effective_config(config: OffloadConfig) -> OffloadConfig:
     return config.replace(**changes) if changes else config
 
 
+def allocator_note(backend: str) -> str | None:
+    """What a user should know of the allocator ComfyUI started PyTorch with. Under
+    ``cudaMallocAsync`` (ComfyUI's default) the engine cannot turn expandable segments on, and a
+    video on a small card keeps fewer blocks: 20-24 of the 25-26 pieces of Wan-14B at 12 GiB,
+    with out-of-memory errors recovered in the step (bench/RESULTS.md, run 15a)."""
+    if backend != "cudaMallocAsync":
+        return None
+    return ("ComfyUI runs PyTorch's cudaMallocAsync allocator: a video on a small card keeps fewer blocks resident "
+            "than on the native allocator, where the engine turns expandable segments on; launch ComfyUI with "
+            "--disable-cuda-malloc for video work on a small card")
+
+
+def note_allocator(config: OffloadConfig) -> None:
+    """Log `allocator_note` once, at the first placement on a CUDA device."""
+    if "allocator" in _noted or not config.device.startswith("cuda"):
+        return
+    _noted.add("allocator")
+    note = allocator_note(torch.cuda.get_allocator_backend())
+    if note:
+        log.info(note)
+
+
 def auto_dtype(config: OffloadConfig) -> torch.dtype:
     """The weight dtype ComfyUI would pick for the device the pipeline will run on."""
     device = torch.device(effective_config(config).device)
@@ -160,6 +182,7 @@ class DiffusersPatcher(ModelPatcher):
     def load(self, device_to: torch.device | None = None, lowvram_model_memory: float = 0,
              force_patch_weights: bool = False, full_load: bool = False) -> None:
         notify_model_load()
+        note_allocator(self.model.config)
         ENGINE.place(self.pipe, self.model.config)
         self._sync()
         for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):

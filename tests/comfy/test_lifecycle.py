@@ -311,6 +311,13 @@ def test_launch_flags_adjust_the_settings(comfy: harness.ComfyHost, pack: Simple
     assert config.device == "cpu"  # this test host runs ComfyUI with --cpu
 
 
+def test_the_allocator_note_names_the_launch_flag_under_comfyuis_default_allocator(pack: SimpleNamespace) -> None:
+    note = pack.host.allocator_note("cudaMallocAsync")
+
+    assert note is not None and "--disable-cuda-malloc" in note
+    assert pack.host.allocator_note("native") is None
+
+
 def test_reserved_vram_is_kept_out_of_the_preload_budget(pack: SimpleNamespace,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     gib = 2**30
