@@ -125,8 +125,9 @@ def retry_sites(start: dict, events: list[dict]) -> list[dict]:
     mapped: dict[int, int] = {}
     for seg in start["segments"]:
         mapped[seg["address"]] = seg["total_size"]
-    live = {addr: size for addr, (size, _) in Replay(start).blocks.items()}
-    kinds = {addr: "W" if _is_weight(w) else "A" for addr, (_, w) in Replay(start).blocks.items()}
+    blocks = Replay(start).blocks
+    live = {addr: size for addr, (size, _) in blocks.items()}
+    kinds = {addr: "W" if _is_weight(w) else "A" for addr, (_, w) in blocks.items()}
     sites, unmapping = [], None
     for ev in events:
         action, addr, size = ev["action"], ev.get("addr", 0), ev.get("size", 0)
@@ -202,8 +203,6 @@ def summary(found: dict) -> str:
              "  segments made (MiB, after frees, cached free, largest hole, for): "
              + "; ".join(f"{g['mib']} {g['after_frees']} {g['cached_free_mib']} {g['largest_hole_mib']} {g.get('for', '')}"
                          for g in found["segments_made"])]
-    lines.append(f"  buffers {found['buffers']}; segments at start (address, MiB, expandable, blocks): "
-                 f"{found['segments_at_start']}")
     for site in found["retry_sites"]:
         lines.append(f"  retry for {site['for_']} ({site.get('request_mib')} MiB), {site['unmapped_mib']} MiB unmapped; "
                      f"mapped {site['layout']['mapped_mib']}, free in holes {site['layout']['free_mib']}, largest "
@@ -299,9 +298,7 @@ def main() -> None:
         found = replay_forward(start, events)
         found.update(workload=w, plan=streamer.details()["plan"], events=len(events), trims=trims[0],
                      retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries,
-                     retry_sites=retry_sites(start, events), buffers=streamer.details()["buffers"],
-                     segments_at_start=[(s["address"], s["total_size"] // MiB, s.get("is_expandable"), len(s["blocks"]))
-                                        for s in start["segments"]],
+                     retry_sites=retry_sites(start, events),
                      asked_by=Counter(who(e.get("frames", [])) for e in events if e["action"] == "alloc").most_common(12))
         print(summary(found), flush=True)
         out.append(found)
