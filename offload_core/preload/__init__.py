@@ -21,8 +21,9 @@ How the streamer drives a ``PreloadPlanner``:
    It returns the resident set for this cycle: load what is new, evict what left, then reset
    the allocator's peak counter. ``end_cycle(usage)`` closes a cycle early (the call returned).
 4. When an allocation fails or the allocator's retry counter rises: ``on_shortage(running,
-   needed)`` returns the blocks to evict; retry the allocation and continue the step. An empty
-   answer means nothing more can go: a true out-of-memory.
+   needed)`` returns a ``Relief``: the blocks to evict, or streaming buffers given up
+   (``ring_slots`` fell); retry the allocation and continue the step. An empty answer means
+   nothing more can go: a true out-of-memory.
 5. ``on_unload()`` when the weights leave the device.
 
 The host calls ``notify_model_load()`` whenever any other model loads, and attaches its measure
@@ -31,7 +32,7 @@ file once: ``process_store().attach(path)``. ``planner.last_plan_line`` is the p
 
 from .fit import MemoryReading
 from .measures import MeasureKey, MeasureStore, process_store
-from .planner import CycleUsage, MemoryReadingFn, PreloadPlanner
+from .planner import CycleUsage, MemoryReadingFn, PreloadPlanner, Relief
 from .policy import AUTO, OFF, Policy, parse_policy
 from .ranking import BlockInfo, rank_blocks
 from .registry import notify_model_load
@@ -48,6 +49,7 @@ __all__ = [
     "MemoryReading",
     "Policy",
     "PreloadPlanner",
+    "Relief",
     "WorkloadFn",
     "notify_model_load",
     "parse_policy",

@@ -159,12 +159,12 @@ class PreloadDriver:
         self._retries = retries
 
     def relieve(self, running: set[int]) -> bool:
-        """A shortage: evict what the planner gives up (never the pieces ``running``); False when
-        nothing more can go."""
-        evict = self.planner.on_shortage(running=running)
-        if not evict:
+        """A shortage: give up what the planner lets go (streaming buffers beyond the window, or
+        kept pieces, never those ``running``); False when nothing more can go."""
+        relief = self.planner.on_shortage(running=running)
+        if not relief:
             return False
-        self._apply(self.streamer.resident_indices() - set(evict), planned=False)
+        self._apply(self.streamer.resident_indices() - relief.blocks, planned=False)
         return True
 
     def _apply(self, target, planned: bool = True) -> None:

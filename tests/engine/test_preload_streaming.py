@@ -1,12 +1,15 @@
 """Preload on real hooks (tiny Wan, CPU): any resident set gives the same output, a set changed
 mid-run stays correct, and an allocation failure gives kept blocks up and the step goes on."""
 
+import logging
+
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.preload import planner as planner_module
 from diffusers_offload.offload_core.preload.fit import MARGIN_BASE
+from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.transport import streamer as streamer_module
 from fixtures.tiny_pipes import run_wan
 
@@ -269,6 +272,34 @@ def test_an_allocator_retry_inside_a_forward_is_a_shortage_at_the_next_cycle(wan
     wan_pipe.transformer.blocks[1].register_forward_hook(retry_once)
     _run(engine, wan_pipe, height=16, width=16)
     assert bumped and planner.penalty(planner.last_workload) > 0  # kept pieces were given up for it
+
+
+def test_an_allocator_retry_gives_up_the_lookahead_buffer_before_kept_pieces(wan_pipe, monkeypatch, caplog):
+    """On a card with room for the two block cores and three streaming buffers, the third
+    buffer's retry costs that buffer: the pieces stay and the next runs keep them with the
+    window's two buffers (the cold video row of RESULTS run 17)."""
+    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
+    monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no earlier test's penalty
+    engine = Engine(memory=(card := _Card(free=0)))
+    engine.place(wan_pipe, CFG.replace(preload="auto"))
+    card.streamer = streamer = engine.states(wan_pipe)["transformer"].transport
+    planner = streamer.driver.planner
+    cores = [p for p in streamer.pieces if p.core]
+    slot = max(p.largest_unit for p in streamer.pieces if not p.core)
+    card.free = MARGIN_BASE + sum(p.nbytes for p in cores) + 3 * slot
+    _run(engine, wan_pipe, height=16, width=16)
+    kept = streamer.resident_indices()
+    assert kept == {p.index for p in cores} and streamer.ring.capacity == 3
+    card.retries += 1  # the allocator flushed its cache and retried during the last forward
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="diffusers_offload.preload"):
+        _run(engine, wan_pipe, height=16, width=16)
+    plans = [r.getMessage() for r in caplog.records if "blocks kept" in r.getMessage()]
+    assert plans and all("2 in part" in line for line in plans)  # no piece was given up
+    assert "2 streaming buffers" in plans[-1] and streamer.ring.capacity == 2
+    assert planner.penalty(planner.last_workload) == slot
+    _run(engine, wan_pipe, height=16, width=16)
+    assert streamer.resident_indices() == kept and streamer.ring.capacity == 2
 
 
 class _EntryCard(_Card):
