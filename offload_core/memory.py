@@ -100,10 +100,17 @@ def prefer_expandable_segments(device: torch.device) -> None:
     conf = ",".join(os.environ.get(name, "") for name in _ALLOC_CONF_VARS)
     if not wants_expandable_segments(conf, torch.cuda.get_allocator_backend()):
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    _set_allocator_settings("expandable_segments:True")
     _expandable_turned_on = True
     log.info("allocator: expandable segments on, so that activations of changing sizes do not fragment the "
              "cache (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False keeps them off)")
+
+
+def _set_allocator_settings(settings: str) -> None:
+    """The allocator setting call of this torch: the accelerator one where it exists (the CUDA one
+    warns of its deprecation since torch 2.11)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
 
 
 @dataclass(frozen=True)

@@ -310,8 +310,8 @@ class ComfyHost:
                 f"folder_paths was imported earlier with base {self.folder_paths.base_path}; "
                 "set the harness up before anything imports ComfyUI"
             )
-        if not self.model_management.cpu_mode():
-            raise RuntimeError("comfy.model_management was imported before args.cpu was set")
+        if self.model_management.cpu_mode() != bool(importlib.import_module("comfy.cli_args").args.cpu):
+            raise RuntimeError("comfy.model_management was imported before its arguments were set")
 
     def _install_progress_hook(self) -> None:
         """What main.py's ``hijack_progress`` does, plus a record of each update for tests."""
