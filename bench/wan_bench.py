@@ -44,6 +44,7 @@ if "diffusers_offload" not in sys.modules:  # import the pack without putting th
     sys.modules["diffusers_offload"] = _mod
     _spec.loader.exec_module(_mod)
 
+from bench_table import side_by_side  # noqa: E402
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core import memory as engine_memory  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
@@ -474,6 +475,7 @@ def main() -> None:
 def finish(args) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(ROWS, indent=1))
+    print(side_by_side(ROWS), flush=True)
 
 
 if __name__ == "__main__":

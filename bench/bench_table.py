@@ -1,0 +1,83 @@
+"""The side-by-side table `wan_bench.py` prints at the end of a run: every timed row of that one
+process against the bound, the best diffusers anchor and the resident step, measured together.
+
+Pure over the JSON rows the bench writes, so the ratios can be checked without a GPU.
+"""
+
+from __future__ import annotations
+
+GiB = 2**30
+TIMED = ("stream", "preload_auto", "first_", "anchor", "mmgp")
+
+
+def _timed(row: dict) -> bool:
+    return "median_s" in row and str(row.get("section", "")).startswith(TIMED)
+
+
+def bound_s(row: dict, resident_s: float, weights_gib: float, h2d_bytes_s: float) -> float | None:
+    """max(resident step, bytes moved per step / pinned H2D bandwidth): our rows report what they
+    stream; the diffusers anchors move every weight each step; mmgp reports no byte count."""
+    if "streamed_gib" in row:
+        moved = row["streamed_gib"]
+    elif row.get("section") == "anchor":
+        moved = weights_gib
+    else:
+        return None
+    return max(resident_s, moved * GiB / h2d_bytes_s)
+
+
+def _label(row: dict) -> str:
+    return row.get("mode") or row["section"]
+
+
+def _ratio(a: float, b: float | None) -> str:
+    return f"{a / b:.3f}" if b else "–"
+
+
+def _host(row: dict) -> str:
+    if "pinned_gib" in row:
+        return f"{row['pinned_gib']:.2f} pinned"
+    return f"RSS {row['rss_gib']:.1f}" if "rss_gib" in row else "–"
+
+
+def _kept(row: dict) -> str:
+    if "kept_gib" in row:
+        return f"{row['kept_gib']:.2f} GiB"
+    return f"{row['kept']} blocks" if "kept" in row else "–"
+
+
+def side_by_side(rows: list[dict]) -> str:
+    """Markdown table of the timed rows (plus one line per cycles row); empty without them."""
+    env = next((r for r in rows if r.get("section") == "env"), {})
+    resident = {r["workload"]: r for r in rows if r.get("section") == "resident"}
+    timed = [r for r in rows if _timed(r) and r.get("workload") in resident]
+    if not env or not timed:
+        return ""
+    h2d = env["h2d_pinned_gbs"] * 1e9
+    weights = next(iter(resident.values())).get("weights_gib", 0.0)
+    anchors: dict[str, float] = {}
+    for r in rows:
+        if r.get("section") == "anchor":
+            anchors[r["workload"]] = min(anchors.get(r["workload"], float("inf")), r["median_s"])
+    lines = [
+        f"bound = max(resident step, bytes moved per step / {env['h2d_pinned_gbs']:.1f} GB/s pinned H2D)",
+        "| row | cap GiB | workload | step s | / bound | / best diffusers | / resident | peak VRAM GiB | host GiB | kept |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for w, r in resident.items():
+        lines.append(f"| resident | – | {w} | {r['median_s']:.4f} | – | {_ratio(r['median_s'], anchors.get(w))} | 1.000 "
+                     f"| {r['peak_alloc_gib']:.2f} | – | all |")
+    for r in timed:
+        res = resident[r["workload"]]["median_s"]
+        peak = r.get("peak_reserved_gib", r.get("peak_alloc_gib", 0.0))
+        cap = r.get("cap_gib") or "–"
+        lines.append(f"| {_label(r)} | {cap} | {r['workload']} | {r['median_s']:.4f} "
+                     f"| {_ratio(r['median_s'], bound_s(r, res, weights, h2d))} "
+                     f"| {_ratio(r['median_s'], anchors.get(r['workload']))} | {_ratio(r['median_s'], res)} "
+                     f"| {peak:.2f} | {_host(r)} | {_kept(r)} |")
+    for r in rows:
+        if r.get("section") == "cycles":
+            lines.append(f"cycles at {r['cap_gib']} GiB: {r['cycles']} cycles, {r['ooms']} OOMs, {r['retries']} "
+                         f"allocator retries, peak reserved {r['peak_reserved_gib']:.2f} GiB, "
+                         f"worst relative error {r['worst_rel_err']:.3g}")
+    return "\n".join(lines)
