@@ -11,7 +11,8 @@ TIMED = ("stream", "preload_auto", "first_", "anchor", "mmgp")
 
 
 def _timed(row: dict) -> bool:
-    return "median_s" in row and str(row.get("section", "")).startswith(TIMED)
+    """A row of a timed section: with its step time, or the error it met (a first-K that OOMs)."""
+    return ("median_s" in row or "error" in row) and str(row.get("section", "")).startswith(TIMED)
 
 
 def bound_s(row: dict, resident_s: float, weights_gib: float, h2d_bytes_s: float) -> float | None:
@@ -61,6 +62,7 @@ def side_by_side(rows: list[dict]) -> str:
             anchors[r["workload"]] = min(anchors.get(r["workload"], float("inf")), r["median_s"])
     lines = [
         f"bound = max(resident step, bytes moved per step / {env['h2d_pinned_gbs']:.1f} GB/s pinned H2D)",
+        "",
         "| row | cap GiB | workload | step s | / bound | / best diffusers | / resident | peak VRAM GiB | host GiB | kept |",
         "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
     ]
@@ -68,6 +70,9 @@ def side_by_side(rows: list[dict]) -> str:
         lines.append(f"| resident | – | {w} | {r['median_s']:.4f} | – | {_ratio(r['median_s'], anchors.get(w))} | 1.000 "
                      f"| {r['peak_alloc_gib']:.2f} | – | all |")
     for r in timed:
+        if "median_s" not in r:
+            lines.append(f"| {_label(r)} | {r.get('cap_gib') or '–'} | {r['workload']} | {r['error'][:40]} |||||||")
+            continue
         res = resident[r["workload"]]["median_s"]
         peak = r.get("peak_reserved_gib", r.get("peak_alloc_gib", 0.0))
         cap = r.get("cap_gib") or "–"
@@ -77,7 +82,7 @@ def side_by_side(rows: list[dict]) -> str:
                      f"| {peak:.2f} | {_host(r)} | {_kept(r)} |")
     for r in rows:
         if r.get("section") == "cycles":
-            lines.append(f"cycles at {r['cap_gib']} GiB: {r['cycles']} cycles, {r['ooms']} OOMs, {r['retries']} "
+            lines.append(f"\ncycles at {r['cap_gib']} GiB: {r['cycles']} cycles, {r['ooms']} OOMs, {r['retries']} "
                          f"allocator retries, peak reserved {r['peak_reserved_gib']:.2f} GiB, "
                          f"worst relative error {r['worst_rel_err']:.3g}")
     return "\n".join(lines)

@@ -228,8 +228,11 @@ def row(**kw) -> dict:
 
 
 def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
-    """The manual knob around what the planner chose: small at K-2, K, K+2; video at its K."""
-    ks = sorted({max(0, auto["small"]["kept"] + d) for d in (-2, 0, 2)})  # K=0 is the stream row
+    """The manual knob around what the planner chose: small at K-2, K, K+2; video at its K. K is
+    the whole blocks the plan's kept bytes would buy (it keeps pieces: block cores first)."""
+    block = sum(t.numel() * t.element_size() for t in (*m.blocks[0].parameters(), *m.blocks[0].buffers()))
+    kept = {w: round(r["kept_gib"] * GiB / block) for w, r in auto.items()}
+    ks = sorted({max(0, kept["small"] + d) for d in (-2, 0, 2)})  # K=0 is the stream row
     for k in ks:
         try:
             run_engine(f"first_{k}", m, config(args, preload="off"), cap, refs, feeds, args, firstk=k,
@@ -239,7 +242,7 @@ def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
             gc.collect()
             torch.cuda.empty_cache()
     if "video" in auto and not args.no_firstk_video:
-        k = auto["video"]["kept"]
+        k = kept["video"]
         run_engine(f"first_{k}", m, config(args, preload="off"), cap, refs, feeds, args, firstk=k,
                    workloads=("video",))
 
