@@ -82,7 +82,8 @@ def side_by_side(rows: list[dict]) -> str:
                      f"| {peak:.2f} | {_host(r)} | {_kept(r)} |")
     for r in rows:
         if r.get("section") == "cycles":
-            lines.append(f"\ncycles at {r['cap_gib']} GiB: {r['cycles']} cycles, {r['ooms']} OOMs, {r['retries']} "
+            lines.append(f"\ncycles at {r['cap_gib']} GiB: {r['cycles']} cycles, {r['ooms']} OOMs, "
+                         f"{r.get('ooms_met_by_engine', 0)} met and recovered by the engine, {r['retries']} "
                          f"allocator retries, peak reserved {r['peak_reserved_gib']:.2f} GiB, "
                          f"worst relative error {r['worst_rel_err']:.3g}")
     return "\n".join(lines)
