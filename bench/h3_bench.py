@@ -22,7 +22,7 @@ the 0.56 GiB audio VAE is on demand too: text encoder leaf groups, denoiser bloc
 ``--preload``, both VAEs on demand. A second process (``Ballast`` of wan_bench) holds the device so only
 ``--cap`` GiB stay free.
 
-Stages come from the engine's own stage hooks (``offload_core.stages.StageHooks``, installed exactly as
+Stages come from the engine's own stage hooks (``offload_core.run.stages.StageHooks``, installed exactly as
 ``nodes/h3.py`` installs them, with ``run_view`` and ``pad_short_latents``). Three boundaries are added so
 that a whole-module move lands in the stage that caused it: the VAEs' ``encode``/``decode`` entries and
 the text encoder's inner ``model`` call announce their stage *before* the on-demand transport moves the
@@ -74,13 +74,13 @@ from diffusers import (  # noqa: E402
 from diffusers.modular_pipelines import MiniMaxH3Blocks  # noqa: E402
 from diffusers.schedulers import MiniMaxH3Scheduler  # noqa: E402
 from diffusers_offload.offload_core import Engine, OffloadConfig  # noqa: E402
-from diffusers_offload.offload_core import h3_grid as grid_rules  # noqa: E402
+from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules  # noqa: E402
 from diffusers_offload.offload_core.components import module_bytes  # noqa: E402
-from diffusers_offload.offload_core.h3_run import pad_short_latents, run_view  # noqa: E402
+from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view  # noqa: E402
 from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 from diffusers_offload.offload_core.report import gib  # noqa: E402
-from diffusers_offload.offload_core.stages import AUDIO, DENOISE, IMAGE, TEXT, VIDEO, StageHooks, StageHost  # noqa: E402
+from diffusers_offload.offload_core.run.stages import AUDIO, DENOISE, IMAGE, TEXT, VIDEO, StageHooks, StageHost  # noqa: E402
 from diffusers_offload.offload_core.transport.moves import bytes_on, move_module  # noqa: E402
 from fixtures.meta_models import H3_TEXT_ENCODER, cast_like_from_pretrained  # noqa: E402
 from fixtures.tiny_tok import QWEN_VISION_TOKENS, tiny_qwen2_tokenizer  # noqa: E402

@@ -3,8 +3,8 @@
 Why: H3 is modular only (no classic pipeline), its workflows load different components (the
 t2va/fl2va transformer or the ref2va one, 62 GB each), and a run has choices the loaded model
 must not keep (audio off, a single still). Loading fetches only the chosen workflow's components;
-each run goes through a run view (``offload_core.h3_run``) over the same placed components, with
-stage hooks (``offload_core.stages``) driving the progress bar, the node's label and Cancel.
+each run goes through a run view (``offload_core.models.minimax_h3.run_view``) over the same placed components, with
+stage hooks (``offload_core.run.stages``) driving the progress bar, the node's label and Cancel.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from comfy_api.latest import InputImpl, Types, io
 from diffusers.modular_pipelines import ModularPipeline
 
 from ..offload_core import OffloadConfig
-from ..offload_core import h3_grid as grid_rules
-from ..offload_core.h3_run import pad_short_latents, run_view
-from ..offload_core.stages import DENOISE, IMAGE, VIDEO, StageHooks
+from ..offload_core.models.minimax_h3 import grid as grid_rules
+from ..offload_core.models.minimax_h3.run_view import pad_short_latents, run_view
+from ..offload_core.run.stages import DENOISE, IMAGE, VIDEO, StageHooks
 from . import host
 from .generate import NOTES, SEED_MAX, to_image, to_pil
 from .loaders import DTYPES, MODULAR_INDEX, PipelineFolderError, check_component, list_models, resolve_model

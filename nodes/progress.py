@@ -3,7 +3,7 @@
 Why: a diffusers pipeline runs its own denoise loop, so none of ComfyUI's sampler callbacks fire.
 The one per-step hook a classic pipeline offers is ``callback_on_step_end``; `StepProgress` turns
 it into ComfyUI's progress bar and interrupt check, so the bar moves per step and Cancel stops a
-run within one step. `stage_host` connects the engine's stage hooks (``offload_core.stages``) to
+run within one step. `stage_host` connects the engine's stage hooks (``offload_core.run.stages``) to
 the same bar and to a label on the node, for pipelines run stage by stage (modular MiniMax-H3).
 The engine stays host-free: only node files import this.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import comfy.utils
 from server import PromptServer
 
-from ..offload_core.stages import StageHost, label
+from ..offload_core.run.stages import StageHost, label
 from . import web_api
 from .host import check_interrupt
 

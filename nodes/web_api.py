@@ -206,7 +206,7 @@ def finished(patcher: Any) -> None:
 def stage(node_id: str | None, name: str, step: int | None = None, total: int | None = None,
           pipe: Any = None, text: str | None = None) -> None:
     """Publish the current stage of ``node_id`` ("denoise", 12, 30 -> "denoise 12/30"; ``text``
-    replaces that label, e.g. ``offload_core.stages.label``'s "video decode chunk 3/8")."""
+    replaces that label, e.g. ``offload_core.run.stages.label``'s "video decode chunk 3/8")."""
     _guard(lambda: _stage(node_id, name, step, total, pipe, text))
 
 

@@ -49,7 +49,7 @@ class PreloadingStreamer(BlockStreamer):
             if driver is not None:
                 driver.unload()
         finally:
-            self.listeners.clear()
+            self.events.unsubscribe(PreloadDriver.NAME)
             super().remove(module)
 
     def run_bytes(self) -> int:
@@ -65,6 +65,8 @@ class PreloadingStreamer(BlockStreamer):
 
 
 class PreloadDriver:
+    NAME = "preload"
+
     def __init__(self, streamer: BlockStreamer, module: torch.nn.Module, memory: MemoryReader,
                  policy: str | float) -> None:
         self.streamer = streamer
@@ -77,7 +79,7 @@ class PreloadDriver:
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
         self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
-        streamer.listeners.append(self.on_event)
+        streamer.events.subscribe(self.NAME, self.on_event)
 
     def reading(self) -> MemoryReading:
         """The room a plan may use: the device's free and cached memory plus this model's kept

@@ -36,6 +36,7 @@ from diffusers.hooks import ModelHook
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
+from .events import Events
 from .blocks import StreamBlock, StreamPiece, StreamUnit, make_block, make_pieces
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
@@ -135,7 +136,7 @@ class BlockStreamer:
         self._head_bytes = 0
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
-        self.listeners: list = []  # callables(event, streamer, **info): forward, cycle, oom, end
+        self.events = Events()  # forward, cycle, oom, end: see events.py
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
@@ -282,7 +283,7 @@ class BlockStreamer:
     def notify(self, event: str, **info) -> bool:
         """Tell listeners (the preload driver) about a cycle start, an OOM, a run end; True when
         one of them acted (an OOM was relieved)."""
-        return any([bool(listener(event, self, **info)) for listener in self.listeners])
+        return self.events.emit(event, self, **info)
 
     def _take(self, unit: StreamUnit) -> RingSlot:
         slot = self._inflight.pop(unit.index, None)

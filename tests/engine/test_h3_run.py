@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
-from diffusers_offload.offload_core import h3_grid as grid_rules
-from diffusers_offload.offload_core.h3_run import pad_short_latents, run_view
+from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules
+from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view
 from fixtures.tiny_pipes import load_h3, run_h3
 
 GRID = grid_rules.H3Grid(vae_scale=16, patch=(1, 2, 2), fps=24, frames_per_chunk=17, latents_per_chunk=5,

@@ -33,7 +33,7 @@ def _run(engine, pipe, **kw):
 def test_output_is_identical_for_every_resident_set(wan_pipe, kept):
     ref = run_wan(wan_pipe)
     engine, streamer = _placed(wan_pipe)
-    streamer.listeners.clear()  # hold the set by hand: no planner
+    streamer.events.unsubscribe("preload")  # hold the set by hand: no planner
     streamer.set_resident(kept)
     assert streamer.resident_indices() == kept
     torch.testing.assert_close(_run(engine, wan_pipe), ref, rtol=0, atol=0)
@@ -42,7 +42,7 @@ def test_output_is_identical_for_every_resident_set(wan_pipe, kept):
 def test_resident_set_changed_between_steps_mid_run_stays_correct(wan_pipe):
     ref = run_wan(wan_pipe)
     engine, streamer = _placed(wan_pipe)
-    streamer.listeners.clear()
+    streamer.events.unsubscribe("preload")
     sets = iter([{0}, {1}, {0, 1}, set()])
     seen = []
 

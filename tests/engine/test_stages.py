@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core import h3_grid as grid_rules
-from diffusers_offload.offload_core.stages import (
+from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules
+from diffusers_offload.offload_core.run.stages import (
     AUDIO,
     DENOISE,
     TEXT,

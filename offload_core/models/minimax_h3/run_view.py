@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
 
-from .h3_grid import patch_of
-from .log import get_logger
+from .grid import patch_of
+from ...log import get_logger
 
 log = get_logger("h3")
 

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 from torch.utils.hooks import RemovableHandle
 
-from .components import iter_modules
-from .engine import LORA_REPORT, PIPE_STATE, STATE
-from .log import get_logger
-from .lora_files import LoraError, LoraFile, LoraLayer, identity, read_lora
-from .transport.streamer import BlockStreamer
+from ..components import iter_modules
+from ..engine import LORA_REPORT, PIPE_STATE, STATE
+from ..log import get_logger
+from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
+from ..transport.streamer import BlockStreamer
 
 log = get_logger("lora")
 

@@ -21,8 +21,8 @@ import torch
 from peft.utils.other import get_pattern_key
 from safetensors import SafetensorError, safe_open
 
-from .components import component_names
-from .log import get_logger
+from ..components import component_names
+from ..log import get_logger
 
 log = get_logger("lora")
 

@@ -20,8 +20,8 @@ from types import TracebackType
 
 import torch
 
-from .components import iter_modules
-from .log import get_logger
+from ..components import iter_modules
+from ..log import get_logger
 
 log = get_logger("stages")
 

@@ -1,0 +1,6 @@
+"""LoRA under offload: reading files (``files``) and making a set effective (``apply``)."""
+
+from .apply import LoraSpec, activate, check, set_signature
+from .files import LoraError
+
+__all__ = ["LoraError", "LoraSpec", "activate", "check", "set_signature"]

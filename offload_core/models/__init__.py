@@ -1,0 +1,1 @@
+"""Model-family specifics the generic engine does not need to know."""

@@ -1,0 +1,1 @@
+"""What happens around one pipeline call: stage, step and interrupt hooks."""
