@@ -120,7 +120,7 @@ def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reu
     buffers: two whole blocks, or two parts of one). The last block fills one buffer fewer; the
     model's entry fills the other, before its non-block part runs."""
     model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, parts)
-    streamer.listeners.clear()  # the plans are set by hand
+    streamer.events.unsubscribe("preload")  # the plans are set by hand
     streamer.set_resident(streamer.pieces_of({0, 2, 4}))
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert [streamer.units[i].block.index for i in streamer._inflight] == at_entry[:1]
@@ -162,7 +162,7 @@ def test_a_plan_that_changes_the_buffer_size_makes_the_buffers_then_not_mid_forw
     where an image plan streamed 210 MB attentions; here: none, then all) gets the ring's buffers
     of the new size at the plan change, between forwards, where no activations are live."""
     model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, True)
-    streamer.listeners.clear()  # the plans are set by hand
+    streamer.events.unsubscribe("preload")  # the plans are set by hand
     streamer.set_resident({p.index for p in streamer.pieces})  # nothing streams: no buffers
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     assert streamer.ring.nbytes == 0
