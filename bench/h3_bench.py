@@ -74,13 +74,21 @@ from diffusers import (  # noqa: E402
 from diffusers.modular_pipelines import MiniMaxH3Blocks  # noqa: E402
 from diffusers.schedulers import MiniMaxH3Scheduler  # noqa: E402
 from diffusers_offload.offload_core import Engine, OffloadConfig  # noqa: E402
-from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules  # noqa: E402
 from diffusers_offload.offload_core.components import module_bytes  # noqa: E402
-from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view  # noqa: E402
 from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
+from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules  # noqa: E402
+from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 from diffusers_offload.offload_core.report import gib  # noqa: E402
-from diffusers_offload.offload_core.run.stages import AUDIO, DENOISE, IMAGE, TEXT, VIDEO, StageHooks, StageHost  # noqa: E402
+from diffusers_offload.offload_core.run.stages import (  # noqa: E402
+    AUDIO,
+    DENOISE,
+    IMAGE,
+    TEXT,
+    VIDEO,
+    StageHooks,
+    StageHost,
+)
 from diffusers_offload.offload_core.transport.moves import bytes_on, move_module  # noqa: E402
 from fixtures.meta_models import H3_TEXT_ENCODER, cast_like_from_pretrained  # noqa: E402
 from fixtures.tiny_tok import QWEN_VISION_TOKENS, tiny_qwen2_tokenizer  # noqa: E402

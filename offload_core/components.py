@@ -16,6 +16,7 @@ from .log import get_logger
 log = get_logger("components")
 
 ENTRY_METHODS = ("encode", "decode")
+# The slots a pipeline keeps its denoisers in (classic and modular), in the order a run uses them.
 DENOISER_NAMES = ("transformer", "transformer_2", "transformer_ref", "unet", "unet_2", "prior", "decoder")
 
 
@@ -79,6 +80,26 @@ def iter_modules(pipe: object) -> Iterator[tuple[str, torch.nn.Module]]:
             yield name, value
 
 
+def denoisers(pipe: object) -> dict[str, torch.nn.Module]:
+    """The pipeline's denoisers by slot name (``transformer``, ``transformer_2``, ``unet``...)."""
+    return {name: m for name, m in iter_modules(pipe) if name in DENOISER_NAMES}
+
+
+def denoiser(pipe: object) -> torch.nn.Module | None:
+    """The pipeline's first denoiser (the one a single-denoiser run uses), or None."""
+    return next(iter(denoisers(pipe).values()), None)
+
+
+def patch_of(model: object) -> tuple[int, int, int]:
+    """(t, h, w) patch of a denoiser; ``patch_size`` may be an int (then ``patch_size_t`` or 1
+    in time) or a tuple."""
+    config = getattr(model, "config", None) or {}
+    patch = config.get("patch_size", 1) or 1
+    if isinstance(patch, (tuple, list)):
+        return (int(patch[0]), int(patch[-2]), int(patch[-1])) if len(patch) >= 3 else (1, int(patch[0]), int(patch[-1]))
+    return int(config.get("patch_size_t", 1) or 1), int(patch), int(patch)
+
+
 def tensors_of(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
@@ -97,24 +118,6 @@ def module_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def where(module: torch.nn.Module) -> dict[str, int]:
-    """Bytes per device type the weights sit on now (``meta`` included)."""
-    out: dict[str, int] = {}
-    seen: set[int] = set()
-    for t in tensors_of(module):
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        key = t.device.type + (":pinned" if t.device.type == "cpu" and _is_pinned(t) else "")
-        out[key] = out.get(key, 0) + t.numel() * t.element_size()
-    return out
-
-
-def _is_pinned(t: torch.Tensor) -> bool:
-    try:
-        return t.is_pinned()
-    except Exception:  # no accelerator runtime: nothing is pinned
-        return False
 
 
 def _is_bridged(method: object) -> bool:

@@ -28,8 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from ..components import iter_modules
 from ..engine import LORA_REPORT, PIPE_STATE, STATE
 from ..log import get_logger
-from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
 from ..transport.streamer import BlockStreamer
+from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
 
 log = get_logger("lora")
 

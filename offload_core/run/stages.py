@@ -20,7 +20,7 @@ from types import TracebackType
 
 import torch
 
-from ..components import iter_modules
+from ..components import denoisers, iter_modules
 from ..log import get_logger
 
 log = get_logger("stages")
@@ -31,7 +31,6 @@ DENOISE = "denoise"
 VIDEO = "video decode"
 AUDIO = "audio decode"
 UNITS = {TEXT: "layer", IMAGE: "", DENOISE: "step", VIDEO: "chunk", AUDIO: ""}
-DENOISERS = ("transformer", "transformer_ref", "transformer_2", "unet")
 
 
 def label(stage: str, i: int, n: int) -> str:
@@ -83,9 +82,8 @@ class StageHooks:
             layers = layer_stack(text)
             for index, layer in enumerate(layers):
                 self._hook(layer, self._layer(index, len(layers)))
-        for name in DENOISERS:
-            if name in modules:
-                self._hook(modules[name], self._counted(_Counter(DENOISE, self.totals.get(DENOISE, 0))))
+        for model in denoisers(self.pipe).values():
+            self._hook(model, self._counted(_Counter(DENOISE, self.totals.get(DENOISE, 0))))
         vae = modules.get("vae")
         for stage, part in ((IMAGE, "encoder"), (VIDEO, "decoder")):
             inner = getattr(vae, part, None)

@@ -36,8 +36,8 @@ from diffusers.hooks import ModelHook
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
-from .events import Events
 from .blocks import StreamBlock, StreamPiece, StreamUnit, make_block, make_pieces
+from .events import Events
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
 from .towers import find_towers

@@ -19,16 +19,11 @@ from diffusers.modular_pipelines.minimax_h3.modular_pipeline import (
     video_latent_num_frames,
 )
 
+from ...components import patch_of
+
 MODEL = "MiniMax-H3"
 
 
-def patch_of(denoiser: Any) -> tuple[int, int, int]:
-    """(t, h, w) patch of the denoiser; ``patch_size`` may be an int (then ``patch_size_t`` or 1 in time)."""
-    config = getattr(denoiser, "config", None) or {}
-    patch = config.get("patch_size", 1) or 1
-    if isinstance(patch, (tuple, list)):
-        return (int(patch[0]), int(patch[-2]), int(patch[-1])) if len(patch) >= 3 else (1, int(patch[0]), int(patch[-1]))
-    return int(config.get("patch_size_t", 1) or 1), int(patch), int(patch)
 
 
 @dataclass(frozen=True)

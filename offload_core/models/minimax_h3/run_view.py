@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
 
-from .grid import patch_of
+from ...components import patch_of
 from ...log import get_logger
 
 log = get_logger("h3")
