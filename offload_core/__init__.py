@@ -1,13 +1,13 @@
 """Host-independent offload engine: places every component of a diffusers pipeline by role.
 
 Data flows one way: a host (the ComfyUI nodes, a script, a test) builds an `OffloadConfig`, calls
-`place(pipe, config)` and gets a `PlacementReport`; `release(pipe)` takes everything back. Nothing
-here imports ComfyUI.
+`Engine.place(pipe, config)` and gets a `PlacementReport`; `Engine.release(pipe)` takes everything
+back. Nothing here imports ComfyUI.
 """
 
 from .components import Components
 from .config import OffloadConfig, OffloadConfigError
-from .engine import Engine, place, release, sweep
+from .engine import Engine
 from .report import ComponentReport, PlacementReport
 
 __all__ = [
@@ -17,7 +17,4 @@ __all__ = [
     "OffloadConfig",
     "OffloadConfigError",
     "PlacementReport",
-    "place",
-    "release",
-    "sweep",
 ]

@@ -1,14 +1,19 @@
 """OffloadConfig: the validated options of one placement pass.
 
-Validation happens here, before anything is hooked, so a combination that cannot work (e.g.
-``record_stream`` without streams) is refused with a message naming the option to change.
+Validated once, at construction (``replace`` constructs anew), before anything is hooked: a
+combination that cannot work (``record_stream`` without streams) is refused naming the option to
+change. ``preload`` is parsed here, once, into a `Policy`. The options that decide how a component
+is hooked are marked ``rehook``; a component's re-placement signature is derived from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
+
+from .preload.policy import Policy, parse_policy
 
 Mode = Literal["auto", "model", "leaf", "none"]
 MODES: tuple[str, ...] = ("auto", "model", "leaf", "none")
@@ -35,45 +40,54 @@ class OffloadConfig:
     leaf-level); ``model`` moves every component whole on demand; ``leaf`` uses leaf-level groups
     everywhere; ``none`` keeps everything resident on the device.
 
+    preload: ``auto``, ``off``, or a budget of kept denoiser blocks in GiB (a number, or a
+    string such as ``"8"``, ``"12 GB"``, ``"800MB"``); held as a `Policy`.
+
     stream_parts: a streamed denoiser's blocks move in parts (their large children) instead of
-    whole, so its streaming buffers are smaller and more blocks stay on a small card (Wan-14B at
-    12 GiB: one block more, 0.325 s a step against 0.340 s; ``bench/RESULTS.md``, run 11). A
-    block's large children must use their weights only inside their own forward (true of
-    diffusers' attention and feed-forward modules); off streams every block whole.
+    whole, so its streaming buffers are smaller and more blocks stay on a small card (see
+    bench/README.md). A block's large children must use their weights only inside their own
+    forward (true of diffusers' attention and feed-forward modules); off streams every block whole.
     """
 
-    mode: Mode = "auto"
-    use_stream: bool = True
-    record_stream: bool = False
+    mode: Mode = field(default="auto", metadata={"rehook": True})
+    use_stream: bool = field(default=True, metadata={"rehook": True})
+    record_stream: bool = field(default=False, metadata={"rehook": True})
     pin_memory: bool = True
     pin_reserve_gb: float = 4.0
     on_demand_threshold_gb: float = 1.0
     resident_floor_mb: float = 64.0
     always: tuple[str, ...] = field(default=())
     never: tuple[str, ...] = field(default=())
-    preload: str | float = "auto"
-    prefetch_window: int = 1
-    stream_parts: bool = True
+    preload: Policy = field(default="auto")  # type: ignore[assignment]  # parsed in __post_init__
+    prefetch_window: int = field(default=1, metadata={"rehook": True})
+    stream_parts: bool = field(default=True, metadata={"rehook": True})
     device: str | None = None
     measures_path: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "always", _parse_list(self.always))
         object.__setattr__(self, "never", _parse_list(self.never))
-        object.__setattr__(self, "preload", _parse_preload(self.preload))
-        self.validate()
+        try:
+            object.__setattr__(self, "preload", parse_policy(self.preload))
+        except ValueError as exc:
+            raise OffloadConfigError(str(exc)) from None
+        self._validate()
 
-    def validate(self) -> None:
+    def hooking(self) -> tuple[tuple[str, object], ...]:
+        """The options that decide how a component is hooked: a change re-places it."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.metadata.get("rehook"))
+
+    def _validate(self) -> None:
         if self.mode not in MODES:
             raise OffloadConfigError(f"offload mode {self.mode!r} is unknown: choose one of {', '.join(MODES)}")
         if self.record_stream and not self.use_stream:
             raise OffloadConfigError(
                 "record_stream=True needs use_stream=True: turn streams on or record_stream off"
             )
-        if self.pin_reserve_gb < 0:
-            raise OffloadConfigError(f"pin_reserve_gb must be >= 0, got {self.pin_reserve_gb}")
-        if self.on_demand_threshold_gb < 0:
-            raise OffloadConfigError(f"on_demand_threshold_gb must be >= 0, got {self.on_demand_threshold_gb}")
+        for name in ("pin_reserve_gb", "on_demand_threshold_gb", "resident_floor_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise OffloadConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.prefetch_window < 1:
             raise OffloadConfigError(f"prefetch_window must be >= 1, got {self.prefetch_window}")
         overlap = set(self.always) & set(self.never)
@@ -97,19 +111,3 @@ class OffloadConfig:
     def replace(self, **changes) -> OffloadConfig:
         return dataclasses.replace(self, **changes)
 
-
-def _parse_preload(value: str | float | int) -> str | float:
-    """``auto`` / ``off`` / a fixed budget in GiB (a number or a numeric string)."""
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("auto", "off"):
-            return v
-        try:
-            value = float(v.removesuffix("gb").strip())
-        except ValueError:
-            raise OffloadConfigError(
-                f"preload {value!r} is not understood: use 'auto', 'off' or a budget in GiB such as '8'"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise OffloadConfigError(f"preload budget must be a number of GB >= 0, got {value!r}")
-    return float(value)

@@ -1,9 +1,9 @@
 """The one placement pass, release, and the force sweep.
 
 ``place`` orchestrates only: per component it reads facts (components.py), decides a role
-(roles.py), compares the config signature, and hands the module to a transport (transport/).
-State lives on the modules themselves (so a pipeline shared by several hosts sees one truth); the
-engine keeps pipelines only through weak references.
+(roles.py), compares the config signature, and hands the module to a transport (transport/),
+which it then talks to through the `Transport` protocol alone. State lives on the user's objects,
+under the keys of state.py; the engine keeps pipelines only through weak references.
 """
 
 from __future__ import annotations
@@ -20,24 +20,23 @@ from .log import get_logger
 from .memory import MemoryReader, PinVerdict, pin_budget, sweep_cleanup
 from .report import ComponentReport, PlacementReport, gib
 from .roles import Role, RoleDecision, decide
-from .transport import (
-    LeafGroupTransport,
-    OnDemandTransport,
-    ResidentTransport,
-    Transport,
-    TransportContext,
+from .state import (
+    APPLYING,
+    COMPONENT,
+    DIFFUSERS_GROUP_HOOKS,
+    LORA_REPORT,
+    MARKER,
+    OUR_HOOKS,
+    PIN_VERDICT,
+    PIPELINE,
 )
-from .transport.base import DIFFUSERS_GROUP_HOOKS, MARKER, OUR_HOOKS, strip_hooks
-from .transport.on_demand import STAMP, OnDemandGroup
+from .state import clear as clear_state
+from .transport import LeafGroupTransport, OnDemandTransport, ResidentTransport, Transport, TransportContext
+from .transport.base import strip_hooks
+from .transport.on_demand import OnDemandGroup
 from .transport.preload import PreloadingStreamer
 
 log = get_logger("engine")
-
-STATE = "_diffusers_offload_state"
-SENTINEL = "_diffusers_offload_applying"
-PIN_VERDICT = "_diffusers_offload_pin_verdict"
-PIPE_STATE = "_diffusers_offload_pipeline"
-LORA_REPORT = "_diffusers_offload_lora_report"  # the LoRA path a component took (written by lora.py)
 
 
 @dataclass
@@ -77,12 +76,11 @@ class Engine:
 
     # -- placement ------------------------------------------------------------------------
     def place(self, pipe: object, config: OffloadConfig) -> PlacementReport:
-        config.validate()
         device = onload_device(config)
-        pstate = getattr(pipe, PIPE_STATE, None)
+        pstate = PIPELINE.get(pipe)
         if pstate is None or pstate.device != device:
             pstate = PipelineState(config, device)
-            setattr(pipe, PIPE_STATE, pstate)
+            PIPELINE.set(pipe, pstate)
         pstate.config = config
         pstate.on_demand.make_room = _room_maker(self, pipe)
         self._pipelines.add(pipe)
@@ -97,7 +95,7 @@ class Engine:
 
     def _place_component(self, name: str, module: torch.nn.Module, config: OffloadConfig,
                          pstate: PipelineState) -> None:
-        if module.__dict__.get(SENTINEL):
+        if APPLYING.get(module):
             log.warning("%s was left mid-apply by an earlier pass: tearing it down and applying again", name)
             self._teardown(module)
         _refuse_foreign_offload(name, module)
@@ -105,24 +103,24 @@ class Engine:
         decision = decide(info, config)
         verdict = self._pin_verdict(module, info, decision, config)
         signature = _signature(decision, config, pstate.device, verdict)
-        state: ComponentState | None = module.__dict__.get(STATE)
+        state: ComponentState | None = COMPONENT.get(module)
         if state is not None and state.signature == signature:
-            if hasattr(state.transport, "retune"):
-                state.transport.retune(config.preload)  # the resident set changes without re-hooking
+            state.transport.retune(config)  # e.g. the kept blocks change without re-hooking
             return
         if state is not None:
             log.info("%s: settings changed, re-placing (%s -> %s)", name, state.decision.role.value, decision.role.value)
             self._teardown(module)
         ctx = self._context(config, pstate, verdict)
         transport = _make_transport(decision.role, ctx, info)
-        module.__dict__[SENTINEL] = True
-        module.__dict__[STATE] = ComponentState(signature, transport, decision, info)
+        APPLYING.set(module, True)
+        COMPONENT.set(module, ComponentState(signature, transport, decision, info))
         try:
             transport.apply(module)
         except BaseException:
             self._teardown(module)
+            PIN_VERDICT.pop(module)
             raise
-        del module.__dict__[SENTINEL]
+        APPLYING.pop(module)
         log.info("%s (%s, %s): %s — %s", name, info.cls, gib(info.nbytes), decision.role.value, decision.reason)
 
     def _pin_verdict(self, module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision,
@@ -131,11 +129,11 @@ class Engine:
         wants = decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)
         if not (wants and config.pin_memory and config.use_stream):
             return None
-        cached: PinVerdict | None = module.__dict__.get(PIN_VERDICT)
+        cached: PinVerdict | None = PIN_VERDICT.get(module)
         if cached is not None and cached.need == info.nbytes and cached.reserve == config.pin_reserve_bytes:
             return cached
         verdict = pin_budget(info.nbytes, self.memory, config.pin_reserve_bytes)
-        module.__dict__[PIN_VERDICT] = verdict
+        PIN_VERDICT.set(module, verdict)
         if verdict.granted:
             log.info("%s: %s", info.name, verdict.describe())
         else:
@@ -148,55 +146,46 @@ class Engine:
     def _context(self, config: OffloadConfig, pstate: PipelineState,
                  verdict: PinVerdict | None) -> TransportContext:
         granted = verdict is not None and verdict.granted
-        streams = granted and pstate.device.type == "cuda"
         return TransportContext(
             onload_device=pstate.device,
-            use_stream=streams,
-            record_stream=config.record_stream and streams,
+            config=config,
+            streams=granted and pstate.device.type == "cuda",
             pin=granted,
-            prefetch_window=config.prefetch_window,
-            stream_parts=config.stream_parts,
             memory=self.memory,
-            preload=config.preload,
             owner=pstate.on_demand,
         )
 
     # -- release --------------------------------------------------------------------------
     def _teardown(self, module: torch.nn.Module) -> None:
         """Strip every hook before weights move back (hooks would keep pinned copies alive)."""
-        state: ComponentState | None = module.__dict__.pop(STATE, None)
+        state: ComponentState | None = COMPONENT.pop(module)
         if state is not None:
             state.transport.remove(module)
         strip_hooks(module, (*OUR_HOOKS, *DIFFUSERS_GROUP_HOOKS, MARKER))
-        module.__dict__.pop(SENTINEL, None)
+        APPLYING.pop(module)
 
     def release(self, pipe: object) -> None:
         """Take everything back: hooks off, weights in system memory, pinned pages released."""
-        for name, module in iter_modules(_unwrap(pipe)):
+        for name, module in iter_modules(pipe):
             try:
                 self._teardown(module)
-                module.__dict__.pop(PIN_VERDICT, None)
             except Exception as exc:  # keep releasing the others; report what failed
                 log.error("release of %s failed: %s: %s", name, type(exc).__name__, exc)
-        if getattr(pipe, PIPE_STATE, None) is not None:
-            delattr(pipe, PIPE_STATE)
+            clear_state(module)
+        clear_state(pipe)
         self._pipelines.discard(pipe)
         sweep_cleanup()
         log.info("released %s", type(pipe).__name__)
 
     def sweep(self, pipes: list[object] | None = None) -> SweepResult:
-        """Force sweep: move every on-demand-stamped module back to system memory, across every
-        pipeline variant we placed; a failing component is reported, not fatal."""
+        """Force sweep: every component resting on the device while idle goes back to system
+        memory, across every pipeline variant we placed; a failing component is reported, not fatal."""
         moved: list[str] = []
         failed: list[tuple[str, str]] = []
         for pipe in [*(pipes or []), *list(self._pipelines)]:
-            for name, module in iter_modules(_unwrap(pipe)):
-                if not module.__dict__.get(STAMP):
-                    continue
-                transport = module.__dict__[STATE].transport
+            for name, state in self.states(pipe).items():
                 try:
-                    if transport.loaded:
-                        transport.offload()
+                    if state.transport.offload_idle():
                         moved.append(name)
                 except Exception as exc:
                     failed.append((name, f"{type(exc).__name__}: {exc}"))
@@ -207,20 +196,17 @@ class Engine:
     # -- run-time services for hosts ------------------------------------------------------------
     def after_run(self, pipe: object) -> None:
         """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
-        for _name, module in iter_modules(_unwrap(pipe)):
-            state = module.__dict__.get(STATE)
-            if state is not None and hasattr(state.transport, "after_run"):
-                state.transport.after_run()
-        pstate = getattr(pipe, PIPE_STATE, None)
+        for state in self.states(pipe).values():
+            state.transport.after_run()
+        pstate = PIPELINE.get(pipe)
         if pstate is not None:
             pstate.on_demand.offload_all()
 
     def give_back(self, pipe: object, nbytes: int) -> int:
         """Free device memory without unhooking (kept blocks, idle on-demand modules)."""
         freed = 0
-        for _name, module in iter_modules(_unwrap(pipe)):
-            state = module.__dict__.get(STATE)
-            if state is not None and freed < nbytes:
+        for state in self.states(pipe).values():
+            if freed < nbytes:
                 freed += state.transport.give_back(nbytes - freed)
         return freed
 
@@ -231,15 +217,15 @@ class Engine:
         return max((s.transport.run_bytes() for s in self.states(pipe).values()), default=0)
 
     def states(self, pipe: object) -> dict[str, ComponentState]:
-        return {n: m.__dict__[STATE] for n, m in iter_modules(_unwrap(pipe)) if STATE in m.__dict__}
+        return {n: state for n, m in iter_modules(pipe) if (state := COMPONENT.get(m)) is not None}
 
     def report(self, pipe: object) -> PlacementReport:
-        pstate = getattr(pipe, PIPE_STATE, None)
+        pstate = PIPELINE.get(pipe)
         comps = []
-        for name, module in iter_modules(_unwrap(pipe)):
-            state = module.__dict__.get(STATE)
+        for name, module in iter_modules(pipe):
+            state = COMPONENT.get(module)
             info = state.info if state is not None else describe(name, module)
-            comps.append(_component_report(info, state, module.__dict__.get(LORA_REPORT)))
+            comps.append(_component_report(info, state, LORA_REPORT.get(module)))
         return PlacementReport(
             pipeline=type(pipe).__name__,
             device=str(pstate.device) if pstate else "unplaced",
@@ -293,11 +279,8 @@ def _component_report(info: ComponentInfo, state: ComponentState | None,
 
 def _signature(decision: RoleDecision, config: OffloadConfig, device: torch.device,
                verdict: PinVerdict | None) -> tuple:
-    return (
-        decision.role, config.mode, config.use_stream, config.record_stream,
-        verdict.granted if verdict else None, str(device), "cpu", config.prefetch_window, config.stream_parts,
-        decision.lists,
-    )
+    """What a component was hooked with: a change re-places it; anything else is a retune."""
+    return decision.role, decision.lists, verdict.granted if verdict else None, str(device), config.hooking()
 
 
 def _make_transport(role: Role, ctx: TransportContext, info: ComponentInfo) -> Transport:
@@ -309,26 +292,3 @@ def _make_transport(role: Role, ctx: TransportContext, info: ComponentInfo) -> T
         return PreloadingStreamer(ctx)
     return LeafGroupTransport(ctx)
 
-
-def _unwrap(pipe: object) -> object:
-    """Follow host wrappers (views carrying a LoRA set and the like) to the real pipeline."""
-    seen = 0
-    while hasattr(pipe, "unwrap_pipeline") and seen < 8:
-        pipe = pipe.unwrap_pipeline()
-        seen += 1
-    return pipe
-
-
-_default = Engine()
-
-
-def place(pipe: object, config: OffloadConfig) -> PlacementReport:
-    return _default.place(pipe, config)
-
-
-def release(pipe: object) -> None:
-    _default.release(pipe)
-
-
-def sweep(pipes: list[object] | None = None) -> SweepResult:
-    return _default.sweep(pipes)

@@ -8,7 +8,6 @@ the caching host allocator, rounded up to a power of two (1.57x the weights on W
 from __future__ import annotations
 
 import threading
-import weakref
 
 import torch
 
@@ -75,7 +74,3 @@ def _unregister(ptr: int) -> None:
         if _registered.pop(ptr, None) is not None:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 
-
-def finalize_with(obj: object, pins: PinSet) -> None:
-    """Unregister when ``obj`` is collected, if nobody released earlier (a crash mid-apply)."""
-    weakref.finalize(obj, pins.release)

@@ -1,9 +1,10 @@
-"""Making a LoRA set effective on an engine-placed pipeline (SPEC §7).
+"""Making a LoRA set effective on an engine-placed pipeline.
 
 Why in place on the master copies: under offload a weight lives in several places (the pinned host
 copy a streamed block is loaded from, a kept block's device buffer, diffusers' leaf-group CPU
-copies, the live parameter). Writing every copy the engine or diffusers loads from means the next
-onload moves the patched weights, and no hook ever comes off: placement and LoRA stay independent.
+copies, the live parameter). Writing every copy a transport loads from (``Transport.masters``)
+means the next onload moves the patched weights, and no hook ever comes off: placement and LoRA
+stay independent. This module knows transports only through that protocol.
 
 - Fused (float weights): ``W = W0 + sum(strength * scale * up @ down)``, computed in float32 from a
   pageable host backup of ``W0``; the backup stays until the layer is no longer covered, so going
@@ -22,18 +23,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from diffusers.hooks.group_offloading import _GROUP_OFFLOADING
 from torch.utils.hooks import RemovableHandle
 
 from ..components import iter_modules
-from ..engine import LORA_REPORT, PIPE_STATE, STATE
 from ..log import get_logger
-from ..transport.streamer import BlockStreamer
+from ..state import COMPONENT, LORA, LORA_REPORT, PIPELINE
+from ..transport.base import Masters
 from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
 
 log = get_logger("lora")
 
-LORA_STATE = "_diffusers_offload_lora"
 FUSABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 __all__ = ["LoraError", "LoraSpec", "activate", "check", "set_signature"]
@@ -96,13 +95,13 @@ def check(pipe: object, spec: LoraSpec) -> None:
 
 
 def _carried(module: torch.nn.Module) -> tuple:
-    state: _ComponentLora | None = module.__dict__.get(LORA_STATE)
+    state: _ComponentLora | None = LORA.get(module)
     return state.signature if state is not None else ()
 
 
 def _compute_device(pipe: object) -> torch.device:
     """Deltas are computed on the accelerator the pipeline runs on (a 14B LoRA is seconds there)."""
-    pstate = getattr(pipe, PIPE_STATE, None)
+    pstate = PIPELINE.get(pipe)
     return pstate.device if pstate is not None and pstate.device.type == "cuda" else torch.device("cpu")
 
 
@@ -188,11 +187,14 @@ def _apply(name: str, module: torch.nn.Module, plan: _Plan, signature: tuple, de
         return
     # Stored before the first write: if a write fails, the backups taken so far are not lost and
     # the next activation (its signature still differs) recomputes every layer from them.
-    state: _ComponentLora = module.__dict__.setdefault(LORA_STATE, _ComponentLora())
-    copies = _master_copies(module)
-    transport = getattr(module.__dict__.get(STATE), "transport", None)
-    if isinstance(transport, BlockStreamer):
-        transport.drop_prefetched()
+    state = LORA.get(module)
+    if state is None:
+        state = _ComponentLora()
+        LORA.set(module, state)
+    placed = COMPONENT.get(module)
+    copies: Masters = placed.transport.masters() if placed is not None else {}
+    if placed is not None:
+        placed.transport.before_write()
     for pname in sorted(set(state.backups) | set(plan.fused)):
         param = module.get_parameter(pname)
         targets = _dedupe([*copies.get(id(param), []), param.data])
@@ -213,25 +215,8 @@ def _apply(name: str, module: torch.nn.Module, plan: _Plan, signature: tuple, de
                    for path, entries in plan.unfused.items()]
     state.signature = signature
     if not (signature or state.backups or state.hooks):
-        del module.__dict__[LORA_STATE]  # back to base: nothing of ours left on the module
+        LORA.pop(module)  # back to base: nothing of ours left on the module
     _record(name, module, plan)
-
-
-def _master_copies(module: torch.nn.Module) -> dict[int, list[torch.Tensor]]:
-    """Copies a parameter is loaded from, besides its live ``.data``: a streamed block's host
-    master, a diffusers leaf group's CPU copy (kept when streams are on). Masters come first."""
-    out: dict[int, list[torch.Tensor]] = {}
-    state = module.__dict__.get(STATE)
-    if state is not None and isinstance(state.transport, BlockStreamer):
-        for block in state.transport.blocks:
-            for slot in block.slots:
-                out.setdefault(id(slot.tensor), []).append(slot.host)
-    for sub in module.modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        group = getattr(registry.hooks.get(_GROUP_OFFLOADING), "group", None) if registry is not None else None
-        for tensor, cpu in (getattr(group, "cpu_param_dict", None) or {}).items():
-            out.setdefault(id(tensor), []).append(cpu)
-    return out
 
 
 def _dedupe(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -288,8 +273,8 @@ def _record(name: str, module: torch.nn.Module, plan: _Plan) -> None:
     """The path this component took, for the placement report (``details['lora']``)."""
     paths = [p for p, n in (("fused", plan.fused), ("unfused", plan.unfused)) if n]
     if not paths:
-        module.__dict__.pop(LORA_REPORT, None)
+        LORA_REPORT.pop(module)
         return
     layers = len({p.rsplit(".", 1)[0] for p in plan.fused} | set(plan.unfused))
-    module.__dict__[LORA_REPORT] = {"path": "+".join(paths), "layers": layers}
+    LORA_REPORT.set(module, {"path": "+".join(paths), "layers": layers})
     log.info("%s: LoRA %s on %d layers", name, "+".join(paths), layers)

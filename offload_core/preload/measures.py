@@ -31,7 +31,8 @@ class MeasureKey:
     total_bytes: int
     workload: int
 
-    def _replace_workload(self) -> tuple[str, str, int, int]:
+    @property
+    def model(self) -> tuple[str, str, int, int]:
         """The model part of the key (everything but the workload)."""
         return (self.model_class, self.identity, self.block_count, self.total_bytes)
 
@@ -78,7 +79,7 @@ class MeasureStore:
         """A guess for an unmeasured workload of a measured model: the measure of the nearest
         larger workload (an upper bound), else the largest smaller one scaled linearly with the
         workload (activations grow with the token count). None when the model has no measure."""
-        same = {k.workload: v for k, v in self._peaks.items() if k._replace_workload() == key._replace_workload()}
+        same = {k.workload: v for k, v in self._peaks.items() if k.model == key.model}
         larger = [w for w in same if w >= key.workload]
         if larger:
             return same[min(larger)]

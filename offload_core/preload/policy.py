@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -15,29 +16,32 @@ class Policy:
     mode: Literal["auto", "off", "fixed"]
     budget: int = 0  # bytes; "fixed" only
 
+    def __str__(self) -> str:
+        return self.mode if self.mode != "fixed" else f"{self.budget / 2**30:g} GiB"
+
 
 AUTO = Policy("auto")
 OFF = Policy("off")
 
 
 def parse_policy(value: Policy | str | int | float) -> Policy:
-    """``"auto"``, ``"off"``, a number of bytes, or a string with a unit (``"12 GB"``,
-    ``"800MB"``; binary multiples). A bare number in a string means GB: that is how people
-    type a budget in a widget, while code passes bytes."""
+    """The one parser of the preload option: ``"auto"``, ``"off"``, a number of GiB, or a
+    string with a number and an optional unit (``"12"`` and ``"12 GB"`` are GiB; ``"800MB"``;
+    binary multiples)."""
     if isinstance(value, Policy):
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return _fixed(int(value), value)
+        return _fixed(value, "gb", value)
     text = str(value).strip().lower()
     if text in ("auto", "off"):
         return AUTO if text == "auto" else OFF
     match = _BUDGET.match(text)
     if not match or match.group(2) not in ("", *_UNITS):
-        raise ValueError(f"preload policy {value!r}: use 'auto', 'off' or a budget such as '12 GB'")
-    return _fixed(int(float(match.group(1)) * _UNITS[match.group(2) or "gb"]), value)
+        raise ValueError(f"preload {value!r} is not understood: use 'auto', 'off' or a budget in GiB such as '12'")
+    return _fixed(float(match.group(1)), match.group(2) or "gb", value)
 
 
-def _fixed(budget: int, value: object) -> Policy:
-    if budget < 0:
-        raise ValueError(f"preload budget {value!r} is negative")
-    return Policy("fixed", budget)
+def _fixed(amount: float, unit: str, value: object) -> Policy:
+    if not math.isfinite(amount) or amount < 0:
+        raise ValueError(f"preload budget {value!r} must be a finite number of GiB >= 0")
+    return Policy("fixed", int(amount * _UNITS[unit]))

@@ -13,59 +13,113 @@ from typing import Protocol
 
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
-from diffusers.hooks.group_offloading import (
-    _GROUP_OFFLOADING,
-    _LAYER_EXECUTION_TRACKER,
-    _LAZY_PREFETCH_GROUP_OFFLOADING,
-)
 
+from ..config import OffloadConfig
 from ..memory import MemoryReader
+from ..state import DIFFUSERS_GROUP_HOOKS, MARKER, ON_DEMAND_HOOK, OUR_HOOKS, REGISTRY, STREAM_HOOK
 
-DIFFUSERS_GROUP_HOOKS = (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING)
-MARKER = _GROUP_OFFLOADING
-STREAM_HOOK = "diffusers_offload_stream"
-ON_DEMAND_HOOK = "diffusers_offload_on_demand"
-OUR_HOOKS = (STREAM_HOOK, ON_DEMAND_HOOK)
+__all__ = ["DIFFUSERS_GROUP_HOOKS", "MARKER", "ON_DEMAND_HOOK", "OUR_HOOKS", "STREAM_HOOK", "Masters",
+           "Transport", "TransportBase", "TransportContext", "add_hook", "remove_hook", "strip_hooks"]
+
+Masters = dict[int, list[torch.Tensor]]  # id(parameter) -> the copies its onloads read from
 
 
 @dataclass
 class TransportContext:
-    """What a transport needs besides the module: devices, stream/pin decisions, readings."""
+    """What a transport needs besides the module: the settings, and the engine's decisions for
+    this component (devices, whether pinning and the side stream were granted)."""
 
     onload_device: torch.device
-    offload_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    use_stream: bool = False
-    record_stream: bool = False
+    config: OffloadConfig = field(default_factory=OffloadConfig)
+    streams: bool = False  # side-stream prefetch (needs pinned memory and an accelerator)
     pin: bool = False
-    prefetch_window: int = 1
-    stream_parts: bool = False  # denoiser blocks stream in parts (their large children)
     memory: MemoryReader = field(default_factory=MemoryReader)
-    preload: str | float = "off"
     owner: object | None = None  # the pipeline-level group (on-demand eviction peers)
+    offload_device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def record_stream(self) -> bool:
+        return self.config.record_stream and self.streams
+
+    @property
+    def prefetch_window(self) -> int:
+        return self.config.prefetch_window
+
+    @property
+    def stream_parts(self) -> bool:
+        return self.config.stream_parts
 
 
 class Transport(Protocol):
+    """How one component's weights move. ``apply`` and ``remove`` are exactly symmetric."""
+
     name: str
 
     def apply(self, module: torch.nn.Module) -> None: ...
 
     def remove(self, module: torch.nn.Module) -> None: ...
 
-    def device_bytes(self) -> int:
-        """Bytes of this component's weights on the onload device right now."""
-        ...
+    def retune(self, config: OffloadConfig) -> None:
+        """Settings that need no re-hooking changed (the preload policy)."""
 
-    def pinned_bytes(self) -> int: ...
+    def after_run(self) -> None:
+        """A pipeline call ended: drop what only that call needed."""
 
     def give_back(self, nbytes: int) -> int:
         """Free up to ``nbytes`` of device memory without unhooking; return what was freed."""
-        ...
+
+    def offload_idle(self) -> bool:
+        """Force sweep: weights resting on the device while idle go back; True when any moved."""
+
+    def masters(self) -> Masters:
+        """The copies each parameter is loaded from besides its live ``.data`` (masters first):
+        a weight write must reach them all."""
+
+    def before_write(self) -> None:
+        """Weights are about to be written in place: drop copies made ahead of use."""
+
+    def device_bytes(self) -> int:
+        """Bytes of this component's weights on the onload device right now."""
+
+    def pinned_bytes(self) -> int: ...
 
     def run_bytes(self) -> int:
         """Device bytes a run needs for this component beyond what it holds now."""
-        ...
 
     def details(self) -> dict[str, object]: ...
+
+
+class TransportBase:
+    """The protocol's defaults, for transports that have nothing to do there."""
+
+    name = "base"
+
+    def retune(self, config: OffloadConfig) -> None:
+        return None
+
+    def after_run(self) -> None:
+        return None
+
+    def give_back(self, nbytes: int) -> int:
+        return 0
+
+    def offload_idle(self) -> bool:
+        return False
+
+    def masters(self) -> Masters:
+        return {}
+
+    def before_write(self) -> None:
+        return None
+
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def run_bytes(self) -> int:
+        return 0
+
+    def details(self) -> dict[str, object]:
+        return {}
 
 
 @dataclass
@@ -98,7 +152,7 @@ def add_hook(module: torch.nn.Module, hook: ModelHook, name: str) -> None:
 
 
 def remove_hook(module: torch.nn.Module, name: str) -> None:
-    registry = getattr(module, "_diffusers_hook", None)
+    registry = getattr(module, REGISTRY, None)
     if registry is not None:
         registry.remove_hook(name, recurse=False)
         _drop_empty_registry(module)
@@ -111,18 +165,13 @@ def strip_hooks(root: torch.nn.Module, names: tuple[str, ...]) -> None:
             remove_hook(module, name)
 
 
-def hook_names(module: torch.nn.Module) -> list[str]:
-    registry = getattr(module, "_diffusers_hook", None)
-    return list(registry.hooks) if registry is not None else []
-
-
 def _drop_empty_registry(module: torch.nn.Module) -> None:
     """An empty registry and the forward it left as an instance attribute are dropped, so a
     released module is indistinguishable from a never-hooked one."""
-    registry = module.__dict__.get("_diffusers_hook")
+    registry = module.__dict__.get(REGISTRY)
     if registry is None or registry.hooks:
         return
-    del module._diffusers_hook
+    delattr(module, REGISTRY)
     fwd = module.__dict__.get("forward")
     if fwd is not None and getattr(fwd, "__func__", None) is type(module).forward:
         del module.forward

@@ -1,8 +1,9 @@
 """Leaf-level groups through diffusers' own group offloading (text encoders and the rest).
 
 Leaf hooks sit on every leaf module, so a pipeline that calls an inner model directly (MiniMax-H3
-calls ``text_encoder.model(...)``) still onloads. Without streams nothing is pinned: these modules
-run once per generation, and pinning 60 GB of text encoder would cost host RAM for nothing.
+calls ``text_encoder.model(...)``) still onloads. Without streams nothing is pinned. The only
+module of the engine that reads diffusers' group internals (``masters``). Leaf groups hold at most
+one layer on the device, only while it runs: nothing to give back.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import torch
 from diffusers.hooks import apply_group_offloading
 
-from .base import DIFFUSERS_GROUP_HOOKS, TransportContext, strip_hooks
+from ..state import REGISTRY
+from .base import DIFFUSERS_GROUP_HOOKS, MARKER, Masters, TransportBase, TransportContext, strip_hooks
 from .moves import bytes_on, module_bytes, move_module
 
 
-class LeafGroupTransport:
+class LeafGroupTransport(TransportBase):
     name = "leaf"
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -29,7 +31,7 @@ class LeafGroupTransport:
             onload_device=self.ctx.onload_device,
             offload_device=self.ctx.offload_device,
             offload_type="leaf_level",
-            use_stream=self.ctx.use_stream,
+            use_stream=self.ctx.streams,
             record_stream=self.ctx.record_stream,
         )
 
@@ -44,12 +46,20 @@ class LeafGroupTransport:
         return bytes_on(self.module, self.ctx.onload_device)
 
     def pinned_bytes(self) -> int:
-        if self.module is None or not self.ctx.use_stream:
+        if self.module is None or not self.ctx.streams:
             return 0
         return sum(t.numel() * t.element_size() for t in self.module.parameters() if _pinned(t))
 
-    def give_back(self, nbytes: int) -> int:
-        return 0  # leaf groups hold at most one layer on the device, only while it runs
+    def masters(self) -> Masters:
+        """diffusers keeps a CPU copy of each weight of a group it streams (``cpu_param_dict``):
+        onloads read from it."""
+        out: Masters = {}
+        for sub in self.module.modules() if self.module is not None else ():
+            hook = getattr(sub, REGISTRY, None)
+            group = getattr(hook.hooks.get(MARKER), "group", None) if hook is not None else None
+            for tensor, cpu in (getattr(group, "cpu_param_dict", None) or {}).items():
+                out.setdefault(id(tensor), []).append(cpu)
+        return out
 
     def run_bytes(self) -> int:
         """The largest leaf, on the device while it runs."""
@@ -58,7 +68,7 @@ class LeafGroupTransport:
         return max((module_bytes(m) for m in self.module.modules() if not list(m.children())), default=0)
 
     def details(self) -> dict[str, object]:
-        return {"streams": self.ctx.use_stream}
+        return {"streams": self.ctx.streams}
 
 
 def _pinned(t: torch.Tensor) -> bool:

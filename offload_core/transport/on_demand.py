@@ -10,35 +10,19 @@ run ends (a denoiser would otherwise bounce every step).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
+from .. import state
 from ..log import get_logger
-from .base import MARKER, MarkerHook, TransportContext, add_hook, remove_hook
+from .base import MARKER, MarkerHook, Masters, TransportBase, TransportContext, add_hook, remove_hook
 from .moves import HostTensors, bytes_on, host_tensors, module_bytes, move_module, rebind
 
 log = get_logger("on_demand")
-STAMP = "_diffusers_offload_on_demand"
-# Working memory a module needs beside its weights while entered, as a fraction of them (a 5.2 GiB
-# video VAE decoding 768x448 in chunks peaked at 0.5 GiB above its weights on the H200).
+# Working memory a module needs beside its weights while entered, as a fraction of them (a video
+# VAE's chunked decode peaks about that far above its weights; see bench/README.md).
 WORKSPACE_FRACTION = 0.25
-
-
-class _Bridge:
-    """Stands in ``module._hf_hook`` for diffusers' forward-hook bridge."""
-
-    def __init__(self, transport: OnDemandTransport) -> None:
-        self.transport = transport
-        self.execution_device = transport.ctx.onload_device
-
-    def pre_forward(self, module, *args, **kwargs):
-        self.transport.onload()
-        return args, kwargs
-
-    def post_forward(self, module, output):
-        return output
 
 
 class OnDemandGroup:
@@ -61,7 +45,7 @@ class OnDemandGroup:
                 member.offload()
 
 
-class OnDemandTransport:
+class OnDemandTransport(TransportBase):
     name = "on-demand"
 
     def __init__(self, ctx: TransportContext, entries: tuple[str, ...] = ()) -> None:
@@ -77,32 +61,23 @@ class OnDemandTransport:
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
         move_module(module, self.ctx.offload_device)
-        if getattr(module, "_hf_hook", None) is not None:
-            raise ValueError(
-                f"{type(module).__name__} already carries an accelerate offload hook (_hf_hook): "
-                "two offload systems cannot be stacked; remove enable_model_cpu_offload first"
-            )
-        module._hf_hook = _Bridge(self)
-        setattr(module, STAMP, True)
+        state.install_bridge(module, self.onload, self.ctx.onload_device)
         for entry in self.entries:
-            setattr(module, entry, self._wrap(getattr(type(module), entry).__get__(module)))
+            state.wrap_entry(module, entry, self._wrap)
         add_hook(module, MarkerHook(self.ctx.onload_device, on_enter=self.onload), MARKER)
         if self.group is not None:
             self.group.members.append(self)
 
     def remove(self, module: torch.nn.Module) -> None:
         remove_hook(module, MARKER)
-        for entry in self.entries:
-            module.__dict__.pop(entry, None)
-        module.__dict__.pop("_hf_hook", None)
-        module.__dict__.pop(STAMP, None)
+        state.unwrap_entries(module)
+        state.remove_bridge(module)
         if self.group is not None and self in self.group.members:
             self.group.members.remove(self)
         self.offload()
         self.module = None
 
-    def _wrap(self, method):
-        @functools.wraps(method)
+    def _wrap(self, method: Callable) -> Callable:
         def entered(*args, **kwargs):
             self.depth += 1
             try:
@@ -143,8 +118,8 @@ class OnDemandTransport:
                  type(self.module).__name__, (need - available) / 2**30, self.ctx.onload_device, freed / 2**30)
 
     def offload(self) -> None:
-        """Back to the resting tensors: no copy out (a 5 GiB VAE took 1.8-4.5 s to copy out to
-        pageable memory on the H200)."""
+        """Back to the resting tensors: no copy out (copying a VAE out to pageable memory takes
+        seconds; the weights were never written)."""
         if not self.loaded or self.module is None:
             return
         self._rebind()
@@ -160,8 +135,15 @@ class OnDemandTransport:
             return 0
         return bytes_on(self.module, self.ctx.onload_device)
 
-    def pinned_bytes(self) -> int:
-        return 0
+    def offload_idle(self) -> bool:
+        if not self.loaded:
+            return False
+        self.offload()
+        return True
+
+    def masters(self) -> Masters:
+        """While visiting the device, the resting tensors the module goes back to."""
+        return {id(owner._parameters[name]): [t] for owner, name, is_param, t in self._host if is_param}
 
     def give_back(self, nbytes: int) -> int:
         if self.depth or not self.loaded:

@@ -8,18 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from ..config import OffloadConfig
 from ..memory import MemoryReader, prefer_expandable_segments
-from ..preload import BlockInfo, CycleUsage, MemoryReading, PreloadPlanner, workload_of
-from ..preload.policy import Policy, parse_policy
+from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlanner, workload_of
 from ..preload.workload import entry_signature, scaled_workload
+from ..state import PLANNER
 from .streamer import BlockStreamer
-
-PLANNER = "_diffusers_offload_planner"
-
-
-def preload_policy(value: str | float) -> Policy:
-    """The config's ``auto`` / ``off`` / budget in GiB as a planner policy."""
-    return parse_policy(value if isinstance(value, str) else int(value * 2**30))
 
 
 class PreloadingStreamer(BlockStreamer):
@@ -32,15 +26,14 @@ class PreloadingStreamer(BlockStreamer):
     def apply(self, module: torch.nn.Module) -> None:
         prefer_expandable_segments(self.device)  # before the first segment of this model is made
         super().apply(module)
-        self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.preload)
+        self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.config.preload)
         self.driver.load()
 
-    def retune(self, preload: str | float) -> None:
+    def retune(self, config: OffloadConfig) -> None:
         """A new preload policy on a placed model: re-planned in place, no re-hooking."""
-        policy = preload_policy(preload)
-        if self.driver is not None and policy != self.driver.planner.policy:
-            self.ctx.preload = preload
-            self.driver.planner.rebind(self.driver.reading, policy, self.ctx.prefetch_window)
+        self.ctx.config = config
+        if self.driver is not None and config.preload != self.driver.planner.policy:
+            self.driver.planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window)
             self.driver.load()
 
     def remove(self, module: torch.nn.Module) -> None:
@@ -68,10 +61,10 @@ class PreloadDriver:
     NAME = "preload"
 
     def __init__(self, streamer: BlockStreamer, module: torch.nn.Module, memory: MemoryReader,
-                 policy: str | float) -> None:
+                 policy: Policy) -> None:
         self.streamer = streamer
         self.memory = memory
-        self.planner = _planner_for(module, streamer, self.reading, preload_policy(policy))
+        self.planner = _planner_for(module, streamer, self.reading, policy)
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
         self._entering = False  # a forward has started and its first block not yet
@@ -84,7 +77,7 @@ class PreloadDriver:
     def reading(self) -> MemoryReading:
         """The room a plan may use: the device's free and cached memory plus this model's kept
         blocks and streaming buffers, which a plan reuses; not the non-block part, which stays
-        (counting it over-committed by its size: 0.5 GB on Wan, 1.6 GiB on H3, found as OOMs)."""
+        (counting it would over-commit by its size)."""
         free, cached = self.memory.device_free(self.streamer.device)
         reusable = self.streamer.device_bytes() - self.streamer.head_bytes()
         return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0), opening=self._opening())
@@ -190,12 +183,12 @@ class PreloadDriver:
 def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
     blocks = [BlockInfo(p.index, p.block.tower, p.block.depth, p.nbytes, p.block.pinned or not streamer.cuda,
                         p.largest_unit, len(p.units), p.core) for p in streamer.pieces]
-    planner: PreloadPlanner | None = module.__dict__.get(PLANNER)
+    planner: PreloadPlanner | None = PLANNER.get(module)
     slots = {b.index: b.slot_bytes for b in blocks}
     if planner is None or len(planner.ranking) != len(blocks) or planner.slot_sizes != slots:
         identity = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
         planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
                                  policy=policy, prefetch_window=streamer.ctx.prefetch_window)
-        module.__dict__[PLANNER] = planner
+        PLANNER.set(module, planner)
     planner.rebind(reading, policy, streamer.ctx.prefetch_window)
     return planner

@@ -1,14 +1,15 @@
-"""Resident: the whole component lives on the onload device until released."""
+"""Resident: the whole component lives on the onload device until released (nothing to give
+back: all or nothing, the host detaches the component instead)."""
 
 from __future__ import annotations
 
 import torch
 
-from .base import MARKER, MarkerHook, TransportContext, add_hook, remove_hook
+from .base import MARKER, MarkerHook, TransportBase, TransportContext, add_hook, remove_hook
 from .moves import bytes_on, move_module
 
 
-class ResidentTransport:
+class ResidentTransport(TransportBase):
     name = "resident"
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -27,15 +28,3 @@ class ResidentTransport:
 
     def device_bytes(self) -> int:
         return bytes_on(self._module, self.ctx.onload_device) if self._module is not None else 0
-
-    def pinned_bytes(self) -> int:
-        return 0
-
-    def give_back(self, nbytes: int) -> int:
-        return 0  # all or nothing: the host detaches the component instead
-
-    def run_bytes(self) -> int:
-        return 0  # already on the device
-
-    def details(self) -> dict[str, object]:
-        return {}

@@ -30,12 +30,24 @@ power-of-two-rounded copy of every weight (1.57x host RAM). Here:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 from diffusers.hooks import ModelHook
 
 from ..log import get_logger
 from ..pinning import PinSet
-from .base import MARKER, STREAM_HOOK, MarkerHook, TransportContext, add_hook, remove_hook
+from .base import (
+    MARKER,
+    STREAM_HOOK,
+    MarkerHook,
+    Masters,
+    TransportBase,
+    TransportContext,
+    add_hook,
+    remove_hook,
+)
 from .blocks import StreamBlock, StreamPiece, StreamUnit, make_block, make_pieces
 from .events import Events
 from .order import ExecutionOrder
@@ -43,6 +55,22 @@ from .ring import BufferRing, RingSlot
 from .towers import find_towers
 
 log = get_logger("streamer")
+
+
+T = TypeVar("T")
+
+
+def retry_on_oom(run: Callable[[], T], relieve: Callable[[int], bool]) -> T:
+    """``run()``; on an allocator out-of-memory error, ``relieve(attempt)`` and run again while
+    it freed something (attempt counts from 0); the error goes up when nothing more can go."""
+    attempt = 0
+    while True:
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            if not relieve(attempt):
+                raise
+            attempt += 1
 
 
 class _BlockHook(ModelHook):
@@ -55,15 +83,10 @@ class _BlockHook(ModelHook):
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
-        """On an allocator OOM inside the block, let the planner give kept blocks up and retry;
-        the step continues instead of failing while there is anything left to give up."""
-        while True:
-            try:
-                return self.fn_ref.original_forward(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                self.streamer.ooms += 1
-                if not self.streamer.notify("oom", block=self.block):
-                    raise
+        """On an OOM inside the block the planner gives kept blocks up and the block runs again:
+        the step continues while there is anything left to give up."""
+        return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
+                            lambda _attempt: self.streamer.relieve_in(self.block))
 
     def post_forward(self, module, output):
         if not self.block.in_parts:
@@ -103,18 +126,11 @@ class _ModelHook(MarkerHook):
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
-        attempt = 0
-        while True:
-            try:
-                return self.fn_ref.original_forward(*args, **kwargs)
-            except torch.OutOfMemoryError:
-                self.streamer.ooms += 1
-                if not self.streamer.relieve_outside_blocks(first=attempt == 0):
-                    raise
-            attempt += 1
+        return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
+                            lambda attempt: self.streamer.relieve_outside_blocks(first=attempt == 0))
 
 
-class BlockStreamer:
+class BlockStreamer(TransportBase):
     name = "per-step"
 
     def __init__(self, ctx: TransportContext) -> None:
@@ -126,7 +142,7 @@ class BlockStreamer:
         self.module: torch.nn.Module | None = None
         self.pins = PinSet()
         self.cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and ctx.use_stream else None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda and ctx.streams else None
         self.order = ExecutionOrder([], lambda u: self.units[u].piece.resident is None)  # as the last cycle ran
         self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
         self._seen: list[int] = []
@@ -217,13 +233,13 @@ class BlockStreamer:
 
     def enter(self, unit: StreamUnit) -> None:
         self._seen.append(unit.index)
-        while True:
-            try:
-                return self._make_ready(unit)
-            except torch.OutOfMemoryError:  # our own buffer did not fit: give kept blocks up
-                self.ooms += 1
-                if not self.notify("oom", block=unit.block):
-                    raise
+        retry_on_oom(lambda: self._make_ready(unit), lambda _attempt: self.relieve_in(unit.block))
+
+    def relieve_in(self, block: StreamBlock) -> bool:
+        """An allocation inside ``block`` failed: the listeners (the planner) give kept pieces
+        up, never ``block``'s; False when nothing could go."""
+        self.ooms += 1
+        return self.notify("oom", block=block)
 
     def _make_ready(self, unit: StreamUnit) -> None:
         if unit.piece.resident is None and unit.index not in self._bound:
@@ -424,6 +440,7 @@ class BlockStreamer:
         go. Giving the streaming buffers back (and the blocks copied into them) is tried on the
         ``first`` failure only: a forward refills them, so only giving kept blocks up, which runs
         out, may repeat."""
+        self.ooms += 1
         self._unbind_all()
         self._seen = []  # the forward runs again from the start
         if first and self.ring.nbytes:
@@ -492,6 +509,13 @@ class BlockStreamer:
 
     def pinned_bytes(self) -> int:
         return self.pins.nbytes
+
+    def masters(self) -> Masters:
+        """Each streamed tensor's host master (a kept piece's device copy is its live ``.data``)."""
+        return {id(slot.tensor): [slot.host] for block in self.blocks for slot in block.slots}
+
+    def before_write(self) -> None:
+        self.drop_prefetched()  # copies made ahead of a weight write would be stale
 
     def give_back(self, nbytes: int) -> int:
         """Release kept pieces, last in the table first, until ``nbytes`` are freed."""

@@ -119,7 +119,7 @@ def test_pin_denied_falls_back_and_warns_with_per_step_volume(wan_pipe, caplog):
         report = engine.place(wan_pipe, CFG.replace(pin_reserve_gb=1.0))
     transport = engine.states(wan_pipe)["transformer"].transport
     assert not wan_pipe.transformer.__dict__[PIN_VERDICT].granted
-    assert transport.ctx.pin is False and transport.ctx.use_stream is False
+    assert transport.ctx.pin is False and transport.ctx.streams is False
     assert report.component("transformer").details["stream"] is False
     msgs = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     volume = "0.11 MiB"  # the tiny transformer's bytes, moved every step

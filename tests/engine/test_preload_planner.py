@@ -136,7 +136,7 @@ def test_fixed_budget_keeps_its_prefix_whatever_the_measure():
 
 
 def test_fixed_budget_yields_under_pressure_until_the_next_load():
-    planner = make_planner(policy=5 * GIB)
+    planner = make_planner(policy=5)  # a number is GiB
     planner.begin_cycle(100)
     planner.on_shortage(needed=2 * GIB)
     assert len(planner.begin_cycle(100)) == 3

@@ -58,7 +58,8 @@ def test_entries_of_another_structure_give_no_guess():
     [
         ("auto", AUTO),
         (" OFF ", OFF),
-        (12 * GIB, Policy("fixed", 12 * GIB)),
+        (12, Policy("fixed", 12 * GIB)),  # a number is GiB
+        (0.5, Policy("fixed", GIB // 2)),
         ("12", Policy("fixed", 12 * GIB)),
         ("12.5 GB", Policy("fixed", int(12.5 * GIB))),
         ("800MB", Policy("fixed", 800 * MIB)),
@@ -70,7 +71,7 @@ def test_parse_policy(value, policy):
     assert parse_policy(value) == policy
 
 
-@pytest.mark.parametrize("value", ["lots", "12 parsecs", "-3 GB", -1])
+@pytest.mark.parametrize("value", ["lots", "12 parsecs", "-3 GB", -1, float("nan"), float("inf"), "nan", "inf"])
 def test_parse_policy_rejects_nonsense(value):
     with pytest.raises(ValueError, match="preload"):
         parse_policy(value)
