@@ -1,17 +1,26 @@
-"""The pack's V3 extension: every node class, gathered from the node files' ``NODES`` lists."""
+"""The pack's V3 extension: every node class, and the web view connected to the host.
+
+The wiring lives here so that data flows one way: ``host.py`` announces patcher events to
+whoever subscribed, ``web_api.py`` reports what it is handed, and neither imports the other.
+"""
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-
 from comfy_api.latest import ComfyExtension, io
 
-from . import h3, loaders, lora, report, settings, web_api
+from . import generate, h3, host, loaders, lora, report, settings, web_api
 
-# The page's state route: at import (v0.3.x never calls on_load) and on load (later servers);
-# idempotent, and a no-op without a server or once the app is running.
-web_api.register_routes()
+
+def connect_web_view() -> None:
+    """Feed the page: the engine's report as its source, the patcher events as its triggers, and
+    the state route (at import, since v0.3.x never calls ``on_load``, and on load for later
+    servers; idempotent, a no-op without a server or once the app is running)."""
+    web_api.connect(host.ENGINE.report)
+    host.subscribe("web_view", loaded=web_api.loaded, changed=web_api.changed, finished=web_api.finished)
+    web_api.register_routes()
+
+
+connect_web_view()
 
 
 class DiffusersOffloadExtension(ComfyExtension):
@@ -19,12 +28,4 @@ class DiffusersOffloadExtension(ComfyExtension):
         web_api.register_routes()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [*loaders.NODES, *h3.NODES, *lora.NODES, *settings.NODES, *report.NODES, *_generate_nodes()]
-
-
-def _generate_nodes() -> list[type[io.ComfyNode]]:
-    """The Generate nodes live in ``generate.py`` (written alongside); listed once the file exists.
-    Only its presence is checked: a generate.py that fails to import must fail loudly."""
-    if not Path(__file__).with_name("generate.py").is_file():
-        return []
-    return importlib.import_module(".generate", __package__).NODES
+        return [*loaders.NODES, *generate.NODES, *h3.NODES, *lora.NODES, *settings.NODES, *report.NODES]

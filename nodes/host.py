@@ -10,12 +10,16 @@ engine's own account of what sits on the device. ComfyUI's calls map to the engi
 - ``detach(unpatch_all=True)``   -> ``Engine.release`` (via ``unpatch_model``: hooks stripped,
   weights in host memory, pinned pages unregistered); ``detach(unpatch_all=False)`` (a clone
   taking over, a patcher being collected) leaves the placement alone.
+
+Observers (the web view) learn of loads, placement changes and ends of calls through named
+subscriptions (`subscribe`); this module imports none of them.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +33,6 @@ from comfy.patcher_extension import CallbacksMP
 from ..offload_core import Engine, OffloadConfig, PlacementReport
 from ..offload_core.memory import MemoryReader
 from ..offload_core.preload import notify_model_load, process_store
-from . import web_api
 
 log = logging.getLogger("diffusers_offload.nodes")
 
@@ -49,6 +52,35 @@ ENGINE = Engine(memory=ComfyMemory())
 _measures_path: Path | None = None  # the file the process-wide measure store saves to
 _noted: set[str] = set()  # flag adjustments already logged
 
+EVENTS = ("loaded", "changed", "finished")
+Listener = Callable[["DiffusersPatcher"], None]
+_subscribers: dict[str, dict[str, Listener]] = {}
+
+
+def subscribe(name: str, **listeners: Listener) -> None:
+    """Call ``listeners`` (keyed by `EVENTS`: a pipeline was ``loaded``, its placement may have
+    ``changed``, a call on it ``finished``) with the patcher; a second subscription under the same
+    name replaces the first. Listeners must be cheap; what they raise is logged, never propagated."""
+    unknown = set(listeners) - set(EVENTS)
+    if unknown:
+        raise ValueError(f"unknown patcher events {sorted(unknown)}; known: {', '.join(EVENTS)}")
+    _subscribers[name] = dict(listeners)
+
+
+def unsubscribe(name: str) -> None:
+    _subscribers.pop(name, None)
+
+
+def _notify(event: str, patcher: DiffusersPatcher) -> None:
+    for name, listeners in list(_subscribers.items()):
+        listener = listeners.get(event)
+        if listener is None:
+            continue
+        try:
+            listener(patcher)
+        except Exception:
+            log.debug("subscriber %r failed on %s", name, event, exc_info=True)
+
 
 def effective_config(config: OffloadConfig) -> OffloadConfig:
     """The user's settings with ComfyUI's launch flags applied: the flags describe the machine.
@@ -66,19 +98,21 @@ def effective_config(config: OffloadConfig) -> OffloadConfig:
         changes.update(preload="off", resident_floor_mb=0.0, on_demand_threshold_gb=0.0)
     if args.disable_pinned_memory:
         changes["pin_memory"] = False
-    note = ", ".join(f"{k} {getattr(config, k)!r} -> {v!r}"
-                     for k, v in changes.items() if getattr(config, k) != v)
+    if not changes:
+        return config
+    adjusted = config.replace(**changes)  # parsed as the engine reads them (preload: a policy)
+    note = ", ".join(f"{k} {str(getattr(config, k))!r} -> {str(getattr(adjusted, k))!r}"
+                     for k in changes if getattr(config, k) != getattr(adjusted, k))
     if note and note not in _noted:
         _noted.add(note)
         log.info("ComfyUI's launch flags adjust the offload settings: %s", note)
-    return config.replace(**changes) if changes else config
+    return adjusted
 
 
 def allocator_note(backend: str) -> str | None:
-    """What a user should know of the allocator ComfyUI started PyTorch with. Under
-    ``cudaMallocAsync`` (ComfyUI's default) the engine cannot turn expandable segments on, and a
-    video on a small card keeps fewer blocks: 20-24 of the 25-26 pieces of Wan-14B at 12 GiB,
-    with out-of-memory errors recovered in the step (bench/RESULTS.md, run 15a)."""
+    """What a user should know of the allocator ComfyUI started PyTorch with: under
+    ``cudaMallocAsync`` (ComfyUI's default) the engine cannot turn expandable segments on, so a
+    video on a small card keeps fewer blocks resident (see bench/README.md)."""
     if backend != "cudaMallocAsync":
         return None
     return ("ComfyUI runs PyTorch's cudaMallocAsync allocator: a video on a small card keeps fewer blocks resident "
@@ -163,7 +197,7 @@ class DiffusersPatcher(ModelPatcher):
         """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
         ENGINE.after_run(self.pipe)
         self._sync()
-        web_api.finished(self)
+        _notify("finished", self)
 
     def report(self) -> PlacementReport:
         return ENGINE.report(self.pipe)
@@ -222,7 +256,7 @@ class DiffusersPatcher(ModelPatcher):
         """Mirror the engine's account into the counters ComfyUI reads straight off the module."""
         self.model.device = self.current_loaded_device()
         self.model.model_loaded_weight_memory = self.loaded_size()
-        web_api.changed(self)
+        _notify("changed", self)
 
     def _retarget(self, device: torch.device) -> None:
         """ComfyUI files a loaded model under its load device: on a device change, unload the
@@ -242,7 +276,7 @@ def manage(pipe: Any, dtype: torch.dtype, config: OffloadConfig) -> DiffusersPat
     size = sum(c.nbytes for c in ENGINE.report(pipe).components)
     patcher = DiffusersPatcher(holder, torch.device(holder.config.device), OFFLOAD_DEVICE, size)
     weakref.finalize(holder, _release_if_placed, pipe).atexit = False
-    web_api.track(patcher)
+    _notify("loaded", patcher)
     return patcher
 
 

@@ -1,171 +1,47 @@
-"""Load diffusers pipeline: lists model folders, checks them, loads them as a `PipeHandle`.
+"""Load diffusers pipeline / Load modular pipeline: a checked folder, loaded as a `PipeHandle`.
 
-A folder is checked before diffusers reads it (index, component folders, weight files, every
-safetensors header against the file's size), so a broken download fails with the file to fix
-instead of a deep loader traceback or a crash mid-load. Files are only ever read.
+Why two loaders: a classic pipeline (``model_index.json``) loads whole; a modular one
+(``modular_model_index.json``, MiniMax-H3) loads only the components of the chosen workflow (the
+t2va/fl2va transformer or the ref2va one, 62 GB each). Both hand ComfyUI one managed patcher
+(``host.manage``); weights stay in host memory until a run places them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from comfy_api.latest import io
 from diffusers import DiffusionPipeline
+from diffusers.modular_pipelines import ModularPipeline
 
 from ..offload_core import OffloadConfig
 from . import host
+from .folders import (
+    MODULAR_INDEX,
+    PipelineFolderError,
+    check_component,
+    check_pipeline_folder,
+    list_models,
+    list_modular_models,
+    resolve_model,
+)
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle, family_of
 
 log = logging.getLogger("diffusers_offload.nodes")
 
-INDEX = "model_index.json"
-MODULAR_INDEX = "modular_model_index.json"
-MAX_DEPTH = 4  # deep enough for org/name/snapshot layouts, shallow enough to never crawl a disk
-MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
+WORKFLOWS = ("t2va", "fl2va", "ref2va")
+REF_FOLDER = "transformer_ref"
 
 
-class PipelineFolderError(ValueError):
-    """A model folder diffusers cannot load; the message names the file and what to do."""
-
-
-# -- listing --------------------------------------------------------------------------------
-def list_models() -> list[str]:
-    """Folders (relative to each diffusers root) holding a pipeline index, classic or modular."""
-    names: set[str] = set()
-    for root in host.diffusers_roots():
-        names.update(p.relative_to(root).as_posix() for p in _model_folders(Path(root)))
-    return sorted(names)
-
-
-def _model_folders(root: Path) -> Iterator[Path]:
-    if not root.is_dir():
-        return
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        here = Path(dirpath)
-        if here != root and (INDEX in filenames or MODULAR_INDEX in filenames):
-            dirnames.clear()  # a model's component folders are not models
-            yield here
-        elif len(here.relative_to(root).parts) >= MAX_DEPTH:
-            dirnames.clear()
-        else:
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-
-
-def resolve_model(name: str) -> Path:
-    """The folder a listed name stands for, in the first diffusers root that has it."""
-    roots = host.diffusers_roots()
-    if not Path(name).is_absolute() and ".." not in Path(name).parts:  # v0.3 does not check combo values
-        for root in roots:
-            folder = Path(root) / name
-            if folder.is_dir() and folder != Path(root):
-                return folder
-    raise PipelineFolderError(
-        f"no model folder {name!r} under {', '.join(roots)}: put the pipeline folder (the one holding "
-        f"{INDEX}) in models/diffusers and refresh"
-    )
-
-
-# -- checks ------------------------------------------------------------------------------------
-def check_pipeline_folder(folder: Path) -> None:
-    """Validate a classic pipeline folder before diffusers reads any of it."""
-    index_file = folder / INDEX
-    if not index_file.is_file():
-        if (folder / MODULAR_INDEX).is_file():
-            raise PipelineFolderError(
-                f"{folder} is a modular diffusers pipeline ({MODULAR_INDEX}): load it with the modular "
-                "pipeline loader; this node loads classic pipelines (model_index.json)"
-            )
-        raise PipelineFolderError(f"{folder} is not a diffusers model folder: it has no {INDEX}")
-    for name, library, cls in _components(_read_index(index_file)):
-        check_component(folder / name, name, f"{library}.{cls}")
-
-
-def _read_index(path: Path) -> dict:
-    index = read_json(path)
-    if not isinstance(index.get("_class_name"), str):
-        raise PipelineFolderError(f"{path} is not a diffusers pipeline index (no \"_class_name\"): point "
-                                  "the loader at the folder of a pipeline saved with save_pretrained")
-    return index
-
-
-def _components(index: dict) -> Iterator[tuple[str, str, str]]:
-    """(name, library, class) of every component the index declares (``[null, null]`` = absent)."""
-    for name, spec in index.items():
-        if not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and all(spec):
-            yield name, str(spec[0]), str(spec[1])
-
-
-def check_component(folder: Path, name: str, what: str) -> None:
-    if not folder.is_dir():
-        raise PipelineFolderError(f"component {name!r} ({what}) is missing: {folder} does not exist; copy "
-                                  "that folder from the original model or download the model again")
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    if (folder / "config.json").is_file() and not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
-        raise PipelineFolderError(f"component {name!r} ({what}) has no weights file in {folder} (*.safetensors "
-                                  "or *.bin): the download is incomplete; download the model again")
-    for index_file in (p for p in files if p.name.endswith(".index.json")):
-        _check_shards(index_file)
-    for weights in (p for p in files if p.suffix == ".safetensors"):
-        check_safetensors(weights)
-
-
-def _check_shards(index_file: Path) -> None:
-    weight_map = read_json(index_file).get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise PipelineFolderError(f"{index_file} has no weight_map: restore it or download the model again")
-    for shard in sorted(set(weight_map.values())):
-        if not (index_file.parent / shard).is_file():
-            raise PipelineFolderError(f"{index_file.parent / shard} is missing (listed in {index_file.name}): "
-                                      "the download is incomplete; download that file again")
-
-
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PipelineFolderError(f"{path} cannot be read as JSON ({exc}): the download is incomplete or "
-                                  "the file was edited; restore it or download the model again") from exc
-    if not isinstance(data, dict):
-        raise PipelineFolderError(f"{path} is not a JSON object: restore it or download the model again")
-    return data
-
-
-def check_safetensors(path: Path) -> None:
-    """The header must parse and describe exactly the bytes the file holds (truncated copies and
-    interrupted downloads fail here, by name, instead of inside the loader)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        length = int.from_bytes(f.read(8), "little")
-        if size < 8 or not 0 < length <= min(size - 8, MAX_HEADER):
-            raise PipelineFolderError(_damaged(path, f"its {size} bytes cannot hold the header it announces"))
-        try:
-            header = json.loads(f.read(length))
-            ends = (int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__")
-            end = max(ends, default=0)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-            raise PipelineFolderError(_damaged(path, f"its header is not valid ({exc})")) from exc
-    if 8 + length + end != size:
-        described = 8 + length + end
-        raise PipelineFolderError(_damaged(path, f"its header describes {described} bytes, the file has {size}"))
-
-
-def _damaged(path: Path, why: str) -> str:
-    return f"{path} is truncated or corrupt: {why}; download this file again"
-
-
-# -- loading ---------------------------------------------------------------------------------
 def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
     check_pipeline_folder(folder)
     try:
@@ -174,6 +50,43 @@ def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
         raise PipelineFolderError(f"diffusers could not load {folder}: {type(exc).__name__}: {exc}") from exc
     log.info("loaded %s from %s (%s)", type(pipe).__name__, folder, str(dtype).removeprefix("torch."))
     return pipe
+
+
+def load_modular(folder: Path, workflow: str, dtype: torch.dtype) -> ModularPipeline:
+    """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded."""
+    if not (folder / MODULAR_INDEX).is_file():
+        raise PipelineFolderError(f"{folder} has no {MODULAR_INDEX}: it is not a modular pipeline; load a classic "
+                                  "one (model_index.json) with 'Load diffusers pipeline'")
+    if workflow == "ref2va" and not (folder / REF_FOLDER).is_dir():
+        raise PipelineFolderError(f"workflow ref2va needs {folder / REF_FOLDER}, which is missing: choose t2va or "
+                                  "fl2va, or download the transformer_ref folder")
+    try:
+        pipe = ModularPipeline.from_pretrained(str(folder), workflow=workflow, local_files_only=True)
+    except Exception as exc:  # unknown workflow, unreadable index: name the folder
+        raise PipelineFolderError(f"diffusers could not read {folder} for workflow {workflow!r}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    for name, spec in pipe._component_specs.items():
+        source = getattr(spec, "pretrained_model_name_or_path", None)
+        if spec.default_creation_method == "from_pretrained" and source and Path(source).is_dir():
+            check_component(Path(source) / (spec.subfolder or ""), name, getattr(spec.type_hint, "__name__", "?"))
+    try:
+        pipe.load_components(dtype=dtype)
+    except Exception as exc:
+        raise PipelineFolderError(f"diffusers could not load the {workflow} components of {folder}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    log.info("loaded %s (%s) from %s (%s)", type(pipe).__name__, workflow, folder, str(dtype).removeprefix("torch."))
+    return pipe
+
+
+def _handle(pipe: Any, folder: Path, dtype: torch.dtype, config: OffloadConfig) -> io.NodeOutput:
+    patcher = host.manage(pipe, dtype, config)
+    return io.NodeOutput(PipeHandle(pipe=pipe, config=config, path=str(folder), family=family_of(pipe),
+                                    dtype=dtype, patcher=patcher))
+
+
+def _dtype_input() -> io.Input:
+    return io.Combo.Input("dtype", options=list(DTYPES), default="auto",
+                          tooltip="Weight dtype; auto picks what ComfyUI would for the device.")
 
 
 class LoadPipeline(io.ComfyNode):
@@ -191,8 +104,7 @@ class LoadPipeline(io.ComfyNode):
                 io.Combo.Input("model", options=list_models(),
                                tooltip="A folder under models/diffusers (or an extra_model_paths location) "
                                        "that holds model_index.json."),
-                io.Combo.Input("dtype", options=list(DTYPES), default="auto",
-                               tooltip="Weight dtype; auto picks what ComfyUI would for the device."),
+                _dtype_input(),
                 OffloadConfigType.Input("offload", optional=True,
                                         tooltip="Offload settings; changing them here reloads the model, "
                                                 "Apply offload settings changes them without a reload."),
@@ -205,10 +117,38 @@ class LoadPipeline(io.ComfyNode):
         config = offload or OffloadConfig()
         folder = resolve_model(model)
         torch_dtype = DTYPES[dtype] or host.auto_dtype(config)
-        pipe = load_pipeline(folder, torch_dtype)
-        handle = PipeHandle(pipe=pipe, config=config, path=str(folder), family=family_of(pipe),
-                            dtype=torch_dtype, patcher=host.manage(pipe, torch_dtype, config))
-        return io.NodeOutput(handle)
+        return _handle(load_pipeline(folder, torch_dtype), folder, torch_dtype, config)
 
 
-NODES: list[type[io.ComfyNode]] = [LoadPipeline]
+class LoadModularPipeline(io.ComfyNode):
+    """Load a modular diffusers pipeline (modular_model_index.json) for one workflow."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="DiffusersOffloadLoadModularPipeline",
+            display_name="Load modular pipeline (diffusers)",
+            category=CATEGORY,
+            description="Loads a modular diffusers pipeline folder (modular_model_index.json, e.g. MiniMax-H3) "
+                        "from models/diffusers with only the components the chosen workflow uses.",
+            inputs=[
+                io.Combo.Input("model", options=list_modular_models(),
+                               tooltip="A folder under models/diffusers holding modular_model_index.json."),
+                io.Combo.Input("workflow", options=list(WORKFLOWS), default="t2va",
+                               tooltip="t2va: text to video+audio; fl2va: also first and/or last frame; "
+                                       "ref2va: needs the transformer_ref folder."),
+                _dtype_input(),
+                OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
+            ],
+            outputs=[DiffusersPipe.Output(display_name="pipe")],
+        )
+
+    @classmethod
+    def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None) -> io.NodeOutput:
+        config = offload or OffloadConfig()
+        folder = resolve_model(model)
+        torch_dtype = DTYPES[dtype] or host.auto_dtype(config)
+        return _handle(load_modular(folder, workflow, torch_dtype), folder, torch_dtype, config)
+
+
+NODES: list[type[io.ComfyNode]] = [LoadPipeline, LoadModularPipeline]

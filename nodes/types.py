@@ -1,4 +1,5 @@
-"""The pack's socket types and `PipeHandle`, the live value on a DIFFUSERS_PIPE socket.
+"""The pack's socket types, its shared schema pieces, and `PipeHandle`, the live value on a
+DIFFUSERS_PIPE socket.
 
 Sockets carry live Python objects (ComfyUI caches node outputs, it does not serialise them), so
 a handle is the loaded pipeline itself plus the settings it is to be placed with.
@@ -21,6 +22,9 @@ CATEGORY = "diffusers offload"
 
 DiffusersPipe = io.Custom("DIFFUSERS_PIPE")
 OffloadConfigType = io.Custom("OFFLOAD_CONFIG")
+# Shared by the generate nodes: the seed range ComfyUI's own samplers take, and the notes output.
+SEED_MAX = 0xFFFFFFFFFFFFFFFF
+NOTES = io.String.Output("notes", display_name="notes", tooltip="What was snapped or ignored, one line each.")
 
 # Class-name prefixes of a pipeline (or of a modular pipeline's blocks) -> family; first match.
 FAMILIES: tuple[tuple[str, str], ...] = (

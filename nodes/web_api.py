@@ -1,20 +1,16 @@
-"""What the page shows: a read-only state route and two websocket events for ``web/``.
+"""What the page shows: a read-only state route and websocket events for ``web/``.
 
 Why: a user watching a long video run wants to see where every component's weights are and what
 the run is doing without reading the server log. The page computes nothing itself: every byte
-count comes from the engine's report (``PlacementReport``), every stage from the pack's own
-progress plumbing. ``GET /diffusers_offload/state`` gives the whole picture (after a page reload
-mid-run); ``diffusers_offload.placement`` / ``.stage`` / ``.removed`` events keep it live.
+count comes from the engine's report (``PlacementReport``), every stage from the run's progress
+hooks. ``GET /diffusers_offload/state`` gives the whole picture (after a page reload mid-run);
+``diffusers_offload.placement`` / ``.stage`` / ``.removed`` events keep it live.
 
-Hooks (all never raise, all cheap when no page is open):
-
-- ``track(patcher)``     a pipeline was loaded (``host.manage``);
-- ``changed(patcher)``   its placement may have changed (``DiffusersPatcher._sync``);
-- ``finished(patcher)``  a pipeline call ended (``DiffusersPatcher.finish``);
-- ``stage(node_id, name, step, total, pipe)``  the current stage of a node (``progress.py``; the
-  H3 stage hooks can call it with "video decode chunk" / 3 / 8 and the like).
-
-Pipelines are held only through weak references: the registry never keeps a model alive.
+This module imports nothing of the pack's host side: `connect` hands it the report source
+(the extension passes the engine's ``report``) and the extension subscribes `loaded`,
+`changed` and `finished` to the patcher events of ``host.py``; ``running.py`` calls `stage`.
+Every hook never raises and is cheap when no page is open. Pipelines are held only through weak
+references: the registry never keeps a model alive.
 """
 
 from __future__ import annotations
@@ -25,9 +21,11 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..offload_core.components import denoiser
 from ..offload_core.report import ComponentReport, PlacementReport
 
 log = logging.getLogger("diffusers_offload.web")
@@ -84,12 +82,12 @@ class Entry:
     snapshot: dict[str, Any] | None = None
     checked: float = 0.0
 
-    def refresh(self) -> dict[str, Any] | None:
+    def refresh(self, report_of: Callable[[Any], PlacementReport]) -> dict[str, Any] | None:
         """Re-read the engine's report; None once the pipeline is gone."""
         holder = self.holder()
         if holder is None:
             return None
-        report: PlacementReport = _engine().report(holder.pipe)
+        report = report_of(holder.pipe)
         plan = report.plan
         if plan and plan != self.plan:
             self.plan_change = {"line": plan, "previous": self.plan, "at": time.time()}
@@ -111,6 +109,7 @@ class Registry:
     worker thread, the route is served on the event loop)."""
 
     def __init__(self) -> None:
+        self.report_of: Callable[[Any], PlacementReport] | None = None  # set by `connect`
         self._lock = threading.RLock()
         self._entries: dict[int, Entry] = {}
         self._stages: dict[str, dict[str, Any]] = {}
@@ -137,10 +136,14 @@ class Registry:
                     return entry
         return None
 
+    def refresh(self, entry: Entry) -> dict[str, Any] | None:
+        """The entry's snapshot re-read; None when the pipeline is gone or nothing is connected."""
+        return None if self.report_of is None else entry.refresh(self.report_of)
+
     def publish(self, entry: Entry) -> None:
         with self._lock:
             before = _placement_key(entry.snapshot)
-            snapshot = entry.refresh()
+            snapshot = self.refresh(entry)
         if snapshot is not None and _placement_key(snapshot) != before:
             _send(EVENT_PLACEMENT, snapshot)
 
@@ -165,7 +168,7 @@ class Registry:
             for entry in list(self._entries.values()):
                 busy = any(s.get("pipeline") == entry.id for s in self._stages.values())
                 # mid-run the last published snapshot is current; idle ones are re-read
-                snap = entry.snapshot if busy and entry.snapshot else _safe(entry.refresh)
+                snap = entry.snapshot if busy and entry.snapshot else _safe(lambda e=entry: self.refresh(e))
                 if snap is not None:
                     pipelines.append(snap)
             return {"schema": SCHEMA, "pipelines": pipelines, "stages": dict(self._stages),
@@ -188,7 +191,13 @@ REGISTRY = Registry()
 # ----------------------------------------------------------------------------------- the hooks
 
 
-def track(patcher: Any) -> None:
+def connect(report_of: Callable[[Any], PlacementReport]) -> None:
+    """Where the view reads a pipeline's placement from (the engine's ``report``); until this is
+    called the route lists no pipeline and no placement event is sent."""
+    REGISTRY.report_of = report_of
+
+
+def loaded(patcher: Any) -> None:
     """A pipeline was loaded (by the node now executing)."""
     _guard(lambda: REGISTRY.publish(REGISTRY.entry(patcher, _executing_node())))
 
@@ -288,12 +297,6 @@ def _safe(fn: Any) -> Any:
         return None
 
 
-def _engine() -> Any:
-    from .host import ENGINE
-
-    return ENGINE
-
-
 def _executing_node() -> str | None:
     try:
         from comfy_execution.utils import get_executing_context
@@ -310,8 +313,8 @@ def _path_of(pipe: Any) -> str:
 def _same_pipeline(a: Any, b: Any) -> bool:
     if a is b:
         return True
-    denoiser = getattr(a, "transformer", None) or getattr(a, "unet", None)
-    return denoiser is not None and denoiser is (getattr(b, "transformer", None) or getattr(b, "unet", None))
+    model = denoiser(a)
+    return model is not None and model is denoiser(b)
 
 
 def _placement_key(snapshot: dict[str, Any] | None) -> Any:

@@ -230,28 +230,28 @@ def test_grid_of_the_real_wan_geometry(comfy: harness.ComfyHost) -> None:
     """Wan 2.1 at full size (meta device): VAE x8 and patch 2 in space, x4 in time."""
     from fixtures.meta_models import meta_wan14b_pipeline
 
-    generate = comfy.pack_submodule("nodes.generate")
+    grids = comfy.pack_submodule("nodes.grid")
 
-    grid = generate.model_grid(meta_wan14b_pipeline(), "wan")
+    grid = grids.model_grid(meta_wan14b_pipeline(), "wan")
 
     assert (grid.spatial, grid.temporal) == (16, 4)
-    assert [generate.snap_size(v, 16) for v in (1, 500, 832)] == [16, 496, 832]
-    assert [generate.snap_frames(v, 4) for v in (0, 1, 80, 81, 83)] == [1, 1, 81, 81, 85]
+    assert [grids.snap_size(v, 16) for v in (1, 500, 832)] == [16, 496, 832]
+    assert [grids.snap_frames(v, 4) for v in (0, 1, 80, 81, 83)] == [1, 1, 81, 81, 85]
 
 
 def test_inputs_the_pipeline_lacks_are_noted_and_guidance_goes_where_the_model_reads_it(
     comfy: harness.ComfyHost, flux_pipe: Any
 ) -> None:
-    generate = comfy.pack_submodule("nodes.generate")
+    calls = comfy.pack_submodule("nodes.call")
 
     class PromptOnly:
         def __call__(self, prompt: str, height: int, width: int) -> None: ...
 
-    call = generate.Call(PromptOnly())
+    call = calls.Call(PromptOnly())
     call.text("a cat", "blurry", 3.0)
     assert call.kwargs == {"prompt": "a cat"}
     assert call.notes == ["PromptOnly takes no negative prompt: ignored", "PromptOnly takes no guidance scale: ignored"]
 
-    assert generate.Call(flux_pipe).guidance_key() == "true_cfg_scale"  # tiny Flux: no distilled guidance
+    assert calls.Call(flux_pipe).guidance_key() == "true_cfg_scale"  # tiny Flux: no distilled guidance
     flux_pipe.transformer.register_to_config(guidance_embeds=True)  # as FLUX.1-dev
-    assert generate.Call(flux_pipe).guidance_key() == "guidance_scale"
+    assert calls.Call(flux_pipe).guidance_key() == "guidance_scale"

@@ -226,8 +226,8 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
     stage: str, unit: int,
 ) -> None:
     """Cancel pressed while unit ``unit`` of ``stage`` is announced: not one more unit of it runs."""
-    h3 = comfy.pack_submodule("nodes.h3")
-    make_host = h3.stage_host
+    running = comfy.pack_submodule("nodes.running")
+    make_host = running.stage_host
     at_flag: list[int] = []
 
     def pressing_cancel(node_id: str | None, pipe: Any = None) -> Any:
@@ -241,14 +241,14 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
 
         return type(host)(on_stage=on_stage, check_interrupt=host.check_interrupt)
 
-    monkeypatch.setattr(h3, "stage_host", pressing_cancel)
+    monkeypatch.setattr(running, "stage_host", pressing_cancel)
     prompt = graph(model, seed=30 + list(UNIT_CLASSES).index(stage), outputs=(3,))  # a seed per case: no cache hit
 
     stopped = comfy.run_prompt(prompt)
 
     assert stopped.interrupted and not stopped.success
     assert at_flag == [unit - 1] and units_run.count(stage) == unit - 1  # nothing of the stage ran after
-    monkeypatch.setattr(h3, "stage_host", make_host)
+    monkeypatch.setattr(running, "stage_host", make_host)
     comfy.run_prompt(prompt).raise_for_error()
 
 

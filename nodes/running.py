@@ -1,24 +1,25 @@
-"""ComfyUI progress, stage text and interrupt for one diffusers pipeline call.
+"""One pipeline call on a node: placement before it, progress and Cancel during it, its end after.
 
-Why: a diffusers pipeline runs its own denoise loop, so none of ComfyUI's sampler callbacks fire.
-The one per-step hook a classic pipeline offers is ``callback_on_step_end``; `StepProgress` turns
-it into ComfyUI's progress bar and interrupt check, so the bar moves per step and Cancel stops a
-run within one step. `stage_host` connects the engine's stage hooks (``offload_core.run.stages``) to
-the same bar and to a label on the node, for pipelines run stage by stage (modular MiniMax-H3).
-The engine stays host-free: only node files import this.
+Why: a diffusers pipeline runs its own denoise loop, so none of ComfyUI's sampler callbacks
+fire. A classic pipeline reports per step (``callback_on_step_end``, turned into `StepProgress`);
+a modular one stage by stage (``offload_core.run.stages``, connected by `stage_host`). Either way
+the call must be placed through ComfyUI's loader first and the pipeline told that the call is
+over afterwards, also on an error or Cancel: `Run` does both for every generate node.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import comfy.utils
 from server import PromptServer
 
-from ..offload_core.run.stages import StageHost, label
+from ..offload_core.run.stages import StageHooks, StageHost, label
 from . import web_api
 from .host import check_interrupt
+from .types import PipeHandle
 
 log = logging.getLogger("diffusers_offload.nodes")
 
@@ -71,3 +72,35 @@ def stage_host(node_id: str | None, pipe: Any = None) -> StageHost:
             bar.update_absolute(i, n)
 
     return StageHost(on_stage=on_stage, check_interrupt=check_interrupt)
+
+
+class Run:
+    """``with Run(handle, node_id) as run: pipe(...)``: the pipeline is placed on entry (through
+    ComfyUI's loader, with the handle's LoRA set) and told the call is over on exit, whether the
+    call returned, failed or was cancelled."""
+
+    def __init__(self, handle: PipeHandle, node_id: str | None) -> None:
+        self.handle = handle
+        self.node_id = node_id
+
+    def show(self, notes: Sequence[str]) -> str:
+        """Show what was snapped or ignored under the node; the text is the node's notes output."""
+        text = "\n".join(notes)
+        if text:
+            say(text, self.node_id)
+        return text
+
+    def step_callback(self, steps: int) -> StepProgress:
+        """The ``callback_on_step_end`` of a classic pipeline call."""
+        return StepProgress(steps, self.node_id)
+
+    def stage_hooks(self, pipe: Any, totals: Mapping[str, int]) -> StageHooks:
+        """Stage hooks of a modular pipeline call (a context manager around the call)."""
+        return StageHooks(pipe, stage_host(self.node_id, pipe), totals)
+
+    def __enter__(self) -> Run:
+        self.handle.prepare()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.handle.finish()

@@ -1,0 +1,141 @@
+"""Assembling a classic pipeline's call from a node's inputs, with notes of what was changed.
+
+Why: every diffusers pipeline takes its own arguments. A `Call` offers the negative prompt,
+guidance, batch size and frame rate only where the pipeline's ``__call__`` takes them, snaps
+sizes to the model's grid, and notes each change or omission for the user instead of failing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import diffusers
+import torch
+
+from ..offload_core.components import denoiser
+from .grid import Grid, snap_frames, snap_size
+from .outputs import to_pil
+
+log = logging.getLogger("diffusers_offload.nodes")
+
+# Playback rate of models whose call takes no frame rate; the call's own default wins otherwise.
+FAMILY_FPS = {"wan": 16.0}
+DEFAULT_FPS = 24.0
+# Text-to-video pipelines whose components also run image-to-video under a sibling class.
+I2V_VARIANTS = {"LTX2Pipeline": "LTX2ImageToVideoPipeline", "LTXPipeline": "LTXImageToVideoPipeline"}
+
+
+def call_params(pipe: Any) -> Mapping[str, inspect.Parameter]:
+    """The keyword arguments the pipeline's ``__call__`` takes."""
+    return inspect.signature(pipe.__call__).parameters
+
+
+@dataclass
+class Call:
+    """A pipeline call being assembled, with the notes that tell the user what was changed."""
+
+    pipe: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return type(self.pipe).__name__
+
+    def takes(self, name: str) -> bool:
+        return name in call_params(self.pipe)
+
+    def offer(self, name: str, value: Any, ignored: str) -> None:
+        """Pass ``name`` when the pipeline takes it; otherwise note ``ignored``."""
+        if self.takes(name):
+            self.kwargs[name] = value
+        else:
+            self.notes.append(ignored)
+
+    def require(self, *names: str, hint: str) -> None:
+        missing = [n for n in names if not self.takes(n)]
+        if missing:
+            raise ValueError(f"{self.name} takes no {', '.join(missing)}: {hint}")
+
+    def size(self, grid: Grid, width: int, height: int) -> None:
+        for name, value in (("width", width), ("height", height)):
+            snapped = snap_size(value, grid.spatial)
+            if snapped != value:
+                self.notes.append(f"{name} {value} → {snapped} (multiple of {grid.spatial} for {self.name})")
+            self.kwargs[name] = snapped
+
+    def frames(self, grid: Grid, frames: int) -> None:
+        snapped = snap_frames(frames, grid.temporal)
+        if snapped != frames:
+            self.notes.append(f"frames {frames} → {snapped} ({grid.temporal}n+1 for {self.name})")
+        self.kwargs["num_frames"] = snapped
+
+    def start_image(self, image: torch.Tensor | None) -> None:
+        if image is None:
+            return
+        self.kwargs["image"] = to_pil(image)
+        if image.shape[0] > 1:
+            self.notes.append(f"start_image: the first of {image.shape[0]} images is used")
+
+    def text(self, prompt: str, negative_prompt: str, guidance: float) -> None:
+        self.kwargs["prompt"] = prompt
+        if negative_prompt.strip():
+            self.offer("negative_prompt", negative_prompt, f"{self.name} takes no negative prompt: ignored")
+        if guidance > 0:
+            self.offer(self.guidance_key(), guidance, f"{self.name} takes no guidance scale: ignored")
+
+    def guidance_key(self) -> str:
+        """``true_cfg_scale`` where the pipeline has real CFG beside a ``guidance_scale`` that only a
+        guidance-distilled denoiser reads (Flux, Qwen-Image); ``guidance_scale`` everywhere else."""
+        config = getattr(denoiser(self.pipe), "config", None) or {}
+        distilled = bool(config.get("guidance_embeds"))
+        return "true_cfg_scale" if self.takes("true_cfg_scale") and not distilled else "guidance_scale"
+
+    def sampling(self, seed: int, steps: int) -> None:
+        """Steps and a CPU generator (same seed, same image on every device)."""
+        self.kwargs.update(
+            num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed), output_type="pt"
+        )
+
+
+def pipeline_for(pipe: Any, start_image: torch.Tensor | None) -> Any:
+    """The pipeline to call: the loaded one, or its image-to-video sibling sharing its components."""
+    name = type(pipe).__name__
+    image = call_params(pipe).get("image")
+    if start_image is None:
+        if image is not None and (image.default is inspect.Parameter.empty or "ImageToVideo" in name):
+            raise ValueError(f"{name} is image-to-video: connect a start_image.")
+        return pipe
+    if image is not None:
+        return pipe
+    variant = I2V_VARIANTS.get(name)
+    if variant is None:
+        raise ValueError(
+            f"{name} is text-to-video and takes no start image: load an image-to-video model "
+            "(e.g. a Wan I2V folder) or disconnect start_image."
+        )
+    variant_cls = getattr(diffusers, variant)
+    accepted = inspect.signature(variant_cls.__init__).parameters
+    sibling = variant_cls(**{k: v for k, v in pipe.components.items() if k in accepted})
+    sibling.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))
+    log.info("start image given: running %s with the components of %s", variant, name)
+    return sibling
+
+
+def default_fps(pipe: Any, family: str) -> float:
+    """The call's own default frame rate, else the family's, else 24."""
+    param = call_params(pipe).get("frame_rate")
+    if param is not None and isinstance(param.default, (int, float)):
+        return float(param.default)
+    return FAMILY_FPS.get(family, DEFAULT_FPS)
+
+
+def sample_rate(pipe: Any) -> int:
+    """Rate of the waveform the pipeline returns (the vocoder's output rate when there is one)."""
+    vocoder = getattr(pipe, "vocoder", None)
+    rate = getattr(getattr(vocoder, "config", None), "output_sampling_rate", None)
+    return int(rate or getattr(pipe, "audio_sampling_rate", 16000))
