@@ -3,10 +3,16 @@
 Settings are a separate value on an OFFLOAD_CONFIG socket so that they can be changed on a loaded
 pipeline: Apply makes a handle that shares the pipeline, and its next placement re-places the
 same weights (no reload). An option set that cannot work is refused here, before anything is hooked.
+
+`BASIC` are the options a user needs; the rest are marked advanced where this ComfyUI's inputs
+take ``advanced`` (newer frontends then fold them behind the node's advanced toggle) and stay
+plain widgets elsewhere. Widgets keep their historic order and required/optional split: saved
+UI workflows store widget values by position.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from comfy_api.latest import io
@@ -16,59 +22,71 @@ from ..offload_core.config import MODES
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle
 
 DEFAULTS = OffloadConfig()
+BASIC = ("mode", "preload", "pin_memory", "on_demand_threshold_gb", "always", "never")
+
+
+def takes_advanced(input_cls: type) -> bool:
+    """Whether this ComfyUI's input class takes ``advanced`` (2026 trees do, v0.3.x does not)."""
+    return "advanced" in inspect.signature(input_cls.__init__).parameters
+
+
+def _input(input_cls: type, name: str, **options: Any) -> io.Input:
+    """``input_cls(name, ...)``, marked advanced unless the option is in `BASIC` (where supported)."""
+    if name not in BASIC and takes_advanced(input_cls):
+        options["advanced"] = True
+    return input_cls(name, **options)
+
+
+def _inputs() -> list[io.Input]:
+    d = DEFAULTS
+    return [
+        _input(io.Combo.Input, "mode", options=list(MODES), default=d.mode,
+               tooltip="auto: place each component by role; model: whole components on demand; "
+                       "leaf: leaf-level groups everywhere; none: all resident."),
+        _input(io.Boolean.Input, "use_stream", default=d.use_stream,
+               tooltip="Prefetch the next blocks on a side stream while one computes."),
+        _input(io.Boolean.Input, "record_stream", default=d.record_stream,
+               tooltip="Let the allocator track stream use (needs use_stream)."),
+        _input(io.Boolean.Input, "pin_memory", default=d.pin_memory,
+               tooltip="Page-lock streamed weights for fast copies (granted only against free host memory)."),
+        _input(io.Float.Input, "pin_reserve_gb", default=d.pin_reserve_gb, min=0.0, max=1024.0, step=0.5,
+               tooltip="Host memory that pinning must always leave free."),
+        _input(io.Float.Input, "on_demand_threshold_gb", default=d.on_demand_threshold_gb, min=0.0, max=1024.0,
+               step=0.25, tooltip="VAEs and opted-out modules smaller than this stay resident."),
+        _input(io.Float.Input, "resident_floor_mb", default=d.resident_floor_mb, min=0.0, max=1e6, step=16.0,
+               tooltip="Components smaller than this stay resident."),
+        _input(io.String.Input, "always", default=", ".join(d.always),
+               tooltip="Components (name or class) to offload whatever their size; comma separated."),
+        _input(io.String.Input, "never", default=", ".join(d.never),
+               tooltip="Components (name or class) kept resident on the device; comma separated; wins over always."),
+        _input(io.String.Input, "preload", default=str(d.preload),
+               tooltip="Denoiser blocks kept on the device: auto (fit to free VRAM), off, or a budget in GiB "
+                       "such as 8."),
+        _input(io.Int.Input, "prefetch_window", default=d.prefetch_window, min=1, max=16,
+               tooltip="Blocks copied ahead of the one computing."),
+        _input(io.String.Input, "device", default=d.device or "",
+               tooltip="Device to run on, e.g. cuda:1; empty: ComfyUI's device."),
+        _input(io.String.Input, "measures_path", default=d.measures_path or "",
+               tooltip="File keeping preload measures across restarts; empty: ComfyUI's user folder."),
+        _input(io.Boolean.Input, "stream_parts", default=d.stream_parts, optional=True,  # older workflows lack it
+               tooltip="Stream denoiser blocks in parts (attention, feed-forward): smaller buffers, so more "
+                       "blocks stay on a small card. Off streams each block whole."),
+    ]
 
 
 class OffloadSettings(io.ComfyNode):
-    """All engine options; the defaults suit most cards, so this node is optional."""
+    """Every engine option; the defaults suit most cards, so this node is optional."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
-        d = DEFAULTS
         return io.Schema(
             node_id="DiffusersOffloadSettings",
             display_name="Offload settings",
             category=CATEGORY,
-            description="Offload options for a diffusers pipeline. The defaults need no tuning; "
-                        "connect this only to change them.",
-            inputs=[
-                io.Combo.Input("mode", options=list(MODES), default=d.mode,
-                               tooltip="auto: place each component by role; model: whole components on "
-                                       "demand; leaf: leaf-level groups everywhere; none: all resident."),
-                io.Boolean.Input("use_stream", default=d.use_stream,
-                                 tooltip="Prefetch the next blocks on a side stream while one computes."),
-                io.Boolean.Input("record_stream", default=d.record_stream,
-                                 tooltip="Let the allocator track stream use (needs use_stream)."),
-                io.Boolean.Input("pin_memory", default=d.pin_memory,
-                                 tooltip="Page-lock streamed weights for fast copies (granted only against "
-                                         "free host memory)."),
-                io.Float.Input("pin_reserve_gb", default=d.pin_reserve_gb, min=0.0, max=1024.0, step=0.5,
-                               tooltip="Host memory that pinning must always leave free."),
-                io.Float.Input("on_demand_threshold_gb", default=d.on_demand_threshold_gb, min=0.0,
-                               max=1024.0, step=0.25,
-                               tooltip="VAEs and opted-out modules smaller than this stay resident."),
-                io.Float.Input("resident_floor_mb", default=d.resident_floor_mb, min=0.0, max=1e6, step=16.0,
-                               tooltip="Components smaller than this stay resident."),
-                io.String.Input("always", default=", ".join(d.always),
-                                tooltip="Components (name or class) to offload whatever their size; "
-                                        "comma separated."),
-                io.String.Input("never", default=", ".join(d.never),
-                                tooltip="Components (name or class) kept resident on the device; comma "
-                                        "separated; wins over always."),
-                io.String.Input("preload", default=str(d.preload),
-                                tooltip="Denoiser blocks kept on the device: auto (fit to free VRAM), "
-                                        "off, or a budget in GiB such as 8."),
-                io.Int.Input("prefetch_window", default=d.prefetch_window, min=1, max=16,
-                             tooltip="Blocks copied ahead of the one computing."),
-                io.String.Input("device", default=d.device or "",
-                                tooltip="Device to run on, e.g. cuda:1; empty: ComfyUI's device."),
-                io.String.Input("measures_path", default=d.measures_path or "",
-                                tooltip="File keeping preload measures across restarts; empty: ComfyUI's "
-                                        "user folder."),
-                io.Boolean.Input("stream_parts", default=d.stream_parts, optional=True,  # saved workflows lack it
-                                 tooltip="Stream denoiser blocks in parts (attention, feed-forward): "
-                                         "smaller buffers, so more blocks stay on a small card. Off "
-                                         "streams each block whole."),
-            ],
+            description="Offload options for a diffusers pipeline. The defaults need no tuning; connect this only "
+                        "to change them. mode, preload, pin_memory, on_demand_threshold_gb, always and never are "
+                        "the usual ones; the others are advanced.",
+            inputs=_inputs(),
             outputs=[OffloadConfigType.Output(display_name="offload")],
         )
 

@@ -1,0 +1,111 @@
+"""The Offload settings node in a real ComfyUI: the usual options in front, the rest advanced where
+the host's inputs take ``advanced`` (2026 trees), plain widgets elsewhere (v0.3.75); every option
+still settable; saved workflows still mapping their widget values by position."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from comfyhost import harness
+from comfyhost.capture import capture_class
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))
+import offload_examples as ex  # noqa: E402
+
+pytest_plugins = ["comfyhost.fixtures"]
+
+CAPTURE = "DiffusersOffloadTest_SettingsCapture"
+BASIC = ["mode", "preload", "pin_memory", "on_demand_threshold_gb", "always", "never"]
+# The historic widget order: saved UI workflows store widget values by position.
+ORDER = ["mode", "use_stream", "record_stream", "pin_memory", "pin_reserve_gb", "on_demand_threshold_gb",
+         "resident_floor_mb", "always", "never", "preload", "prefetch_window", "device", "measures_path",
+         "stream_parts"]
+Capture = capture_class()
+
+
+@pytest.fixture(scope="module")
+def info(comfy: harness.ComfyHost) -> dict[str, Any]:
+    return ex.object_info(comfy, ex.SETTINGS)
+
+
+@pytest.fixture(scope="module")
+def host_takes_advanced(comfy: harness.ComfyHost) -> bool:
+    """Read from the host's own V3 API, independently of the pack."""
+    io = importlib.import_module("comfy_api.latest").io
+    return "advanced" in inspect.signature(io.Boolean.Input.__init__).parameters
+
+
+@pytest.fixture
+def captured(comfy: harness.ComfyHost) -> Iterator[list[tuple[int, Any]]]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, CAPTURE, Capture)
+        Capture.seen.clear()
+        yield Capture.seen
+
+
+def test_the_usual_options_are_plain_and_the_rest_advanced_where_the_host_supports_it(
+    info: dict[str, Any], host_takes_advanced: bool, comfy: harness.ComfyHost
+) -> None:
+    inputs = list(ex.schema_inputs(info))
+    assert [name for name, *_ in inputs] == ORDER
+    assert [name for name, _, _, optional in inputs if optional] == ["stream_parts"]
+    advanced = [name for name, _, options, _ in inputs if options.get("advanced")]
+    assert advanced == ([n for n in ORDER if n not in BASIC] if host_takes_advanced else [])
+    assert tuple(BASIC) == comfy.pack_submodule("nodes.settings").BASIC
+
+
+def test_every_option_is_still_settable(comfy: harness.ComfyHost, captured: list) -> None:
+    """Advanced options included: each value reaches the OffloadConfig the node outputs."""
+    values = {
+        "mode": "leaf", "use_stream": False, "record_stream": False, "pin_memory": False, "pin_reserve_gb": 2.5,
+        "on_demand_threshold_gb": 0.5, "resident_floor_mb": 8.0, "always": "vae", "never": "text_encoder",
+        "preload": "3", "prefetch_window": 3, "device": "cpu", "measures_path": "/tmp/m.json",
+        "stream_parts": False,
+    }
+    prompt = {"1": {"class_type": ex.SETTINGS, "inputs": values},
+              "2": {"class_type": CAPTURE, "inputs": {"value": ["1", 0], "slot": 0}}}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    ((_, config),) = captured
+    got = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    assert set(got) == set(ORDER)
+    assert {k: v for k, v in got.items() if k not in ("always", "never", "preload")} == {
+        k: v for k, v in values.items() if k not in ("always", "never", "preload")}
+    assert (config.always, config.never, str(config.preload)) == (("vae",), ("text_encoder",), "3 GiB")
+
+
+WITH_SETTINGS = [e.name for e in ex.EXAMPLES if ex.SETTINGS in json.dumps(ex.api_prompt(e.name, "m"))]
+
+
+@pytest.mark.parametrize("name", WITH_SETTINGS)
+def test_saved_ui_workflows_map_their_settings_widgets_to_the_same_options(name: str, info: dict[str, Any]) -> None:
+    workflow = json.loads((ex.EXAMPLES_DIR / f"{name}.json").read_text(encoding="utf-8"))
+    twin = ex.api_prompt(name, ex.example(name).model)
+    for node in workflow["nodes"]:
+        if node["type"] == ex.SETTINGS:
+            widgets = [n for n, kind, options, _ in ex.schema_inputs(info) if ex.is_widget(kind, options)]
+            assert dict(zip(widgets, node["widgets_values"], strict=True)) == twin[str(node["id"])]["inputs"]
+
+
+def test_a_workflow_saved_before_stream_parts_still_runs(comfy: harness.ComfyHost, captured: list) -> None:
+    """stream_parts came last, optional: a prompt without it gets the default."""
+    old = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
+           "on_demand_threshold_gb": 1.0, "resident_floor_mb": 64.0, "always": "", "never": "", "preload": "auto",
+           "prefetch_window": 2, "device": "", "measures_path": ""}
+    prompt = {"1": {"class_type": ex.SETTINGS, "inputs": old},
+              "2": {"class_type": CAPTURE, "inputs": {"value": ["1", 0], "slot": 1}}}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    ((_, config),) = captured
+    default = comfy.pack_submodule("offload_core.config").OffloadConfig().stream_parts
+    assert config.prefetch_window == 2 and config.stream_parts is default
