@@ -1,19 +1,19 @@
 """Where the caching allocator's reserved-beyond-allocated memory sits at a preloaded video step's
-peak (Wan-14B geometry, ballast cap as in ``wan_bench.py``).
+peak (Wan-14B geometry, ballast cap; benchkit).
 
-Why: at 12 GiB the video plan kept 19 pieces where the penalty-free fit kept 24 (RESULTS run 14),
-because the native allocator reserved about 2.4 GiB beyond what it had allocated at the video peak
-and each allocation that needed a new segment flushed the cache and retried (a shortage). This records
+Why: at 12 GiB the video plan kept 19 pieces where the penalty-free fit kept 24, because the
+native allocator reserved about 2.4 GiB beyond what it had allocated at the video peak and each
+allocation that needed a new segment flushed the cache and retried (a shortage). This records
 PyTorch's allocator history over alternating forwards and replays it: every new segment made
 inside a forward (with the cached-but-free bytes and the largest free hole at that moment, and
 the code that asked), and the segments at the peak.
 
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python bench/alloc_trace.py --cap 12 --json $OUT/alloc.json
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python bench/alloc_trace.py --cap 12 --out $OUT
 
-The variable keeps the fixed segments the engine would otherwise replace with expandable ones
-(run 15); the replayed peak layout describes fixed segments only. Under the engine's expandable
-segments, each flush-and-retry is printed with the mapped address range at that moment (run 16);
-to replay the history of wan_bench's 12 GiB video row:
+The variable keeps the fixed segments the engine would otherwise replace with expandable ones;
+the replayed peak layout describes fixed segments only. Under the engine's expandable segments,
+each flush-and-retry is printed with the mapped address range at that moment; to replay the
+history of wan_bench's 12 GiB video row:
 
     python bench/alloc_trace.py --resident --cap 12 --warm small --sequence video,video,video,video,video --timed 0
 """
@@ -21,18 +21,18 @@ to replay the history of wan_bench's 12 GiB video row:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
-import wan_bench as wb  # registers the pack as ``diffusers_offload``
-from diffusers_offload.offload_core import Components, Engine, OffloadConfig
+from benchkit import MiB, open_output, output_args, pack
+from benchkit.measure import Ballast, loop_time, timed, to_host
+from benchkit.models import build_wan, wan_forward, wan_inputs
 
-MiB = 2**20
+pack()
+from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 
 
 class Replay:
@@ -85,7 +85,7 @@ def who(frames: list[dict]) -> str:
     """The innermost frame of the model's or the engine's code that asked for a block."""
     for f in frames:
         name = f.get("filename", "")
-        if "diffusers/" in name or "offload_core" in name or "wan_bench" in name:
+        if "diffusers/" in name or "offload_core" in name or "benchkit" in name:
             return f"{name.rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
     return ""
 
@@ -239,13 +239,13 @@ def trim_at_blocks(streamer, limit: int) -> list[int]:
 
 def timed_video(m, feeds, streamer, repeats: int, trims: list[int]) -> dict:
     stats = torch.cuda.memory_stats
-    wb.forward(m, *feeds)
+    wan_forward(m, *feeds)
     retries, trimmed, runs = stats().get("num_alloc_retries", 0), trims[0], []
     torch.cuda.reset_peak_memory_stats()
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        wb.forward(m, *feeds)
+        wan_forward(m, *feeds)
         torch.cuda.synchronize()
         runs.append(time.perf_counter() - t0)
     return dict(timed="video", median_s=statistics.median(runs), runs=runs, plan=streamer.details()["plan"],
@@ -265,17 +265,18 @@ def main() -> None:
                     help="the forwards traced one by one, after the --warm ones")
     ap.add_argument("--trim", type=float, default=0, help="experiment: trim the cache at block entries beyond MiB")
     ap.add_argument("--timed", type=int, default=3, help="untraced video forwards timed at the end")
-    ap.add_argument("--json", default="")
+    output_args(ap)
     args = ap.parse_args()
+    rows = open_output(args, "alloc_trace")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("diffusers_offload.preload").setLevel(logging.DEBUG)
-    m = wb.build(args.blocks)
-    feeds = {w: wb.inputs(w, args.frames) for w in ("small", "video")}
+    m = build_wan(args.blocks)
+    feeds = {w: wan_inputs(w, args.frames) for w in ("small", "video")}
     if args.resident:
         for w in ("small", "video"):
-            wb.forward(m, *feeds[w])
-    wb.to_host(m)
-    ballast = wb.Ballast(args.cap)
+            wan_forward(m, *feeds[w])
+    to_host(m)
+    ballast = Ballast(args.cap)
     # From before the placement on, so that the weights' blocks carry the engine's frames.
     torch.cuda.memory._record_memory_history(max_entries=5_000_000, stacks="python")
     eng, bag = Engine(), Components(transformer=m)
@@ -283,16 +284,15 @@ def main() -> None:
     streamer = eng.states(bag)["transformer"].transport
     trims = trim_at_blocks(streamer, int(args.trim * MiB)) if args.trim else [0]
     for w in args.warm.split(","):
-        wb.timed(m, feeds[w], 2, 3)
-        wb.loop_time(m, feeds[w], 3)
+        timed(lambda w=w: wan_forward(m, *feeds[w]), 2, 3)
+        loop_time(lambda w=w: wan_forward(m, *feeds[w]), 3)
     torch.cuda.reset_peak_memory_stats()  # as the next row's timing does
-    out = []
     for w in args.sequence.split(","):
         torch.cuda.synchronize()
         start = torch.cuda.memory._snapshot()
         seen = len(start["device_traces"][torch.cuda.current_device()])
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
-        wb.forward(m, *feeds[w])
+        wan_forward(m, *feeds[w])
         torch.cuda.synchronize()
         events = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()][seen:]
         found = replay_forward(start, events)
@@ -301,15 +301,13 @@ def main() -> None:
                      retry_sites=retry_sites(start, events),
                      asked_by=Counter(who(e.get("frames", [])) for e in events if e["action"] == "alloc").most_common(12))
         print(summary(found), flush=True)
-        out.append(found)
+        rows.rows.append(found)
     torch.cuda.memory._record_memory_history(enabled=None)
     if args.timed:
-        out.append(timed_video(m, feeds["video"], streamer, args.timed, trims))
-        print(json.dumps(out[-1]), flush=True)
+        rows(**timed_video(m, feeds["video"], streamer, args.timed, trims))
     eng.release(bag)
     ballast.close()
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    rows.save()
 
 
 if __name__ == "__main__":

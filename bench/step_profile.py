@@ -1,9 +1,8 @@
 """Where a preloaded step's time goes: the host's launch time against the GPU's, and a profiler
-trace of one forward (Wan-14B geometry, ballast cap as in ``wan_bench.py``).
+trace of one forward (Wan-14B geometry, ballast cap; benchkit).
 
-Why: at 24 GiB the image-sized step stays near 0.104 s whatever the kept count (32-34 blocks),
-while its bound falls to 0.076 s (RESULTS.md, run 11). This tells a host-bound step (launch time
-≈ step time) from exposed copies (the compute stream idle while a copy runs).
+Why: it tells a host-bound step (launch time ≈ step time) from exposed copies (the compute stream
+idle while a copy runs); it traced the 24 GiB image-sized step to its bound (bench/README.md).
 
     python bench/step_profile.py --caps 24 --trace $OUT/trace.json
 """
@@ -17,8 +16,15 @@ import time
 from pathlib import Path
 
 import torch
-import wan_bench as wb  # registers the pack as ``diffusers_offload``
-from diffusers_offload.offload_core.memory import MemoryReader
+from benchkit import Rows, open_output, output_args, pack
+from benchkit.measure import Ballast, loop_time, sync, to_host
+from benchkit.models import build_wan, wan_forward, wan_inputs
+
+pack()
+from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
+
+row = Rows()
 
 
 def in_hooks(streamer, names=("enter_block", "enter", "exit")) -> list[float]:
@@ -47,16 +53,16 @@ def launch_and_step(m, feeds, repeats: int = 5) -> tuple[float, float, float]:
     forward synchronized; and the mean step of ``repeats`` forwards queued back to back, as a
     sampling loop queues them."""
     for _ in range(2):
-        wb.forward(m, *feeds)
+        wan_forward(m, *feeds)
     launch, step = [], []
     for _ in range(repeats):
-        wb.sync()
+        sync()
         t0 = time.perf_counter()
-        wb.forward(m, *feeds)
+        wan_forward(m, *feeds)
         launch.append(time.perf_counter() - t0)
-        wb.sync()
+        sync()
         step.append(time.perf_counter() - t0)
-    return statistics.median(launch), statistics.median(step), wb.loop_time(m, feeds, repeats)
+    return statistics.median(launch), statistics.median(step), loop_time(lambda: wan_forward(m, *feeds), repeats)
 
 
 def reading_costs(repeats: int = 200) -> None:
@@ -67,8 +73,8 @@ def reading_costs(repeats: int = 200) -> None:
         "memory_stats_as_nested_dict": torch.cuda.memory_stats_as_nested_dict,
         "memory_allocated": torch.cuda.memory_allocated,
         "mem_get_info": torch.cuda.mem_get_info,
-        "MemoryReader.device_free": lambda: MemoryReader().device_free(wb.DEV),
-        "MemoryReader.allocated": lambda: MemoryReader().allocated(wb.DEV),
+        "MemoryReader.device_free": lambda: MemoryReader().device_free(torch.device("cuda")),
+        "MemoryReader.allocated": lambda: MemoryReader().allocated(torch.device("cuda")),
     }
     out = {}
     for name, call in calls.items():
@@ -100,11 +106,11 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
     (run 11), which is not the timeline being asked about."""
     from torch.profiler import ProfilerActivity, profile
 
-    wb.sync()
+    sync()
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if with_host else [])]
     with profile(activities=activities) as prof:
-        wb.forward(m, *feeds)
-        wb.sync()
+        wan_forward(m, *feeds)
+        sync()
     prof.export_chrome_trace(path)
     trace_summary(path)
 
@@ -113,7 +119,7 @@ def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
     """Rows with the planner detached and the streamed blocks set by hand (the resident set is
     restored after): the effect of where the streamed blocks sit, at the same count."""
     planned = streamer.resident_indices()
-    listeners, streamer.listeners = streamer.listeners, []
+    planner = streamer.events.unsubscribe("preload")
     try:
         for text in sets:
             streamed = {int(i) for i in text.split(",")}
@@ -126,16 +132,13 @@ def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
             row(section="by_hand", window=window, streamed=sorted(streamed), launch_s=launch, step_s=step)
     finally:
         streamer.set_resident(planned)
-        streamer.listeners = listeners
+        if planner is not None:
+            streamer.events.subscribe("preload", planner)
 
 
 def piece_name(piece) -> str:
     """A block's index, with ``c`` for its core or ``r`` for its rest where it streams in parts."""
     return f"{piece.block.index}{'c' if piece.core else 'r' if len(piece.block.units) > 1 else ''}"
-
-
-def row(**kw) -> None:
-    print(json.dumps(kw), flush=True)
 
 
 def main() -> None:
@@ -150,12 +153,15 @@ def main() -> None:
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
                          "(comma-separated; repeatable): which blocks stream, at the same count")
+    output_args(ap)
     args = ap.parse_args()
-    m = wb.build(40)
-    feeds = wb.inputs(args.workload, 21)
+    global row
+    row = open_output(args, "step_profile", lines=True)
+    m = build_wan(40)
+    feeds = wan_inputs(args.workload, 21)
     reading_costs()
     row(section="resident", launch_s=(r := launch_and_step(m, feeds))[0], step_s=r[1], loop_s=r[2])
-    wb.to_host(m)
+    to_host(m)
     first = float(args.caps.split(",")[0])
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
         for window in [int(w) for w in args.window.split(",")]:
@@ -164,16 +170,16 @@ def main() -> None:
 
 def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
     """The engine at ``cap`` with preload auto; at the first cap, the trace and hand-set rows."""
-    ballast = wb.Ballast(cap) if cap else None
-    eng, bag = wb.Engine(), wb.Components(transformer=m)
+    ballast = Ballast(cap) if cap else None
+    eng, bag = Engine(), Components(transformer=m)
     try:
-        eng.place(bag, wb.OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
+        eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
         streamer = eng.states(bag)["transformer"].transport
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
         launch, step, loop = launch_and_step(m, feeds)
         spent[0] = driver[0] = 0.0
-        wb.sync()
-        wb.forward(m, *feeds)
+        sync()
+        wan_forward(m, *feeds)
         row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step, loop_s=loop,
             in_hooks_s=spent[0], in_driver_s=driver[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
             streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],

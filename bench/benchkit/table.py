@@ -1,12 +1,14 @@
 """The side-by-side table `wan_bench.py` prints at the end of a run: every timed row of that one
 process against the bound, the best diffusers anchor and the resident step, measured together.
 
-Pure over the JSON rows the bench writes, so the ratios can be checked without a GPU.
+Pure over the JSON rows the bench writes, so the ratios are checked without a GPU:
+``python bench/wan_bench.py --self-check`` runs ``self_check`` (hand-computed cases).
 """
 
 from __future__ import annotations
 
-GiB = 2**30
+from . import GiB
+
 TIMED = ("stream", "preload_auto", "first_", "anchor", "mmgp")
 
 
@@ -87,3 +89,38 @@ def side_by_side(rows: list[dict]) -> str:
                          f"allocator retries, peak reserved {r['peak_reserved_gib']:.2f} GiB, "
                          f"worst relative error {r['worst_rel_err']:.3g}")
     return "\n".join(lines)
+
+
+def self_check() -> None:
+    """The table on hand-computed rows: one streamed GiB a second, so a GiB moved costs a second."""
+    rows = [
+        {"section": "env", "h2d_pinned_gbs": GiB / 1e9},
+        {"section": "resident", "workload": "small", "median_s": 0.5, "weights_gib": 4.0, "peak_alloc_gib": 5.0},
+        {"section": "preload_auto", "cap_gib": 12.0, "workload": "small", "median_s": 2.2, "streamed_gib": 2.0,
+         "peak_reserved_gib": 11.5, "pinned_gib": 4.0, "kept_gib": 2.0},
+        {"section": "anchor", "mode": "diffusers leaf_level+stream", "workload": "small", "median_s": 4.4,
+         "peak_alloc_gib": 1.0, "rss_gib": 6.0},
+        {"section": "anchor", "mode": "diffusers block_level+stream", "workload": "small", "median_s": 8.8,
+         "peak_alloc_gib": 1.0, "rss_gib": 6.0},
+        {"section": "first_18", "cap_gib": 12.0, "workload": "small", "error": "OOM: CUDA out of memory"},
+        {"section": "cycles", "cap_gib": 12.0, "cycles": 30, "ooms": 0, "ooms_met_by_engine": 4, "retries": 2,
+         "peak_reserved_gib": 11.9, "worst_rel_err": 0.0},
+    ]
+    table = side_by_side(rows)
+
+    def cells(label: str) -> list[str]:
+        line = next(x for x in table.splitlines() if x.startswith(f"| {label} "))
+        return [c.strip() for c in line.strip("|").split("|")]
+
+    checks = {
+        "ours: bound max(0.5, 2 GiB / 1 GiB/s) = 2 s": cells("preload_auto")[3:7] == ["2.2000", "1.100", "0.500", "4.400"],
+        "an anchor moves every weight: bound 4 s": cells("diffusers leaf_level+stream")[4:6] == ["1.100", "1.000"],
+        "an OOM row is shown": cells("first_18")[3].startswith("OOM"),
+        "the cycles line": "30 cycles, 0 OOMs, 4 met and recovered by the engine, 2 allocator retries" in table,
+        "no timed rows, no table": side_by_side(rows[:2]) == "",
+    }
+    for what, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    if not all(checks.values()):
+        print(table)
+        raise SystemExit("table self-check failed")

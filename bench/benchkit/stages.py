@@ -1,0 +1,154 @@
+"""One pipeline call, stage by stage: a clock that opens a segment at every stage change and one
+per denoise step, and allocator peaks over named windows that survive the engine's own resets.
+
+Every boundary is ``synchronize -> perf_counter``. The preload planner resets torch's peak at
+every forward; it reads through ``TrackingReader``, which folds the peak into every open window
+first and answers the planner from its own window, so neither reading disturbs the other.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from . import GiB, pack
+from .measure import sync
+
+pack()
+from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
+from diffusers_offload.offload_core.run.stages import AUDIO, DENOISE, IMAGE, TEXT, VIDEO  # noqa: E402
+
+OTHER = "other"  # host work between stages: resize, tokenize, image preprocessing, latent layout, post-processing
+STAGE_ORDER = (OTHER, TEXT, IMAGE, DENOISE, VIDEO, AUDIO)
+log = logging.getLogger("bench")
+
+
+class PeakTracker:
+    """Allocator peaks over named windows that survive one another's resets: every real reset first
+    folds the allocator's peak into every open window."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.windows: dict[str, list[int]] = {}
+
+    def _fold(self) -> None:
+        if not self.cuda:
+            return
+        a, r = torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+        for w in self.windows.values():
+            w[0], w[1] = max(w[0], a), max(w[1], r)
+
+    def mark(self, key: str) -> None:
+        """Open (or restart) window ``key`` now."""
+        if not self.cuda:
+            self.windows[key] = [0, 0]
+            return
+        self._fold()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.windows[key] = [torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)]
+
+    def peak(self, key: str) -> tuple[int, int]:
+        """(allocated, reserved) peaks of window ``key`` since its mark."""
+        self._fold()
+        return tuple(self.windows.get(key, (0, 0)))
+
+
+class TrackingReader(MemoryReader):
+    """The engine's memory reader with the planner's peak window kept in the tracker."""
+
+    def __init__(self, tracker: PeakTracker) -> None:
+        self.tracker = tracker
+        tracker.mark("engine")
+
+    def reset_peak(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            self.tracker.mark("engine")
+
+    def peak_allocated(self, device: torch.device) -> int | None:
+        return self.tracker.peak("engine")[0] if device.type == "cuda" else None
+
+
+class StageClock:
+    """Segments of one call: a new one at every stage change, and one per denoise step."""
+
+    def __init__(self, device: torch.device, tracker: PeakTracker, streamer: Any) -> None:
+        self.device, self.tracker, self.streamer = device, tracker, streamer
+        self.segments: list[dict] = []
+        self.steps: list[dict] = []
+        self.moves: list[dict] = []
+        self.rooms: list[dict] = []
+        self.stage: str | None = None
+        self.failed: str | None = None  # the stage an exception left, when an entry wrapper saw it
+        self._seg: dict | None = None
+        self._step: dict | None = None
+
+    def _alloc(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def enter(self, stage: str) -> None:
+        """A stage boundary (announced by the bench or by a stage hook)."""
+        if stage == self.stage:
+            return
+        sync()
+        now = time.perf_counter()
+        self._close_step(now)
+        self._close(now)
+        self.stage = stage
+        self.tracker.mark("stage")
+        log.info("stage: %s", stage)
+        self._seg = dict(stage=stage, t0=now, units=0, alloc_start=self._alloc())
+
+    def on_stage(self, stage: str, i: int, n: int) -> None:
+        """The stage hooks' publish: one unit (layer, step, chunk...) of ``stage``."""
+        self.enter(stage)
+        self._seg["units"] += 1
+        self._seg["of"] = n
+        if stage == DENOISE:
+            sync()
+            now = time.perf_counter()
+            self._close_step(now)
+            self.tracker.mark("step")
+            self._step = dict(step=i, of=n, t0=now)
+
+    def _close_step(self, now: float) -> None:
+        if self._step is None:
+            return
+        step, self._step = self._step, None
+        alloc, reserved = self.tracker.peak("step")
+        details = self.streamer.details() if self.streamer is not None else {}
+        self.steps.append(dict(step=step["step"], of=step["of"], seconds=now - step["t0"], peak_alloc_gib=alloc / GiB,
+                               peak_reserved_gib=reserved / GiB, kept=details.get("kept"), blocks=details.get("blocks"),
+                               streamed_gib=details.get("streamed_per_step", 0) / GiB, plan=details.get("plan", "")))
+
+    def _close(self, now: float) -> None:
+        if self._seg is None:
+            return
+        seg, self._seg = self._seg, None
+        alloc, reserved = self.tracker.peak("stage")
+        seg.update(seconds=now - seg.pop("t0"), peak_alloc=alloc, peak_reserved=reserved, alloc_end=self._alloc())
+        self.segments.append(seg)
+
+    def finish(self) -> None:
+        sync()
+        now = time.perf_counter()
+        self._close_step(now)
+        self._close(now)
+        self.stage = None
+
+    def stages(self) -> list[dict]:
+        """Segments summed per stage, in pipeline order."""
+        out: dict[str, dict] = {}
+        for seg in self.segments:
+            s = out.setdefault(seg["stage"], dict(stage=seg["stage"], seconds=0.0, units=0, segments=0, peak_alloc=0,
+                                                  peak_reserved=0, alloc_start=seg["alloc_start"]))
+            s["seconds"] += seg["seconds"]
+            s["units"] += seg["units"]
+            s["segments"] += 1
+            s["peak_alloc"] = max(s["peak_alloc"], seg["peak_alloc"])
+            s["peak_reserved"] = max(s["peak_reserved"], seg["peak_reserved"])
+            s["alloc_end"] = seg["alloc_end"]
+        return sorted(out.values(), key=lambda s: STAGE_ORDER.index(s["stage"]) if s["stage"] in STAGE_ORDER else 99)
