@@ -52,6 +52,7 @@ COMPONENT = Key("state")  # ComponentState: signature, transport, role decision,
 APPLYING = Key("applying")  # the sentinel of an apply in progress
 PIN_VERDICT = Key("pin_verdict")  # cached: a granted pin lowers the reading it was granted against
 PIPELINE = Key("pipeline")  # PipelineState, on the pipeline object
+OWN_REGISTRY = Key("own_registry")  # the module's diffusers HookRegistry was made by us
 PLANNER = Key("planner", kept=True)  # preload measures, penalties, blocks kept at unload
 LORA = Key("lora", kept=True)  # the LoRA set a component carries and its base-weight backups
 LORA_REPORT = Key("lora_report", kept=True)  # the LoRA path a component took, for the report

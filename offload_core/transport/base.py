@@ -16,7 +16,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from ..config import OffloadConfig
 from ..memory import MemoryReader
-from ..state import DIFFUSERS_GROUP_HOOKS, MARKER, ON_DEMAND_HOOK, OUR_HOOKS, REGISTRY, STREAM_HOOK
+from ..state import DIFFUSERS_GROUP_HOOKS, MARKER, ON_DEMAND_HOOK, OUR_HOOKS, OWN_REGISTRY, REGISTRY, STREAM_HOOK
 
 __all__ = ["DIFFUSERS_GROUP_HOOKS", "MARKER", "ON_DEMAND_HOOK", "OUR_HOOKS", "STREAM_HOOK", "Masters",
            "Transport", "TransportBase", "TransportContext", "add_hook", "remove_hook", "strip_hooks"]
@@ -148,7 +148,16 @@ class MarkerHook(ModelHook):
 
 
 def add_hook(module: torch.nn.Module, hook: ModelHook, name: str) -> None:
+    own_registries(module, recurse=False)
     HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, name)
+
+
+def own_registries(root: torch.nn.Module, recurse: bool = True) -> None:
+    """Note the modules under ``root`` that have no hook registry yet: a registry made there
+    (by us, or by diffusers' group offloading on our behalf) is dropped once empty."""
+    for module in root.modules() if recurse else (root,):
+        if REGISTRY not in vars(module):
+            OWN_REGISTRY.set(module, True)
 
 
 def remove_hook(module: torch.nn.Module, name: str) -> None:
@@ -163,15 +172,19 @@ def strip_hooks(root: torch.nn.Module, names: tuple[str, ...]) -> None:
     for module in root.modules():
         for name in names:
             remove_hook(module, name)
+        if REGISTRY not in vars(module):
+            OWN_REGISTRY.pop(module)
 
 
 def _drop_empty_registry(module: torch.nn.Module) -> None:
-    """An empty registry and the forward it left as an instance attribute are dropped, so a
-    released module is indistinguishable from a never-hooked one."""
+    """A registry we made, once empty, is dropped with the forward it left as an instance
+    attribute, so a released module is indistinguishable from a never-hooked one (a registry
+    diffusers made itself stays)."""
     registry = module.__dict__.get(REGISTRY)
     if registry is None or registry.hooks:
         return
-    delattr(module, REGISTRY)
+    if OWN_REGISTRY.pop(module):
+        delattr(module, REGISTRY)
     fwd = module.__dict__.get("forward")
     if fwd is not None and getattr(fwd, "__func__", None) is type(module).forward:
         del module.forward

@@ -12,7 +12,7 @@ import torch
 from diffusers.hooks import apply_group_offloading
 
 from ..state import REGISTRY
-from .base import DIFFUSERS_GROUP_HOOKS, MARKER, Masters, TransportBase, TransportContext, strip_hooks
+from .base import DIFFUSERS_GROUP_HOOKS, MARKER, Masters, TransportBase, TransportContext, own_registries, strip_hooks
 from .moves import bytes_on, module_bytes, move_module
 
 
@@ -26,6 +26,7 @@ class LeafGroupTransport(TransportBase):
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
         move_module(module, self.ctx.offload_device)
+        own_registries(module)
         apply_group_offloading(
             module,
             onload_device=self.ctx.onload_device,

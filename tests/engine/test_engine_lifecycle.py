@@ -9,6 +9,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig, OffloadConfigError
 from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.pinning import pinned_bytes
+from diffusers_offload.offload_core.state import KEPT_ON_PURPOSE, leftovers
 from diffusers_offload.offload_core.transport import OnDemandTransport, TransportContext
 from diffusers_offload.offload_core.transport import on_demand as on_demand_module
 from diffusers_offload.offload_core.transport.leaf import LeafGroupTransport
@@ -143,21 +144,64 @@ def test_record_stream_without_streams_refused_before_hooking():
 
 
 # -- 7. release ----------------------------------------------------------------------------------
-def test_release_leaves_no_hooks_bridges_or_engine_attributes(wan_pipe):
+RELEASE_CONFIGS = {
+    "auto-parts": CFG,
+    "auto-whole": CFG.replace(stream_parts=False),
+    "auto-preload-fixed": CFG.replace(preload=0.0001),
+    "model": CFG.replace(mode="model"),
+    "leaf": CFG.replace(mode="leaf"),
+    "none": CFG.replace(mode="none"),
+    "never-lists": CFG.replace(never=("vae",), always=("text_encoder",)),
+}
+
+
+def _instance_attrs(pipe) -> dict[str, set[str]]:
+    """Every instance attribute of the pipeline and of each module under its components."""
+    out = {"<pipe>": set(vars(pipe))}
+    for comp in ("transformer", "text_encoder", "vae"):
+        for path, m in getattr(pipe, comp).named_modules():
+            out[f"{comp}.{path}"] = set(vars(m))
+    return out
+
+
+def _weights(pipe) -> dict[str, torch.Tensor]:
+    return {f"{comp}.{name}": t.detach().clone()
+            for comp in ("transformer", "text_encoder", "vae")
+            for name, t in [*getattr(pipe, comp).named_parameters(), *getattr(pipe, comp).named_buffers()]}
+
+
+@pytest.mark.parametrize("name", list(RELEASE_CONFIGS))
+def test_release_leaves_nothing_of_ours_in_every_mode(wan_pipe, name):
+    """Every role and mode, placed, run and released: each module has exactly the instance
+    attributes it had before (the planner, kept on purpose, excepted), no hook, bridge or wrapped
+    entry, the weights bit-equal and in system memory, and nothing pinned."""
+    run_wan(wan_pipe)  # the pipeline's and the VAE's own run-time attributes exist from here on
+    before, weights = _instance_attrs(wan_pipe), _weights(wan_pipe)
     engine = Engine()
-    engine.place(wan_pipe, CFG)
+    report = engine.place(wan_pipe, RELEASE_CONFIGS[name])
     run_wan(wan_pipe)
     engine.after_run(wan_pipe)
     engine.release(wan_pipe)
-    for comp in ("transformer", "text_encoder", "vae"):
-        for path, m in getattr(wan_pipe, comp).named_modules():
-            reg = m.__dict__.get("_diffusers_hook")
-            assert reg is None or not reg.hooks, f"{comp}.{path} keeps hooks"
-            assert "_hf_hook" not in m.__dict__, f"{comp}.{path} keeps _hf_hook"
-            for attr in (STATE, SENTINEL, PIN_VERDICT, "_diffusers_offload_on_demand"):
-                assert attr not in m.__dict__, f"{comp}.{path} keeps {attr}"
-    assert not hasattr(wan_pipe, "_diffusers_offload_pipeline")
+    after = _instance_attrs(wan_pipe)
+    added = {where: sorted(after[where] - before[where] - set(KEPT_ON_PURPOSE)) for where in after}
+    assert not {w: a for w, a in added.items() if a}, f"{name} left attributes"
+    assert {w: sorted(before[w] - after[w]) for w in before if before[w] - after[w]} == {}
+    assert leftovers(wan_pipe.transformer) + leftovers(wan_pipe.text_encoder) + leftovers(wan_pipe.vae) == []
+    for key, value in _weights(wan_pipe).items():
+        assert torch.equal(value, weights[key]), f"{key} changed"
     assert pinned_bytes() == 0
+    assert {c.role for c in report.components} >= ({"resident"} if name == "none" else {"on-demand"}
+                                                   if name == "model" else set())
+
+
+def test_every_role_is_exercised_by_the_release_cases(wan_pipe):
+    """The release cases above cover each role at least once (else they prove less than they say)."""
+    roles = set()
+    for config in RELEASE_CONFIGS.values():
+        engine = Engine()
+        roles |= {c.role for c in engine.place(wan_pipe, config).components}
+        engine.release(wan_pipe)
+    assert roles == {"resident", "on-demand", "per-step", "leaf"}
 
 
 def _placed_refs(pipe, engine):
