@@ -16,7 +16,15 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from ..config import OffloadConfig
 from ..memory import MemoryReader
-from ..state import DIFFUSERS_GROUP_HOOKS, MARKER, ON_DEMAND_HOOK, OUR_HOOKS, OWN_REGISTRY, REGISTRY, STREAM_HOOK
+from ..state import (
+    DIFFUSERS_GROUP_HOOKS,
+    MARKER,
+    ON_DEMAND_HOOK,
+    OUR_HOOKS,
+    OWN_REGISTRY,
+    REGISTRY,
+    STREAM_HOOK,
+)
 
 __all__ = ["DIFFUSERS_GROUP_HOOKS", "MARKER", "ON_DEMAND_HOOK", "OUR_HOOKS", "STREAM_HOOK", "Masters",
            "Transport", "TransportBase", "TransportContext", "add_hook", "remove_hook", "strip_hooks"]

@@ -12,7 +12,15 @@ import torch
 from diffusers.hooks import apply_group_offloading
 
 from ..state import REGISTRY
-from .base import DIFFUSERS_GROUP_HOOKS, MARKER, Masters, TransportBase, TransportContext, own_registries, strip_hooks
+from .base import (
+    DIFFUSERS_GROUP_HOOKS,
+    MARKER,
+    Masters,
+    TransportBase,
+    TransportContext,
+    own_registries,
+    strip_hooks,
+)
 from .moves import bytes_on, module_bytes, move_module
 
 
