@@ -64,10 +64,8 @@ class MemoryReader:
 
 def _allocator_stats(device: torch.device) -> dict:
     """The caching allocator's counters, as nested dicts from one C call. Why not
-    ``torch.cuda.memory_stats`` (which ``memory_allocated`` and ``max_memory_allocated`` call):
-    it flattens and sorts the whole table in Python (72 against 12 us a reading on the H200 host,
-    RESULTS run 14), and the preload reads the allocator several times at each forward's start,
-    while a synchronized step's GPU waits for the first block to be launched."""
+    ``torch.cuda.memory_stats``: it flattens and sorts the whole table in Python, several times
+    slower, and the preload reads the allocator at each forward's start, on the launch path."""
     return torch.cuda.memory_stats_as_nested_dict(device)
 
 
@@ -88,12 +86,10 @@ def wants_expandable_segments(alloc_conf: str, backend: str) -> bool:
 def prefer_expandable_segments(device: torch.device) -> None:
     """Turn PyTorch's expandable segments on for the rest of the process, unless the user chose
     (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False`` keeps them off; ComfyUI's default
-    ``backend:cudaMallocAsync`` has none). Why: a video's activations (Wan-14B, 480p: 320, 640
-    and 864 MiB tensors in turn) leave the native allocator's fixed segments cut into holes none
-    of the next sizes fits, so at 12 GiB it reserved 2.4 GiB beyond what it had allocated, each
-    new segment flushed the cache and retried, and the preload learnt that as a penalty: 19
-    pieces kept (RESULTS run 14). Expandable segments map pages into one growing range instead:
-    25-26 pieces kept, no retry in 30 cycles, the same step time (run 15)."""
+    ``backend:cudaMallocAsync`` has none). Why: a video's activations of changing sizes cut the
+    native allocator's fixed segments into holes none of the next sizes fits, each new segment
+    flushes the cache and retries, and the preload learns that as a shortage; expandable segments
+    map pages into one growing range instead (see bench/README.md)."""
     global _expandable_turned_on
     if device.type != "cuda" or _expandable_turned_on or sys.platform == "win32":  # PyTorch has none there
         return

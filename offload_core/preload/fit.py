@@ -27,8 +27,7 @@ class MemoryReading:
         them free (the non-block part, which stays whatever the plan, is not among them).
     opening: activations of the cycle that is starting, already allocated when it is read (the
         non-block part's outputs, at the first block): the measured peak counts them, so they
-        count as available rather than twice against the plan (one streamed piece of Wan-14B's
-        video at 12 GiB, RESULTS run 15).
+        count as available rather than twice against the plan.
     """
 
     free: int

@@ -177,9 +177,7 @@ class PreloadPlanner:
     def on_shortage(self, running: Collection[int] = (), needed: int = 0) -> Relief:
         """An allocation failed or the allocator had to free its cache and retry. The streaming
         buffers the lookahead added beyond the window's go first: they bought speed only with
-        the fit's spare room, and a kept block saves a transfer every step (the cold 12 GiB video
-        row of Wan-14B lost a kept piece to its third buffer's retry; RESULTS run 17). Without
-        them: resident blocks, lowest-ranked first and never those ``running``, until ``needed``
+        the fit's spare room, and a kept block saves a transfer every step. Without them: resident blocks, lowest-ranked first and never those ``running``, until ``needed``
         bytes (at least one block). What goes is added to the workload's penalty. An empty
         answer means nothing can go: a true out-of-memory."""
         relief = self._release_buffers() or Relief(blocks=self._release(running, needed))
@@ -270,8 +268,7 @@ class PreloadPlanner:
         """Streaming buffers beside ``resident``: the window's, plus as many more as the room the
         fit left holds, up to a whole streamed block ahead of the unit running. Why: with most
         blocks kept, the kept runs between streamed blocks outlast the copies two part-buffers
-        hold, and the copy engine idles (H200, Wan-14B at 24 GiB, 34 kept: 0.104 s a step with
-        two buffers, 0.094 s with four; RESULTS run 13)."""
+        hold, and the copy engine idles."""
         peak = self.measured_peak(workload)
         streamed = [s for i, s in self.slot_sizes.items() if i not in resident]
         if self.policy.mode != "auto" or peak is None or not streamed:

@@ -16,10 +16,9 @@ partial preload buys:
   (see `StreamPiece`).
 
 A nested order cannot keep its *complements* even: at 34 of 40 kept, the streamed rest of a van
-der Corput prefix sits 5, 5, 10, 5, 5, 10 apart, and the nine-block kept runs outlast what the
-streaming buffers can copy ahead (H200, Wan-14B at 24 GiB, four buffers: 0.094 s a step against
-0.084 s with six blocks streamed evenly instead, RESULTS run 13). So the ranking decides how many blocks of
-each tower stay, and `spread_kept` then places a tower's streamed blocks evenly over its depth.
+der Corput prefix sits 5, 5, 10, 5, 5, 10 apart, and long kept runs outlast what the streaming
+buffers can copy ahead. So the ranking decides how many blocks of each tower stay, and
+`spread_kept` then places a tower's streamed blocks evenly over its depth.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
-"""The block streamer's table: each tower block's tensors laid out for one flat buffer, and the
-pieces of it ("units") that move to the device as one.
+"""The block streamer's table, and the vocabulary the streamer and the planner share:
 
-A unit is a whole block, or, when blocks stream in parts, one large child of it (an attention,
-a feed-forward: at least 1/8 of the block's bytes). Why parts: the streaming buffers are sized to
-the largest unit, and on a 12 GiB card two whole Wan-14B blocks of buffer (1.31 GiB) cost the
-preload one kept block; parts of at most 0.26 GiB cost 0.53 GiB. A part is on the device only
-while its child's forward runs, so a block streamed in parts must use its large children's
-weights only inside their forward; what is left of it (norms, scale tables) stays resident, like
-the non-block part. A block whose rest would be large (over 1/16 of it) streams whole.
-"""
+- a **block**: one entry of a tower (a repeated stack: ``transformer_blocks``, ``blocks``);
+- a **part**: a large child of a block (an attention, a feed-forward: at least 1/8 of the
+  block's bytes); with ``stream_parts`` a block that splits well streams part by part, each part
+  bound only while its forward runs, and the rest (norms, scale tables) stays resident;
+- a **unit**: what moves to the device as one: a whole block, or one part;
+- a **piece**: what the preload plan keeps or streams as one: a whole block, or, of a block in
+  parts, its largest part (the core) or the rest of its parts.
+Why parts: the streaming buffers are sized to the largest unit, so smaller units leave more
+room for kept blocks on a small card. A block whose rest would be large streams whole.
 
 from __future__ import annotations
 
@@ -95,9 +95,8 @@ class StreamPiece:
 
     Why split a block in two for the plan: a block streamed in parts whose whole does not fit
     the streaming buffers waits for its own largest part's copy, which can start only when its
-    first part's buffer frees (exposed: 4.6 ms per streamed block on Wan-14B, RESULTS run 12).
-    Keeping the cores resident first and streaming only the rest, the buffers hold a streamed
-    block's whole rest, in smaller slots (RESULTS run 13)."""
+    first part's buffer frees. Keeping the cores resident first and streaming only the rest, the
+    buffers hold a streamed block's whole rest, in smaller slots."""
 
     index: int  # position in the streamer's piece table; the planner speaks in these
     block: StreamBlock

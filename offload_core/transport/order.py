@@ -1,13 +1,10 @@
 """The streamer's execution order: the units in the order a forward runs them, and which of them
 are streamed now, answering "the next streamed units after this one".
 
-Why an index: the hooks ask that question at every unit's entry and exit (240 times a forward on
-a Wan-14B in parts). Scanning the order from the asking unit costs a walk over every kept unit
-in between, so with most blocks kept each question walked nearly the whole order: quadratic in
-the unit count (in a CPU microbenchmark of 120 units, all kept, 4.6 ms of host time a forward
-against 0.04 ms here; on the H200 host the launch of a 24 GiB-capped Wan-14B forward went from 86
-to 56 ms, RESULTS run 12). The streamed units' positions are kept sorted and a question is a
-bisection.
+Why an index: the hooks ask that question at every unit's entry and exit (hundreds of times a
+forward). Scanning the order from the asking unit walks every kept unit in between, quadratic in
+the unit count when most blocks are kept, on the launch path. The streamed units' positions are
+kept sorted and a question is a bisection.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The streamed blocks' device buffers: a few flat buffers allocated once and reused block after
 block, each with the events that say when it may be written and read.
 
-Why not a fresh buffer per block from the caching allocator: a freed 0.7 GB block buffer is
-split for the activations allocated next, so the next block's buffer needs a new segment. Under
-a video's activations on a 12 GiB card that churn left about 1.7 GiB reserved but unusable
-(run 8: 9.9 GiB allocated at the peak, 11.6 GiB reserved), which the preload had to learn as a
-penalty through shortages. Buffers that are never freed inside a run cannot be split.
+Why not a fresh buffer per block from the caching allocator: a freed block buffer is split for
+the activations allocated next, so the next block's buffer needs a new segment; under a video's
+activations on a small card that churn leaves reserved memory no one can use, which the preload
+would learn as shortages. Buffers that are never freed inside a run cannot be split.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
-"""Block streamer: the per-step transport for denoisers.
+"""Block streamer: the per-step transport for denoisers (vocabulary: `blocks.py`).
 
 Why not diffusers' block-level group offload: it cannot change which blocks stay resident between
-steps without re-hooking the model (preload needs that), it moves the non-block part blocking from
-pageable memory every forward (0.4 s per Wan-14B forward in the baseline), and it pins a second,
-power-of-two-rounded copy of every weight (1.57x host RAM). Here:
-
-- the non-block part (embeddings, heads, short stacks) is resident on the device;
-- each tower block keeps its weights where they already are in host memory, page-locked in place
-  (`PinSet`), as the master copy; a forward binds the block's tensors to views of one flat device
-  buffer and re-binds them to the host copy afterwards (the same Parameter objects throughout);
-- ``window + 1`` buffers circulate (`BufferRing`, allocated once per run, never freed inside it;
-  more when the preload plan leaves room for them, up to a whole streamed block ahead): while a
-  block computes, the next streamed blocks in *execution* order (recorded, not assumed) fill the
-  other buffers on a side stream, and the moment a block exits, its buffer is handed to
-  the streamed block after those (so a copy is queued a whole block earlier than at the next
-  block's entry: when kept blocks sit between streamed ones, the host's launch time for them no
-  longer delays the copy). A block that was not prefetched loads synchronously, so a wrong guess
-  costs time, never correctness;
-- any subset of pieces can be kept resident (``set_resident``), changed between steps; a piece
-  is a whole block, or, of a block streamed in parts, its largest part or the rest (`blocks.py`);
-- what moves as one is a unit of the block table (`blocks.py`): the whole block, or, with
-  ``stream_parts``, each large child of it, bound only while that child's forward runs (smaller
-  buffers: more blocks kept on a small card);
-- a buffer is written on the side stream after the compute work that last read it (an event per
-  buffer, not a wait for all queued compute), and read on the compute stream after its copy;
-  buffers belong to the compute stream's pool, so ``record_stream`` is never needed here (the
-  option still applies to diffusers' leaf groups).
-"""
+steps without re-hooking (preload needs that), it moves the non-block part from pageable memory
+every forward, and it pins a second, rounded-up copy of every weight. Here the non-block part is
+resident; each block's weights stay where they are in host memory, page-locked in place, as the
+master copy; a forward binds a unit's tensors to views of a ring buffer (`ring.py`) filled on a
+side stream in *execution* order (recorded, `order.py`), and rebinds them to the host copy after.
+A unit that was not prefetched loads synchronously: a wrong guess costs time, never correctness.
+Any set of pieces can be kept resident between steps (``set_resident``), without re-hooking.
 
 from __future__ import annotations
 
@@ -333,9 +314,8 @@ class BlockStreamer(TransportBase):
         block, the next forward's first ones, but one buffer fewer: that one is filled when the
         next forward begins (`begin_forward`). Why: where the host waits for each step's end (a
         progress bar, a preview), a ring filled across the boundary leaves the copy engine idle
-        until the first streamed unit has run (3.3 ms of an 80 ms Wan-14B step at 24 GiB); the
-        copy queued at the model's entry starts at once, and the ones queued at the last block
-        still overlap the forward's tail (that step: 1.05 to 1.02 times its bound, RESULTS run 14)."""
+        until the first streamed unit has run; the copy queued at the model's entry starts at
+        once, and the ones queued at the last block still overlap the forward's tail."""
         if self.copy_stream is None:
             return
         count = self.ring.capacity - len(self._bound)
