@@ -1,12 +1,13 @@
 # The two commands of the README: `make test` and `make demo`. Both set up their own
-# environment from nothing (a venv in .venv) on a fresh machine.
+# environment from nothing (a venv in .venv) on a fresh machine. `make screenshots` retakes the
+# README's pictures.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.14.1 torchvision==0.29.1
 
-.PHONY: test demo lint env
+.PHONY: test demo lint env web-env screenshots
 
 env: $(STAMP)
 
@@ -20,6 +21,15 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python -m pytest tests
+
+# The browser tests' prerequisites (Chromium, the ComfyUI frontend, playwright-core).
+web-env: $(STAMP)
+	VENV=$(VENV) tests/web/setup.sh
+
+# The README's pictures, docs/node_view.png and docs/panel.png, from a real browser session
+# (the tests take theirs under a temporary folder and never touch docs/).
+screenshots: web-env
+	HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(BIN)/python tools/screenshots.py --out docs
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,22 +1,20 @@
 """The frontend extension in headless Chromium against a real ComfyUI server on loopback.
 
-One browser session (``drive.mjs``) loads the page, queues the Wan example's API twin on the tiny
-Wan model twice (a short run, then a long one reloaded mid-run and interrupted), and opens a
-second page on which the state route answers 404; the tests below check what it recorded. The
-screenshots ``docs/node_view.png`` and ``docs/panel.png`` are written by the session.
+One browser session (``browser_session.py`` driving ``drive.mjs``) loads the page, queues the Wan
+example's API twin on the tiny Wan model twice (a short run, then a long one reloaded mid-run and
+interrupted), and opens a second page on which the state route answers 404; the tests below check
+what it recorded. It writes only under pytest's temporary folder (the README's screenshots come
+from ``make screenshots``).
 
 Skipped (with the reason) without Chromium, node, playwright-core (``tests/web/setup.sh``
-installs all three), the frontend package or a ComfyUI tree.
+installs all three), the frontend package or a ComfyUI tree; failed instead when
+``WEB_TESTS_REQUIRED`` is set (``.ci/run`` sets it).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import random
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,96 +22,31 @@ from typing import Any
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-DOCS = ROOT / "docs"
-SHOTS = {"node": DOCS / "node_view.png", "panel": DOCS / "panel.png"}
-EXAMPLE = "wan_text_to_video"
-VIEW_NODE, LOADER_NODE = "4", "1"
-# A mixed placement on the tiny model: the text encoder resident (under the floor), the VAE on
-# demand, the transformer streamed per step (the preload planner's plan line).
-SETTINGS = {"resident_floor_mb": 0.1, "on_demand_threshold_gb": 0.0}
-SHORT_STEPS, LONG_STEPS = 12, 1000  # short: the view draws once per frame, a loaded box may merge a
-# few updates; long: it must outlast a page reload on a slow box (it is interrupted after it)
-DRIVE_TIMEOUT_S = 420
-
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(HERE))  # comfy_server (pytest runs with --import-mode=importlib)
-import offload_examples as ex  # noqa: E402
-
-
-def _missing() -> str | None:
-    """Why the browser tests cannot run here, or None."""
-    if not _chromium():
-        return "no Chromium (set CHROMIUM or run tests/web/setup.sh)"
-    if not shutil.which("node"):
-        return "no node on PATH (run tests/web/setup.sh)"
-    if not (HERE / "node_modules" / "playwright-core").is_dir():
-        return "no playwright-core in tests/web/node_modules (run tests/web/setup.sh)"
-    if importlib.util.find_spec("comfyui_frontend_package") is None:
-        return "comfyui-frontend-package is not installed (run tests/web/setup.sh)"
-    return None
-
-
-def _chromium() -> str | None:
-    return os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def _prompt(steps: int) -> dict[str, Any]:
-    """The example's API twin on the tiny model; a fresh seed so ComfyUI's cache never answers."""
-    overrides = ex.example(EXAMPLE).tiny_overrides(steps=steps, seed=random.randrange(2**32))
-    return ex.api_prompt(EXAMPLE, "tiny-wan", {**overrides, ex.SETTINGS: SETTINGS})
-
-
-def _workflow() -> dict[str, Any]:
-    """The UI workflow the page shows (same node ids as the twin), with the tiny model picked."""
-    workflow = json.loads((ex.EXAMPLES_DIR / f"{EXAMPLE}.json").read_text(encoding="utf-8"))
-    for node in workflow["nodes"]:
-        if node["type"] == ex.LOADER:
-            node["widgets_values"][0] = "tiny-wan"
-    return workflow
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # pytest runs with --import-mode=importlib
+from browser_session import (  # noqa: E402
+    SHORT_STEPS,
+    VIEW_NODE,
+    SessionUnavailable,
+    failure,
+    run_session,
+    workflow,
+)
 
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Run the whole browser session once; the tests read its record."""
-    reason = _missing()
-    if reason:
-        pytest.skip(reason)
-    from comfy_server import comfy_server, copy_comfyui, make_base
-    from comfyhost.harness import ComfyUnavailable, find_comfyui
-    from fixtures.tiny_models import build_tiny_wan
-
-    try:
-        comfy_source = find_comfyui()
-    except ComfyUnavailable as exc:
-        pytest.skip(str(exc))
     work = tmp_path_factory.mktemp("web")
-    wan = build_tiny_wan(work / "models" / "tiny-wan")
-    base = make_base(work / "base", {"tiny-wan": wan})
-    comfy_dir = copy_comfyui(comfy_source, work / "comfyui")
-    DOCS.mkdir(exist_ok=True)
-    started = time.monotonic()
-    with comfy_server(comfy_dir, base, work) as server:
-        server_start = time.monotonic() - started
-        config = {
-            "url": server.url, "result": str(work / "result.json"), "chromium": _chromium(),
-            "profile": str(work / "profile"), "workflow": _workflow(), "short": _prompt(SHORT_STEPS),
-            "long": _prompt(LONG_STEPS), "viewNode": VIEW_NODE, "loaderNode": LOADER_NODE,
-            "shots": {k: str(v) for k, v in SHOTS.items()},
-        }
-        (work / "config.json").write_text(json.dumps(config))
-        proc = subprocess.run(["node", str(HERE / "drive.mjs"), str(work / "config.json")], cwd=HERE,
-                              capture_output=True, text=True, timeout=DRIVE_TIMEOUT_S)
-        log = server.log()
-    record = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
-    record.update(server_start=server_start, server_log=log, driver_stderr=proc.stderr[-4000:])
+    try:
+        record = run_session(work)
+    except SessionUnavailable as exc:
+        if os.environ.get("WEB_TESTS_REQUIRED"):  # CI: a skipped browser test is a failed one
+            pytest.fail(f"WEB_TESTS_REQUIRED is set but the browser tests cannot run: {exc}")
+        pytest.skip(str(exc))
     if os.environ.get("WEB_TEST_RECORD"):  # keep the session's record for a look afterwards
         Path(os.environ["WEB_TEST_RECORD"]).write_text(json.dumps(record, indent=1))
-    assert proc.returncode == 0 and "error" not in record, (
-        f"browser session failed: {record.get('error') or proc.stderr[-4000:]}\nsteps: {record.get('steps')}\n"
-        f"server log tail:\n{log[-3000:]}"
-    )
+    problem = failure(record)
+    assert problem is None, problem
     return record
 
 
@@ -192,12 +125,16 @@ def test_reload_mid_run_restores_the_view_from_the_route(session: dict[str, Any]
 def test_page_without_the_route_shows_nothing_and_still_works(session: dict[str, Any]) -> None:
     no_route = session["noRoute"]
     assert no_route == {**no_route, "available": False, "tabButton": 0, "visibleViews": 0}
-    assert no_route["nodes"] == len(_workflow()["nodes"])
+    assert no_route["nodes"] == len(workflow()["nodes"])
 
 
-def test_screenshots_are_written(session: dict[str, Any]) -> None:
-    for path in SHOTS.values():
-        assert path.is_file() and path.stat().st_size > 2000 and path.stat().st_mtime > time.time() - 900
+def test_screenshots_are_taken_under_the_sessions_own_folder(session: dict[str, Any],
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    root = tmp_path_factory.getbasetemp()
+    for shot in session["shots"].values():
+        path = Path(shot)
+        assert path.is_relative_to(root) and path.is_file() and path.stat().st_size > 2000
+        assert path.stat().st_mtime > time.time() - 900
 
 
 def _size(n: int) -> str:
