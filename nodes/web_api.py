@@ -1,16 +1,12 @@
 """What the page shows: a read-only state route and websocket events for ``web/``.
 
-Why: a user watching a long video run wants to see where every component's weights are and what
-the run is doing without reading the server log. The page computes nothing itself: every byte
-count comes from the engine's report (``PlacementReport``), every stage from the run's progress
-hooks. ``GET /diffusers_offload/state`` gives the whole picture (after a page reload mid-run);
-``diffusers_offload.placement`` / ``.stage`` / ``.removed`` events keep it live.
-
-This module imports nothing of the pack's host side: `connect` hands it the report source
-(the extension passes the engine's ``report``) and the extension subscribes `loaded`,
-`changed` and `finished` to the patcher events of ``host.py``; ``running.py`` calls `stage`.
-Every hook never raises and is cheap when no page is open. Pipelines are held only through weak
-references: the registry never keeps a model alive.
+Why: a user watching a long run wants to see where every component's weights are and what the
+run is doing without reading the server log. Every figure comes from the engine's report, every
+stage from the run's progress hooks; ``GET /diffusers_offload/state`` gives the whole picture
+(after a page reload), the ``diffusers_offload.*`` events keep it live. Nothing of the host side
+is imported: the extension hands in the report source (`connect`) and subscribes `loaded` /
+`changed` / `finished` to the host's patcher events. Hooks never raise, and pipelines are held
+only through weak references.
 """
 
 from __future__ import annotations

@@ -214,6 +214,7 @@ def test_interrupt_stops_within_one_step_and_the_next_run_works(
             comfy.interrupt()
 
     monkeypatch.setattr(comfy.comfy_utils, "PROGRESS_BAR_HOOK", press_cancel_after_step_1)
+    ended = spy_run_end(comfy, monkeypatch)
     prompt = graph(models["wan"], VIDEO, 0, steps=4, seed=21)
     prompt["out"] = {"class_type": "PreviewAny", "inputs": {"source": [GEN, 3]}}
 
@@ -221,9 +222,19 @@ def test_interrupt_stops_within_one_step_and_the_next_run_works(
 
     assert stopped.interrupted and not stopped.success
     assert ticks == [(1, 4)]
+    assert ended == ["WanPipeline"]  # the stopped call was still ended (on-demand modules sent home)
     monkeypatch.setattr(comfy.comfy_utils, "PROGRESS_BAR_HOOK", report)
     again = comfy.run_prompt(prompt).raise_for_error()
     assert steps_seen(again)[-1] == (4, 4)
+
+
+def spy_run_end(comfy: harness.ComfyHost, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the pipelines whose call the engine was told had ended (``Engine.after_run``)."""
+    engine = comfy.pack_submodule("nodes.host").ENGINE
+    ended: list[str] = []
+    after_run = engine.after_run
+    monkeypatch.setattr(engine, "after_run", lambda pipe: ended.append(type(pipe).__name__) or after_run(pipe))
+    return ended
 
 
 def test_grid_of_the_real_wan_geometry(comfy: harness.ComfyHost) -> None:

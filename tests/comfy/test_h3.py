@@ -242,11 +242,16 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
         return type(host)(on_stage=on_stage, check_interrupt=host.check_interrupt)
 
     monkeypatch.setattr(running, "stage_host", pressing_cancel)
+    engine = comfy.pack_submodule("nodes.host").ENGINE
+    ended: list[str] = []
+    after_run = engine.after_run
+    monkeypatch.setattr(engine, "after_run", lambda pipe: ended.append(type(pipe).__name__) or after_run(pipe))
     prompt = graph(model, seed=30 + list(UNIT_CLASSES).index(stage), outputs=(3,))  # a seed per case: no cache hit
 
     stopped = comfy.run_prompt(prompt)
 
     assert stopped.interrupted and not stopped.success
+    assert ended == ["MiniMaxH3ModularPipeline"]  # the stopped call was still ended
     assert at_flag == [unit - 1] and units_run.count(stage) == unit - 1  # nothing of the stage ran after
     monkeypatch.setattr(running, "stage_host", make_host)
     comfy.run_prompt(prompt).raise_for_error()
