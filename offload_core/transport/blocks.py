@@ -9,6 +9,7 @@
   parts, its largest part (the core) or the rest of its parts.
 Why parts: the streaming buffers are sized to the largest unit, so smaller units leave more
 room for kept blocks on a small card. A block whose rest would be large streams whole.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ master copy; a forward binds a unit's tensors to views of a ring buffer (`ring.p
 side stream in *execution* order (recorded, `order.py`), and rebinds them to the host copy after.
 A unit that was not prefetched loads synchronously: a wrong guess costs time, never correctness.
 Any set of pieces can be kept resident between steps (``set_resident``), without re-hooking.
+"""
 
 from __future__ import annotations
 
