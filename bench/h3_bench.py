@@ -27,7 +27,6 @@ stage it failed in, the engine's ``after_run`` is called, and the next run goes 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import time
 import traceback
@@ -39,7 +38,7 @@ import torch
 from benchkit import GB, GiB, Rows, open_output, output_args, pack
 from benchkit.measure import Ballast, h2d_bandwidth, sync
 from benchkit.models import build_h3, h3_geometry, nbytes
-from benchkit.stages import OTHER, PeakTracker, StageClock, TrackingReader
+from benchkit.stages import OTHER, Instruments, PeakTracker, StageClock, TrackingReader
 from PIL import Image
 
 pack()
@@ -48,10 +47,8 @@ from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules 
 from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 from diffusers_offload.offload_core.run.stages import (  # noqa: E402
-    AUDIO,
     DENOISE,
     IMAGE,
-    TEXT,
     VIDEO,
     StageHooks,
     StageHost,
@@ -59,101 +56,6 @@ from diffusers_offload.offload_core.run.stages import (  # noqa: E402
 
 ROLES = {"text_encoder": "leaf", "transformer": "per-step", "vae": "on-demand", "audio_vae": "on-demand"}
 log = logging.getLogger("h3_bench")
-
-
-class Instruments:
-    """The bench's wrappers around a placed pipeline for one run; ``remove`` restores every attribute."""
-
-    def __init__(self, pipe: Any, engine: Engine, clock: StageClock, room: bool, headroom: int) -> None:
-        self.pipe, self.engine, self.clock, self.room, self.headroom = pipe, engine, clock, room, headroom
-        self.device = clock.device
-        self._undo: list = []
-
-    def install(self) -> None:
-        states = self.engine.states(self.pipe)
-        for name in ("vae", "audio_vae"):
-            state = states.get(name)
-            transport = state.transport if state is not None else None
-            module = getattr(self.pipe, name)
-            if transport is not None and hasattr(transport, "onload"):
-                self._time_moves(name, module, transport)
-            entries = {"vae": {"encode": IMAGE, "decode": VIDEO}, "audio_vae": {"decode": AUDIO}}[name]
-            for entry, stage in entries.items():
-                self._announce(module, entry, stage, transport)
-        inner = self.pipe.text_encoder.model  # H3 calls text_encoder.model(...) directly
-        handles = (inner.register_forward_pre_hook(lambda *_: self.clock.enter(TEXT)),
-                   inner.register_forward_hook(lambda *_: self.clock.enter(OTHER)))
-        self._undo.append(lambda: [h.remove() for h in handles])
-
-    def remove(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-    def _announce(self, module: torch.nn.Module, entry: str, stage: str, transport: Any) -> None:
-        inner = module.__dict__.get(entry)  # the on-demand transport's wrapper, when it installed one
-        call = inner if inner is not None else getattr(module, entry)
-
-        @functools.wraps(call)
-        def announced(*args, **kwargs):
-            self.clock.enter(stage)
-            if self.room and transport is not None:
-                self._make_room(stage, module, transport)
-            try:
-                return call(*args, **kwargs)
-            except BaseException:
-                self.clock.failed = self.clock.failed or stage  # before the stage hands back to ``other``
-                raise
-            finally:
-                self.clock.enter(OTHER)
-
-        module.__dict__[entry] = announced
-
-        def undo() -> None:
-            if inner is None:
-                module.__dict__.pop(entry, None)
-            else:
-                module.__dict__[entry] = inner
-
-        self._undo.append(undo)
-
-    def _make_room(self, stage: str, module: torch.nn.Module, transport: Any) -> None:
-        """What a host's memory manager does before a model moves in: free what it needs."""
-        if self.device.type != "cuda" or getattr(transport, "loaded", False):
-            return
-        need = nbytes(module) + self.headroom
-        free, cached = self.engine.memory.device_free(self.device)
-        if need <= free + cached:
-            return
-        t0 = time.perf_counter()
-        freed = self.engine.give_back(self.pipe, need - free - cached)
-        torch.cuda.empty_cache()
-        sync()
-        self.clock.rooms.append(dict(stage=stage, component=type(module).__name__, short_gib=(need - free - cached) / GiB,
-                                     freed_gib=freed / GiB, seconds=time.perf_counter() - t0,
-                                     free_after_gib=torch.cuda.mem_get_info(self.device)[0] / GiB))
-
-    def _time_moves(self, name: str, module: torch.nn.Module, transport: Any) -> None:
-        for method, direction in (("onload", "in"), ("offload", "out")):
-            original = getattr(transport, method)
-
-            def timed(original=original, direction=direction) -> None:
-                before = transport.loaded
-                sync()
-                t0 = time.perf_counter()
-                try:
-                    original()
-                finally:
-                    sync()
-                    seconds = time.perf_counter() - t0
-                    if transport.loaded != before or direction == "in" and not transport.loaded:
-                        size = nbytes(module)
-                        self.clock.moves.append(dict(component=name, direction=direction, stage=self.clock.stage,
-                                                     seconds=seconds, gib=size / GiB, ok=transport.loaded != before,
-                                                     gbs=size / seconds / GB if seconds > 0 else None))
-                        log.info("%s moved %s: %.3f s", name, direction, seconds)
-
-            transport.__dict__[method] = timed
-            self._undo.append(lambda method=method: transport.__dict__.pop(method, None))
 
 
 def keyframes(width: int, height: int) -> dict[str, Image.Image]:
@@ -209,15 +111,15 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
             sync()
         except Exception as exc:  # reported; the next run is still tried
             out(section="error", run=label, stage="after_run", error=f"{type(exc).__name__}: {str(exc)[:400]}",
-                    trace=traceback.format_exc(limit=-6)[-2000:])
+                trace=traceback.format_exc(limit=-6)[-2000:])
         after_run_s = time.perf_counter() - t1
     if error is not None:
         out(section="error", run=label, **error)
         recover(label, pipe, engine, device, out)
     for s in clock.stages():
         out(section="stage", run=label, stage=s["stage"], seconds=s["seconds"], units=s["units"],
-                segments=s["segments"], peak_alloc_gib=s["peak_alloc"] / GiB, peak_reserved_gib=s["peak_reserved"] / GiB,
-                alloc_start_gib=s["alloc_start"] / GiB, alloc_end_gib=s["alloc_end"] / GiB, cap_gib=args.cap)
+            segments=s["segments"], peak_alloc_gib=s["peak_alloc"] / GiB, peak_reserved_gib=s["peak_reserved"] / GiB,
+            alloc_start_gib=s["alloc_start"] / GiB, alloc_end_gib=s["alloc_end"] / GiB, cap_gib=args.cap)
     for s in clock.steps:
         out(section="step", run=label, **s)
     for m in clock.moves:
@@ -232,13 +134,13 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
                       audio_shape=list(audio.shape) if audio is not None else None,
                       sampling_rate=state.get("sampling_rate"))
     out(section="run", run=label, ok=error is None, total_s=total, after_run_s=after_run_s, width=width,
-            height=height, frames=frames, latent_frames=grid.latent_frames(frames), steps=args.steps,
-            forwards=args.steps - 1, notes=notes + frame_notes, cap_gib=args.cap, preload=args.preload,
-            ooms=stats.get("num_ooms", 0) - stats0.get("num_ooms", 0),
-            alloc_retries=stats.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
-            rss_gib=psutil.Process().memory_info().rss / GiB, rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB,
-            pinned_gib=pinned_bytes() / GiB, device_after_gib=device_bytes(engine, pipe) / GiB,
-            plan=streamer.details().get("plan", "") if streamer is not None else "", **start, **result)
+        height=height, frames=frames, latent_frames=grid.latent_frames(frames), steps=args.steps,
+        forwards=args.steps - 1, notes=notes + frame_notes, cap_gib=args.cap, preload=args.preload,
+        ooms=stats.get("num_ooms", 0) - stats0.get("num_ooms", 0),
+        alloc_retries=stats.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
+        rss_gib=psutil.Process().memory_info().rss / GiB, rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB,
+        pinned_gib=pinned_bytes() / GiB, device_after_gib=device_bytes(engine, pipe) / GiB,
+        plan=streamer.details().get("plan", "") if streamer is not None else "", **start, **result)
     return error is None
 
 
@@ -263,8 +165,8 @@ def recover(label: str, pipe: Any, engine: Engine, device: torch.device, out: Ro
                     module.to("cpu")
         torch.cuda.empty_cache()
     out(section="recover", run=label, swept=list(swept.moved), sweep_failed=list(swept.failed),
-            stray_on_device_gib=stray, moved_back_by_bench=bool(stray),
-            free_gib=torch.cuda.mem_get_info(device)[0] / GiB if device.type == "cuda" else None)
+        stray_on_device_gib=stray, moved_back_by_bench=bool(stray),
+        free_gib=torch.cuda.mem_get_info(device)[0] / GiB if device.type == "cuda" else None)
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -280,19 +182,16 @@ def summary(rows: list[dict]) -> None:
         roles = p["components"]
         print(f"placed in {p['place_s']:.2f} s: {p['device_gib']:.2f} GiB on device, {p['pinned_gib']:.2f} GiB pinned, "
               f"RSS {p['rss_gib']:.1f} GiB")
+    keys = ("blocks", "block_gib", "non_block_gib", "layers", "layer_gib", "vision_blocks", "encoder_gib", "decoder_gib")
     for b in by("build"):
-        extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items()
-                 if k in ("blocks", "block_gib", "non_block_gib", "layers", "layer_gib", "vision_blocks", "encoder_gib",
-                          "decoder_gib")}
-        role = roles.get(b["component"], {}).get("role", "?")
-        size = f"{b['gib']:.2f} GiB"
-        print(f"  {b['component']:<13}{role:<10}{size:>11} {b['params_b'] * 1e3:>9.1f} M params  {extra}")
+        extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k in keys}
+        print(f"  {b['component']:<13}{roles.get(b['component'], {}).get('role', '?'):<10}{b['gib']:>7.2f} GiB "
+              f"{b['params_b'] * 1e3:>9.1f} M params  {extra}")
     for r in by("roles"):
         print(f"roles {'as expected' if r['ok'] else 'NOT as expected: ' + str(r['wrong'])}")
     for run in by("run"):
         label = run["run"]
-        status = "ok" if run["ok"] else "FAILED"
-        print(f"\n-- run {label}: {status}, {run['total_s']:.2f} s, {run['width']}x{run['height']}, {run['frames']} frames "
+        print(f"\n-- run {label}: {'ok' if run['ok'] else 'FAILED'}, {run['total_s']:.2f} s, {run['width']}x{run['height']}, {run['frames']} frames "
               f"({run['latent_frames']} latent), {run['forwards']} forwards; OOMs {run['ooms']}, allocator retries "
               f"{run['alloc_retries']}; memory_required {run['memory_required_gib']:.2f} GiB; "
               f"on device at start {run['device_at_start_gib']:.2f} GiB")
@@ -366,9 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     out(section="env", device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-            torch=torch.__version__, diffusers=diffusers.__version__, transformers=transformers.__version__,
-            host_total_gib=psutil.virtual_memory().total / GiB, tiny=args.tiny, args=vars(args),
-            h2d_pinned_gbs=h2d_bandwidth() / GB if device.type == "cuda" else None)
+        torch=torch.__version__, diffusers=diffusers.__version__, transformers=transformers.__version__,
+        host_total_gib=psutil.virtual_memory().total / GiB, tiny=args.tiny, args=vars(args),
+        h2d_pinned_gbs=h2d_bandwidth() / GB if device.type == "cuda" else None)
     t0 = time.perf_counter()
 
     def built(name: str, model: torch.nn.Module, build_s: float, host_s: float) -> None:
@@ -394,13 +293,13 @@ def main(argv: list[str] | None = None) -> None:
         report = engine.place(pipe, config)
         place_s = time.perf_counter() - t0
         out(section="placement", place_s=place_s, cap_gib=args.cap, free_before_gib=free0 / GiB,
-                free_after_gib=torch.cuda.mem_get_info(device)[0] / GiB if device.type == "cuda" else None,
-                device_gib=report.device_bytes / GiB, pinned_gib=report.pinned_bytes / GiB,
-                rss_gib=psutil.Process().memory_info().rss / GiB,
-                components={c.name: dict(role=c.role, gib=c.nbytes / GiB, device_gib=c.device_bytes / GiB,
-                                         pinned_gib=c.pinned_bytes / GiB, reason=c.reason,
-                                         details={k: v for k, v in c.details.items() if k != "lora"})
-                            for c in report.components})
+            free_after_gib=torch.cuda.mem_get_info(device)[0] / GiB if device.type == "cuda" else None,
+            device_gib=report.device_bytes / GiB, pinned_gib=report.pinned_bytes / GiB,
+            rss_gib=psutil.Process().memory_info().rss / GiB,
+            components={c.name: dict(role=c.role, gib=c.nbytes / GiB, device_gib=c.device_bytes / GiB,
+                                     pinned_gib=c.pinned_bytes / GiB, reason=c.reason,
+                                     details={k: v for k, v in c.details.items() if k != "lora"})
+                        for c in report.components})
         check_roles(report, out)
         for n, kind in enumerate([r.strip() for r in args.runs.split(",") if r.strip()], start=1):
             if kind not in ("plain", "room"):
@@ -414,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         if ballast is not None:
             ballast.close()
     out(section="release", seconds=release_s, pinned_gib=pinned_bytes() / GiB,
-            rss_gib=psutil.Process().memory_info().rss / GiB)
+        rss_gib=psutil.Process().memory_info().rss / GiB)
     summary(out.rows)
 
 

@@ -1,5 +1,6 @@
 """One pipeline call, stage by stage: a clock that opens a segment at every stage change and one
-per denoise step, and allocator peaks over named windows that survive the engine's own resets.
+per denoise step, allocator peaks over named windows that survive the engine's own resets, and
+the wrappers that time a placed pipeline's whole-module moves (h3_bench.py).
 
 Every boundary is ``synchronize -> perf_counter``. The preload planner resets torch's peak at
 every forward; it reads through ``TrackingReader``, which folds the peak into every open window
@@ -8,16 +9,19 @@ first and answers the planner from its own window, so neither reading disturbs t
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
 
 import torch
 
-from . import GiB, pack
+from . import GB, GiB, pack
 from .measure import sync
+from .models import nbytes
 
 pack()
+from diffusers_offload.offload_core import Engine  # noqa: E402
 from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
 from diffusers_offload.offload_core.run.stages import AUDIO, DENOISE, IMAGE, TEXT, VIDEO  # noqa: E402
 
@@ -152,3 +156,98 @@ class StageClock:
             s["peak_reserved"] = max(s["peak_reserved"], seg["peak_reserved"])
             s["alloc_end"] = seg["alloc_end"]
         return sorted(out.values(), key=lambda s: STAGE_ORDER.index(s["stage"]) if s["stage"] in STAGE_ORDER else 99)
+
+
+class Instruments:
+    """The bench's wrappers around a placed pipeline for one run; ``remove`` restores every attribute."""
+
+    def __init__(self, pipe: Any, engine: Engine, clock: StageClock, room: bool, headroom: int) -> None:
+        self.pipe, self.engine, self.clock, self.room, self.headroom = pipe, engine, clock, room, headroom
+        self.device = clock.device
+        self._undo: list = []
+
+    def install(self) -> None:
+        states = self.engine.states(self.pipe)
+        for name in ("vae", "audio_vae"):
+            state = states.get(name)
+            transport = state.transport if state is not None else None
+            module = getattr(self.pipe, name)
+            if transport is not None and hasattr(transport, "onload"):
+                self._time_moves(name, module, transport)
+            entries = {"vae": {"encode": IMAGE, "decode": VIDEO}, "audio_vae": {"decode": AUDIO}}[name]
+            for entry, stage in entries.items():
+                self._announce(module, entry, stage, transport)
+        inner = self.pipe.text_encoder.model  # H3 calls text_encoder.model(...) directly
+        handles = (inner.register_forward_pre_hook(lambda *_: self.clock.enter(TEXT)),
+                   inner.register_forward_hook(lambda *_: self.clock.enter(OTHER)))
+        self._undo.append(lambda: [h.remove() for h in handles])
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def _announce(self, module: torch.nn.Module, entry: str, stage: str, transport: Any) -> None:
+        inner = module.__dict__.get(entry)  # the on-demand transport's wrapper, when it installed one
+        call = inner if inner is not None else getattr(module, entry)
+
+        @functools.wraps(call)
+        def announced(*args, **kwargs):
+            self.clock.enter(stage)
+            if self.room and transport is not None:
+                self._make_room(stage, module, transport)
+            try:
+                return call(*args, **kwargs)
+            except BaseException:
+                self.clock.failed = self.clock.failed or stage  # before the stage hands back to ``other``
+                raise
+            finally:
+                self.clock.enter(OTHER)
+
+        module.__dict__[entry] = announced
+
+        def undo() -> None:
+            if inner is None:
+                module.__dict__.pop(entry, None)
+            else:
+                module.__dict__[entry] = inner
+
+        self._undo.append(undo)
+
+    def _make_room(self, stage: str, module: torch.nn.Module, transport: Any) -> None:
+        """What a host's memory manager does before a model moves in: free what it needs."""
+        if self.device.type != "cuda" or getattr(transport, "loaded", False):
+            return
+        need = nbytes(module) + self.headroom
+        free, cached = self.engine.memory.device_free(self.device)
+        if need <= free + cached:
+            return
+        t0 = time.perf_counter()
+        freed = self.engine.give_back(self.pipe, need - free - cached)
+        torch.cuda.empty_cache()
+        sync()
+        self.clock.rooms.append(dict(stage=stage, component=type(module).__name__, short_gib=(need - free - cached) / GiB,
+                                     freed_gib=freed / GiB, seconds=time.perf_counter() - t0,
+                                     free_after_gib=torch.cuda.mem_get_info(self.device)[0] / GiB))
+
+    def _time_moves(self, name: str, module: torch.nn.Module, transport: Any) -> None:
+        for method, direction in (("onload", "in"), ("offload", "out")):
+            original = getattr(transport, method)
+
+            def timed(original=original, direction=direction) -> None:
+                before = transport.loaded
+                sync()
+                t0 = time.perf_counter()
+                try:
+                    original()
+                finally:
+                    sync()
+                    seconds = time.perf_counter() - t0
+                    if transport.loaded != before or direction == "in" and not transport.loaded:
+                        size = nbytes(module)
+                        self.clock.moves.append(dict(component=name, direction=direction, stage=self.clock.stage,
+                                                     seconds=seconds, gib=size / GiB, ok=transport.loaded != before,
+                                                     gbs=size / seconds / GB if seconds > 0 else None))
+                        log.info("%s moved %s: %.3f s", name, direction, seconds)
+
+            transport.__dict__[method] = timed
+            self._undo.append(lambda method=method: transport.__dict__.pop(method, None))
