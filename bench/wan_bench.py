@@ -9,6 +9,7 @@ same process. The run ends with the side-by-side table (benchkit.table).
 
     python bench/wan_bench.py --sections stream,preload --caps 12,24 --out $OUT   # the headline rows
     python bench/wan_bench.py --self-check                                        # CPU: the table's ratios
+    python bench/wan_bench.py --tiny --sections stream,preload,firstk,cycles,anchors --caps 12  # CPU dry run
 
 Sections:
   modes    every engine mode on a short model (--mode-blocks): parity, step time, peak VRAM
@@ -42,9 +43,12 @@ from benchkit.measure import (  # noqa: E402
     Ballast,
     PeakWatch,
     alloc_counts,
+    cuda_used,
     h2d_bandwidth,
     loop_time,
+    peak_alloc_gib,
     rel_err,
+    sync,
     timed,
     to_host,
 )
@@ -57,6 +61,7 @@ from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
 DIFFUSERS_GROUP_HOOKS = ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading")
 row = Rows()
+DEV = "cuda"  # "cpu" with --tiny: the dry run that checks the flow, not the speed
 
 
 def run(m, feeds, warmup, repeats, watch=None):
@@ -69,8 +74,25 @@ def loop(m, feeds, repeats: int) -> float:
 
 def config(args, **kw) -> OffloadConfig:
     """The engine's config for a row: ``--whole-blocks`` streams each block whole; ``--window``
-    sets the prefetch window (the ring holds window + 1 of the largest unit)."""
-    return OffloadConfig(**{"stream_parts": not args.whole_blocks, "prefetch_window": args.window, **kw})
+    sets the prefetch window (the ring holds window + 1 of the largest unit). The CPU dry run has
+    no ballast: preload auto becomes a fixed budget of about one block."""
+    if DEV == "cpu" and kw.get("preload") == "auto":
+        kw["preload"] = args.tiny_budget_gib
+    return on_dev(stream_parts=not args.whole_blocks, prefetch_window=args.window, **kw)
+
+
+def on_dev(**kw) -> OffloadConfig:
+    if DEV == "cpu":
+        kw = dict(kw, device="cpu", on_demand_threshold_gb=0, resident_floor_mb=0)
+    return OffloadConfig(**kw)
+
+
+def ballast(cap: float | None) -> Ballast:
+    return Ballast(cap if DEV == "cuda" else None)
+
+
+def free_now() -> int:
+    return torch.cuda.mem_get_info()[0] if DEV == "cuda" else 0
 
 
 def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
@@ -94,8 +116,8 @@ def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
 
 def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk: int | None = None,
                workloads=("small", "video")) -> dict[str, dict]:
-    ballast = Ballast(cap)
-    free0 = torch.cuda.mem_get_info()[0]
+    hold = ballast(cap)
+    free0 = free_now()
     eng, bag = Engine(), Components(transformer=m)
     proc = psutil.Process()
     try:
@@ -129,30 +151,30 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")
     finally:
         eng.release(bag)
-        ballast.close()
+        hold.close()
     assert pinned_bytes() == 0, "release left pinned memory"
     return out_rows
 
 
 def section_modes(args) -> None:
-    m = build_wan(args.mode_blocks)
-    feeds = {w: wan_inputs(w, args.frames) for w in ("small", "video")}
+    m = build_wan(args.mode_blocks, DEV, args.tiny)
+    feeds = {w: wan_inputs(w, args.frames, DEV) for w in ("small", "video")}
     refs = {}
     for w in feeds:
         med, runs, refs[w] = run(m, feeds[w], 1, args.repeats)
         row(section="modes", mode="resident(no engine)", workload=w, median_s=med, runs=runs, rel_err=0.0,
-            peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB, blocks=args.mode_blocks)
+            peak_alloc_gib=peak_alloc_gib(), blocks=args.mode_blocks)
     to_host(m)
     for mode in ("auto", "model", "leaf", "none"):
         eng, bag = Engine(), Components(transformer=m)
         t0 = time.perf_counter()
-        eng.place(bag, OffloadConfig(mode=mode, preload="off", on_demand_threshold_gb=0))
+        eng.place(bag, on_dev(mode=mode, preload="off", on_demand_threshold_gb=0))
         place_s = time.perf_counter() - t0
         for w in feeds:
             med, runs, out = run(m, feeds[w], 1, args.repeats)
             eng.after_run(bag)
             row(section="modes", mode=mode, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
-                peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB, pinned_gib=pinned_bytes() / GiB,
+                peak_alloc_gib=peak_alloc_gib(), pinned_gib=pinned_bytes() / GiB,
                 place_s=place_s, blocks=args.mode_blocks)
         eng.release(bag)
     del m
@@ -179,18 +201,19 @@ def section_anchors(m, refs, feeds, args) -> None:
     for kind in ("block_level", "leaf_level"):
         kw = {"num_blocks_per_group": 1} if kind == "block_level" else {}
         t0 = time.perf_counter()
-        apply_group_offloading(m, onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
-                               offload_type=kind, use_stream=True, **kw)
+        apply_group_offloading(m, onload_device=torch.device(DEV), offload_device=torch.device("cpu"),
+                               offload_type=kind, use_stream=DEV == "cuda", **kw)
         apply_s = time.perf_counter() - t0
         for w in feeds:
             med, runs, out = run(m, feeds[w], args.warmup, args.repeats)
             row(section="anchor", mode=f"diffusers {kind}+stream", workload=w, median_s=med, runs=runs,
-                rel_err=rel_err(out, refs[w]), peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
+                rel_err=rel_err(out, refs[w]), peak_alloc_gib=peak_alloc_gib(),
                 rss_gib=psutil.Process().memory_info().rss / GiB, place_s=apply_s)
         strip_group_offloading(m)
         gc.collect()
-        torch._C._host_emptyCache()
-        torch.cuda.empty_cache()
+        if cuda_used():
+            torch._C._host_emptyCache()
+            torch.cuda.empty_cache()
 
 
 def section_mmgp(m, refs, feeds, args, cap: float | None) -> None:
@@ -235,20 +258,21 @@ def section_mmgp(m, refs, feeds, args, cap: float | None) -> None:
 
 
 def section_cycles(m, refs, feeds, args, cap: float) -> None:
-    ballast = Ballast(cap)
+    hold = ballast(cap)
     eng, bag = Engine(), Components(transformer=m)
     eng.place(bag, config(args, preload="auto"))
     streamer = eng.states(bag)["transformer"].transport
     plans, per_cycle = [], []
     ooms0, retries0 = alloc_counts()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda_used():
+        torch.cuda.reset_peak_memory_stats()
     watch = PeakWatch(streamer)
     worst = 0.0
     for i in range(args.cycles):
         w = "small" if i % 2 == 0 else "video"
         before = (*alloc_counts(), streamer.ooms)
         out = wan_forward(m, *feeds[w])
-        torch.cuda.synchronize()
+        sync()
         worst = max(worst, rel_err(out, refs[w]))
         line = streamer.details()["plan"]
         if not plans or plans[-1] != line:
@@ -266,11 +290,11 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
         peak_reserved_gib=watch.reserved / GiB, peak_alloc_gib=watch.alloc / GiB, worst_rel_err=worst, plans=plans,
         per_cycle=per_cycle)
     eng.release(bag)
-    ballast.close()
+    hold.close()
 
 
 def main() -> None:
-    global row
+    global row, DEV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", default="modes,stream,preload,firstk,anchors,cycles")
     ap.add_argument("--blocks", type=int, default=40)
@@ -287,9 +311,13 @@ def main() -> None:
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
     ap.add_argument("--self-check", action="store_true", help="check the table's ratios on hand-made rows (CPU)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU dry run: 2 blocks of width 128, 1 latent frame, no ballast, preload a one-block budget")
     output_args(ap)
     args = ap.parse_args()
     row = open_output(args, "wan_bench")
+    if args.tiny:
+        DEV, args.blocks, args.mode_blocks, args.frames = "cpu", min(args.blocks, 2), min(args.mode_blocks, 2), 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.debug:
         logging.getLogger("diffusers_offload.preload").setLevel(logging.DEBUG)
@@ -298,9 +326,11 @@ def main() -> None:
     workloads = tuple(args.workloads.split(","))
     import diffusers
 
-    row(section="env", gpu=torch.cuda.get_device_name(), torch=torch.__version__, diffusers=diffusers.__version__,
-        h2d_pinned_gbs=h2d_bandwidth() / GB, host_total_gib=psutil.virtual_memory().total / GiB,
-        allocator=torch.cuda.get_allocator_backend(), alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+    cuda = DEV == "cuda"
+    row(section="env", gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+        diffusers=diffusers.__version__, h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
+        host_total_gib=psutil.virtual_memory().total / GiB,
+        allocator=torch.cuda.get_allocator_backend() if cuda else None, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         stream_parts=not args.whole_blocks, window=args.window, args=vars(args))
     if "modes" in sections:
         section_modes(args)
@@ -311,13 +341,14 @@ def main() -> None:
 
 
 def main_model(args, sections, caps, workloads) -> None:
-    m = build_wan(args.blocks)
-    feeds = {w: wan_inputs(w, args.frames) for w in workloads}
+    m = build_wan(args.blocks, DEV, args.tiny)
+    args.tiny_budget_gib = nbytes(m.blocks[0]) * 1.5 / GiB
+    feeds = {w: wan_inputs(w, args.frames, DEV) for w in workloads}
     refs = {}
     for w in workloads:
         med, runs, refs[w] = run(m, feeds[w], 1, args.repeats)
         row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop(m, feeds[w], args.repeats),
-            weights_gib=nbytes(m) / GiB, peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB)
+            weights_gib=nbytes(m) / GiB, peak_alloc_gib=peak_alloc_gib())
     row(section="to_host", seconds=to_host(m), rss_gib=psutil.Process().memory_info().rss / GiB)
     if "stream" in sections:
         run_engine("stream", m, config(args, preload="off"), None, refs, feeds, args, workloads=workloads)

@@ -20,6 +20,8 @@ def _timed(row: dict) -> bool:
 def bound_s(row: dict, resident_s: float, weights_gib: float, h2d_bytes_s: float) -> float | None:
     """max(resident step, bytes moved per step / pinned H2D bandwidth): our rows report what they
     stream; the diffusers anchors move every weight each step; mmgp reports no byte count."""
+    if not h2d_bytes_s:
+        return None
     if "streamed_gib" in row:
         moved = row["streamed_gib"]
     elif row.get("section") == "anchor":
@@ -56,14 +58,15 @@ def side_by_side(rows: list[dict]) -> str:
     timed = [r for r in rows if _timed(r) and r.get("workload") in resident]
     if not env or not timed:
         return ""
-    h2d = env["h2d_pinned_gbs"] * 1e9
+    h2d = (env.get("h2d_pinned_gbs") or 0) * 1e9  # none on the CPU dry run: no bound
     weights = next(iter(resident.values())).get("weights_gib", 0.0)
     anchors: dict[str, float] = {}
     for r in rows:
         if r.get("section") == "anchor":
             anchors[r["workload"]] = min(anchors.get(r["workload"], float("inf")), r["median_s"])
     lines = [
-        f"bound = max(resident step, bytes moved per step / {env['h2d_pinned_gbs']:.1f} GB/s pinned H2D)",
+        f"bound = max(resident step, bytes moved per step / {h2d / 1e9:.1f} GB/s pinned H2D)" if h2d
+        else "no bound: no pinned H2D bandwidth in this run (CPU dry run)",
         "",
         "| row | cap GiB | workload | step s | / bound | / best diffusers | / resident | peak VRAM GiB | host GiB | kept |",
         "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
