@@ -66,6 +66,25 @@ async function loadWorkflow(page) {
   }, [config.workflow, config.long]);
 }
 
+/** The Offload settings node of the saved UI workflow, as the frontend rebuilt it from the schema:
+ *  each widget's name, value and advanced flag (read before loadWorkflow sets values by name). */
+async function readSettings(page) {
+  return page.evaluate(async (wf) => {
+    await window.app.loadGraphData(structuredClone(wf));
+    const node = window.app.graph.nodes.find((n) => n.type === "DiffusersOffloadSettings");
+    if (!node) return null;
+    return {
+      id: String(node.id),
+      knowsAdvanced: typeof node.hasAdvancedWidgets === "function",
+      widgets: node.widgets.map((w) => ({
+        name: w.name,
+        value: w.value,
+        advanced: Boolean(w.options?.advanced ?? w.advanced),
+      })),
+    };
+  }, config.workflow);
+}
+
 async function queue(page, prompt) {
   const id = await page.evaluate(async (p) => {
     const clientId = window.comfyAPI.api.api.clientId;
@@ -205,6 +224,8 @@ async function main() {
       Object.keys(window.LiteGraph.registered_node_types).filter((t) => t.startsWith("DiffusersOffload")),
     );
     result.tabButton = await page.locator(".diffusers-offload-tab-button").count();
+    result.settings = await readSettings(page);
+    result.settingsSchema = (await getJson("/api/object_info/DiffusersOffloadSettings")).body;
     await loadWorkflow(page);
     result.idleView = await readView(page, config.viewNode);
 

@@ -24,9 +24,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pytest runs with --import-mode=importlib
 from browser_session import (  # noqa: E402
+    EXAMPLE,
     SHORT_STEPS,
     VIEW_NODE,
     SessionUnavailable,
+    ex,  # noqa: E402
     failure,
     run_session,
     workflow,
@@ -64,6 +66,22 @@ def test_extension_loads_without_errors_from_our_script(session: dict[str, Any])
             and not (m["page"] == "no-route" and m["text"].startswith("Failed to load resource"))]
     ours += [e for e in session["pageErrors"] if e["ours"]]
     assert ours == []
+
+
+def test_the_saved_settings_node_loads_with_its_values_and_advanced_options_folded(session: dict[str, Any]) -> None:
+    """The example's UI workflow, as the frontend maps its widget values by position, gives every
+    option the value its API twin names; the options the host marks advanced carry the flag where
+    the frontend knows it (2026 frontends fold them behind the node's advanced toggle)."""
+    settings = session["settings"]
+    twin = ex.api_prompt(EXAMPLE, ex.example(EXAMPLE).model)[settings["id"]]["inputs"]
+    info = session["settingsSchema"]["DiffusersOffloadSettings"]
+    options = [name for name, *_ in ex.schema_inputs(info)]
+    widgets = [w for w in settings["widgets"] if w["name"] in options]  # not our own view's widget
+    assert [w["name"] for w in widgets] == options
+    assert {w["name"]: w["value"] for w in widgets} == twin
+    marked = {name for name, _, spec, _ in ex.schema_inputs(info) if spec.get("advanced")}
+    folded = {w["name"] for w in widgets if w["advanced"]}
+    assert folded == (marked if settings["knowsAdvanced"] else set())
 
 
 def test_node_view_shows_each_stage_then_the_final_placement(session: dict[str, Any]) -> None:
