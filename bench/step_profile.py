@@ -103,7 +103,7 @@ def trace_summary(path: str) -> None:
 
 def trace(m, feeds, path: str, with_host: bool) -> None:
     """CUDA activity only by default: recording every host op stretched a 109 ms step to 158 ms
-    (run 11), which is not the timeline being asked about."""
+    on the H200, which is not the timeline being asked about."""
     from torch.profiler import ProfilerActivity, profile
 
     sync()
