@@ -25,7 +25,8 @@ def test_flux_roles_transformer_per_step_both_text_encoders_leaf_vae_on_demand(f
 
 def test_flux_streams_both_towers_dual_and_single_stream_blocks(flux_pipe):
     details = Engine().place(flux_pipe, CFG).component("transformer").details
-    assert details["blocks"] == 4 and details["kept"] == 0
+    towers = len(flux_pipe.transformer.transformer_blocks) + len(flux_pipe.transformer.single_transformer_blocks)
+    assert details["blocks"] == towers and details["kept"] == 0
 
 
 def test_ltx2_roles_vaes_on_demand_transformer_per_step_rest_leaf(ltx2_pipe):

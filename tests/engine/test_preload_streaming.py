@@ -29,7 +29,7 @@ def _run(engine, pipe, **kw):
         engine.after_run(pipe)
 
 
-@pytest.mark.parametrize("kept", [set(), {0}, {1}, {0, 1}])
+@pytest.mark.parametrize("kept", [set(), {0}, {1}, {0, 1}, {2, 5, 8, 11}, set(range(12))])
 def test_output_is_identical_for_every_resident_set(wan_pipe, kept):
     ref = run_wan(wan_pipe)
     engine, streamer = _placed(wan_pipe)
@@ -152,7 +152,7 @@ def test_a_new_preload_policy_replans_in_place_without_rehooking(wan_pipe):
     block = max(b.nbytes for b in streamer.blocks)
     engine.place(wan_pipe, CFG.replace(preload=2.5 * block / 2**30))
     assert engine.states(wan_pipe)["transformer"].transport is streamer
-    assert streamer.resident_blocks() == {0, 1}
+    assert 2 * block <= streamer.kept_bytes() <= 2.5 * block  # the budget's pieces, re-planned in place
     assert [dict(b.module._diffusers_hook.hooks) for b in streamer.blocks] == hook_objects
 
 
@@ -175,7 +175,7 @@ class _Card(MemoryReader):
 
 
 def _on_a_card_watching_model_entry(pipe, monkeypatch):
-    """Auto preload on a card with room for both tiny blocks beside about 1 MiB of activations,
+    """Auto preload on a card with room for all tiny blocks beside about 1 MiB of activations,
     regrowing at once; returns (engine, card, streamer, the resident sets at each model entry)."""
     monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
     card = _Card(free=MARGIN_BASE + 2**20)
@@ -197,7 +197,7 @@ def test_a_known_larger_workload_gets_its_blocks_back_before_its_inputs_are_made
         card.activations = activations
         at_entry.clear()
         _run(engine, wan_pipe, **size)
-    assert len(streamer.blocks) == 2 and at_entry[0] == set(), at_entry  # second large run: given up at entry
+    assert at_entry[0] == set(), at_entry  # second large run: given up at entry
 
 
 def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_inputs_are_made(wan_pipe, monkeypatch):
@@ -206,7 +206,7 @@ def test_a_larger_workload_seen_for_the_first_time_gives_blocks_up_before_its_in
     engine, card, streamer, at_entry = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
     card.activations = 128 * 2**10
     _run(engine, wan_pipe, height=16, width=16)
-    assert streamer.resident_blocks() == {0, 1}  # measured: both kept for the small workload
+    assert streamer.resident_blocks() == set(range(len(streamer.blocks)))  # measured: all kept for the small one
     at_entry.clear()
     card.activations *= 16  # 64x64 has 16 times the tokens: 2 MiB, more than the room
     _run(engine, wan_pipe, height=64, width=64)
@@ -277,7 +277,7 @@ def test_an_allocator_retry_inside_a_forward_is_a_shortage_at_the_next_cycle(wan
 def test_an_allocator_retry_gives_up_the_lookahead_buffer_before_kept_pieces(wan_pipe, monkeypatch, caplog):
     """On a card with room for the two block cores and three streaming buffers, the third
     buffer's retry costs that buffer: the pieces stay and the next runs keep them with the
-    window's two buffers (the cold video row of RESULTS run 17)."""
+    window's two buffers."""
     monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)
     monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no earlier test's penalty
     engine = Engine(memory=(card := _Card(free=0)))
@@ -295,7 +295,7 @@ def test_an_allocator_retry_gives_up_the_lookahead_buffer_before_kept_pieces(wan
     with caplog.at_level(logging.INFO, logger="diffusers_offload.preload"):
         _run(engine, wan_pipe, height=16, width=16)
     plans = [r.getMessage() for r in caplog.records if "blocks kept" in r.getMessage()]
-    assert plans and all("2 in part" in line for line in plans)  # no piece was given up
+    assert plans and all(f"{len(cores)} in part" in line for line in plans)  # no piece was given up
     assert "2 streaming buffers" in plans[-1] and streamer.ring.capacity == 2
     assert planner.penalty(planner.last_workload) == slot
     _run(engine, wan_pipe, height=16, width=16)
@@ -331,4 +331,4 @@ def test_the_non_block_part_outputs_are_not_counted_twice_at_the_cycle_start(wan
     wan_pipe.transformer.proj_out.register_forward_hook(lambda m, a, out: setattr(card, "live", 0))
     for _ in range(2):
         _run(engine, wan_pipe, height=16, width=16)
-    assert streamer.resident_blocks() == {0, 1}
+    assert streamer.resident_blocks() == set(range(len(streamer.blocks)))
