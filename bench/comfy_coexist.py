@@ -178,7 +178,8 @@ def main() -> int:
     t0 = time.perf_counter()
     flags = (["--bf16-unet"] if a.native_dtype == "bf16" else []) + a.comfy_args.split()
     host = bc.start_host(comfy_dir, p.base, flags, a.cache, None if a.cpu else anchor_dir(a))
-    stamp(f"ComfyUI {host.version} up in {time.perf_counter() - t0:.1f}s")
+    boot_s = round(time.perf_counter() - t0, 2)
+    stamp(f"ComfyUI {host.version} up in {boot_s:.1f}s")
 
     import comfy.model_management as mm
     import comfy.model_patcher
@@ -202,7 +203,7 @@ def main() -> int:
         "core_model_patcher": getattr(comfy.model_patcher, "CoreModelPatcher", comfy.model_patcher.ModelPatcher).__name__,
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "torch_allocator_backend": torch.cuda.get_allocator_backend() if cuda else None,
-        "vram_state": str(mm.vram_state), "av_stubbed": av_stubbed, "startup_notes": host.startup_notes,
+        "vram_state": str(mm.vram_state), "av_stubbed": av_stubbed, "boot_s": boot_s, "startup_notes": host.startup_notes,
         "pack_nodes": len(status.node_ids), "build": build, "args": vars(a),
         **{k.replace("-", "_"): _version(k) for k in ("diffusers", "transformers", "comfy-aimdo", "comfy-kitchen")},
     }
