@@ -108,8 +108,8 @@ def _placed_with_side_stream(monkeypatch, parts: bool):
     bag = Components(transformer=model)
     engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts))
     streamer = engine.states(bag)["transformer"].transport
-    monkeypatch.setattr(streamer, "copy_stream", _SideStreamOnCpu())
-    monkeypatch.setattr(streamer, "_copy", _copy_now)
+    monkeypatch.setattr(streamer.prefetch, "copy_stream", _SideStreamOnCpu())
+    monkeypatch.setattr(streamer.prefetch, "copy", _copy_now)
     return model, feeds, ref, engine, bag, streamer
 
 
@@ -123,10 +123,10 @@ def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reu
     streamer.events.unsubscribe("preload")  # the plans are set by hand
     streamer.set_resident(streamer.pieces_of({0, 2, 4}))
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
-    assert [streamer.units[i].block.index for i in streamer._inflight] == at_entry[:1]
+    assert [streamer.units[i].block.index for i in streamer.prefetch.inflight] == at_entry[:1]
     seen = []
     handle = model.patch_embedding.register_forward_pre_hook(
-        lambda module, args: seen.append([streamer.units[i].block.index for i in streamer._inflight]))
+        lambda module, args: seen.append([streamer.units[i].block.index for i in streamer.prefetch.inflight]))
     torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
     handle.remove()
     assert seen == [at_entry]

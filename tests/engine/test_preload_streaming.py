@@ -120,7 +120,7 @@ def test_a_forward_that_keeps_running_out_outside_the_blocks_is_not_retried_fore
         calls.append(args)
         if len(calls) > 5:
             raise RuntimeError("retried without end")
-        streamer._inflight[1] = streamer.ring.acquire()  # what an attempt's prefetch leaves on a GPU
+        streamer.prefetch.inflight[1] = streamer.ring.acquire()  # what an attempt's prefetch leaves on a GPU
         raise torch.OutOfMemoryError("scripted: the card is full")
 
     monkeypatch.setattr(wan_pipe.transformer.patch_embedding, "forward", always_short)

@@ -1,0 +1,156 @@
+"""The streamer's copies: which streamed units sit in the ring's buffers, bound or copied ahead.
+
+A unit is bound to a ring buffer for its forward (``bind``/``release``); while it computes, the
+next streamed units in execution order are copied into the other buffers on the side stream
+(``prefetch_after``). A buffer is written after the compute work that last read it (an event per
+buffer, not a wait for all queued compute) and read on the compute stream after its copy; the
+buffers belong to the compute stream's pool, so ``record_stream`` is never needed here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .blocks import StreamUnit
+from .order import ExecutionOrder
+from .ring import BufferRing, RingSlot
+
+Pairs = Iterable[tuple[torch.Tensor, torch.Tensor]]  # (device view, host master)
+
+
+class Prefetcher:
+    def __init__(self, device: torch.device, units: list[StreamUnit], order: ExecutionOrder,
+                 buffers: int, side_stream: bool) -> None:
+        self.device = device
+        self.units = units  # the streamer's unit table (shared, filled at apply)
+        self.order = order
+        self.ring = BufferRing(device, buffers)
+        self.copy_stream = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
+        self.inflight: dict[int, RingSlot] = {}  # copied ahead, not bound yet
+        self.bound: dict[int, RingSlot] = {}  # bound for a forward running now
+
+    def bind(self, unit: StreamUnit) -> None:
+        """Make a streamed unit's weights ready on the device (a kept one already is), then keep
+        the units after it copying."""
+        if unit.piece.resident is None and unit.index not in self.bound:
+            if unit.index not in self.inflight:
+                self._drop_wrong_guesses(unit)
+            slot = self._take(unit)
+            self.bound[unit.index] = slot
+            unit.bind(self.views(unit, slot))
+        self.prefetch_after(unit)
+
+    def release(self, unit: StreamUnit) -> bool:
+        """A unit's forward ended: back to its host copy, its buffer to the next streamed unit.
+        True when that copy met an out-of-memory error (the unit then loads at its entry, where
+        an OOM gives kept blocks up)."""
+        slot = self.bound.pop(unit.index, None)
+        if slot is None:
+            return False
+        unit.bind_host()
+        self.ring.release(slot, read_by_compute=True)
+        try:
+            self.prefetch_after(unit)
+        except torch.OutOfMemoryError:
+            return True
+        return False
+
+    def release_all(self) -> None:
+        """Every bound unit back to its host copy (a forward that raised never released them)."""
+        for index in list(self.bound):
+            self.units[index].bind_host()
+            self.ring.release(self.bound.pop(index), read_by_compute=True)
+
+    def prefetch_after(self, unit: StreamUnit | None) -> None:
+        """Keep exactly the next streamed units after ``unit`` (``None``: the forward's first)
+        in flight that fill the ring's buffers with the one bound now, if any. Past the last
+        block, the next forward's first ones, but one buffer fewer: that one is filled when the
+        next forward begins. Why: where the host waits for each step's end (a progress bar, a
+        preview), a ring filled across the boundary leaves the copy engine idle until the first
+        streamed unit has run; a copy queued at the model's entry starts at once."""
+        if self.copy_stream is None:
+            return
+        count = self.ring.capacity - len(self.bound)
+        index = None if unit is None else unit.index
+        upcoming = self.order.upcoming(index, count, next_forward=self.ring.capacity - 1)
+        for index in list(self.inflight):
+            if index not in upcoming:
+                self.discard(index)  # a skipped branch, a changed plan
+        for index in upcoming:
+            if index not in self.inflight:
+                self.inflight[index] = self._load(self.units[index])
+
+    def _drop_wrong_guesses(self, unit: StreamUnit) -> None:
+        """``unit`` was not prefetched (a new plan, a skipped branch): the units in flight that
+        will not run after it give their buffers back first, so it loads into one of them rather
+        than into a buffer allocated beside them while the step's activations are live."""
+        after = self.ring.capacity - 1 - len(self.bound)
+        keep = set(self.order.upcoming(unit.index, after))
+        for index in [i for i in self.inflight if i not in keep]:
+            self.discard(index)
+
+    def _take(self, unit: StreamUnit) -> RingSlot:
+        slot = self.inflight.pop(unit.index, None)
+        if slot is None:
+            slot = self._load(unit)
+        if slot.written is not None:
+            torch.cuda.current_stream(self.device).wait_event(slot.written)
+        return slot
+
+    def _load(self, unit: StreamUnit) -> RingSlot:
+        """Copy a streamed unit into a ring slot, once the compute work that last read the
+        slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
+        slot = self.ring.acquire()
+        pairs = zip(self.views(unit, slot), (s.host for s in unit.slots), strict=True)
+        slot.written = self.copy(pairs, unit.block.pinned, after=slot.read)
+        return slot
+
+    @staticmethod
+    def views(unit: StreamUnit, slot: RingSlot) -> list[torch.Tensor]:
+        """``unit``'s tensors in ``slot``'s buffer, made once per buffer and unit: a step uses
+        them twice per streamed unit (copy, bind), and building them is most of the host time a
+        streamed unit costs."""
+        views = slot.views.get(unit.index)
+        if views is None:
+            views = slot.views[unit.index] = unit.views(slot.buf)
+        return views
+
+    def copy(self, pairs: Pairs, pinned: bool, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
+        """Copy each (device view, host master) pair: on the side stream after ``after``,
+        returning the event that marks the copy done, or on the compute stream where there is
+        no side stream."""
+        stream = self.copy_stream
+        if stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        if after is not None:
+            stream.wait_event(after)
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=pinned)
+            return stream.record_event()
+
+    def discard(self, index: int) -> None:
+        """A unit copied ahead will not run next: its slot goes back to the ring unread."""
+        self.ring.release(self.inflight.pop(index), read_by_compute=False)
+
+    def drop_prefetched(self) -> None:
+        """Forget the units copied ahead (stale after a write to the host copies) and give the
+        idle ring buffers back to the allocator."""
+        for index in list(self.inflight):
+            self.discard(index)
+        self.ring.clear()
+
+    def set_buffers(self, buffers: int) -> None:
+        """How many streaming buffers circulate (units copied ahead beyond them are dropped)."""
+        if buffers != self.ring.capacity:
+            for index in list(self.inflight)[buffers - len(self.bound):]:
+                self.discard(index)
+            self.ring.set_capacity(buffers)
+
+    def fill(self) -> bool:
+        """With a side stream, make the ring's missing buffers now (see `BufferRing.fill`)."""
+        return self.copy_stream is not None and self.ring.fill()

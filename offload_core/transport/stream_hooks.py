@@ -1,0 +1,89 @@
+"""The block streamer's hooks: on the denoiser, on each block, on each part of a block streamed
+in parts. Each calls back into the streamer; an allocation that fails inside a forward is
+retried while the streamer's listeners (the planner) can give something up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from diffusers.hooks import ModelHook
+
+from .base import MarkerHook
+from .blocks import StreamBlock, StreamUnit
+
+if TYPE_CHECKING:
+    from .streamer import BlockStreamer
+
+T = TypeVar("T")
+
+
+def retry_on_oom(run: Callable[[], T], relieve: Callable[[int], bool]) -> T:
+    """``run()``; on an allocator out-of-memory error, ``relieve(attempt)`` and run again while
+    it freed something (attempt counts from 0); the error goes up when nothing more can go."""
+    attempt = 0
+    while True:
+        try:
+            return run()
+        except torch.OutOfMemoryError:
+            if not relieve(attempt):
+                raise
+            attempt += 1
+
+
+class BlockHook(ModelHook):
+    def __init__(self, streamer: BlockStreamer, block: StreamBlock) -> None:
+        super().__init__()
+        self.streamer, self.block = streamer, block
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.streamer.enter_block(self.block, args, kwargs)
+        return args, kwargs
+
+    def new_forward(self, module, *args, **kwargs):
+        """On an OOM inside the block the planner gives kept blocks up and the block runs again:
+        the step continues while there is anything left to give up."""
+        return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
+                            lambda _attempt: self.streamer.relieve_in(self.block))
+
+    def post_forward(self, module, output):
+        if not self.block.in_parts:
+            self.streamer.exit(self.block.units[0])
+        return output
+
+
+class PartHook(ModelHook):
+    """On a large child of a block streamed in parts: its weights are bound for its forward
+    only (an OOM inside goes up to the block's retry)."""
+
+    def __init__(self, streamer: BlockStreamer, unit: StreamUnit) -> None:
+        super().__init__()
+        self.streamer, self.unit = streamer, unit
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.streamer.enter(self.unit)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.streamer.exit(self.unit)
+        return output
+
+
+class ModelEntryHook(MarkerHook):
+    """The marker on the denoiser: announces each forward, and retries one that ran out of memory
+    outside the blocks (the first forward of a larger workload allocates its inputs before the
+    first block, where the plan for it is made): first without the blocks copied ahead, then with
+    kept blocks given up."""
+
+    def __init__(self, streamer: BlockStreamer) -> None:
+        super().__init__(streamer.device)
+        self.streamer = streamer
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.streamer.begin_forward(args, kwargs)
+        return args, kwargs
+
+    def new_forward(self, module, *args, **kwargs):
+        return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
+                            lambda attempt: self.streamer.relieve_outside_blocks(first=attempt == 0))
