@@ -1,6 +1,6 @@
 """When the engine turns PyTorch's expandable segments on: only for the native allocator, and
 never over a choice the user made in the allocator configuration (the effect on fragmentation is
-measured on the GPU: bench/RESULTS.md, run 15)."""
+measured on the GPU: see bench/README.md)."""
 
 import pytest
 import torch

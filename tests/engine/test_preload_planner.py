@@ -208,7 +208,7 @@ def test_a_shortage_gives_up_the_lookahead_buffers_before_any_block():
 
 
 def test_after_giving_up_a_buffer_the_next_cycle_keeps_the_blocks_with_the_windows_buffers():
-    """The cold video row (RESULTS run 17): the third buffer's retry costs that buffer, not a
+    """The cold video row (see bench/README.md): the third buffer's retry costs that buffer, not a
     kept piece, and the plan that follows holds."""
     device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)
     planner = measured(parts_planner(device))
