@@ -30,12 +30,14 @@ class Prefetcher:
         self.copy_stream = torch.cuda.Stream(device) if side_stream and device.type == "cuda" else None
         self.inflight: dict[int, RingSlot] = {}  # copied ahead, not bound yet
         self.bound: dict[int, RingSlot] = {}  # bound for a forward running now
+        self.sync_loads = 0  # streamed units that were not copied ahead (with a side stream)
 
     def bind(self, unit: StreamUnit) -> None:
         """Make a streamed unit's weights ready on the device (a kept one already is), then keep
         the units after it copying."""
         if unit.piece.resident is None and unit.index not in self.bound:
             if unit.index not in self.inflight:
+                self.sync_loads += self.copy_stream is not None
                 self._drop_wrong_guesses(unit)
             slot = self._take(unit)
             self.bound[unit.index] = slot

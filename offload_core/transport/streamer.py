@@ -340,6 +340,7 @@ class BlockStreamer(TransportBase):
             "buffers": self.ring.capacity,
             "units": len(self.units),
             "ooms": self.ooms,
+            "sync_loads": self.prefetch.sync_loads,
         }
 
 
