@@ -1,15 +1,22 @@
-"""Wan-2.1-14B-geometry transformer (random bf16 weights) under the engine and the anchors, side by side.
+"""Wan-2.1-14B (or FLUX.1-dev) geometry transformer, random bf16 weights, under the engine and the anchors, side by side.
 
 One process, one model: it is built on the GPU (benchkit.models), timed resident, moved to pageable
 host memory, then placed and released per row. Smaller cards are imitated with a ballast process
 made before each capped row (benchkit.measure.Ballast), so the planner sees the free memory such a
 card would report. Each timed forward is synchronize -> perf_counter -> forward -> synchronize; the
 median of ``--repeats`` after ``--warmup`` forwards. Parity is against the resident output of the
-same process. The run ends with the side-by-side table (benchkit.table).
+same process. Every engine row also counts its sync loads: streamed units its side stream had not
+copied ahead when a block asked for them (the streamer's ``details()["sync_loads"]``), in its first
+forward, its warm-ups and its timed forwards; after the first forward (the one whose order is learnt)
+the count should not grow. The run ends with the side-by-side table (benchkit.table).
+
+``--model flux`` runs the same rows on a FLUX.1-dev transformer (two towers: 19 dual-stream and 38
+single-stream blocks), one 1024x1024 image workload, and writes ``wan_bench_flux.json``/``.log``.
 
     python bench/wan_bench.py --sections stream,preload --caps 12,24 --out $OUT   # the headline rows
     python bench/wan_bench.py --self-check                                        # CPU: the table's ratios
     python bench/wan_bench.py --tiny --sections stream,preload,firstk,cycles,anchors --caps 12  # CPU dry run
+    python bench/wan_bench.py --model flux --sections stream,preload --caps 12,24 --out $OUT  # Flux rows
 
 Sections:
   modes    every engine mode on a short model (--mode-blocks): parity, step time, peak VRAM
@@ -17,9 +24,10 @@ Sections:
   preload  preload auto at each cap
   firstk   hand-picked "first K blocks resident" at each cap (the manual knob users set today)
   anchors  diffusers block_level+stream and leaf_level+stream
-  cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines
+  cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines, sync loads
   mmgp     mmgp 3.8.2 (WanGP's engine) keeping --mmgp-kept blocks at the first cap; runs last, and
            needs ``mmgp`` and ``optimum-quanto`` (carry their wheels: the GPU machine has no network)
+With ``--model flux``: stream, preload, cycles and anchors.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import sys
 import time
 
 from benchkit import GB, GiB, Rows, open_output, output_args, pack
+from benchkit.anchors import section_anchors, section_mmgp
 from benchkit.table import self_check, side_by_side
 
 if "--self-check" in sys.argv:  # no torch, no GPU
@@ -42,6 +51,7 @@ import torch  # noqa: E402
 from benchkit.measure import (  # noqa: E402
     Ballast,
     PeakWatch,
+    SyncLoads,
     alloc_counts,
     cuda_used,
     h2d_bandwidth,
@@ -52,24 +62,42 @@ from benchkit.measure import (  # noqa: E402
     timed,
     to_host,
 )
-from benchkit.models import build_wan, nbytes, wan_forward, wan_inputs  # noqa: E402
+from benchkit.models import (  # noqa: E402
+    blocks_of,
+    build_flux,
+    build_wan,
+    flux_forward,
+    flux_inputs,
+    nbytes,
+    wan_forward,
+    wan_inputs,
+)
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core import memory as engine_memory  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
-DIFFUSERS_GROUP_HOOKS = ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading")
 row = Rows()
 DEV = "cuda"  # "cpu" with --tiny: the dry run that checks the flow, not the speed
+FORWARD = wan_forward  # flux_forward with --model flux
+WAN_ONLY = {"modes", "firstk", "mmgp"}
 
 
-def run(m, feeds, warmup, repeats, watch=None):
-    return timed(lambda: wan_forward(m, *feeds), warmup, repeats, watch)
+def run(m, feeds, warmup, repeats, watch=None, after=None):
+    return timed(lambda: FORWARD(m, *feeds), warmup, repeats, watch, after)
 
 
 def loop(m, feeds, repeats: int) -> float:
-    return loop_time(lambda: wan_forward(m, *feeds), repeats)
+    return loop_time(lambda: FORWARD(m, *feeds), repeats)
+
+
+def build(args):
+    return build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
+
+
+def inputs(args, w: str) -> tuple:
+    return flux_inputs(w, DEV, args.tiny) if args.model == "flux" else wan_inputs(w, args.frames, DEV)
 
 
 def config(args, **kw) -> OffloadConfig:
@@ -132,8 +160,10 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
             streamer.set_resident(streamer.pieces_of(set(range(firstk))))
         watch = PeakWatch(streamer)
         for w in workloads:
-            med, runs, out = run(m, feeds[w], args.warmup, args.repeats, watch)
+            loads = SyncLoads(streamer)
+            med, runs, out = run(m, feeds[w], args.warmup, args.repeats, watch, loads.mark)
             loop_s = loop(m, feeds[w], args.repeats)
+            loads.mark()
             watch.sample()
             details = streamer.details()
             ooms, retries = alloc_counts()
@@ -143,9 +173,10 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 free_at_start_gib=free0 / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
                 kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""),
-                streamed_gib=streamer.streamed_bytes() / GiB, alloc_retries=retries, ooms=ooms,
+                streamed_gib=streamer.streamed_bytes() / GiB, units=details.get("units"), alloc_retries=retries, ooms=ooms,
                 ooms_met_by_engine=streamer.ooms,
-                expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None))
+                expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
+                **loads.fields(args.warmup, args.repeats))
             del out
             if out_rows[w]["rel_err"] > 1e-3:
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")
@@ -171,90 +202,16 @@ def section_modes(args) -> None:
         eng.place(bag, on_dev(mode=mode, preload="off", on_demand_threshold_gb=0))
         place_s = time.perf_counter() - t0
         for w in feeds:
-            med, runs, out = run(m, feeds[w], 1, args.repeats)
+            loads = SyncLoads(eng.states(bag)["transformer"].transport)
+            med, runs, out = run(m, feeds[w], 1, args.repeats, after=loads.mark)
             eng.after_run(bag)
             row(section="modes", mode=mode, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
                 peak_alloc_gib=peak_alloc_gib(), pinned_gib=pinned_bytes() / GiB,
-                place_s=place_s, blocks=args.mode_blocks)
+                place_s=place_s, blocks=args.mode_blocks, **loads.fields(1, args.repeats))
         eng.release(bag)
     del m
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def strip_group_offloading(m: torch.nn.Module) -> None:
-    """Remove diffusers' group-offloading hooks (diffusers 0.42.1 has no public remove)."""
-    for module in m.modules():
-        registry = module.__dict__.get("_diffusers_hook")
-        if registry is None:
-            continue
-        for name in DIFFUSERS_GROUP_HOOKS:
-            registry.remove_hook(name, recurse=False)
-        if not registry.hooks:
-            del module._diffusers_hook
-            module.__dict__.pop("forward", None)
-
-
-def section_anchors(m, refs, feeds, args) -> None:
-    from diffusers.hooks import apply_group_offloading
-
-    for kind in ("block_level", "leaf_level"):
-        kw = {"num_blocks_per_group": 1} if kind == "block_level" else {}
-        t0 = time.perf_counter()
-        apply_group_offloading(m, onload_device=torch.device(DEV), offload_device=torch.device("cpu"),
-                               offload_type=kind, use_stream=DEV == "cuda", **kw)
-        apply_s = time.perf_counter() - t0
-        for w in feeds:
-            med, runs, out = run(m, feeds[w], args.warmup, args.repeats)
-            row(section="anchor", mode=f"diffusers {kind}+stream", workload=w, median_s=med, runs=runs,
-                rel_err=rel_err(out, refs[w]), peak_alloc_gib=peak_alloc_gib(),
-                rss_gib=psutil.Process().memory_info().rss / GiB, place_s=apply_s)
-        strip_group_offloading(m)
-        gc.collect()
-        if cuda_used():
-            torch._C._host_emptyCache()
-            torch.cuda.empty_cache()
-
-
-def section_mmgp(m, refs, feeds, args, cap: float | None) -> None:
-    """mmgp 3.8.2 as WanGP runs it: pinned, async transfers, no quantization, fp32 modules kept
-    fp32 (as ours), ``--mmgp-kept`` blocks preloaded. Its budget (MiB) buys blocks as
-    ``int((budget - non-block - 2 * block) / block)`` (``offload.tune_preloading``), so the budget
-    for K blocks is asked with one MiB to spare, and the row reports the count mmgp actually kept.
-    Last in the process: mmgp moves the weights into its own pinned chunks and leaves them there."""
-    from mmgp import offload
-
-    # As WanGP declares mixed precision to mmgp (which asserts one dtype otherwise): the model's
-    # dtype, and the modules kept in fp32 locked to it.
-    m._model_dtype = torch.bfloat16
-    for sub in m.modules():
-        if any(p.dtype == torch.float32 for p in sub.parameters(recurse=False)):
-            sub._lock_dtype = torch.float32
-    block = max(nbytes(b) for b in m.blocks)
-    budget_mib = (nbytes(m) - sum(nbytes(b) for b in m.blocks) + (args.mmgp_kept + 2) * block) / 2**20 + 1
-    ballast = Ballast(cap)
-    try:
-        t0 = time.perf_counter()
-        mm = offload.all({"transformer": m}, pinnedMemory=True, quantizeTransformer=False, asyncTransfers=True,
-                         budgets={"transformer": budget_mib}, convertWeightsFloatTo=None, verboseLevel=1)
-        place_s = time.perf_counter() - t0
-        kept = len(mm.preloaded_blocks_per_model["transformer"])
-        for w in feeds:
-            try:
-                med, runs, out = run(m, feeds[w], args.warmup, args.repeats)
-                row(section="mmgp", cap_gib=cap, workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
-                    kept=kept, asked=args.mmgp_kept, budget_mib=budget_mib, place_s=place_s,
-                    peak_alloc_gib=torch.cuda.max_memory_allocated() / GiB,
-                    peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
-                    rss_gib=psutil.Process().memory_info().rss / GiB)
-                del out
-            except torch.OutOfMemoryError as e:
-                row(section="mmgp", cap_gib=cap, workload=w, kept=kept, error=f"OOM: {str(e)[:100]}")
-                gc.collect()
-                torch.cuda.empty_cache()
-        mm.release()
-    finally:
-        ballast.close()
 
 
 def section_cycles(m, refs, feeds, args, cap: float) -> None:
@@ -268,10 +225,12 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
         torch.cuda.reset_peak_memory_stats()
     watch = PeakWatch(streamer)
     worst = 0.0
+    loads = SyncLoads(streamer)
     for i in range(args.cycles):
-        w = "small" if i % 2 == 0 else "video"
+        w = list(feeds)[i % len(feeds)]
         before = (*alloc_counts(), streamer.ooms)
-        out = wan_forward(m, *feeds[w])
+        out = FORWARD(m, *feeds[w])
+        loads.mark()
         sync()
         worst = max(worst, rel_err(out, refs[w]))
         line = streamer.details()["plan"]
@@ -282,21 +241,25 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
         per_cycle.append(dict(workload=w, kept=len(streamer.resident_blocks()), kept_gib=round(streamer.kept_bytes() / GiB, 2),
                               peak_alloc_gib=round(alloc, 3), peak_reserved_gib=round(reserved, 3),
                               ooms=ooms - before[0], retries=retries - before[1],
-                              ooms_met_by_engine=streamer.ooms - before[2]))
+                              ooms_met_by_engine=streamer.ooms - before[2], sync_loads=loads.delta(i, i + 1)))
         del out
     ooms, retries = alloc_counts()
     row(section="cycles", cap_gib=cap, cycles=args.cycles, ooms=ooms - ooms0,
         ooms_met_by_engine=sum(c["ooms_met_by_engine"] for c in per_cycle), retries=retries - retries0,
         peak_reserved_gib=watch.reserved / GiB, peak_alloc_gib=watch.alloc / GiB, worst_rel_err=worst, plans=plans,
-        per_cycle=per_cycle)
+        sync_loads_first=loads.delta(0, 1), sync_loads_after_first=loads.delta(1, args.cycles),
+        sync_side_stream=loads.side_stream, per_cycle=per_cycle)
     eng.release(bag)
     hold.close()
 
 
 def main() -> None:
-    global row, DEV
+    global row, DEV, FORWARD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sections", default="modes,stream,preload,firstk,anchors,cycles")
+    ap.add_argument("--model", choices=("wan", "flux"), default="wan",
+                    help="flux: the FLUX.1-dev transformer (two towers), workload image (1024x1024)")
+    ap.add_argument("--sections", default="", help="default: modes,stream,preload,firstk,anchors,cycles "
+                    "(flux: stream,preload,anchors,cycles)")
     ap.add_argument("--blocks", type=int, default=40)
     ap.add_argument("--mode-blocks", type=int, default=4)
     ap.add_argument("--frames", type=int, default=21, help="latent frames of the video workload (21 = 81 frames)")
@@ -305,17 +268,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cycles", type=int, default=30)
-    ap.add_argument("--workloads", default="small,video")
+    ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
     ap.add_argument("--self-check", action="store_true", help="check the table's ratios on hand-made rows (CPU)")
     ap.add_argument("--tiny", action="store_true",
-                    help="CPU dry run: 2 blocks of width 128, 1 latent frame, no ballast, preload a one-block budget")
+                    help="CPU dry run: 2 blocks of width 128 (flux: 2 + 2, a 128x128 image), 1 latent frame, no ballast, "
+                    "preload a one-block budget")
     output_args(ap)
     args = ap.parse_args()
-    row = open_output(args, "wan_bench")
+    flux = args.model == "flux"
+    args.sections = args.sections or ("stream,preload,anchors,cycles" if flux else "modes,stream,preload,firstk,anchors,cycles")
+    args.workloads = args.workloads or ("image" if flux else "small,video")
+    if flux and WAN_ONLY & set(args.sections.split(",")):
+        ap.error(f"--model flux runs no {', '.join(sorted(WAN_ONLY & set(args.sections.split(','))))} section")
+    FORWARD = flux_forward if flux else wan_forward
+    row = open_output(args, "wan_bench_flux" if flux else "wan_bench")
     if args.tiny:
         DEV, args.blocks, args.mode_blocks, args.frames = "cpu", min(args.blocks, 2), min(args.mode_blocks, 2), 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -331,7 +301,7 @@ def main() -> None:
         diffusers=diffusers.__version__, h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
         host_total_gib=psutil.virtual_memory().total / GiB,
         allocator=torch.cuda.get_allocator_backend() if cuda else None, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        stream_parts=not args.whole_blocks, window=args.window, args=vars(args))
+        stream_parts=not args.whole_blocks, window=args.window, model=args.model, args=vars(args))
     if "modes" in sections:
         section_modes(args)
     if set(sections) - {"modes"}:
@@ -341,9 +311,13 @@ def main() -> None:
 
 
 def main_model(args, sections, caps, workloads) -> None:
-    m = build_wan(args.blocks, DEV, args.tiny)
-    args.tiny_budget_gib = nbytes(m.blocks[0]) * 1.5 / GiB
-    feeds = {w: wan_inputs(w, args.frames, DEV) for w in workloads}
+    m = build(args)
+    blocks = blocks_of(m)
+    args.tiny_budget_gib = max(nbytes(b) for b in blocks) * 1.5 / GiB
+    row(section="model", model=type(m).__name__, params=sum(p.numel() for p in m.parameters()),
+        weights_gib=nbytes(m) / GiB, blocks=len(blocks), non_block_gib=(nbytes(m) - sum(map(nbytes, blocks))) / GiB,
+        block_gib=sorted({round(nbytes(b) / GiB, 4) for b in blocks}))
+    feeds = {w: inputs(args, w) for w in workloads}
     refs = {}
     for w in workloads:
         med, runs, refs[w] = run(m, feeds[w], 1, args.repeats)
@@ -361,9 +335,9 @@ def main_model(args, sections, caps, workloads) -> None:
     if "cycles" in sections and caps:
         section_cycles(m, refs, feeds, args, min(caps))
     if "anchors" in sections:
-        section_anchors(m, refs, feeds, args)
+        section_anchors(m, refs, feeds, args, run, row, DEV)
     if "mmgp" in sections:
-        section_mmgp(m, refs, feeds, args, caps[0] if caps else None)
+        section_mmgp(m, refs, feeds, args, caps[0] if caps else None, run, row)
 
 
 if __name__ == "__main__":

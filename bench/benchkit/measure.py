@@ -113,10 +113,11 @@ class PeakWatch:
         return out[0] / GiB, out[1] / GiB
 
 
-def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: PeakWatch | None = None
-          ) -> tuple[float, list[float], torch.Tensor]:
+def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: PeakWatch | None = None,
+          after: Callable[[], object] | None = None) -> tuple[float, list[float], torch.Tensor]:
     """(median s, every timed run, last output) of ``fn``. The peak statistics are reset once,
-    before the warm-up; ``watch`` samples them around the planner's own resets."""
+    before the warm-up; ``watch`` samples them around the planner's own resets. ``after`` runs
+    after every forward (warm-up ones included), outside the timed span."""
     sync()
     if cuda_used():
         torch.cuda.reset_peak_memory_stats()
@@ -126,6 +127,8 @@ def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: Peak
     for _ in range(warmup):
         out = fn()
         watch.sample()
+        if after is not None:
+            after()
     runs = []
     for _ in range(repeats):
         sync()
@@ -134,7 +137,42 @@ def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: Peak
         sync()
         runs.append(time.perf_counter() - t0)
         watch.sample()
+        if after is not None:
+            after()
     return statistics.median(runs), runs, out
+
+
+class SyncLoads:
+    """The streamer's count of streamed units bound without a copy ahead by its side stream
+    (``details()["sync_loads"]``, cumulative since placement), read after each forward (``mark``).
+    Without a side stream (the CPU) the streamer counts none: ``side_stream`` says so. A transport
+    without the count (leaf, model, none) reads None."""
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+        details = self.details()
+        self.side_stream = bool(details.get("stream", False))
+        self.marks = [details.get("sync_loads")]
+
+    def details(self) -> dict:
+        return self.transport.details() if hasattr(self.transport, "details") else {}
+
+    def mark(self) -> None:
+        self.marks.append(self.details().get("sync_loads"))
+
+    def delta(self, a: int, b: int) -> int | None:
+        if self.marks[0] is None or len(self.marks) <= max(a, b):
+            return None
+        return self.marks[b] - self.marks[a]
+
+    def fields(self, warmup: int, repeats: int) -> dict:
+        """The row's fields after ``timed(..., warmup, repeats, after=mark)`` and optionally one
+        more ``mark`` (a loop): the first forward, the warm-ups (the first included), the timed
+        forwards, the loop, and the count since placement."""
+        n = warmup + repeats
+        return dict(sync_loads_first=self.delta(0, 1), sync_loads_warmup=self.delta(0, warmup),
+                    sync_loads_timed=self.delta(warmup, n), sync_loads_loop=self.delta(n, n + 1),
+                    sync_loads_total=self.marks[-1], sync_side_stream=self.side_stream)
 
 
 def loop_time(fn: Callable[[], object], repeats: int) -> float:

@@ -1,4 +1,5 @@
-"""Random-weight models at real geometries, built the way the benches need them.
+"""Random-weight models at real geometries (Wan 2.1 14B, FLUX.1-dev, MiniMax-H3), built the way
+the benches need them.
 
 Every model is built on the bench device with seed 0 and cast as ``from_pretrained(dtype=bf16)``
 casts a checkpoint (the ``_keep_in_fp32_modules`` parts stay float32), then moved to pageable
@@ -66,6 +67,64 @@ def wan_inputs(name: str, frames: int, device: str | torch.device = "cuda") -> t
 def wan_forward(m, x, enc, t) -> torch.Tensor:
     with torch.inference_mode():
         return m(hidden_states=x, encoder_hidden_states=enc, timestep=t, return_dict=False)[0]
+
+
+# -- FLUX.1-dev geometry: two towers --------------------------------------------------------------
+# 19 dual-stream blocks of 0.633 GiB and 38 single-stream ones of 0.264 GiB, 11.9 B parameters,
+# 22.17 GiB in bf16 (0.12 GiB outside the blocks).
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+# Width 128, 2 + 2 blocks (CPU smoke runs); the text width stays 4096 and the pooled one 768.
+FLUX_TINY = dict(FLUX_DEV, num_layers=2, num_single_layers=2, num_attention_heads=2, attention_head_dim=64,
+                 axes_dims_rope=(8, 28, 28))
+FLUX_IMAGE = {"image": 1024}  # pixels a side: 1024x1024 -> 128x128 latents -> 4096 packed tokens
+FLUX_TEXT = 512  # T5 tokens (FLUX.1-dev's max_sequence_length)
+
+
+def build_flux(device: str | torch.device = "cuda", tiny: bool = False) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = FluxTransformer2DModel(**(FLUX_TINY if tiny else FLUX_DEV))
+    return cast_like_from_pretrained(m, torch.bfloat16)
+
+
+def flux_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    """One FluxPipeline denoising call's transformer inputs at ``FLUX_IMAGE[name]`` pixels a side
+    (128 with ``tiny``): packed latents (1, tokens, 64), T5 states (1, 512, 4096; 64 tokens tiny),
+    CLIP pooled (1, 768), timestep 0.5 (the pipeline passes t / 1000), guidance 3.5, and the ids
+    as ``FluxPipeline`` makes them (``_prepare_latent_image_ids``; zero text ids), in the dtype of
+    the text states."""
+    side = 128 if tiny else FLUX_IMAGE[name]
+    grid = side // 16  # the pipeline's latent side 2 * (side // 16) over its 2x2 packing
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16
+    x = torch.randn((1, grid * grid, 64), generator=g, device=device, dtype=dt)
+    enc = torch.randn((1, 64 if tiny else FLUX_TEXT, 4096), generator=g, device=device, dtype=dt)
+    pooled = torch.randn((1, 768), generator=g, device=device, dtype=dt)
+    img_ids = torch.zeros(grid, grid, 3)
+    img_ids[..., 1] += torch.arange(grid)[:, None]
+    img_ids[..., 2] += torch.arange(grid)[None, :]
+    img_ids = img_ids.reshape(grid * grid, 3).to(device=device, dtype=dt)
+    txt_ids = torch.zeros(enc.shape[1], 3, device=device, dtype=dt)
+    t = torch.full((1,), 500.0, device=device).to(dt) / 1000
+    guidance = torch.full((1,), 3.5, device=device, dtype=torch.float32)
+    return x, enc, pooled, t, guidance, img_ids, txt_ids
+
+
+def flux_forward(m, x, enc, pooled, t, guidance, img_ids, txt_ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return m(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled, encoder_hidden_states=enc,
+                 txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+
+
+def blocks_of(m: torch.nn.Module) -> list[torch.nn.Module]:
+    """The streamed blocks in order: Wan's ``blocks``, Flux's two towers."""
+    if hasattr(m, "single_transformer_blocks"):
+        return [*m.transformer_blocks, *m.single_transformer_blocks]
+    return list(m.blocks)
 
 
 # -- MiniMax-H3 at full width, reduced depth ------------------------------------------------------

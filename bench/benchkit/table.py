@@ -51,6 +51,28 @@ def _kept(row: dict) -> str:
     return f"{row['kept']} blocks" if "kept" in row else "–"
 
 
+def _sync(row: dict, key: str) -> str:
+    """A sync-load count: "n/a" where the streamer had no side stream (the CPU), "–" for rows
+    without the count (resident, the anchors, mmgp)."""
+    if row.get(key) is None:
+        return "–"
+    return str(row[key]) if row.get("sync_side_stream", True) else "n/a"
+
+
+def sync_verdict(rows: list[dict]) -> str:
+    """One line: did every timed forward of every engine row find its streamed units copied ahead?"""
+    counted = [r for r in rows if r.get("sync_loads_timed") is not None and r.get("sync_side_stream")]
+    if not counted:
+        return "sync loads: not counted in this run (no side stream: CPU dry run)"
+    bad = [f"{_label(r)} {r.get('cap_gib') or ''} {r['workload']}: {r['sync_loads_timed']}".replace("  ", " ")
+           for r in counted if r["sync_loads_timed"]]
+    first = sum(r.get("sync_loads_first") or 0 for r in counted)
+    if bad:
+        return f"sync loads in timed forwards: {len(bad)} of {len(counted)} rows ({'; '.join(bad)})"
+    return (f"sync loads in timed forwards: 0 in all {len(counted)} engine rows (every streamed unit was copied "
+            f"ahead); first forwards: {first} in all")
+
+
 def side_by_side(rows: list[dict]) -> str:
     """Markdown table of the timed rows (plus one line per cycles row); empty without them."""
     env = next((r for r in rows if r.get("section") == "env"), {})
@@ -68,15 +90,16 @@ def side_by_side(rows: list[dict]) -> str:
         f"bound = max(resident step, bytes moved per step / {h2d / 1e9:.1f} GB/s pinned H2D)" if h2d
         else "no bound: no pinned H2D bandwidth in this run (CPU dry run)",
         "",
-        "| row | cap GiB | workload | step s | / bound | / best diffusers | / resident | peak VRAM GiB | host GiB | kept |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---|",
+        "| row | cap GiB | workload | step s | / bound | / best diffusers | / resident | peak VRAM GiB | host GiB | kept "
+        "| sync loads | 1st fwd sync |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|",
     ]
     for w, r in resident.items():
         lines.append(f"| resident | – | {w} | {r['median_s']:.4f} | – | {_ratio(r['median_s'], anchors.get(w))} | 1.000 "
-                     f"| {r['peak_alloc_gib']:.2f} | – | all |")
+                     f"| {r['peak_alloc_gib']:.2f} | – | all | – | – |")
     for r in timed:
         if "median_s" not in r:
-            lines.append(f"| {_label(r)} | {r.get('cap_gib') or '–'} | {r['workload']} | {r['error'][:40]} |||||||")
+            lines.append(f"| {_label(r)} | {r.get('cap_gib') or '–'} | {r['workload']} | {r['error'][:40]} |||||||||")
             continue
         res = resident[r["workload"]]["median_s"]
         peak = r.get("peak_reserved_gib", r.get("peak_alloc_gib", 0.0))
@@ -84,13 +107,16 @@ def side_by_side(rows: list[dict]) -> str:
         lines.append(f"| {_label(r)} | {cap} | {r['workload']} | {r['median_s']:.4f} "
                      f"| {_ratio(r['median_s'], bound_s(r, res, weights, h2d))} "
                      f"| {_ratio(r['median_s'], anchors.get(r['workload']))} | {_ratio(r['median_s'], res)} "
-                     f"| {peak:.2f} | {_host(r)} | {_kept(r)} |")
+                     f"| {peak:.2f} | {_host(r)} | {_kept(r)} | {_sync(r, 'sync_loads_timed')} "
+                     f"| {_sync(r, 'sync_loads_first')} |")
     for r in rows:
         if r.get("section") == "cycles":
             lines.append(f"\ncycles at {r['cap_gib']} GiB: {r['cycles']} cycles, {r['ooms']} OOMs, "
                          f"{r.get('ooms_met_by_engine', 0)} met and recovered by the engine, {r['retries']} "
                          f"allocator retries, peak reserved {r['peak_reserved_gib']:.2f} GiB, "
-                         f"worst relative error {r['worst_rel_err']:.3g}")
+                         f"worst relative error {r['worst_rel_err']:.3g}, sync loads after the first cycle "
+                         f"{_sync(r, 'sync_loads_after_first')}")
+    lines.append("\n" + sync_verdict(rows))
     return "\n".join(lines)
 
 
@@ -100,7 +126,10 @@ def self_check() -> None:
         {"section": "env", "h2d_pinned_gbs": GiB / 1e9},
         {"section": "resident", "workload": "small", "median_s": 0.5, "weights_gib": 4.0, "peak_alloc_gib": 5.0},
         {"section": "preload_auto", "cap_gib": 12.0, "workload": "small", "median_s": 2.2, "streamed_gib": 2.0,
-         "peak_reserved_gib": 11.5, "pinned_gib": 4.0, "kept_gib": 2.0},
+         "peak_reserved_gib": 11.5, "pinned_gib": 4.0, "kept_gib": 2.0, "sync_loads_timed": 0,
+         "sync_loads_first": 40, "sync_side_stream": True},
+        {"section": "stream", "workload": "small", "median_s": 4.0, "streamed_gib": 4.0, "peak_reserved_gib": 1.0,
+         "pinned_gib": 4.0, "kept_gib": 0.0, "sync_loads_timed": 3, "sync_loads_first": 5, "sync_side_stream": True},
         {"section": "anchor", "mode": "diffusers leaf_level+stream", "workload": "small", "median_s": 4.4,
          "peak_alloc_gib": 1.0, "rss_gib": 6.0},
         {"section": "anchor", "mode": "diffusers block_level+stream", "workload": "small", "median_s": 8.8,
@@ -119,6 +148,9 @@ def self_check() -> None:
         "ours: bound max(0.5, 2 GiB / 1 GiB/s) = 2 s": cells("preload_auto")[3:7] == ["2.2000", "1.100", "0.500", "4.400"],
         "an anchor moves every weight: bound 4 s": cells("diffusers leaf_level+stream")[4:6] == ["1.100", "1.000"],
         "an OOM row is shown": cells("first_18")[3].startswith("OOM"),
+        "the sync-load columns": cells("preload_auto")[10:] == ["0", "40"] and cells("resident")[10:] == ["–", "–"],
+        "the sync-load verdict": "timed forwards: 1 of 2 rows (stream small: 3)" in table,
+        "on the CPU: n/a": _sync({"sync_loads_timed": 0, "sync_side_stream": False}, "sync_loads_timed") == "n/a",
         "the cycles line": "30 cycles, 0 OOMs, 4 met and recovered by the engine, 2 allocator retries" in table,
         "no timed rows, no table": side_by_side(rows[:2]) == "",
     }
