@@ -151,7 +151,7 @@ def describe(name: str, module: torch.nn.Module) -> ComponentInfo:
         quantization=_quantization(module),
         bridged_entries=bridged,
         unbridged_entries=unbridged,
-        opts_out=getattr(cls, "_supports_group_offloading", True) is False,
+        opts_out=getattr(module, "_supports_group_offloading", True) is False,  # the instance, as diffusers reads it
         is_denoiser=_is_denoiser(name, module, bridged + unbridged),
         is_text_encoder=_is_text_encoder(module),
     )

@@ -16,6 +16,7 @@ import torch
 
 from .components import ComponentInfo, describe, iter_modules
 from .config import OffloadConfig
+from .guards import onload_device, refuse_foreign_offload
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, pin_budget, sweep_cleanup
 from .report import ComponentReport, PlacementReport, gib
@@ -61,12 +62,6 @@ class SweepResult:
     failed: tuple[tuple[str, str], ...]
 
 
-def onload_device(config: OffloadConfig) -> torch.device:
-    if config.device:
-        return torch.device(config.device)
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 class Engine:
     """Places pipelines and takes them back; ``memory`` is injectable for scripted readings."""
 
@@ -77,6 +72,8 @@ class Engine:
     # -- placement ------------------------------------------------------------------------
     def place(self, pipe: object, config: OffloadConfig) -> PlacementReport:
         device = onload_device(config)
+        components = list(iter_modules(pipe))
+        refuse_foreign_offload(components)
         pstate = PIPELINE.get(pipe)
         if pstate is None or pstate.device != device:
             pstate = PipelineState(config, device)
@@ -84,8 +81,14 @@ class Engine:
         pstate.config = config
         pstate.on_demand.make_room = _room_maker(self, pipe)
         self._pipelines.add(pipe)
-        for name, module in iter_modules(pipe):
-            self._place_component(name, module, config, pstate)
+        try:
+            for name, module in components:
+                self._place_component(name, module, config, pstate)
+        except BaseException:
+            if not self.states(pipe):  # nothing placed: the pipeline is as it was
+                PIPELINE.pop(pipe)
+                self._pipelines.discard(pipe)
+            raise
         report = self.report(pipe)
         key = tuple((c.name, c.role, c.reason) for c in report.components)
         if key != pstate.logged:
@@ -98,7 +101,6 @@ class Engine:
         if APPLYING.get(module):
             log.warning("%s was left mid-apply by an earlier pass: tearing it down and applying again", name)
             self._teardown(module)
-        _refuse_foreign_offload(name, module)
         info = describe(name, module)
         decision = decide(info, config)
         verdict = self._pin_verdict(module, info, decision, config)
@@ -110,11 +112,10 @@ class Engine:
         if state is not None:
             log.info("%s: settings changed, re-placing (%s -> %s)", name, state.decision.role.value, decision.role.value)
             self._teardown(module)
-        ctx = self._context(config, pstate, verdict)
-        transport = _make_transport(decision.role, ctx, info)
         APPLYING.set(module, True)
-        COMPONENT.set(module, ComponentState(signature, transport, decision, info))
         try:
+            transport = _make_transport(decision.role, self._context(config, pstate, verdict), info)
+            COMPONENT.set(module, ComponentState(signature, transport, decision, info))
             transport.apply(module)
         except BaseException:
             self._teardown(module)
@@ -245,18 +246,6 @@ def _room_maker(engine: Engine, pipe: object) -> Callable[[int], int]:
         return owner.give_back(target, nbytes) if owner is not None and target is not None else 0
 
     return make_room
-
-
-def _refuse_foreign_offload(name: str, module: torch.nn.Module) -> None:
-    """Two offload systems on one module corrupt each other's idea of where weights are."""
-    for sub_name, sub in module.named_modules():
-        hook = sub.__dict__.get("_hf_hook")
-        if hook is not None and type(hook).__module__.startswith("accelerate"):
-            raise ValueError(
-                f"{name}{'.' + sub_name if sub_name else ''} carries an accelerate offload hook "
-                f"({type(hook).__name__}): call pipe.remove_all_hooks() (undo enable_model_cpu_offload / "
-                "enable_sequential_cpu_offload) before handing the pipeline to the offload engine"
-            )
 
 
 def _component_report(info: ComponentInfo, state: ComponentState | None,

@@ -180,8 +180,7 @@ def strip_hooks(root: torch.nn.Module, names: tuple[str, ...]) -> None:
     for module in root.modules():
         for name in names:
             remove_hook(module, name)
-        if REGISTRY not in vars(module):
-            OWN_REGISTRY.pop(module)
+        OWN_REGISTRY.pop(module)  # dropped with it, or it holds others' hooks now: theirs
 
 
 def _drop_empty_registry(module: torch.nn.Module) -> None:

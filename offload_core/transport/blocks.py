@@ -143,15 +143,20 @@ def make_pieces(block: StreamBlock, first_index: int) -> list[StreamPiece]:
 
 def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, parts: bool,
                host_of: Callable[[torch.Tensor], torch.Tensor], pinned: bool, device: torch.device,
-               first_unit: int) -> StreamBlock:
+               first_unit: int, shared: frozenset[int] = frozenset()) -> StreamBlock:
     """Lay ``module``'s tensors out flat, one unit after another (``host_of`` gives each its
     host master copy, ``pinned`` says whether those are page-locked); with ``parts``, a block
-    that splits well keeps its rest on ``device``."""
+    that splits well keeps its rest on ``device``. Tensors in ``shared`` (ids of tensors other
+    blocks or the non-block part use too) stay on ``device`` whatever the block does."""
     block = StreamBlock(index, f"{tower}.{depth}", tower, depth, module, pinned=pinned)
-    pieces, rest = _pieces(module) if parts else ([(module, _tensors(module))], [])
+    if parts:
+        pieces, rest = _pieces(module, shared)
+    else:
+        pieces = [(module, [t for t in block_tensors(module) if id(t) not in shared])]
+        rest = [t for t in block_tensors(module) if id(t) in shared]
     for t in rest:
         t.data = t.data.to(device)
-        block.rest_bytes += _nbytes(t)
+    block.rest_bytes = sum(nbytes(t) for t in rest if id(t) not in shared)
     offset = 0
     for owner, tensors in pieces:
         start = offset
@@ -159,36 +164,68 @@ def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, p
         for t in tensors:
             host = host_of(t)
             t.data = host
-            slots.append(TensorSlot(t, host, offset, _nbytes(host)))
-            offset += -(-_nbytes(host) // ALIGN) * ALIGN
+            slots.append(TensorSlot(t, host, offset, nbytes(host)))
+            offset += -(-nbytes(host) // ALIGN) * ALIGN
         block.units.append(StreamUnit(first_unit + len(block.units), block, owner, slots, start, offset - start))
         block.slots.extend(slots)
     block.nbytes = offset
     return block
 
 
-def _pieces(block: torch.nn.Module) -> tuple[list[tuple[torch.nn.Module, list[torch.Tensor]]], list[torch.Tensor]]:
-    """(the large children with their tensors, the rest); the whole block as one piece and no
-    rest when it does not split well (no large child, shared tensors, a large rest)."""
-    everything = _tensors(block)
-    total = sum(_nbytes(t) for t in everything)
+def _pieces(block: torch.nn.Module, shared: frozenset[int]
+            ) -> tuple[list[tuple[torch.nn.Module, list[torch.Tensor]]], list[torch.Tensor]]:
+    """(the large children with their tensors, the rest); the whole block as one piece and
+    ``shared`` as the rest when it does not split well (no large child, tensors shared between
+    children or with others, a large rest)."""
+    everything = block_tensors(block)
+    total = sum(nbytes(t) for t in everything)
     owners: dict[int, int] = {}
     children = [child for _name, child in block.named_children()]
     for child in children:
-        for t in _tensors(child):
+        for t in block_tensors(child):
             owners[id(t)] = owners.get(id(t), 0) + 1
-    large = [c for c in children if sum(_nbytes(t) for t in _tensors(c)) * PART_FRACTION >= total
-             and all(owners[id(t)] == 1 for t in _tensors(c))]
-    moved = {id(t) for c in large for t in _tensors(c)}
+    large = [c for c in children if sum(nbytes(t) for t in block_tensors(c)) * PART_FRACTION >= total
+             and all(owners[id(t)] == 1 and id(t) not in shared for t in block_tensors(c))]
+    moved = {id(t) for c in large for t in block_tensors(c)}
     rest = [t for t in everything if id(t) not in moved]
-    if not large or sum(_nbytes(t) for t in rest) * REST_FRACTION > total:
-        return [(block, everything)], []
-    return [(c, _tensors(c)) for c in large], rest
+    if not large or sum(nbytes(t) for t in rest) * REST_FRACTION > total:
+        return [(block, [t for t in everything if id(t) not in shared])], [t for t in everything if id(t) in shared]
+    return [(c, block_tensors(c)) for c in large], rest
 
 
-def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+def block_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return list({id(t): t for t in (*module.parameters(), *module.buffers())}.values())
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def shared_tensors(module: torch.nn.Module, towers, tower_ids: set[int]) -> frozenset[int]:
+    """Ids of the tensors that more than one block, or a block and the non-block part, hold:
+    they stay on the device (each block rebinds only its own weights)."""
+    owners: dict[int, int] = {}
+    for tower in towers:
+        for block in tower.blocks:
+            for t in block_tensors(block):
+                owners[id(t)] = owners.get(id(t), 0) + 1
+    head = {id(t) for sub in modules_outside(module, tower_ids)
+            for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None}
+    return frozenset(i for i, n in owners.items() if n > 1 or i in head)
+
+
+def children_streamed(block: StreamBlock) -> list[torch.nn.Module]:
+    """The direct children of a whole block that hold streamed weights: a pipeline may call one
+    of them outside the block's forward."""
+    mine = {id(slot.tensor) for slot in block.slots}
+    return [c for c in block.module.children() if any(id(t) in mine for t in block_tensors(c))]
+
+
+def modules_outside(root: torch.nn.Module, skip: set[int]):
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in skip:
+            continue
+        yield module
+        stack.extend(module.children())

@@ -70,6 +70,25 @@ class PartHook(ModelHook):
         return output
 
 
+class OutsideHook(ModelHook):
+    """On a direct child of a block streamed whole: when a pipeline calls it outside the block's
+    forward, the block's weights are bound for that call."""
+
+    def __init__(self, streamer: BlockStreamer, unit: StreamUnit) -> None:
+        super().__init__()
+        self.streamer, self.unit, self.borrowed = streamer, unit, False
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.borrowed = self.streamer.borrow(self.unit)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        if self.borrowed:
+            self.borrowed = False
+            self.streamer.exit(self.unit)
+        return output
+
+
 class ModelEntryHook(MarkerHook):
     """The marker on the denoiser: announces each forward, and retries one that ran out of memory
     outside the blocks (the first forward of a larger workload allocates its inputs before the

@@ -25,11 +25,22 @@ from .base import (
     add_hook,
     remove_hook,
 )
-from .blocks import StreamBlock, StreamPiece, StreamUnit, make_block, make_pieces
+from .blocks import (
+    StreamBlock,
+    StreamPiece,
+    StreamUnit,
+    block_tensors,
+    children_streamed,
+    make_block,
+    make_pieces,
+    modules_outside,
+    nbytes,
+    shared_tensors,
+)
 from .events import Events
 from .order import ExecutionOrder
 from .prefetch import Prefetcher
-from .stream_hooks import BlockHook, ModelEntryHook, PartHook, retry_on_oom
+from .stream_hooks import BlockHook, ModelEntryHook, OutsideHook, PartHook, retry_on_oom
 from .towers import find_towers
 
 log = get_logger("streamer")
@@ -52,6 +63,9 @@ class BlockStreamer(TransportBase):
         self.ring = self.prefetch.ring
         self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
         self._seen: list[int] = []
+        self._forward_open = False  # the model was entered and its first block not yet
+        self._via_model = False  # forwards come through the model's hook (else a cycle starts at the first block)
+        self._hooked: list[torch.nn.Module] = []  # modules carrying STREAM_HOOK
         self._head_bytes = 0
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
@@ -62,21 +76,25 @@ class BlockStreamer(TransportBase):
         self.module = module
         towers = find_towers(module)
         tower_ids = {id(b) for t in towers for b in t.blocks}
-        self._head_bytes = self._move_head(module, tower_ids, self.device)
+        shared = shared_tensors(module, towers, tower_ids)
+        self._move_head(module, tower_ids, self.device)
         for tower in towers:
             for depth, block in enumerate(tower.blocks):
                 made = make_block(len(self.blocks), tower.name, depth, block, parts=self.ctx.stream_parts,
                                   host_of=self._host_master, pinned=self.ctx.pin and self.cuda,
-                                  device=self.device, first_unit=len(self.units))
-                self._head_bytes += made.rest_bytes
+                                  device=self.device, first_unit=len(self.units), shared=shared)
                 self.blocks.append(made)
                 self.units.extend(made.units)
                 self.pieces.extend(make_pieces(made, len(self.pieces)))
         for block in self.blocks:
-            add_hook(block.module, BlockHook(self, block), STREAM_HOOK)
+            self._hook(block.module, BlockHook(self, block))
             for unit in block.units if block.in_parts else ():
-                add_hook(unit.module, PartHook(self, unit), STREAM_HOOK)
+                self._hook(unit.module, PartHook(self, unit))
+            for child in () if block.in_parts else children_streamed(block):
+                self._hook(child, OutsideHook(self, block.units[0]))
         add_hook(module, ModelEntryHook(self), MARKER)
+        streamed = {id(slot.tensor) for block in self.blocks for slot in block.slots}
+        self._head_bytes = sum(nbytes(t) for t in block_tensors(module) if id(t) not in streamed)
         self.order.set([u.index for u in self.units])
         self._guessed = {b.tower for b in self.blocks if b.in_parts}
         self.ring.resize(self._largest_streamed())
@@ -90,11 +108,12 @@ class BlockStreamer(TransportBase):
 
     def remove(self, module: torch.nn.Module) -> None:
         remove_hook(module, MARKER)
+        while self._hooked:
+            remove_hook(self._hooked.pop(), STREAM_HOOK)
         for block in self.blocks:
-            remove_hook(block.module, STREAM_HOOK)
-            for unit in block.units if block.in_parts else ():
-                remove_hook(unit.module, STREAM_HOOK)
-            block.bind_host()
+            for slot in block.slots:  # the host masters, or the user's own cast of a weight
+                slot.tensor.data = slot.host if slot.tensor.dtype == slot.host.dtype else slot.tensor.data.to(
+                    self.ctx.offload_device)
         for piece in self.pieces:
             piece.resident = None
         self.prefetch.release_all()
@@ -108,32 +127,47 @@ class BlockStreamer(TransportBase):
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
 
-    def _move_head(self, module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> int:
-        """Move every tensor outside the tower blocks to ``device``; return their bytes."""
-        total = 0
-        for sub in _modules_outside(module, tower_ids):
+    def _move_head(self, module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> None:
+        """Move every tensor outside the tower blocks to ``device``."""
+        for sub in modules_outside(module, tower_ids):
             for t in (*sub._parameters.values(), *sub._buffers.values()):
-                if t is not None:
-                    if t.device != device:
-                        t.data = t.data.to(device)
-                    total += t.numel() * t.element_size()
-        return total
+                if t is not None and t.device != device:
+                    t.data = t.data.to(device)
+
+    def _refuse_cast(self) -> None:
+        """A weight cast after placement (``model.to(dtype)``, layerwise casting) would be
+        overwritten by the next copy from its master: refused, naming what to do."""
+        cast = next((s for b in self.blocks for s in b.slots if s.tensor.dtype != s.host.dtype), None)
+        if cast is not None:
+            raise RuntimeError(
+                f"{type(self.module).__name__}: streamed weights were cast after placement ({cast.host.dtype} -> "
+                f"{cast.tensor.dtype}): cast the model before placing it, or release it and place it again")
+
+    def _hook(self, module: torch.nn.Module, hook) -> None:
+        add_hook(module, hook, STREAM_HOOK)
+        self._hooked.append(module)
 
     def _host_master(self, t: torch.Tensor) -> torch.Tensor:
         """The host copy a streamed tensor rests in: where it already lies, page-locked in place."""
         host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
         return self.pins.pin(host) if self.ctx.pin else host
 
-    # -- the per-forward path ---------------------------------------------------------------
+    # -- the per-forward path (graph breaks under torch.compile: they rebind weights) -----------
+    @torch.compiler.disable
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
-        """A block is entered: a cycle begins at the first block; a whole block is made ready."""
-        if block is self.units[self.order.first()].block or not self._seen:
+        """A block is entered: the model's first block entered in a forward begins a cycle (one
+        per forward, whatever order the towers run in and however often); a whole block is
+        made ready."""
+        if self._forward_open or (not self._via_model and (block is self.units[self.order.first()].block
+                                                           or not self._seen)):
+            self._forward_open = False
             self._begin_cycle(block, args, kwargs)
         elif self._guessed:
             self._learn_part_order()
         if not block.in_parts:
             self.enter(block.units[0])
 
+    @torch.compiler.disable
     def enter(self, unit: StreamUnit) -> None:
         self._seen.append(unit.index)
         retry_on_oom(lambda: self.prefetch.bind(unit), lambda _attempt: self.relieve_in(unit.block))
@@ -145,9 +179,19 @@ class BlockStreamer(TransportBase):
         self.ooms += 1
         return self.notify("oom", block=block)
 
+    @torch.compiler.disable
     def exit(self, unit: StreamUnit) -> None:
         if self.prefetch.release(unit):
             self.ooms += 1
+
+    @torch.compiler.disable
+    def borrow(self, unit: StreamUnit) -> bool:
+        """A layer of a whole block runs outside the block's forward: bind the block for it (True)
+        unless it is bound or kept already (False)."""
+        if unit.piece.resident is not None or unit.index in self.prefetch.bound:
+            return False
+        retry_on_oom(lambda: self.prefetch.bind(unit), lambda _attempt: self.relieve_in(unit.block))
+        return True
 
     def _learn_part_order(self) -> None:
         """First forward, a block entered after one that ran in parts: guess its tower's other
@@ -182,9 +226,12 @@ class BlockStreamer(TransportBase):
         one of them acted (an OOM was relieved)."""
         return self.events.emit(event, self, **info)
 
+    @torch.compiler.disable
     def begin_forward(self, args: tuple, kwargs: dict) -> None:
         """The denoiser is entered: its listeners settle the plan, then the first streamed units
         that are not in flight yet are copied, before the non-block part is even launched."""
+        self._refuse_cast()
+        self._forward_open = self._via_model = True
         self.notify("forward", args=args, kwargs=kwargs)
         try:
             self.prefetch.prefetch_after(None)
@@ -248,6 +295,7 @@ class BlockStreamer(TransportBase):
         self.ooms += 1
         self.prefetch.release_all()
         self._seen = []  # the forward runs again from the start
+        self._forward_open = True
         if first and self.ring.nbytes:
             self.drop_prefetched()
             return True
@@ -342,16 +390,6 @@ class BlockStreamer(TransportBase):
             "ooms": self.ooms,
             "sync_loads": self.prefetch.sync_loads,
         }
-
-
-def _modules_outside(root: torch.nn.Module, skip: set[int]):
-    stack = [root]
-    while stack:
-        module = stack.pop()
-        if id(module) in skip:
-            continue
-        yield module
-        stack.extend(module.children())
 
 
 def _dedupe(seq: list[int]) -> list[int]:

@@ -14,9 +14,7 @@ tests/pipelines/test_pipelines_common.py. Each case runs in the four modes of `g
 
 Not ported: disk offload (the engine has none), memory-ordering assertions (need an accelerator).
 
-Cases that fail today are strict xfails naming the item of issue 20 (or "found porting": failures
-the port found beyond the issue's list); a fix flips them (remove the mark). Refusals (4, 7), the
-rollback, the planner's cycles (6) and a placed model moved by hand are in
+Refusals (4, 7), the rollback, the planner's cycles (6) and a placed model moved by hand are in
 test_group_offload_guards.py.
 """
 
@@ -50,18 +48,7 @@ from engine.group_cases import (
     twin,
 )
 
-R1 = "issue 20 (1): a submodule shared by several blocks registers the part hook twice and place() raises"
-R1_KEPT = ("issue 20 (1), found porting it: stream_parts off, a submodule shared by several blocks is read from "
-           "its host copy once a block that holds it is kept resident")
-R2 = "issue 20 (2): streamed blocks ignore a dtype change after placement; release restores old-dtype masters"
-R3_OUTSIDE = "issue 20 (3): stream_parts off, a block's layer called outside the block's forward reads its host copy"
-R3_SHARED = "issue 20 (3): stream_parts off, a module shared by the non-block part and a block reads its host copy"
-R5 = "issue 20 (5): torch.compile after placement fails in auto with stream_parts on"
-R_OWN = ("found porting (release check): a hook the user registers after placement keeps a registry we made, and "
-         "release leaves _diffusers_offload_own_registry on those modules")
-R_OPT_OUT = ("found porting diffusers' opt-out test: `_supports_group_offloading = False` set on an instance is "
-             "ignored (components.describe reads the class only; diffusers reads the instance)")
-
+CAST_REFUSED = ("auto-parts", "auto-whole")  # issue 20 (2): streamed weights cast after placement are refused
 
 @pytest.fixture(autouse=True, scope="module")
 def _quick_release():
@@ -71,13 +58,6 @@ def _quick_release():
     gc.freeze()
     yield
     gc.unfreeze()
-
-
-def modes(**xfails: str) -> list:
-    """Every mode, the ones named in ``xfails`` (``auto_parts=reason``) as strict xfails."""
-    marked = {m.replace("-", "_"): m for m in MODES}
-    return [pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=xfails[k])) if k in xfails else m
-            for k, m in marked.items()]
 
 
 def run_placed(pipe, mode: str, run, components=("transformer",), config=None):
@@ -154,9 +134,9 @@ ZOO = {  # toy -> {mode: xfail reason}
     DummyModelWithStandaloneLayers: {},  # test_model_with_only_standalone_layers
     DummyModelWithDeeplyNestedBlocks: {},  # test_nested_container_parameters_offloading
     DummyModelWithTowerTwice: {},
-    DummyModelWithSharedSubmodule: {"auto-parts": R1},
-    DummyModelWithLayerOutsideItsBlock: {"auto-whole": R3_OUTSIDE},
-    DummyModelWithHeadSharedWithBlock: {"auto-whole": R3_SHARED},
+    DummyModelWithSharedSubmodule: {},  # issue 20 (1)
+    DummyModelWithLayerOutsideItsBlock: {},  # issue 20 (3)
+    DummyModelWithHeadSharedWithBlock: {},  # issue 20 (3)
 }
 
 
@@ -192,7 +172,7 @@ def test_modules_run_only_on_some_forwards(mode):
     assert_clean_run(make(DummyModelWithConditionalModules), mode, [(x, None), (x, extra), (x, None)])
 
 
-@pytest.mark.parametrize("mode", modes(auto_parts=R_OWN, auto_whole=R_OWN, leaf=R_OWN))
+@pytest.mark.parametrize("mode", MODES)
 def test_every_layers_outputs_match_with_a_parameter_only_group(mode):
     """test_block_level_offloading_with_parameter_only_module_group: a hook of the user's on every
     module, registered after placement, sees the unplaced model's outputs, call after call; the
@@ -245,9 +225,7 @@ class OptedOut(DummyModel):
 
 
 @pytest.mark.parametrize(("mode", "where"), [
-    *[(mode, "class") for mode in MODES],
-    *[pytest.param(mode, "instance", marks=[pytest.mark.xfail(strict=True, reason=R_OPT_OUT)] if mode != "model" else [])
-      for mode in MODES]])
+    *[(mode, "class") for mode in MODES], *[(mode, "instance") for mode in MODES]])
 def test_a_model_opting_out_of_group_offload_moves_whole(mode, where):
     """test_error_raised_if_supports_group_offloading_false: diffusers refuses; the engine moves
     such a model whole, on demand (SPEC §2), in every mode."""
@@ -290,35 +268,50 @@ def _after_placement(model, pipe, mode, change) -> tuple[list, list, list]:
     return pairs, sim.reads, changed_weights(before, expected)
 
 
-@pytest.mark.parametrize("mode", modes(auto_parts=R2, auto_whole=R2))
-def test_layerwise_casting_enabled_after_placement(mode):
-    """test_group_offloading_with_layerwise_casting: storage float16, compute float32."""
+def _cast(m) -> torch.dtype:
+    m.enable_layerwise_casting(storage_dtype=torch.float16, compute_dtype=torch.float32)
+    return torch.float32
+
+
+def _to_float64(m) -> torch.dtype:
+    m.to(torch.float64)
+    return torch.float64
+
+
+@pytest.mark.parametrize("change", [_cast, _to_float64], ids=["layerwise-casting", "to-float64"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dtype_change_after_placement_is_followed_or_refused(mode, change):
+    """test_group_offloading_with_layerwise_casting, and ``model.to(dtype)``: leaf groups and
+    whole-module moves follow the change; streamed blocks, whose masters and buffers are laid out
+    at placement, refuse the next forward by name (issue 20 (2)). Either way the release keeps
+    the dtype the user asked for, never the stale masters, and the model places again."""
     model = make(DummyModel)
-
-    def cast(m):
-        m.enable_layerwise_casting(storage_dtype=torch.float16, compute_dtype=torch.float32)
-        return torch.float32
-
-    pairs, reads, changed = _after_placement(model, Components(transformer=model), mode, cast)
-    assert reads == []
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert changed == []  # the float16 storage the user asked for, not the float32 masters
-
-
-@pytest.mark.parametrize("mode", modes(auto_parts=R2, auto_whole=R2))
-def test_model_to_dtype_after_placement(mode):
-    model = make(DummyModel)
-    pairs, reads, changed = _after_placement(model, Components(transformer=model), mode,
-                                                lambda m: (m.to(torch.float64), torch.float64)[1])
-    assert reads == []
-    for got, want in pairs:
-        torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert changed == []
+    pipe = Components(transformer=model)
+    if mode not in CAST_REFUSED:
+        pairs, reads, changed = _after_placement(model, pipe, mode, change)
+        assert reads == [] and changed == []
+        for got, want in pairs:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        return
+    ref, engine = twin(model), Engine()
+    engine.place(pipe, MODES[mode])
+    dtype = change(model)
+    change(ref)
+    x = torch.randn(2, F, dtype=dtype)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cast after placement"):
+        model(x)
+    engine.release(pipe)
+    expected = {n: t.detach() for n, t in (*ref.named_parameters(), *ref.named_buffers())}
+    assert {n: t.dtype for n, t in model.named_parameters()} == {n: t.dtype for n, t in ref.named_parameters()}
+    assert [n for n, t in model.named_parameters() if not torch.equal(t.detach(), expected[n])] == []
+    engine.place(pipe, MODES[mode])  # placed again from the cast weights: follows them
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    engine.release(pipe)
 
 
 # -- tests/models/testing_utils/compile.py ---------------------------------------------------------
-@pytest.mark.parametrize("mode", modes(auto_parts=R5))
+@pytest.mark.parametrize("mode", MODES)
 def test_compile_after_placement(mode):
     """test_compile_with_group_offloading (aot_eager shows it on the CPU, without inductor)."""
     model = make(DummyModel, num_layers=2)
@@ -367,7 +360,7 @@ def test_an_excluded_component_stays_resident(mode):
 
 
 # -- issue 20 (1): a submodule shared by blocks, with a block kept ---------------------------------
-@pytest.mark.parametrize("mode", modes(auto_parts=R1, auto_whole=R1_KEPT))
+@pytest.mark.parametrize("mode", MODES)
 def test_a_submodule_shared_by_blocks_with_one_block_kept(mode):
     """The preload keeps a block (in parts, a block's largest part); the others stream."""
     x = torch.randn(4, F)
@@ -380,21 +373,3 @@ def test_a_submodule_shared_by_blocks_with_one_block_kept(mode):
         assert engine.states(pipe)["transformer"].transport.resident_indices()
         engine.release(pipe)
     assert_clean_run(model, mode, [(x,), (x,)], config=config)
-
-
-@pytest.mark.parametrize("mode", ["auto-parts"])
-def test_the_shared_submodule_crash_rolls_back_to_the_user_objects(mode):
-    """Issue 20 (1) as reported: the crash itself (an xfail above) rolls back; the pin verdict it
-    left before cb9c2d8 is gone (test_group_offload_guards.py injects a failure in every mode)."""
-    model = make(DummyModelWithSharedSubmodule)
-    ref, pipe = twin(model), Components(transformer=model)
-    before = snapshot(pipe, ("transformer",))
-    try:
-        Engine().place(pipe, MODES[mode])
-    except ValueError:
-        pass
-    else:
-        pytest.skip("place() no longer fails on a shared submodule: the forward cases above cover it")
-    assert leftovers(pipe, before, ("transformer",), pipeline=False) == [] and changed_weights(before) == []
-    x = torch.randn(2, F)
-    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)

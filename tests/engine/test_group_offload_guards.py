@@ -5,8 +5,7 @@ test_group_offload_cases.py).
 Sources: diffusers' tests/hooks/test_group_offloading.py (stacked offload systems, streams without
 an accelerator, moving an offloaded module, invocation order) and the issue's own list. A refused or failed place()
 must leave the user's objects as they were: no hook, bridge, wrapped method or attribute of ours,
-the user's hooks by identity, every weight bit-equal (`group_cases.leftovers`). Cases that fail
-today are strict xfails naming the item of issue 20 (or "found porting").
+the user's hooks by identity, every weight bit-equal (`group_cases.leftovers`).
 """
 
 from __future__ import annotations
@@ -38,12 +37,6 @@ from engine.group_cases import (
     twin,
 )
 
-R4 = ("issue 20 (4): placing over diffusers' own group offloading is not refused by name (auto/model: "
-      "diffusers' raw registry error and the rollback strips the user's hooks; leaf: two systems stacked)")
-R6 = "issue 20 (6): more than one planner cycle per forward"
-R7 = "issue 20 (7): device='cuda' without CUDA is not refused at place() by name; state is left behind"
-R_PIPE = ("found porting (4)/(7): a refused or failed place() leaves the engine's pipeline state "
-          "(_diffusers_offload_pipeline) on the pipeline object")
 COMPS = ("transformer", "vae")
 
 
@@ -92,7 +85,6 @@ def _apply_leaf_group_offloading(model) -> None:
     apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="leaf_level")
 
 
-@pytest.mark.xfail(strict=True, reason=R4)
 @pytest.mark.parametrize("enable", [_enable_group_offload, _apply_leaf_group_offloading], ids=["enable", "apply"])
 @pytest.mark.parametrize("mode", MODES)
 def test_placing_over_diffusers_group_offload_is_refused_by_name_and_leaves_it(mode, enable):
@@ -149,7 +141,6 @@ def test_model_or_sequential_cpu_offload_on_a_placed_pipeline_is_refused(mode, k
 
 # -- streams without an accelerator (test_error_raised_if_streams_used_and_no_accelerator_device) ---
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-@pytest.mark.xfail(strict=True, reason=R7)
 @pytest.mark.parametrize("mode", MODES)
 def test_an_unavailable_device_is_refused_at_place_by_name(mode):
     pipe, latents = _dummy_pipe(), torch.randn(1, 4, 4, F)
@@ -207,7 +198,6 @@ def _failed_apply(pipe, mode, monkeypatch):
     Engine().place(pipe, MODES[mode])
 
 
-@pytest.mark.xfail(strict=True, reason=R_PIPE)
 @pytest.mark.parametrize("cause", [_refused_by_accelerate, _refused_device, _failed_apply],
                          ids=["accelerate-hooks", "unavailable-device", "failed-apply"])
 @pytest.mark.parametrize("mode", MODES)
@@ -220,13 +210,9 @@ def test_a_refused_place_leaves_nothing_on_the_pipeline_object(mode, cause, monk
 
 
 # -- execution order (test_block_level_stream_with_invocation_order_different_from_initialization_order)
-@pytest.mark.parametrize(("toy", "mode"), [
-    pytest.param(toy, mode, id=f"{toy.__name__}-{mode}",
-                 marks=[pytest.mark.xfail(strict=True, reason=f"{R6}: {why}")] if why else [])
-    for toy, why in [(DummyModel, ""),
-                     (DummyModelWithMultipleBlocks, "towers registered in another order than they run"),
-                     (DummyModelWithTowerTwice, "a tower run twice per forward")]
-    for mode in ("auto-parts", "auto-whole")])
+@pytest.mark.parametrize("mode", ["auto-parts", "auto-whole"])
+@pytest.mark.parametrize("toy", [DummyModel, DummyModelWithMultipleBlocks, DummyModelWithTowerTwice],
+                         ids=["one-tower", "towers-out-of-registration-order", "a-tower-run-twice"])
 def test_one_planner_cycle_per_forward(toy, mode):
     """A cycle is what the preload plans and measures by: one per denoiser forward, whatever the
     order the towers run in, however often a tower runs."""
