@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .blocks import StreamUnit
+from .blocks import StreamPiece, StreamUnit
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
 
@@ -134,6 +134,21 @@ class Prefetcher:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=pinned)
             return stream.record_event()
+
+    def load_kept(self, piece: StreamPiece) -> torch.Tensor:
+        """A kept piece's own buffer, its units bound to it. From the compute stream's pool: the
+        copy waits for the compute work queued so far, which may still read that memory, and the
+        compute stream for the copy."""
+        buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
+        compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        per_unit = list(zip(piece.units, piece.views(buf), strict=True))
+        pairs = [(view, slot.host) for unit, views in per_unit for view, slot in zip(views, unit.slots, strict=True)]
+        ready = self.copy(pairs, piece.block.pinned, compute.record_event() if compute is not None else None)
+        if ready is not None:
+            compute.wait_event(ready)
+        for unit, views in per_unit:
+            unit.bind(views)
+        return buf
 
     def discard(self, index: int) -> None:
         """A unit copied ahead will not run next: its slot goes back to the ring unread."""

@@ -106,3 +106,7 @@ class ModelEntryHook(MarkerHook):
     def new_forward(self, module, *args, **kwargs):
         return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
                             lambda attempt: self.streamer.relieve_outside_blocks(first=attempt == 0))
+
+    def post_forward(self, module, output):
+        self.streamer.end_forward()
+        return output

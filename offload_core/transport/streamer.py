@@ -213,10 +213,21 @@ class BlockStreamer(TransportBase):
         self.order.set([guess.get(i, i) for i in self.order.units])
         self.prefetch.prefetch_after(self.units[self._seen[-1]])
 
-    def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
-        if len(self._seen) >= len(self.order.units) // 2 and self._seen:
+    def _learn_order(self) -> None:
+        """The units ran in ``_seen``'s order this forward: the order to prefetch by from now on
+        (unless the forward stopped early)."""
+        if self._seen and len(self._seen) >= len(self.order.units) // 2:
             self.order.set(_dedupe(self._seen))
             self._guessed.clear()
+
+    @torch.compiler.disable
+    def end_forward(self) -> None:
+        """The model's forward returned: learn its order now, before the next forward's first
+        copies are queued at its entry."""
+        self._learn_order()
+
+    def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
+        self._learn_order()
         self._seen = []
         self.prefetch.release_all()  # a forward that raised never reached exit()
         self.notify("cycle", block=block, args=args, kwargs=kwargs)
@@ -252,7 +263,7 @@ class BlockStreamer(TransportBase):
                 for unit in piece.units:
                     if unit.index in self.prefetch.inflight:
                         self.prefetch.discard(unit.index)
-                piece.resident = self._load_resident(piece)
+                piece.resident = self.prefetch.load_kept(piece)
         self.order.refresh()
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
@@ -267,21 +278,6 @@ class BlockStreamer(TransportBase):
         """With prefetch on, make the ring's missing buffers now (a planned change: see
         `BufferRing.fill`); True when any was made."""
         return self.prefetch.fill()
-
-    def _load_resident(self, piece: StreamPiece) -> torch.Tensor:
-        """A kept piece's own buffer, its units bound to it. From the compute stream's pool: the
-        copy waits for the compute work queued so far, which may still read that memory, and the
-        compute stream for the copy."""
-        buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
-        after = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
-        per_unit = list(zip(piece.units, piece.views(buf), strict=True))
-        pairs = [(view, slot.host) for unit, views in per_unit for view, slot in zip(views, unit.slots, strict=True)]
-        ready = self.prefetch.copy(pairs, piece.block.pinned, after)
-        if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
-        for unit, views in per_unit:
-            unit.bind(views)
-        return buf
 
     def _largest_streamed(self) -> int:
         """The ring's buffer size: the largest unit of the pieces not kept."""

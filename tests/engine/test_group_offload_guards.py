@@ -231,3 +231,26 @@ def test_one_planner_cycle_per_forward(toy, mode):
     finally:
         streamer.events.unsubscribe("probe")
         engine.release(pipe)
+
+
+@pytest.mark.parametrize("mode", ["auto-parts", "auto-whole"])
+@pytest.mark.parametrize("toy", [DummyModel, DummyModelWithMultipleBlocks],
+                         ids=["one-tower", "towers-out-of-registration-order"])
+def test_after_the_first_forward_every_streamed_unit_is_copied_ahead(toy, mode, monkeypatch):
+    """The order is learnt from the whole first forward: from the second on, with a side stream,
+    no streamed unit waits for a copy started at its own entry (``sync_loads`` stays)."""
+    model = make(toy)
+    pipe, engine = Components(transformer=model), Engine()
+    engine.place(pipe, MODES[mode])
+    streamer = engine.states(pipe)["transformer"].transport
+    monkeypatch.setattr(streamer.prefetch, "copy_stream", object())  # stands in for the side stream
+    monkeypatch.setattr(streamer.prefetch, "copy", lambda pairs, pinned, after: [d.copy_(s) for d, s in pairs] and None)
+    x = torch.randn(2, F)
+    with torch.no_grad():
+        model(x)
+        learnt = streamer.details()["sync_loads"]
+        for _ in range(3):
+            model(x)
+    assert learnt == (toy is DummyModelWithMultipleBlocks)  # the registration order's one wrong guess
+    assert streamer.details()["sync_loads"] == learnt
+    engine.release(pipe)
