@@ -5,7 +5,7 @@ retried while the streamer's listeners (the planner) can give something up."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from diffusers.hooks import ModelHook
@@ -13,8 +13,28 @@ from diffusers.hooks import ModelHook
 from .base import MarkerHook
 from .blocks import StreamBlock, StreamUnit
 
-if TYPE_CHECKING:
-    from .streamer import BlockStreamer
+
+class Streamer(Protocol):
+    """What the hooks call: the block streamer's per-forward path."""
+
+    device: torch.device
+
+    def begin_forward(self, args: tuple, kwargs: dict) -> None: ...
+
+    def end_forward(self) -> None: ...
+
+    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None: ...
+
+    def enter(self, unit: StreamUnit) -> None: ...
+
+    def exit(self, unit: StreamUnit) -> None: ...
+
+    def borrow(self, unit: StreamUnit) -> bool: ...
+
+    def relieve_in(self, block: StreamBlock) -> bool: ...
+
+    def relieve_outside_blocks(self, first: bool) -> bool: ...
+
 
 T = TypeVar("T")
 
@@ -33,7 +53,7 @@ def retry_on_oom(run: Callable[[], T], relieve: Callable[[int], bool]) -> T:
 
 
 class BlockHook(ModelHook):
-    def __init__(self, streamer: BlockStreamer, block: StreamBlock) -> None:
+    def __init__(self, streamer: Streamer, block: StreamBlock) -> None:
         super().__init__()
         self.streamer, self.block = streamer, block
 
@@ -57,7 +77,7 @@ class PartHook(ModelHook):
     """On a large child of a block streamed in parts: its weights are bound for its forward
     only (an OOM inside goes up to the block's retry)."""
 
-    def __init__(self, streamer: BlockStreamer, unit: StreamUnit) -> None:
+    def __init__(self, streamer: Streamer, unit: StreamUnit) -> None:
         super().__init__()
         self.streamer, self.unit = streamer, unit
 
@@ -74,7 +94,7 @@ class OutsideHook(ModelHook):
     """On a direct child of a block streamed whole: when a pipeline calls it outside the block's
     forward, the block's weights are bound for that call."""
 
-    def __init__(self, streamer: BlockStreamer, unit: StreamUnit) -> None:
+    def __init__(self, streamer: Streamer, unit: StreamUnit) -> None:
         super().__init__()
         self.streamer, self.unit, self.borrowed = streamer, unit, False
 
@@ -95,7 +115,7 @@ class ModelEntryHook(MarkerHook):
     first block, where the plan for it is made): first without the blocks copied ahead, then with
     kept blocks given up."""
 
-    def __init__(self, streamer: BlockStreamer) -> None:
+    def __init__(self, streamer: Streamer) -> None:
         super().__init__(streamer.device)
         self.streamer = streamer
 
