@@ -1,7 +1,8 @@
 """Pipeline results as ComfyUI's own types: IMAGE, VIDEO (with its soundtrack) and AUDIO.
 
 Shared by every generate node, classic and modular, so that a clip, its frames and its sound
-come out the same way whichever pipeline made them.
+come out the same way whichever pipeline made them. A model that makes no sound still gives a
+valid AUDIO (silence as long as the clip), so SaveAudio / PreviewAudio wired to it work.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from comfy_api.latest import InputImpl, Types, io
 from PIL import Image
+
+SILENT_RATE = 44100  # ComfyUI's own audio nodes' rate, for a model that has none
 
 
 def to_image(pixels: Any) -> torch.Tensor:
@@ -38,10 +41,18 @@ def to_audio(waveform: Any, sample_rate: int) -> dict[str, Any] | None:
     return {"waveform": waveform, "sample_rate": int(sample_rate)}
 
 
+def silence(clips: int, frames: int, fps: float, sample_rate: int | None = None) -> dict[str, Any]:
+    """AUDIO of ``clips`` mono silent tracks, ``frames / fps`` seconds each."""
+    rate = int(sample_rate or SILENT_RATE)
+    samples = round(frames * rate / fps) if fps > 0 else 0
+    return {"waveform": torch.zeros(clips, 1, samples), "sample_rate": rate}
+
+
 def video_output(clips: Any, audio: dict[str, Any] | None, fps: float, notes: str,
-                 keep: int | None = None) -> io.NodeOutput:
+                 keep: int | None = None, silent_rate: int | None = None) -> io.NodeOutput:
     """(VIDEO, IMAGE, AUDIO, notes): every frame as IMAGE (the first ``keep`` when given), the
-    first clip with the first soundtrack as VIDEO, the whole AUDIO."""
+    first clip with the first soundtrack as VIDEO, the whole AUDIO. Without a soundtrack the
+    VIDEO has none and AUDIO is silence of the clip's length (at ``silent_rate``, else 44.1 kHz)."""
     images = to_image(clips)
     if keep is not None:
         images = images[:keep]
@@ -50,4 +61,6 @@ def video_output(clips: Any, audio: dict[str, Any] | None, fps: float, notes: st
     video = InputImpl.VideoFromComponents(
         Types.VideoComponents(images=first, audio=first_audio, frame_rate=Fraction(fps).limit_denominator(1001))
     )
+    if audio is None:
+        audio = silence(clips.shape[0] if clips.ndim == 5 else 1, first.shape[0], fps, silent_rate)
     return io.NodeOutput(video, images, audio, notes)
