@@ -2,7 +2,8 @@
 
 Why: a diffusers pipeline runs its own denoise loop, so none of ComfyUI's sampler callbacks
 fire. A classic pipeline reports per step (``callback_on_step_end``, turned into `StepProgress`);
-a modular one stage by stage (``offload_core.run.stages``, connected by `stage_host`). Either way
+a modular one stage by stage (``offload_core.run.stages``, connected by `stage_host`). Both carry
+a preview image per denoise step when the user has previews on (``previews.py``). Either way
 the call must be placed through ComfyUI's loader first and the pipeline told that the call is
 over afterwards, also on an error or Cancel: `Run` does both for every generate node.
 """
@@ -10,14 +11,15 @@ over afterwards, also on an error or Cancel: `Run` does both for every generate 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import comfy.utils
 from server import PromptServer
 
-from ..offload_core.run.stages import StageHooks, StageHost, label
-from . import web_api
+from ..offload_core.run.stages import DENOISE, StageHooks, StageHost, label
+from . import previews, web_api
 from .host import check_interrupt
 from .types import PipeHandle
 
@@ -33,22 +35,26 @@ def say(text: str, node_id: str | None) -> None:
 
 
 class StepProgress:
-    """``callback_on_step_end`` for a pipeline call: interrupt check, then one bar tick per step.
+    """``callback_on_step_end`` for a pipeline call: interrupt check, then one bar tick per step,
+    carrying the step's preview image when the user has previews on (`previews.StepPreviews`).
 
     The check comes first so that an interrupt raised while a step ran stops the pipeline before
     the next step starts. The total follows the pipeline's own timestep count when it exposes one
     (img2img strength and some schedulers run fewer steps than requested).
     """
 
-    def __init__(self, steps: int, node_id: str | None) -> None:
+    def __init__(self, steps: int, node_id: str | None, family: str = "other",
+                 call: Mapping[str, Any] | None = None) -> None:
         self.steps = steps
         self.node_id = node_id
         self.bar = comfy.utils.ProgressBar(steps, node_id=node_id)
+        self.previews = previews.StepPreviews(family, call or {}) if previews.enabled() else None
 
     def __call__(self, pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
         check_interrupt()
         total = int(getattr(pipe, "num_timesteps", 0) or self.steps)
-        self.bar.update_absolute(step + 1, total)
+        image = self.previews(pipe, callback_kwargs.get("latents")) if self.previews is not None else None
+        self.bar.update_absolute(step + 1, total, image)
         web_api.stage(self.node_id, "denoise", step + 1, total, pipe)
         if step + 1 == total:
             say("decoding", self.node_id)
@@ -74,6 +80,15 @@ def stage_host(node_id: str | None, pipe: Any = None) -> StageHost:
     return StageHost(on_stage=on_stage, check_interrupt=check_interrupt)
 
 
+@contextmanager
+def _modular_hooks(pipe: Any, node_id: str | None, totals: Mapping[str, int],
+                   latent_grid: tuple[int, int, int] | None) -> Iterator[StageHooks]:
+    shown = nullcontext() if latent_grid is None else previews.H3Previews(
+        pipe, node_id, totals.get(DENOISE, 0), latent_grid)
+    with StageHooks(pipe, stage_host(node_id, pipe), totals) as hooks, shown:
+        yield hooks
+
+
 class Run:
     """``with Run(handle, node_id) as run: pipe(...)``: the pipeline is placed on entry (through
     ComfyUI's loader, with the handle's LoRA set) and told the call is over on exit, whether the
@@ -90,13 +105,16 @@ class Run:
             say(text, self.node_id)
         return text
 
-    def step_callback(self, steps: int) -> StepProgress:
-        """The ``callback_on_step_end`` of a classic pipeline call."""
-        return StepProgress(steps, self.node_id)
+    def step_callback(self, steps: int, call: Mapping[str, Any] | None = None) -> StepProgress:
+        """The ``callback_on_step_end`` of a classic pipeline call; ``call`` (its keyword arguments:
+        height, width, num_frames) lets previews unpack packed latents."""
+        return StepProgress(steps, self.node_id, getattr(self.handle, "family", "other"), call)
 
-    def stage_hooks(self, pipe: Any, totals: Mapping[str, int]) -> StageHooks:
-        """Stage hooks of a modular pipeline call (a context manager around the call)."""
-        return StageHooks(pipe, stage_host(self.node_id, pipe), totals)
+    def stage_hooks(self, pipe: Any, totals: Mapping[str, int],
+                    latent_grid: tuple[int, int, int] | None = None) -> AbstractContextManager[Any]:
+        """Stage hooks of a modular pipeline call (a context manager around the call); with
+        ``latent_grid`` (latent frames, height, width of the generated video), previews too."""
+        return _modular_hooks(pipe, self.node_id, totals, latent_grid)
 
     def __enter__(self) -> Run:
         self.handle.prepare()
