@@ -80,7 +80,7 @@ class GenerateImage(io.ComfyNode):
         run = Run(pipe, cls.hidden.unique_id)
         notes = run.show(call.notes)
         with run:
-            out = call.pipe(**call.kwargs, callback_on_step_end=run.step_callback(steps))
+            out = call.pipe(**call.kwargs, callback_on_step_end=run.step_callback(steps, call.kwargs))
         return io.NodeOutput(to_image(out.images), notes)
 
 
@@ -132,7 +132,7 @@ class GenerateVideo(io.ComfyNode):
         run = Run(pipe, cls.hidden.unique_id)
         notes = run.show(call.notes)
         with run:
-            out = call.pipe(**call.kwargs, callback_on_step_end=run.step_callback(steps))
+            out = call.pipe(**call.kwargs, callback_on_step_end=run.step_callback(steps, call.kwargs))
         audio = to_audio(getattr(out, "audio", None), sample_rate(call.pipe))
         return video_output(out.frames, audio, rate, notes)
 

@@ -118,7 +118,8 @@ class GenerateH3(io.ComfyNode):
         kwargs = dict(prompt=prompt, height=height, width=width, num_frames=frames, num_inference_steps=steps,
                       generator=torch.Generator("cpu").manual_seed(seed), output_type="pt", **keyframes)
         with run, ExitStack() as stack:
-            stack.enter_context(run.stage_hooks(h3, totals))
+            latent_grid = (grid.latent_frames(frames), height // grid.vae_scale, width // grid.vae_scale)
+            stack.enter_context(run.stage_hooks(h3, totals, latent_grid))
             stack.enter_context(pad_short_latents(h3.vae))
             state = view(**kwargs)
         audio = to_audio(state.get("audio"), state.get("sampling_rate")) if with_audio else None
