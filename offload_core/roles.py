@@ -2,12 +2,15 @@
 
 Roles decide *where* a component's weights live; transports (``transport/``) decide *how* they
 move. The never list is tested before the always list, so a class entry in never exempts one
-model from a component-name entry in always.
+model from a component-name entry in always. Entries match names and classes case-insensitively;
+an entry that matches nothing in the pipeline is warned about (`warn_unknown_entries`), not dropped
+silently, since a typo there would otherwise leave a component placed as if the list were empty.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .components import ComponentInfo
@@ -33,9 +36,40 @@ class RoleDecision:
 
 def _match(entries: tuple[str, ...], info: ComponentInfo) -> str | None:
     for entry in entries:
-        if entry in (info.name, info.cls):
+        if entry.casefold() in (info.name.casefold(), info.cls.casefold()):
             return entry
     return None
+
+
+def unknown_entries(config: OffloadConfig, components: Iterable[tuple[str, object]]) -> tuple[str, ...]:
+    """``"always 'x'"`` / ``"never 'y'"`` for each list entry naming none of ``(name, module)``."""
+    known = {s.casefold() for name, module in components for s in (name, type(module).__name__)}
+    return tuple(f"{lst} {e!r}" for lst in ("always", "never") for e in getattr(config, lst)
+                 if e.casefold() not in known)
+
+
+_WARNED: set[tuple] = set()
+
+
+def warn_unknown_entries(config: OffloadConfig, components: Iterable[tuple[str, object]],
+                         pipeline: str = "the pipeline") -> str | None:
+    """Warn (once per entries and pipeline layout) about list entries that match no component;
+    the message, or None when every entry matches. The placement pass calls it with the whole
+    pipeline's ``(name, module)`` pairs."""
+    components = list(components)
+    unknown = unknown_entries(config, components)
+    if not unknown:
+        return None
+    layout = ", ".join(f"{name} ({type(module).__name__})" for name, module in components)
+    message = (f"offload list entries {', '.join(unknown)} match no component of {pipeline} and are ignored; "
+               f"its components are {layout or 'none'} (names and classes match case-insensitively)")
+    key = (unknown, pipeline, layout)
+    if key not in _WARNED:
+        if len(_WARNED) > 256:
+            _WARNED.clear()
+        _WARNED.add(key)
+        log.warning("%s", message)
+    return message
 
 
 def decide(info: ComponentInfo, config: OffloadConfig) -> RoleDecision:

@@ -6,6 +6,12 @@ engine's hooks and master copies. Only the *reading* half of diffusers is used: 
 and the scaling follows what diffusers would build a ``LoraConfig`` from (the file's adapter
 metadata, network alphas, else alpha = rank). Files are opened read-only, as safetensors only
 (a pickle is never unpickled on a user's behalf).
+
+Musubi/kohya Wan files (``lora_unet_blocks_N_self_attn_q...``) are renamed in memory to the
+original Wan layout (``diffusion_model.blocks.N.self_attn.q...``) before diffusers converts them:
+diffusers' musubi converter requires every block to carry self-attention, cross-attention and
+feed-forward factors (an attention-only file fails with a KeyError), while its converter for the
+original layout takes any subset, with the same alpha scaling.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import inspect
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +43,8 @@ TAILS: dict[str, str] = {
 }
 RAW_MARKERS = ("lora", ".alpha", ".diff", ".diff_b")  # a raw key that can belong to a LoRA
 LYCORIS = ("lokr_", "hada_")  # other low-rank schemes: factors that are not A/B
+# A musubi Wan block module, and its name in the original Wan layout (diffusion_model.*).
+MUSUBI_WAN = re.compile(r"lora_unet_blocks_(\d+)_(?:(self_attn|cross_attn)_(q|k|v|o|k_img|v_img)|ffn_(0|2))")
 
 
 class LoraError(ValueError):
@@ -124,6 +133,7 @@ def _convert(raw: dict[str, torch.Tensor], pipe: object, path: object) -> tuple[
     convert = getattr(type(pipe), "lora_state_dict", None)
     if convert is None:
         return raw, {}
+    raw = _musubi_wan_as_original(raw, pipe)
     kwargs = {"return_alphas": True} if "return_alphas" in inspect.signature(convert).parameters else {}
     try:
         out = convert(dict(raw), **kwargs)
@@ -133,6 +143,24 @@ def _convert(raw: dict[str, torch.Tensor], pipe: object, path: object) -> tuple[
     if isinstance(out, tuple):
         return out[0], (out[1] if len(out) > 1 and isinstance(out[1], dict) else {})
     return out, {}
+
+
+def _musubi_wan_as_original(raw: dict[str, torch.Tensor], pipe: object) -> dict[str, torch.Tensor]:
+    """A Wan pipeline's musubi keys under the original layout's names (same tensors); else ``raw``."""
+    from diffusers.loaders import WanLoraLoaderMixin
+
+    if not isinstance(pipe, WanLoraLoaderMixin) or not raw or not all(k.startswith("lora_unet_") for k in raw):
+        return raw
+    renamed = {}
+    for key, tensor in raw.items():
+        module, dot, tail = key.partition(".")
+        match = MUSUBI_WAN.fullmatch(module)
+        if match is None:  # a module the original layout does not name: diffusers' own path decides
+            return raw
+        block, attn, proj, ffn = match.groups()
+        name = f"blocks.{block}.{attn}.{proj}" if attn else f"blocks.{block}.ffn.{ffn}"
+        renamed[f"diffusion_model.{name}{dot}{tail}"] = tensor
+    return renamed
 
 
 def _raw_alphas(state: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -177,8 +177,9 @@ class PreloadPlanner:
     def on_shortage(self, running: Collection[int] = (), needed: int = 0) -> Relief:
         """An allocation failed or the allocator had to free its cache and retry. The streaming
         buffers the lookahead added beyond the window's go first: they bought speed only with
-        the fit's spare room, and a kept block saves a transfer every step. Without them: resident blocks, lowest-ranked first and never those ``running``, until ``needed``
-        bytes (at least one block). What goes is added to the workload's penalty. An empty
+        the fit's spare room, and a kept block saves a transfer every step. Without them:
+        resident blocks, lowest-ranked first and never those ``running``, until ``needed`` bytes
+        (at least one block). What goes is added to the workload's penalty. An empty
         answer means nothing can go: a true out-of-memory."""
         relief = self._release_buffers() or Relief(blocks=self._release(running, needed))
         if not relief:

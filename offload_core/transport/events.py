@@ -1,7 +1,7 @@
 """Named subscriptions to a transport's events, as diffusers' ``HookRegistry`` names its hooks.
 
 A streamer emits ``forward`` (the model is entered), ``cycle`` (its first block is entered),
-``oom`` (an allocation failed; a listener returning True freed something, so retry) and ``end``
+``forward_end`` (the model's forward returned), ``oom`` (an allocation failed; a listener returning True freed something, so retry) and ``end``
 (the pipeline call is over). Each listener is registered under a name and removed by that name
 only, so the preload driver, a benchmark's clock and a test's probe never remove each other.
 """

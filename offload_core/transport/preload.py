@@ -68,7 +68,6 @@ class PreloadDriver:
         self._retries = memory.allocator_retries(streamer.device)
         self._others = 0  # device bytes held by others (other models, a ballast) at forward start
         self._entering = False  # a forward has started and its first block not yet
-        self._pending: CycleUsage | None = None
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
         self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
@@ -104,13 +103,13 @@ class PreloadDriver:
         return CycleUsage(peak=peak - self._others, weights_floor=self.streamer.weights_at_peak())
 
     def _forward_begins(self, args: tuple, kwargs: dict) -> None:
-        """Before the denoiser's own first allocation: close the books of the last forward, give
-        up now the blocks the coming workload's plan drops (its inputs are made before the first
-        block, where its cycle begins: on a tight card the non-block part would otherwise run out
-        of memory, and cuDNN would pick, and keep for the process, another convolution algorithm
-        for it), and take what others hold as the baseline, so the activations the non-block part
-        makes before the first block count as ours."""
-        self._pending = self._usage()
+        """Before the denoiser's own first allocation: give up now the blocks the coming
+        workload's plan drops (its inputs are made before the first block, where its cycle
+        begins: on a tight card the non-block part would otherwise run out of memory, and cuDNN
+        would pick, and keep for the process, another convolution algorithm for it), and take what
+        others hold, and the allocator's retries so far, as the baselines: what the non-block part
+        makes before the first block counts as ours, what ran between forwards (a VAE) does not."""
+        self._retries = self.memory.allocator_retries(self.streamer.device)
         self._entry = entry_signature(args, kwargs)
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         self._entering = True
@@ -135,7 +134,7 @@ class PreloadDriver:
             workload = workload_of(info["args"], info["kwargs"])
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
-            target = self.planner.begin_cycle(workload, self._pending)
+            target = self.planner.begin_cycle(workload)
             self._apply(target)
             self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
@@ -143,8 +142,11 @@ class PreloadDriver:
         elif event == "oom":
             block = info["block"]
             return self.relieve(streamer.pieces_of({block.index}) if block is not None else set())
-        elif event == "end":
+        elif event == "forward_end":  # the cycle's measure is the denoiser's forward alone
+            self._check_shortage()
             self.planner.end_cycle(self._usage())
+        elif event == "end":
+            self.planner.end_cycle()  # a forward that raised: nothing to measure
         return False
 
     def _check_shortage(self) -> None:

@@ -223,8 +223,9 @@ class BlockStreamer(TransportBase):
     @torch.compiler.disable
     def end_forward(self) -> None:
         """The model's forward returned: learn its order now, before the next forward's first
-        copies are queued at its entry."""
+        copies are queued at its entry, and close the listeners' cycle."""
         self._learn_order()
+        self.notify("forward_end")
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         self._learn_order()
