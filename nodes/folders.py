@@ -1,8 +1,9 @@
 """Model folders: list them, resolve a listed name, and check a folder before diffusers reads it.
 
 A folder is checked before diffusers reads it (index, component folders, weight files, every
-safetensors header against the file's size), so a broken download fails with the file to fix
-instead of a deep loader traceback or a crash mid-load. Files are only ever read.
+safetensors header against the file's size, the files a tokenizer or processor reads), so a broken
+download fails with the file to fix instead of a deep loader traceback, a crash mid-load or, for a
+tokenizer without its vocabulary, prompts silently turned into unknown tokens. Files are only read.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ MODULAR_INDEX = "modular_model_index.json"
 MAX_DEPTH = 4  # deep enough for org/name/snapshot layouts, shallow enough to never crawl a disk
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+PROCESSOR_CONFIGS = ("processor_config.json", "preprocessor_config.json")
 
 
 class PipelineFolderError(ValueError):
@@ -104,6 +107,67 @@ def check_component(folder: Path, name: str, what: str) -> None:
         _check_shards(index_file)
     for weights in (p for p in files if p.suffix == ".safetensors"):
         check_safetensors(weights)
+    _check_text_files(folder, name, what)
+
+
+# -- tokenizers and processors ------------------------------------------------------------------
+def _check_text_files(folder: Path, name: str, what: str) -> None:
+    """A tokenizer needs one of the vocabulary files its class reads (transformers otherwise builds
+    an empty one and every prompt becomes unknown tokens); a processor needs its config, and its
+    tokenizer's files."""
+    import transformers as tf
+
+    cls = _transformers_class(what.rsplit(".", 1)[-1])
+    if cls is None:
+        return
+    if cls is tf.AutoProcessor or issubclass(cls, tf.ProcessorMixin):
+        parts = ["tokenizer"] if cls is tf.AutoProcessor else cls.get_attributes()
+        if any("tokenizer" not in p for p in parts) and not _has_any(folder, PROCESSOR_CONFIGS):
+            raise PipelineFolderError(_missing(name, what, folder, "processor config", PROCESSOR_CONFIGS))
+        if "tokenizer" in parts:
+            _check_tokenizer(folder, name, what, None)
+    elif cls is tf.AutoTokenizer or issubclass(cls, tf.PreTrainedTokenizerBase):
+        _check_tokenizer(folder, name, what, cls)
+    elif issubclass(cls, (tf.ImageProcessingMixin, tf.FeatureExtractionMixin)) and not _has_any(
+            folder, PROCESSOR_CONFIGS):
+        raise PipelineFolderError(_missing(name, what, folder, "processor config", PROCESSOR_CONFIGS))
+
+
+def _check_tokenizer(folder: Path, name: str, what: str, cls: type | None) -> None:
+    """At least one file that the index's class or the folder's ``tokenizer_class`` loads from."""
+    import transformers as tf
+
+    classes = [cls] if cls is not None and cls is not tf.AutoTokenizer else []
+    if (folder / TOKENIZER_CONFIG).is_file():
+        configured = read_json(folder / TOKENIZER_CONFIG).get("tokenizer_class")
+        classes.append(_transformers_class(configured) if isinstance(configured, str) else None)
+    files: dict[str, None] = {}
+    for c in [c for c in classes if c is not None] or [tf.PreTrainedTokenizerFast]:
+        files.update(dict.fromkeys(f for f in getattr(c, "vocab_files_names", {}).values() if f != TOKENIZER_CONFIG))
+    if files and not _has_any(folder, tuple(files)):
+        raise PipelineFolderError(_missing(name, what, folder, "tokenizer file", tuple(files),
+                                           "without one every prompt would become unknown tokens"))
+
+
+def _transformers_class(name: str) -> type | None:
+    """A transformers class by name; None when there is none (or its backend is not installed)."""
+    import transformers
+
+    try:
+        cls = getattr(transformers, name, None)
+    except Exception:  # a class whose backend is missing raises on access
+        return None
+    return cls if isinstance(cls, type) else None
+
+
+def _has_any(folder: Path, names: tuple[str, ...]) -> bool:
+    return any((folder / n).is_file() and (folder / n).stat().st_size > 0 for n in names)
+
+
+def _missing(name: str, what: str, folder: Path, kind: str, files: tuple[str, ...], why: str = "") -> str:
+    return (f"component {name!r} ({what}) has no {kind} in {folder}: it needs one of {', '.join(files)} "
+            f"(non-empty){'; ' + why if why else ''}; copy that folder from the original model or download "
+            "the model again")
 
 
 def _check_shards(index_file: Path) -> None:

@@ -26,6 +26,7 @@ from .folders import (
     check_pipeline_folder,
     list_models,
     list_modular_models,
+    read_json,
     resolve_model,
 )
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle, family_of
@@ -60,6 +61,7 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype) -> ModularPipe
     if workflow == "ref2va" and not (folder / REF_FOLDER).is_dir():
         raise PipelineFolderError(f"workflow ref2va needs {folder / REF_FOLDER}, which is missing: choose t2va or "
                                   "fl2va, or download the transformer_ref folder")
+    read_json(folder / MODULAR_INDEX)  # a broken index is named with the parser's position, as for classic ones
     try:
         pipe = ModularPipeline.from_pretrained(str(folder), workflow=workflow, local_files_only=True)
     except Exception as exc:  # unknown workflow, unreadable index: name the folder

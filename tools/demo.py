@@ -63,13 +63,30 @@ def model_folder(args: argparse.Namespace) -> tuple[ex.Example, Path]:
     """The example to run and its model folder (a tiny one is built when none was given)."""
     if args.model is not None:
         folder = args.model.expanduser().resolve()
-        return (ex.example(args.example) if args.example else ex.example_for_model(folder)), folder
+        indexes = ("model_index.json", "modular_model_index.json")
+        if not folder.is_dir() or not any((folder / i).is_file() for i in indexes):  # before anything is linked
+            what = "does not exist" if not folder.exists() else "is not a diffusers pipeline folder"
+            raise SystemExit(f"--model {args.model}: {folder} {what}; give the path of a diffusers pipeline "
+                             f"folder (the one holding {' or '.join(indexes)})")
+        try:
+            return (ex.example(args.example) if args.example else ex.example_for_model(folder)), folder
+        except ValueError as exc:
+            raise SystemExit(f"--model {args.model}: {exc}") from None
     from fixtures.tiny_models import BUILDERS, FOLDER_NAMES
 
     example = ex.example(args.example or DEFAULT_EXAMPLE)
     folder = BUILDERS[example.tiny](TINY_DIR / FOLDER_NAMES[example.tiny])
     print(f"built tiny {example.pipeline} in {folder.relative_to(ex.ROOT)}")
     return example, folder
+
+
+def drop_dangling_links(models: Path) -> None:
+    """Links in the demo's own models/diffusers whose folder is gone (an earlier run's model)."""
+    for link in models.iterdir():
+        if link.is_symlink() and not link.exists():
+            target = link.readlink()
+            link.unlink()
+            print(f"removed {link}: it pointed at {target}, which does not exist")
 
 
 def placeholder_keyframes(host: Any, prompt: dict[str, Any]) -> None:
@@ -117,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(1)  # tiny ops gain nothing from threads
     host = harness.setup(BASE)
-    model = ex.link_model(Path(host.folder_paths.get_folder_paths("diffusers")[0]), folder)
+    models = Path(host.folder_paths.get_folder_paths("diffusers")[0])
+    drop_dangling_links(models)
+    model = ex.link_model(models, folder)
     prompt = ex.api_prompt(example.name, model, overrides(example, args.set, tiny=args.model is None))
     placeholder_keyframes(host, prompt)
     print(f"running {example.name} on {model} (ComfyUI {host.version}, {host.model_management.get_torch_device()})")
