@@ -346,6 +346,7 @@ def test_a_decode_after_the_denoiser_is_not_measured_as_its_activations(wan_pipe
     """The denoiser's cycle closes when its forward returns: a VAE decode that peaks far above the
     denoiser, and retries the allocator while doing so, is neither its measure nor its shortage,
     so the second run keeps what the first kept (issue 24, first item)."""
+    monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no earlier test's measure or penalty
     engine, card, streamer, at_entry = _on_a_card_watching_model_entry(wan_pipe, monkeypatch)
     planner = streamer.driver.planner
     card.activations = 128 * 2**10
