@@ -167,12 +167,17 @@ SETTINGS = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_mem
             "prefetch_window": 1, "device": "", "measures_path": ""}
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "-1", "NaN GB", "1e999"])
+@pytest.mark.parametrize(("option", "value", "message"), [
+    *[("preload", v, f"preload {v!r} is not understood: use 'auto', 'off' or a budget in GiB such as '12'")
+      for v in ("nan", "inf", "-1", "NaN GB", "1e999")],
+    ("pin_reserve_gb", float("nan"), "pin_reserve_gb must be a finite number >= 0, got nan"),  # passes min/max
+])
 def test_preload_nan_or_inf_is_refused_at_the_settings_node_naming_the_option(
-        comfy: harness.ComfyHost, diffusers_dir: Path, tiny_wan_dir: Path, value: str) -> None:
+        comfy: harness.ComfyHost, diffusers_dir: Path, tiny_wan_dir: Path, option: str, value: object,
+        message: str) -> None:
     model = ex.link_model(diffusers_dir, tiny_wan_dir)
     prompt = {
-        "s": {"class_type": "DiffusersOffloadSettings", "inputs": {**SETTINGS, "preload": value}},
+        "s": {"class_type": "DiffusersOffloadSettings", "inputs": {**SETTINGS, "preload": "auto", option: value}},
         "1": {"class_type": LOADER, "inputs": {"model": model, "dtype": "fp32", "offload": ["s", 0]}},
         "2": {"class_type": "DiffusersOffloadGenerateVideo", "inputs": {
             "pipe": ["1", 0], "prompt": "a cat", "negative_prompt": "", "seed": 0, "steps": 1, "guidance": 0.0,
@@ -183,8 +188,7 @@ def test_preload_nan_or_inf_is_refused_at_the_settings_node_naming_the_option(
     error = run(comfy, tiny_wan_dir, prompt)
 
     assert error["node_id"] == "s" and error["exception_type"].endswith("OffloadConfigError")
-    assert error["exception_message"] == (
-        f"preload {value!r} is not understood: use 'auto', 'off' or a budget in GiB such as '12'")
+    assert error["exception_message"] == message
 
 
 # -- an attention-only musubi Wan LoRA ---------------------------------------------------------------------
