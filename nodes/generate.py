@@ -107,7 +107,7 @@ class GenerateVideo(io.ComfyNode):
             outputs=[
                 io.Video.Output("video", display_name="video"),
                 io.Image.Output("images", display_name="frames"),
-                io.Audio.Output("audio", display_name="audio", tooltip="None when the model makes no audio."),
+                io.Audio.Output("audio", display_name="audio", tooltip="Silence of the clip's length when the model makes no audio."),
                 NOTES,
             ],
             hidden=[io.Hidden.unique_id],

@@ -81,7 +81,7 @@ class GenerateH3(io.ComfyNode):
             outputs=[
                 io.Video.Output("video", display_name="video"),
                 io.Image.Output("images", display_name="frames"),
-                io.Audio.Output("audio", display_name="audio", tooltip="None when audio is off or for a still."),
+                io.Audio.Output("audio", display_name="audio", tooltip="Silence of the clip's length when audio is off or for a still."),
                 NOTES,
             ],
             hidden=[io.Hidden.unique_id],

@@ -32,7 +32,7 @@ def to_pil(image: torch.Tensor) -> Image.Image:
 
 
 def to_audio(waveform: Any, sample_rate: int) -> dict[str, Any] | None:
-    """ComfyUI AUDIO ``{"waveform": [B, C, T], "sample_rate"}``, or None when the model made none."""
+    """ComfyUI AUDIO ``{"waveform": [B, C, T], "sample_rate"}``, or silence of the clip's length when the model made none."""
     if not isinstance(waveform, torch.Tensor):
         return None
     waveform = waveform.detach().to("cpu", torch.float32)

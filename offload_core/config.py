@@ -90,7 +90,7 @@ class OffloadConfig:
                 raise OffloadConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.prefetch_window < 1:
             raise OffloadConfigError(f"prefetch_window must be >= 1, got {self.prefetch_window}")
-        overlap = set(self.always) & set(self.never)
+        overlap = {e.casefold() for e in self.always} & {e.casefold() for e in self.never}
         if overlap:
             raise OffloadConfigError(
                 f"{', '.join(sorted(overlap))} is in both the always and the never list: keep it in one"

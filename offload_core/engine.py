@@ -20,7 +20,7 @@ from .guards import onload_device, refuse_foreign_offload
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, pin_budget, sweep_cleanup
 from .report import ComponentReport, PlacementReport, gib
-from .roles import Role, RoleDecision, decide
+from .roles import Role, RoleDecision, decide, warn_unknown_entries
 from .state import (
     APPLYING,
     COMPONENT,
@@ -74,6 +74,7 @@ class Engine:
         device = onload_device(config)
         components = list(iter_modules(pipe))
         refuse_foreign_offload(components)
+        warn_unknown_entries(config, components, type(pipe).__name__)
         pstate = PIPELINE.get(pipe)
         if pstate is None or pstate.device != device:
             pstate = PipelineState(config, device)

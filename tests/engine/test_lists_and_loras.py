@@ -129,8 +129,6 @@ def test_demo_with_a_missing_model_path_says_so_and_links_nothing(tmp_path: Path
     assert not (models / missing.name).is_symlink()
 
 
-@pytest.mark.xfail(strict=True, reason="engine.place is to call roles.warn_unknown_entries (issue 22.8, wiring "
-                                       "outside roles.py); remove this marker once it does")
 def test_placing_a_pipeline_warns_about_list_entries_that_match_nothing(
         wan_pipe: WanPipeline, caplog: pytest.LogCaptureFixture) -> None:
     from diffusers_offload.offload_core import Engine
