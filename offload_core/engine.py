@@ -233,7 +233,7 @@ class Engine:
             device=str(pstate.device) if pstate else "unplaced",
             mode=pstate.config.mode if pstate else "-",
             components=tuple(comps),
-            plan=next((str(c.details["plan"]) for c in comps if c.details.get("plan")), ""),
+            plan=_plans(comps),
         )
 
 
@@ -247,6 +247,12 @@ def _room_maker(engine: Engine, pipe: object) -> Callable[[int], int]:
         return owner.give_back(target, nbytes) if owner is not None and target is not None else 0
 
     return make_room
+
+
+def _plans(comps: list[ComponentReport]) -> str:
+    """The preload plan line, each denoiser's named when there are several (Wan 2.2 A14B)."""
+    plans = [(c.name, str(c.details["plan"])) for c in comps if c.details.get("plan")]
+    return plans[0][1] if len(plans) == 1 else "; ".join(f"{name}: {plan}" for name, plan in plans)
 
 
 def _component_report(info: ComponentInfo, state: ComponentState | None,

@@ -87,23 +87,31 @@ def decide(info: ComponentInfo, config: OffloadConfig) -> RoleDecision:
 def _decide_by_mode(info: ComponentInfo, config: OffloadConfig, forced: bool) -> RoleDecision:
     if config.mode == "none" and not forced:
         return RoleDecision(Role.RESIDENT, "mode none")
-    if info.opts_out or info.bridged_entries or config.mode == "model":
-        if not forced and info.nbytes < config.on_demand_threshold_bytes:
-            return _SMALL
-        return RoleDecision(Role.ON_DEMAND, _on_demand_reason(info, config))
-    if info.unbridged_entries and config.mode == "auto":
+    if info.unbridged_entries and not info.bridged_entries and config.mode in ("auto", "model"):
         log.warning(
             "%s (%s) has %s without diffusers' forward-hook bridge: kept resident (cannot onload on entry)",
             info.name, info.cls, "/".join(info.unbridged_entries),
         )
         return RoleDecision(Role.RESIDENT, f"{'/'.join(info.unbridged_entries)} without bridge")
+    if info.opts_out or info.bridged_entries or config.mode == "model":
+        if not forced and info.nbytes < config.on_demand_threshold_bytes:
+            return _SMALL
+        return RoleDecision(Role.ON_DEMAND, _on_demand_reason(info, config))
     if not forced and info.nbytes < config.resident_floor_bytes:
         return _SMALL
     if config.mode == "leaf":
         return RoleDecision(Role.LEAF, "mode leaf")
     if info.is_denoiser:
         return RoleDecision(Role.PER_STEP, "denoiser: block stream per step")
-    return RoleDecision(Role.LEAF, "text encoder" if info.is_text_encoder else "once-per-run module")
+    return RoleDecision(Role.LEAF, _once_per_run(info))
+
+
+def _once_per_run(info: ComponentInfo) -> str:
+    """What a leaf-placed component is, for the report: an image encoder (CLIP vision) is not a
+    text encoder although transformers makes both."""
+    if not info.is_text_encoder:
+        return "once-per-run module"
+    return "image encoder" if "Vision" in info.cls or "Image" in info.cls else "text encoder"
 
 
 _SMALL = RoleDecision(Role.RESIDENT, "small: moving it would cost more than it frees")

@@ -2,8 +2,8 @@
 
 Activations scale with the tokens a step processes, and the largest input of the first block
 (the hidden states) counts them; a resolution or frame count change is thus a new workload,
-measured separately. A model whose first block hides its size may supply its own function with
-the same signature.
+measured separately. A model whose first block hides its size supplies its own function with
+the same signature as its ``offload_workload`` attribute (`workload_fn`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ def workload_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     """Element count of the largest tensor among the arguments, looking one level into lists,
     tuples, dicts and dataclasses; 0 when there is none."""
     return max((t.numel() for t in _tensors([*args, *kwargs.values()])), default=0)
+
+
+def workload_fn(model: object) -> WorkloadFn:
+    """The model's own ``offload_workload(args, kwargs) -> int`` if it has one, else `workload_of`."""
+    own = getattr(model, "offload_workload", None)
+    return own if callable(own) else workload_of
 
 
 def entry_signature(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple:

@@ -10,8 +10,8 @@ import torch
 
 from ..config import OffloadConfig
 from ..memory import MemoryReader, prefer_expandable_segments
-from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlanner, workload_of
-from ..preload.workload import entry_signature, scaled_workload
+from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlanner
+from ..preload.workload import entry_signature, scaled_workload, workload_fn
 from ..state import PLANNER
 from .streamer import BlockStreamer
 
@@ -131,7 +131,7 @@ class PreloadDriver:
             self._forward_begins(info["args"], info["kwargs"])
         elif event == "cycle":
             self._check_shortage()
-            workload = workload_of(info["args"], info["kwargs"])
+            workload = int(workload_fn(self.streamer.module)(info["args"], info["kwargs"]))
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload)

@@ -1,8 +1,11 @@
-"""Roles the engine gives each component of the tiny pipelines (SPEC §2)."""
+"""Roles the engine gives each component of the tiny pipelines."""
+
+import logging
 
 import pytest
+import torch
 from diffusers.hooks import group_offloading as diffusers_go
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import Components, Engine, OffloadConfig
 from fixtures.tiny_pipes import run_h3
 
 CFG = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -71,3 +74,46 @@ def test_h3_fl2va_roles_match_t2va(workflow_fixture, request):
     assert roles["transformer"] == "per-step"
     assert roles["text_encoder"] == "leaf"
     assert roles["audio_vae"] == "on-demand"
+
+
+class _UnbridgedDecoder(torch.nn.Module):
+    """A decoder entered through ``decode`` without diffusers' forward-hook bridge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(512, 512)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+@pytest.mark.parametrize("mode", ["auto", "model"])
+def test_a_decode_without_the_bridge_stays_resident_with_a_warning_in_auto_and_model(mode, caplog):
+    """It could not be moved in on entry: on demand it would decode with its weights in system
+    memory (in model mode it did, before)."""
+    pipe = Components(vae=_UnbridgedDecoder())
+    with caplog.at_level(logging.WARNING, logger="diffusers_offload"):
+        report = Engine().place(pipe, CFG.replace(mode=mode))
+    assert report.component("vae").role == "resident"
+    assert "decode without diffusers' forward-hook bridge" in caplog.text
+
+
+def test_a_clip_image_encoder_is_reported_as_an_image_encoder():
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                                             num_attention_heads=4, image_size=32, patch_size=8))
+    report = Engine().place(Components(image_encoder=encoder), CFG)
+    assert report.component("image_encoder").reason == "image encoder"
+
+
+def test_the_report_names_each_denoisers_plan_when_there_are_two(wan_pipe):
+    """Wan 2.2 A14B's ``transformer`` and ``transformer_2``: the preload line shows both plans."""
+    import copy
+
+    pipe = Components(transformer=wan_pipe.transformer, transformer_2=copy.deepcopy(wan_pipe.transformer))
+    engine = Engine()
+    report = engine.place(pipe, CFG.replace(preload="off"))
+    assert report.plan.startswith("transformer: ") and "; transformer_2: " in report.plan
+    assert "preload: transformer: " in report.text()
+    engine.release(pipe)

@@ -369,3 +369,14 @@ def test_a_decode_after_the_denoiser_is_not_measured_as_its_activations(wan_pipe
     assert streamer.resident_indices() == first
     assert planner.measured_peak(planner.last_workload) == measured
     assert planner.penalty(planner.last_workload) == 0
+
+
+def test_a_model_may_supply_its_own_workload_function(wan_pipe, monkeypatch):
+    """``offload_workload(args, kwargs)`` on the denoiser keys its cycles (the planner measures
+    and plans per workload); without it, the largest input of the first block does."""
+    engine, streamer = _placed(wan_pipe, CFG.replace(preload="auto"))
+    calls = []
+    monkeypatch.setattr(wan_pipe.transformer, "offload_workload",
+                        lambda args, kwargs: calls.append(1) or 12345, raising=False)
+    _run(engine, wan_pipe, height=16, width=16)
+    assert calls and streamer.driver.planner.last_workload == 12345
