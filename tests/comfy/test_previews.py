@@ -183,3 +183,26 @@ def test_the_x0_estimate_is_exact_on_a_flow_line_and_a_video_shows_its_middle_fr
     torch.testing.assert_close(later, x0)
     assert torch.equal(previews.middle_frame(x0), x0[:, :, 2:3])
     assert previews.Denoised()(x0, None) is x0  # not flow matching: the sample itself
+
+
+def test_h3_rows_unpatchify_to_the_middle_target_frame_and_x0_follows_h3s_velocity(
+    comfy: harness.ComfyHost, previews: Any
+) -> None:
+    """Rows as H3's prepare step makes them (frame-major patches, conditioning rows first), and the
+    x0 H3's scheduler steps towards (its velocity points to the data)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+    from diffusers.schedulers import MiniMaxH3Scheduler
+
+    latents = torch.randn(1, 6, 5, 8, 12)  # 5 latent frames of 8x12, patch (1, 2, 2)
+    rows = torch.cat([torch.randn(2 * 4 * 6, 24), patchify_video_latents(latents, (1, 2, 2))])
+    shown = previews.H3Previews(None, None, 4, (5, 8, 12))
+
+    assert torch.equal(shown._frame(rows, (1, 2, 2)), latents[:, :, 2:3])
+
+    scheduler = MiniMaxH3Scheduler(shift=3.0)
+    scheduler.set_timesteps(5)
+    x, velocity = torch.randn(10, 24), torch.randn(10, 24)
+    sigma, sigma_next = scheduler.sigmas[0], scheduler.sigmas[1]
+    stepped = scheduler.step(velocity, scheduler.timesteps[0], x, return_dict=False)[0]
+    x0 = x + sigma * velocity
+    torch.testing.assert_close(stepped, sigma_next / sigma * x + (1 - sigma_next / sigma) * x0)
