@@ -7,10 +7,16 @@ stage from the run's progress hooks; ``GET /diffusers_offload/state`` gives the 
 is imported: the extension hands in the report source (`connect`) and subscribes `loaded` /
 `changed` / `finished` to the host's patcher events. Hooks never raise, and pipelines are held
 only through weak references.
+
+A pipeline is tied to the nodes that loaded or ran it *in one workflow*: every binding carries the
+workflow id the frontend sent with the prompt (``extra_pnginfo.workflow.id``) and the prompt id, so
+a page shows a placement only on the workflow that produced it, never on a node of another tab
+that happens to have the same id. Stages carry the same two ids.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -73,6 +79,7 @@ class Entry:
     holder: weakref.ref
     path: str
     nodes: set[str] = field(default_factory=set)
+    uses: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (workflow, node) -> use
     plan: str = ""
     plan_change: dict[str, Any] | None = None
     snapshot: dict[str, Any] | None = None
@@ -95,6 +102,7 @@ class Entry:
             "total_bytes": sum(c.nbytes for c in report.components),
             "device_bytes": report.device_bytes, "pinned_bytes": report.pinned_bytes,
             "plan": self.plan, "plan_change": self.plan_change, "nodes": sorted(self.nodes),
+            "uses": sorted(self.uses.values(), key=lambda u: (u["workflow"] or "", u["node"])),
             "components": [component_dict(c) for c in report.components], "updated": time.time(),
         }
         return self.snapshot
@@ -111,17 +119,27 @@ class Registry:
         self._stages: dict[str, dict[str, Any]] = {}
         self._ids = itertools.count(1)
 
-    def entry(self, patcher: Any, node_id: str | None = None) -> Entry:
+    def entry(self, patcher: Any) -> Entry:
         holder = patcher.model
         with self._lock:
             entry = self._entries.get(id(holder))
             if entry is None or entry.holder() is not holder:
-                entry = Entry(f"p{next(self._ids)}", weakref.ref(holder), _path_of(holder.pipe))
+                entry = Entry(f"p{next(self._ids)}", weakref.ref(holder), str(getattr(holder.pipe, "name_or_path", "") or ""))
                 self._entries[id(holder)] = entry
                 weakref.finalize(holder, self._gone, id(holder), entry.id)
-            if node_id is not None:
-                entry.nodes.add(node_id)
             return entry
+
+    def bind(self, entry: Entry, node_id: str, run: RunContext) -> list[Entry]:
+        """Tie ``entry`` to ``node_id`` of the run's workflow. The entries that held that node of
+        that workflow before lose it (the newest prompt wins); they are returned, to be republished."""
+        key = (run.workflow or "", node_id)
+        use = {"node": node_id, "workflow": run.workflow, "prompt": run.prompt}
+        with self._lock:
+            entry.nodes.add(node_id)
+            if entry.uses.get(key) == use:
+                return []
+            entry.uses[key] = use
+            return [e for e in self._entries.values() if e is not entry and e.uses.pop(key, None) is not None]
 
     def for_pipe(self, pipe: Any) -> Entry | None:
         """The entry whose pipeline is ``pipe`` or shares its denoiser (an image-to-video sibling)."""
@@ -144,13 +162,22 @@ class Registry:
             _send(EVENT_PLACEMENT, snapshot)
 
     def set_stage(self, node_id: str, payload: dict[str, Any] | None) -> None:
+        """The node's current stage, or its end (None). A stage of a new prompt also ends those an
+        earlier prompt left listed: ComfyUI runs one prompt at a time."""
         with self._lock:
             if payload is None:
-                if self._stages.pop(node_id, None) is None:
-                    return
+                old = self._stages.pop(node_id, None)
+                ended = [] if old is None else [(node_id, old)]
             else:
+                ended = [(n, s) for n, s in self._stages.items()
+                         if n != node_id and s.get("prompt") != payload.get("prompt")]
+                for n, _ in ended:
+                    del self._stages[n]
                 self._stages[node_id] = payload
-        _send(EVENT_STAGE, payload or {"node": node_id, "stage": None})
+        for n, old_stage in ended:
+            _send(EVENT_STAGE, _ended(n, old_stage))
+        if payload is not None:
+            _send(EVENT_STAGE, payload)
 
     def end_stages(self, entry: Entry) -> None:
         with self._lock:
@@ -194,45 +221,65 @@ def connect(report_of: Callable[[Any], PlacementReport]) -> None:
 
 
 def loaded(patcher: Any) -> None:
-    """A pipeline was loaded (by the node now executing)."""
-    _guard(lambda: REGISTRY.publish(REGISTRY.entry(patcher, _executing_node())))
+    """A pipeline was loaded (by the node now executing, in the workflow of the running prompt)."""
+    _safe(lambda: _loaded(patcher))
+
+
+def _loaded(patcher: Any) -> None:
+    entry, run = REGISTRY.entry(patcher), current_run()
+    others = REGISTRY.bind(entry, run.node, run) if run.node is not None else []
+    for each in (entry, *others):
+        REGISTRY.publish(each)
 
 
 def changed(patcher: Any) -> None:
     """The placement may have changed (load, give back, release, end of a call)."""
-    _guard(lambda: REGISTRY.publish(REGISTRY.entry(patcher)))
+    _safe(lambda: REGISTRY.publish(REGISTRY.entry(patcher)))
 
 
 def finished(patcher: Any) -> None:
     """A pipeline call ended (also on error or interrupt): its nodes' stages are over."""
-    _guard(lambda: REGISTRY.end_stages(REGISTRY.entry(patcher)))
+    _safe(lambda: REGISTRY.end_stages(REGISTRY.entry(patcher)))
 
 
 def stage(node_id: str | None, name: str, step: int | None = None, total: int | None = None,
           pipe: Any = None, text: str | None = None) -> None:
     """Publish the current stage of ``node_id`` ("denoise", 12, 30 -> "denoise 12/30"; ``text``
     replaces that label, e.g. ``offload_core.run.stages.label``'s "video decode chunk 3/8")."""
-    _guard(lambda: _stage(node_id, name, step, total, pipe, text))
+    _safe(lambda: _stage(node_id, name, step, total, pipe, text))
 
 
 def _stage(node_id: str | None, name: str, step: int | None, total: int | None, pipe: Any,
            text: str | None) -> None:
-    node_id = node_id if node_id is not None else _executing_node()
+    run = current_run()
+    node_id = str(node_id) if node_id is not None else run.node
     if node_id is None:
         return
     entry = REGISTRY.for_pipe(pipe) if pipe is not None else None
     if entry is not None:
-        entry.nodes.add(str(node_id))
-        if time.monotonic() - entry.checked >= PLAN_CHECK_S:
+        others = REGISTRY.bind(entry, node_id, run)
+        for each in others:
+            REGISTRY.publish(each)
+        if others or time.monotonic() - entry.checked >= PLAN_CHECK_S:
             REGISTRY.publish(entry)  # the planner may have changed plan between steps
     text = text or (f"{name} {step}/{total}" if step is not None and total else name)
-    REGISTRY.set_stage(str(node_id), {
-        "node": str(node_id), "stage": name, "step": step, "total": total, "text": text,
-        "pipeline": entry.id if entry else None, "at": time.time(),
+    REGISTRY.set_stage(node_id, {
+        "node": node_id, "stage": name, "step": step, "total": total, "text": text,
+        "pipeline": entry.id if entry else None, "prompt": run.prompt, "workflow": run.workflow,
+        "at": time.time(),
     })
 
 
-# ------------------------------------------------------------------------------------- the route
+# --------------------------------------------------------------------------- node search, route
+
+
+def search_aliases(*words: str) -> dict[str, list[str]]:
+    """``**search_aliases("offload", "wan")`` in a node's ``io.Schema(...)``: the words the node
+    search also matches, where this ComfyUI's schema takes them (2026 trees; v0.3.75 does not)."""
+    from comfy_api.latest import io
+
+    return {"search_aliases": list(words)} if "search_aliases" in io.Schema.__dataclass_fields__ else {}
+
 
 
 _registered = False
@@ -277,33 +324,62 @@ def _send(event: str, data: dict[str, Any]) -> None:
         log.debug("could not send %s: %s", event, exc)
 
 
-def _guard(fn: Any) -> None:
-    """The view must never break a run."""
-    try:
-        fn()
-    except Exception:
-        log.debug("web view update failed", exc_info=True)
-
-
 def _safe(fn: Any) -> Any:
+    """The view must never break a run: ``fn()``, or None (logged at debug) when it raised."""
     try:
         return fn()
     except Exception:
-        log.debug("web view refresh failed", exc_info=True)
+        log.debug("web view update failed", exc_info=True)
         return None
 
 
-def _executing_node() -> str | None:
+@dataclass(frozen=True)
+class RunContext:
+    """What is executing: the prompt, the workflow it was queued from (the id the frontend put in
+    ``extra_pnginfo.workflow``; None for a prompt queued without one) and the node."""
+
+    prompt: str | None = None
+    workflow: str | None = None
+    node: str | None = None
+
+
+def current_run() -> RunContext:
     try:
         from comfy_execution.utils import get_executing_context
     except ImportError:
-        return None
+        return RunContext()
     ctx = get_executing_context()
-    return None if ctx is None or ctx.node_id is None else str(ctx.node_id)
+    if ctx is None:
+        return RunContext()
+    prompt = None if ctx.prompt_id is None else str(ctx.prompt_id)
+    node = None if ctx.node_id is None else str(ctx.node_id)
+    return RunContext(prompt, _workflow_of(prompt) if prompt else None, node)
 
 
-def _path_of(pipe: Any) -> str:
-    return str(getattr(pipe, "name_or_path", None) or "")
+@functools.lru_cache(maxsize=32)
+def _workflow_of(prompt: str | None) -> str | None:
+    """The workflow id of a running prompt, read once from the queue's running item ``(number,
+    prompt_id, prompt, extra_data, ...)``, the same shape in v0.3.75 and 2026 trees."""
+    workflow = None
+    try:
+        from server import PromptServer
+
+        queue = getattr(getattr(PromptServer, "instance", None), "prompt_queue", None)
+        with queue.mutex:
+            items = list(queue.currently_running.values())
+        for item in items:
+            if len(item) > 3 and item[1] == prompt and isinstance(item[3], dict):
+                graph = (item[3].get("extra_pnginfo") or {}).get("workflow") or {}
+                workflow = str(graph["id"]) if isinstance(graph, dict) and graph.get("id") else None
+    except Exception as exc:  # no server (in-process tests) or another queue shape: no workflow
+        log.debug("no workflow id for prompt %s: %s", prompt, exc)
+    return workflow
+
+
+def _ended(node_id: str, stage: dict[str, Any]) -> dict[str, Any]:
+    """The event that ends a node's stage, with the prompt and workflow that stage belonged to."""
+    return {"node": node_id, "stage": None, "pipeline": stage.get("pipeline"), "prompt": stage.get("prompt"),
+            "workflow": stage.get("workflow"), "at": time.time()}
 
 
 def _same_pipeline(a: Any, b: Any) -> bool:
@@ -317,4 +393,5 @@ def _placement_key(snapshot: dict[str, Any] | None) -> Any:
     if snapshot is None:
         return None
     comps = tuple((c["name"], c["role"], c["device_bytes"], c["pinned_bytes"]) for c in snapshot["components"])
-    return snapshot["device"], snapshot["mode"], snapshot["plan"], tuple(snapshot["nodes"]), comps
+    uses = tuple((u["workflow"], u["node"], u["prompt"]) for u in snapshot["uses"])
+    return snapshot["device"], snapshot["mode"], snapshot["plan"], uses, comps

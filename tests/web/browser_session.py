@@ -2,9 +2,11 @@
 ``tools/screenshots.py`` takes the README's pictures from.
 
 ``drive.mjs`` loads the page, queues the Wan example's API twin on the tiny Wan model twice (a
-short run, then a long one reloaded mid-run and interrupted), opens a second page on which the
-state route answers 404, and writes what it saw (and two screenshots, where it is told) to files.
-Everything it writes goes under ``work`` unless the caller names other screenshot paths.
+short run, then a long one reloaded mid-run and interrupted), opens other workflow tabs (the same
+node ids in another workflow; every node's help page; the node search), opens a second page on
+which the state route answers 404, and writes what it saw (and screenshots, where it is told) to
+files. Every request to a host other than the loopback server is aborted. Everything it writes
+goes under ``work`` unless the caller names other screenshot paths.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ for _path in (ROOT / "tools", ROOT / "tests", HERE):  # never the repo root: its
 import offload_examples as ex  # noqa: E402
 
 EXAMPLE = "wan_text_to_video"
-VIEW_NODE, LOADER_NODE = "4", "1"
+ROLES = {"loader": ex.LOADER, "generate": "DiffusersOffloadGenerateVideo", "report": "DiffusersOffloadReport",
+         "settings": ex.SETTINGS}  # the example's nodes the session reads, by type
 # A mixed placement on the tiny model: the text encoder resident (under the floor), the VAE on
 # demand, the transformer streamed per step (the preload planner's plan line).
 SETTINGS = {"resident_floor_mb": 0.1, "on_demand_threshold_gb": 0.0}
@@ -65,6 +68,12 @@ def prompt(steps: int) -> dict[str, Any]:
     return ex.api_prompt(EXAMPLE, "tiny-wan", {**overrides, ex.SETTINGS: SETTINGS})
 
 
+def node_ids() -> dict[str, str]:
+    """The id of each node of `ROLES` in the example's UI workflow."""
+    by_type = {node["type"]: str(node["id"]) for node in workflow()["nodes"]}
+    return {role: by_type[node_type] for role, node_type in ROLES.items()}
+
+
 def workflow() -> dict[str, Any]:
     """The UI workflow the page shows (same node ids as the twin), with the tiny model picked."""
     ui = json.loads((ex.EXAMPLES_DIR / f"{EXAMPLE}.json").read_text(encoding="utf-8"))
@@ -89,6 +98,7 @@ def run_session(work: Path, shots: dict[str, Path] | None = None) -> dict[str, A
     except ComfyUnavailable as exc:
         raise SessionUnavailable(str(exc)) from exc
     shots = shots or {key: work / "shots" / name for key, name in SHOT_NAMES.items()}
+    shots = {"canvas": work / "shots" / "canvas.png", **shots}  # the whole canvas after the short run
     for path in shots.values():
         path.parent.mkdir(parents=True, exist_ok=True)
     wan = build_tiny_wan(work / "models" / "tiny-wan")
@@ -100,7 +110,7 @@ def run_session(work: Path, shots: dict[str, Path] | None = None) -> dict[str, A
         config = {
             "url": server.url, "result": str(work / "result.json"), "chromium": chromium(),
             "profile": str(work / "profile"), "workflow": workflow(), "short": prompt(SHORT_STEPS),
-            "long": prompt(LONG_STEPS), "viewNode": VIEW_NODE, "loaderNode": LOADER_NODE,
+            "long": prompt(LONG_STEPS), "nodes": node_ids(),
             "shots": {k: str(v) for k, v in shots.items()},
         }
         (work / "config.json").write_text(json.dumps(config))

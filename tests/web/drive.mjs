@@ -4,15 +4,20 @@
 //   node drive.mjs config.json
 //
 // config: { url, result, chromium, profile, workflow (UI JSON), short, long (API prompts),
-//           viewNode, loaderNode, shots: { node, panel } }
+//           nodes: { loader, generate, report, settings } (ids in the workflow), shots: { node, panel, canvas } }
+//
+// Every request the browser makes to a host other than the loopback server is aborted.
 
 import { readFileSync, writeFileSync } from "node:fs";
 import { chromium } from "playwright-core";
+import { readHelp, readLayout, readPanel, readView, recordStages } from "./page_reads.mjs";
 
 const config = JSON.parse(readFileSync(process.argv[2], "utf8"));
-const OURS = /diffusers_offload|dofl/i;
-const result = { console: [], pageErrors: [], steps: {} };
+const OURS = /diffusers_offload|dofl|DiffusersOffload/i;
+const LOOPBACK = new Set(["127.0.0.1", "localhost", "[::1]"]);
+const result = { console: [], pageErrors: [], steps: {}, network: { blocked: [], outside: [] } };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const { loader, generate, report, settings } = config.nodes;
 
 async function until(what, fn, timeoutMs = 60000, everyMs = 100) {
   const deadline = Date.now() + timeoutMs;
@@ -55,15 +60,16 @@ async function loadWorkflow(page) {
   await page.evaluate(async ([wf, prompt]) => {
     await window.app.loadGraphData(structuredClone(wf));
     for (const [id, { inputs }] of Object.entries(prompt)) {
-      for (const widget of window.app.graph.getNodeById(Number(id))?.widgets ?? []) {
+      for (const widget of window.app.graph.getNodeById(id)?.widgets ?? []) {
         const value = inputs[widget.name];
         if (value !== undefined && !Array.isArray(value)) widget.value = value;
       }
     }
     window.app.canvas.ds.offset = [0, 0];
-    window.app.canvas.ds.scale = 1;
+    window.app.canvas.ds.scale = 0.8;
     window.app.graph.setDirtyCanvas(true, true);
   }, [config.workflow, config.long]);
+  return page.evaluate(() => String(window.app.rootGraph?.id ?? window.app.graph.id));
 }
 
 /** The Offload settings node of the saved UI workflow, as the frontend rebuilt it from the schema:
@@ -76,112 +82,42 @@ async function readSettings(page) {
     return {
       id: String(node.id),
       knowsAdvanced: typeof node.hasAdvancedWidgets === "function",
-      widgets: node.widgets.map((w) => ({
-        name: w.name,
-        value: w.value,
-        advanced: Boolean(w.options?.advanced ?? w.advanced),
-      })),
+      widgets: node.widgets.map((w) => ({ name: w.name, value: w.value, advanced: Boolean(w.options?.advanced ?? w.advanced) })),
     };
   }, config.workflow);
 }
 
+/** Queue an API prompt as the frontend does: with the workflow on the canvas in extra_pnginfo. */
 async function queue(page, prompt) {
-  const id = await page.evaluate(async (p) => {
-    const clientId = window.comfyAPI.api.api.clientId;
+  return page.evaluate(async (p) => {
+    const { workflow } = await window.app.graphToPrompt();
     const res = await fetch("/api/prompt", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ prompt: p, client_id: clientId }),
+      body: JSON.stringify({ prompt: p, client_id: window.comfyAPI.api.api.clientId, extra_data: { extra_pnginfo: { workflow } } }),
     });
     const body = await res.json();
     if (!res.ok) throw new Error(JSON.stringify(body));
     return body.prompt_id;
   }, prompt);
-  return id;
 }
 
 async function finished(promptId, timeoutMs = 240000) {
-  return until(
-    `prompt ${promptId}`,
-    async () => (await getJson(`/api/history/${promptId}`)).body?.[promptId],
-    timeoutMs,
-    250,
-  );
+  return until(`prompt ${promptId}`, async () => (await getJson(`/api/history/${promptId}`)).body?.[promptId], timeoutMs, 250);
 }
 
-/** Records every stage text the node view shows (a MutationObserver in the page). */
-async function recordStages(page, nodeId) {
-  await page.evaluate((id) => {
-    window.__seen = [];
-    window.__events = { placement: 0, stage: 0, stages: [] };
-    const api = window.comfyAPI.api.api;
-    api.addEventListener("diffusers_offload.placement", () => window.__events.placement++);
-    api.addEventListener("diffusers_offload.stage", ({ detail }) => {
-      window.__events.stage++;
-      if (String(detail?.node) === String(id)) window.__events.stages.push(detail.stage ?? "");
-    });
-    const note = () => {
-      const text = document.querySelector(`.dofl-node[data-node="${id}"] .dofl-stage-text`)?.textContent;
-      if (text && window.__seen.at(-1) !== text) window.__seen.push(text);
-    };
-    new MutationObserver(note).observe(document.body, { subtree: true, childList: true, characterData: true });
-  }, nodeId);
-}
-
-/** What a node's view shows: the stage line and one row per component. */
-async function readView(page, nodeId) {
-  return page.evaluate((id) => {
-    const root = document.querySelector(`.dofl-node[data-node="${id}"]`);
-    if (!root) return null;
-    const box = root.getBoundingClientRect();
-    return {
-      stage: root.querySelector(".dofl-stage")?.dataset.stage ?? null,
-      text: root.querySelector(".dofl-stage-text")?.textContent ?? null,
-      visible: box.width > 0 && box.height > 0 && root.childElementCount > 0,
-      rows: [...root.querySelectorAll(".dofl-row")].map((row) => ({
-        name: row.dataset.component,
-        nbytes: Number(row.dataset.nbytes),
-        size: row.querySelector(".dofl-size").textContent,
-        segments: Object.fromEntries(
-          [...row.querySelectorAll(".dofl-seg")].map((s) => [
-            [...s.classList].find((c) => c.startsWith("dofl-") && c !== "dofl-seg").slice(5),
-            parseFloat(s.style.width),
-          ]),
-        ),
-      })),
-    };
-  }, nodeId);
-}
-
-async function readPanel(page) {
-  return page.evaluate(() => {
-    const root = document.querySelector(".dofl-panel");
-    if (!root) return null;
-    return {
-      text: root.textContent,
-      cards: [...root.querySelectorAll(".dofl-card")].map((card) => ({
-        id: card.dataset.pipeline,
-        title: card.querySelector(".dofl-card-title").textContent,
-        plan: card.querySelector(".dofl-plan")?.textContent ?? null,
-        planChange: card.querySelector(".dofl-plan-change")?.textContent ?? null,
-        rows: [...card.querySelectorAll(".dofl-comp[data-component]")].map((block) => ({
-          name: block.dataset.component,
-          nbytes: Number(block.dataset.nbytes),
-          deviceBytes: Number(block.dataset.deviceBytes),
-          pinnedBytes: Number(block.dataset.pinnedBytes),
-          cells: [...block.querySelector(".dofl-comp-head").children].map((span) => span.textContent),
-          figures: block.querySelector(".dofl-figures").textContent,
-        })),
-      })),
-    };
-  });
-}
+const command = (page, id) => page.evaluate((c) => window.app.extensionManager.command.execute(c), id);
+const views = async (page) => ({
+  loader: await readView(page, loader), generate: await readView(page, generate),
+  report: await readView(page, report), settings: await readView(page, settings),
+});
 
 /** A screenshot of one node (title, widgets and our view) as the canvas draws it. */
 async function shootNode(page, nodeId, path) {
   const clip = await page.evaluate((id) => {
     const app = window.app;
-    const node = app.graph.getNodeById(Number(id));
+    const node = app.graph.getNodeById(id);
+    app.canvas.ds.scale = 1;
     app.canvas.ds.offset = [360 - node.pos[0], 240 - node.pos[1]]; // clear of the top bars
     app.canvas.setDirty(true, true);
     const { offset, scale } = app.canvas.ds;
@@ -210,36 +146,56 @@ async function main() {
       "--disable-background-networking", "--disable-component-update", "--disable-sync",
     ],
   });
+  await context.route("**/*", (route) => {
+    const url = route.request().url();
+    if (LOOPBACK.has(new URL(url).hostname)) return route.continue();
+    result.network.blocked.push(url);
+    return route.abort("blockedbyclient");
+  });
+  context.on("response", (res) => {
+    const url = res.url();
+    if (/^https?:/.test(url) && !LOOPBACK.has(new URL(url).hostname)) result.network.outside.push(url);
+  });
   const t0 = Date.now();
   const lap = (name) => (result.steps[name] = (Date.now() - t0) / 1000);
   try {
     const page = context.pages()[0] ?? (await context.newPage());
     watch(page, "main");
 
-    // 1. the extension loads
+    // 1. the extension loads, once; the server's node info (search aliases, module)
     await openApp(page);
     lap("loaded");
     result.extensions = (await getJson("/api/extensions")).body;
-    result.nodeTypes = await page.evaluate(() =>
-      Object.keys(window.LiteGraph.registered_node_types).filter((t) => t.startsWith("DiffusersOffload")),
+    result.registered = await page.evaluate(() =>
+      (window.app.extensions ?? []).map((e) => e.name).filter((n) => /diffusers.?offload/i.test(n)),
     );
+    const info = (await getJson("/api/object_info")).body;
+    result.nodeInfo = Object.fromEntries(
+      Object.entries(info).filter(([k]) => k.startsWith("DiffusersOffload")).map(([k, v]) => [
+        k, { display_name: v.display_name, python_module: v.python_module, search_aliases: v.search_aliases ?? null },
+      ]),
+    );
+    result.nodeTypes = Object.keys(result.nodeInfo);
     result.tabButton = await page.locator(".diffusers-offload-tab-button").count();
     result.settings = await readSettings(page);
-    result.settingsSchema = (await getJson("/api/object_info/DiffusersOffloadSettings")).body;
-    await loadWorkflow(page);
-    result.idleView = await readView(page, config.viewNode);
+    result.settingsSchema = { DiffusersOffloadSettings: info.DiffusersOffloadSettings };
+    result.workflowId = await loadWorkflow(page);
+    result.idle = { views: await views(page), layout: await readLayout(page) };
 
-    // 2. a short run: stages, then the final placement
-    await recordStages(page, config.viewNode);
+    // 2. a short run: stages on the generate node, then the final placement on the loader and report
+    await recordStages(page, generate);
     const shortId = await queue(page, config.short);
+    result.shortId = shortId;
     result.shortHistory = (await finished(shortId)).status;
-    await until("the stage to clear", async () => (await readView(page, config.viewNode))?.stage === "idle", 20000);
+    await until("the stage to clear", async () => (await readView(page, generate))?.shows === "nothing", 20000);
+    await sleep(300); // a frame for the sizes
     lap("short run");
     result.seen = await page.evaluate(() => window.__seen);
+    result.generateRows = await page.evaluate(() => window.__generateRows);
     result.events = await page.evaluate(() => window.__events);
-    result.finalView = await readView(page, config.viewNode);
-    result.loaderView = await readView(page, config.loaderNode);
+    result.after = { views: await views(page), layout: await readLayout(page) };
     result.route = await page.evaluate(async () => (await fetch("/api/diffusers_offload/state")).json());
+    if (config.shots.canvas) await page.screenshot({ path: config.shots.canvas });
 
     // 3. the panel lists the pipelines with the route's sizes
     await page.locator(".diffusers-offload-tab-button").first().click();
@@ -254,42 +210,90 @@ async function main() {
     await page.locator(".diffusers-offload-tab-button").first().click(); // close it again
     lap("panel");
 
-    // 4. a long run: reload in the middle, the view comes back from the route
+    // 4. a new workflow tab with the same node ids shows nothing of the first tab's run; back on
+    //    the first tab, its placement is there again
+    await command(page, "Comfy.NewBlankWorkflow");
+    const otherId = await loadWorkflow(page);
+    await sleep(300);
+    result.otherTab = { workflowId: otherId, views: await views(page) };
+    for (let i = 0; i < 6 && (await page.evaluate(() => String(window.app.rootGraph.id))) !== result.workflowId; i++) {
+      await command(page, "Workspace.PreviousOpenedWorkflow");
+      await sleep(300);
+    }
+    result.backTab = {
+      workflowId: await page.evaluate(() => String(window.app.rootGraph.id)),
+      views: await until("the first tab's placement", async () => {
+        const v = await views(page);
+        return v.loader?.shows === "placement" ? v : null;
+      }, 10000).catch(() => views(page)),
+    };
+    lap("tabs");
+
+    // 5. help pages (every node of the pack, in a tab of its own) and the node search
+    await command(page, "Comfy.NewBlankWorkflow");
+    result.help = await readHelp(page, result.nodeTypes.map((type) => ({ type, title: result.nodeInfo[type].display_name })), sleep);
+    await page.evaluate(() => { // close the node library the help opened in
+      const workspace = window.app.extensionManager;
+      const tab = workspace.activeSidebarTabId;
+      if (tab) return workspace.command.execute(`Workspace.ToggleSidebarTab.${tab}`);
+    });
+    if (Object.values(result.nodeInfo).some((n) => n.search_aliases)) {
+      await command(page, "Workspace.SearchBox.Toggle");
+      const input = page.locator("input[role=combobox]:visible").first();
+      result.search = {};
+      for (const words of ["block swap", "wan", "h3"]) {
+        await input.fill(words);
+        await sleep(700);
+        result.search[words] = await page.evaluate(() => [...document.querySelectorAll("[role=option]")].map((o) => o.textContent));
+      }
+      await page.keyboard.press("Escape");
+    }
+    for (let i = 0; i < 6 && (await page.evaluate(() => String(window.app.rootGraph.id))) !== result.workflowId; i++) {
+      await command(page, "Workspace.PreviousOpenedWorkflow");
+      await sleep(300);
+    }
+    lap("help");
+
+    // 6. a long run: reload in the middle; events that come before the extension's setup are
+    //    buffered, and the view comes back from the route
     const longId = await queue(page, config.long);
-    const midText = await until(
-      "a denoise step on the node view",
+    result.longId = longId;
+    result.midText = await until(
+      "a denoise step on the generate node",
       async () => {
-        const view = await readView(page, config.viewNode);
-        return view?.stage === "denoise" && view.rows.length && /denoise [1-9]/.test(view.text) ? view.text : null;
+        const view = await readView(page, generate);
+        return view?.stage === "denoise" && /denoise [1-9]/.test(view.text) ? view.text : null;
       },
       120000,
     );
-    result.midText = midText;
-    await shootNode(page, config.viewNode, config.shots.node);
+    await until("the loader's rows", async () => (await readView(page, loader))?.rows.length, 10000);
+    await shootNode(page, loader, config.shots.node);
     lap("mid run");
     await page.reload({ waitUntil: "domcontentloaded" });
     await openApp(page);
-    const restored = await page.evaluate(() => window.app.graph.getNodeById(4) != null);
-    if (!restored) await loadWorkflow(page);
+    lap("reopened");
+    const restored = await page.evaluate(() => String(window.app.rootGraph?.id ?? window.app.graph.id));
     result.reload = {
-      workflowRestoredByFrontend: restored,
+      workflowRestoredByFrontend: restored === result.workflowId,
+      early: await page.evaluate(() => window.DiffusersOffloadView.state.early),
       routeStages: await page.evaluate(() => window.DiffusersOffloadView.state.fromRoute?.stages ?? null),
       view: await until("the restored view", async () => {
-        const view = await readView(page, config.viewNode);
-        return view?.visible && view.stage && view.stage !== "idle" && view.rows.length ? view : null;
+        const view = await readView(page, generate);
+        return view?.visible && view.stage && view.stage !== "idle" ? view : null;
       }, 20000),
+      loader: await readView(page, loader),
       historyDoneAtReload: Boolean((await getJson(`/api/history/${longId}`)).body?.[longId]),
     };
     lap("reloaded");
     await fetch(`${config.url}/api/interrupt`, { method: "POST" });
     result.longHistory = (await finished(longId)).status;
     result.afterLong = await until("the stage to clear after the run", async () => {
-      const view = await readView(page, config.viewNode);
-      return view?.stage === "idle" ? view : null;
+      const view = await readView(page, generate);
+      return view?.shows === "nothing" ? view : null;
     }, 20000);
     lap("long run");
 
-    // 5. a server without the route (404): nothing of ours shows, nothing breaks
+    // 7. a server without the route (404): nothing of ours shows, nothing breaks
     const bare = await context.newPage();
     watch(bare, "no-route");
     await bare.route("**/diffusers_offload/state", (route) => route.fulfill({ status: 404, body: "404: Not Found" }));
