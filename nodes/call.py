@@ -25,9 +25,17 @@ log = logging.getLogger("diffusers_offload.nodes")
 # Playback rate of models whose call takes no frame rate; the call's own default wins otherwise.
 FAMILY_FPS = {"wan": 16.0}
 DEFAULT_FPS = 24.0
-# Text-to-video pipelines whose components also run image-to-video under a sibling class.
-I2V_VARIANTS = {"LTX2Pipeline": "LTX2ImageToVideoPipeline", "LTXPipeline": "LTXImageToVideoPipeline"}
-
+# Text-to-video pipelines whose components also run image-to-video under a sibling class, and back.
+I2V_VARIANTS = {
+    "LTX2Pipeline": "LTX2ImageToVideoPipeline",
+    "LTXPipeline": "LTXImageToVideoPipeline",
+    "WanPipeline": "WanImageToVideoPipeline",
+}
+T2V_VARIANTS = {"WanImageToVideoPipeline": "WanPipeline"}
+# The pipeline config flag without which a class's components run one mode only. Wan: only the
+# TI2V-5B layout (``expand_timesteps``: the start image's latents replace the first latent frame)
+# runs both; Wan 2.1 / 2.2 A14B transformers take 16 channels (T2V) or 36 (I2V), never both.
+BOTH_MODES_FLAG = {"WanPipeline": "expand_timesteps", "WanImageToVideoPipeline": "expand_timesteps"}
 
 def call_params(pipe: Any) -> Mapping[str, inspect.Parameter]:
     """The keyword arguments the pipeline's ``__call__`` takes."""
@@ -103,28 +111,56 @@ class Call:
 
 
 def pipeline_for(pipe: Any, start_image: torch.Tensor | None) -> Any:
-    """The pipeline to call: the loaded one, or its image-to-video sibling sharing its components."""
+    """The pipeline to call: the loaded one, or its text- or image-to-video sibling sharing its
+    components and its config flags."""
     name = type(pipe).__name__
     image = call_params(pipe).get("image")
     if start_image is None:
-        if image is not None and (image.default is inspect.Parameter.empty or "ImageToVideo" in name):
+        if image is None or (image.default is not inspect.Parameter.empty and "ImageToVideo" not in name):
+            return pipe
+        variant = _variant(pipe, T2V_VARIANTS)
+        if variant is None:
             raise ValueError(f"{name} is image-to-video: connect a start_image.")
-        return pipe
+        return _sibling(pipe, variant, "no start image")
     if image is not None:
         return pipe
-    variant = I2V_VARIANTS.get(name)
+    variant = _variant(pipe, I2V_VARIANTS)
     if variant is None:
         raise ValueError(
             f"{name} is text-to-video and takes no start image: load an image-to-video model "
             "(e.g. a Wan I2V folder) or disconnect start_image."
         )
-    variant_cls = getattr(diffusers, variant)
-    accepted = inspect.signature(variant_cls.__init__).parameters
-    sibling = variant_cls(**{k: v for k, v in pipe.components.items() if k in accepted})
-    sibling.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))
-    log.info("start image given: running %s with the components of %s", variant, name)
-    return sibling
+    return _sibling(pipe, variant, "start image given")
 
+
+def _variant(pipe: Any, table: Mapping[str, str]) -> str | None:
+    """The sibling class for the other mode, when this pipeline's components run it."""
+    name = type(pipe).__name__
+    flag = BOTH_MODES_FLAG.get(name)
+    if flag is not None and not _config(pipe).get(flag):
+        return None
+    return table.get(name)
+
+
+def _config(pipe: Any) -> Mapping[str, Any]:
+    """The pipeline's registered config (read as a mapping: attribute access to it warns)."""
+    config = getattr(pipe, "config", None)
+    return config if isinstance(config, Mapping) else {}
+
+
+def _sibling(pipe: Any, variant: str, why: str) -> Any:
+    """``variant`` built on the pipeline's components and its config flags (``expand_timesteps``,
+    ``boundary_ratio``): the components alone would build it with the class defaults, and a Wan
+    TI2V-5B image-to-video sibling without ``expand_timesteps`` feeds 100 channels to a
+    48-channel transformer."""
+    cls = getattr(diffusers, variant)
+    accepted = inspect.signature(cls.__init__).parameters
+    components = pipe.components
+    flags = {k: v for k, v in _config(pipe).items() if k in accepted and k not in components and not k.startswith("_")}
+    sibling = cls(**{k: v for k, v in components.items() if k in accepted}, **flags)
+    sibling.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))
+    log.info("%s: running %s with the components and flags of %s", why, variant, type(pipe).__name__)
+    return sibling
 
 def default_fps(pipe: Any, family: str) -> float:
     """The call's own default frame rate, else the family's, else 24."""
