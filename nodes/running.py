@@ -1,26 +1,32 @@
 """One pipeline call on a node: placement before it, progress and Cancel during it, its end after.
 
 Why: a diffusers pipeline runs its own denoise loop, so none of ComfyUI's sampler callbacks
-fire. A classic pipeline reports per step (``callback_on_step_end``, turned into `StepProgress`);
-a modular one stage by stage (``offload_core.run.stages``, connected by `stage_host`). Both carry
-a preview image per denoise step when the user has previews on (``previews.py``). Either way
-the call must be placed through ComfyUI's loader first and the pipeline told that the call is
-over afterwards, also on an error or Cancel: `Run` does both for every generate node.
+fire. A modular pipeline reports stage by stage (``offload_core.run.stages``, connected by
+`stage_host`); a classic one per step (``callback_on_step_end``, turned into `StepProgress`) and,
+through the same stage hooks, per text-encoder layer and decoder chunk or tile, so Cancel acts in
+every stage. Both carry a preview image per denoise step when the user has previews on
+(``previews.py``). Either way the call must be placed through ComfyUI's loader first and the
+pipeline told that the call is over afterwards, also on an error or Cancel: `Run` does both for
+every generate node, and turns an out-of-memory error the engine could not absorb into a message
+naming what was on the device and what to change, with the placement released.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import comfy.utils
+import torch
 from server import PromptServer
 
+from ..offload_core.oom import DeviceReading, RunOutOfMemory, out_of_memory_text, read_device
+from ..offload_core.run.classic import classic_hooks
 from ..offload_core.run.stages import DENOISE, StageHooks, StageHost, label
 from . import previews, web_api
-from .host import check_interrupt
+from .host import ENGINE, check_interrupt
 from .types import PipeHandle
 
 log = logging.getLogger("diffusers_offload.nodes")
@@ -62,10 +68,11 @@ class StepProgress:
         return callback_kwargs
 
 
-def stage_host(node_id: str | None, pipe: Any = None) -> StageHost:
-    """Stage hooks' host: the bar follows the current stage's unit count, the label names it (on
-    the node and in the web panel), and the interrupt check is ComfyUI's."""
-    bar = comfy.utils.ProgressBar(1, node_id=node_id)
+def stage_host(node_id: str | None, pipe: Any = None, bar: bool = True) -> StageHost:
+    """Stage hooks' host: the label names the current stage (on the node and in the web panel),
+    the bar follows its unit count (``bar=False``: a classic call's bar counts denoise steps only),
+    and the interrupt check is ComfyUI's."""
+    progress = comfy.utils.ProgressBar(1, node_id=node_id) if bar else None
     server = PromptServer.instance
 
     def on_stage(stage: str, i: int, n: int) -> None:
@@ -73,9 +80,9 @@ def stage_host(node_id: str | None, pipe: Any = None) -> StageHost:
         log.debug("%s", text)
         if server is not None and node_id is not None:
             server.send_progress_text(text, node_id)
-        web_api.stage(node_id, stage, i, n, pipe)
-        if n:
-            bar.update_absolute(i, n)
+        web_api.stage(node_id, stage, i, n, pipe, text=text)
+        if n and progress is not None:
+            progress.update_absolute(i, n)
 
     return StageHost(on_stage=on_stage, check_interrupt=check_interrupt)
 
@@ -92,11 +99,16 @@ def _modular_hooks(pipe: Any, node_id: str | None, totals: Mapping[str, int],
 class Run:
     """``with Run(handle, node_id) as run: pipe(...)``: the pipeline is placed on entry (through
     ComfyUI's loader, with the handle's LoRA set) and told the call is over on exit, whether the
-    call returned, failed or was cancelled."""
+    call returned, failed or was cancelled. An out-of-memory error escaping the placement or the
+    call is raised again as `RunOutOfMemory`, its message naming what was on the device, the free
+    memory read at the start and what to change; the placement is released first."""
 
     def __init__(self, handle: PipeHandle, node_id: str | None) -> None:
         self.handle = handle
         self.node_id = node_id
+        self.start: DeviceReading | None = None  # the device reading taken when the call started
+        self._hooks = ExitStack()
+        self._hooked = False
 
     def show(self, notes: Sequence[str]) -> str:
         """Show what was snapped or ignored under the node; the text is the node's notes output."""
@@ -107,7 +119,13 @@ class Run:
 
     def step_callback(self, steps: int, call: Mapping[str, Any] | None = None) -> StepProgress:
         """The ``callback_on_step_end`` of a classic pipeline call; ``call`` (its keyword arguments:
-        height, width, num_frames) lets previews unpack packed latents."""
+        height, width, num_frames) lets previews unpack packed latents and sizes the decode. Inside
+        the run it also installs the call's stage hooks (labels and Cancel per text-encoder layer
+        and decoder chunk or tile), removed when the run ends."""
+        if not self._hooked:
+            self._hooked = True
+            pipe = self.handle.pipe
+            self._hooks.enter_context(classic_hooks(pipe, stage_host(self.node_id, pipe, bar=False), call or {}))
         return StepProgress(steps, self.node_id, getattr(self.handle, "family", "other"), call)
 
     def stage_hooks(self, pipe: Any, totals: Mapping[str, int],
@@ -117,8 +135,31 @@ class Run:
         return _modular_hooks(pipe, self.node_id, totals, latent_grid)
 
     def __enter__(self) -> Run:
-        self.handle.prepare()
+        try:
+            report = self.handle.prepare()
+        except torch.OutOfMemoryError as exc:
+            raise self._out_of_memory(exc) from exc
+        device = getattr(report, "device", "unplaced")
+        self.start = read_device(ENGINE.memory, device) if device != "unplaced" else None
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._hooks.close()
+        if isinstance(exc, torch.OutOfMemoryError) and not isinstance(exc, RunOutOfMemory):
+            raise self._out_of_memory(exc) from exc
         self.handle.finish()
+
+    def _out_of_memory(self, exc: torch.OutOfMemoryError) -> RunOutOfMemory:
+        """The report as the error left it, then the run's end and a release (through the patcher,
+        as ComfyUI's own unload does), so that no component stays half-placed."""
+        report = self.handle.report()
+        for end in (self.handle.finish, lambda: self.handle.patcher.detach(unpatch_all=True)):
+            try:
+                end()
+            except Exception:  # keep going: the user's message matters more than a failed cleanup
+                log.exception("cleanup after an out-of-memory error failed")
+        config = getattr(getattr(self.handle.patcher, "model", None), "config", None) or self.handle.config
+        allocator = torch.cuda.get_allocator_backend() if report.device.startswith("cuda") else None
+        text = out_of_memory_text(report, self.start, config.preload, allocator, exc)
+        log.error("%s", text)
+        return RunOutOfMemory(text)
