@@ -6,7 +6,10 @@ a node (``/object_info``). It imports nothing from ComfyUI; callers hand it a ru
 
 An example is authored once, as its API twin (``example_workflows/api/<name>.json``, what
 ``POST /prompt`` takes, with :data:`MODEL_PLACEHOLDER` for the model folder); the UI JSON users
-drag in (``example_workflows/<name>.json``) is generated from it and the live node schemas.
+drag in (``example_workflows/<name>.json``) is generated from it and the live node schemas, with a
+Note naming the model to download. ComfyUI offers every ``example_workflows/*.json`` as a template
+titled by its file stem, with ``<stem>.jpg`` beside it as the thumbnail; the files a template loads
+(keyframes) are shipped in ``example_workflows/input/``.
 """
 
 from __future__ import annotations
@@ -34,33 +37,56 @@ TINY_OVERRIDES = {
 }
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMBO_V3"}
 CONTROL_VALUES = ("fixed", "increment", "decrement", "randomize")
-PACK_ID = "comfyui-diffusers-offload"  # pyproject name: what ComfyUI Manager installs from a cnr_id
+PACK_ID = "diffusers-offload"  # pyproject [project].name: the registry id a workflow's cnr_id names
+INPUT_DIR = EXAMPLES_DIR / "input"  # what the templates load; the pack copies it into ComfyUI's input folder
+UI_ONLY = ("Note", "MarkdownNote")  # frontend-only nodes: never queued, no backend schema
+MODELS_DIR = "ComfyUI/models/diffusers"  # where the Notes tell users to put a model folder
 
 
 @dataclass(frozen=True)
 class Example:
-    """One shipped chain: its file stem, the pipeline class it is for, the folder name users have."""
+    """One shipped chain: its file stem (the template's title), the pipeline class it is for, the
+    folder name users have and the Hub repository it comes from."""
 
     name: str
     pipeline: str
     model: str
     tiny: str  # key of tests/fixtures/tiny_models.BUILDERS
+    repo: str  # Hugging Face repository of the diffusers-format model
+    title: str  # what the Note and the thumbnail call it
     tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example
+    skip: tuple[str, ...] = ()  # download globs: files of the repository this template never reads
+    skip_what: str = ""  # what those globs leave out, for the Note
+    gated: bool = False  # the repository asks users to accept its licence first
 
     def tiny_overrides(self, **inputs: Any) -> dict[str, dict[str, Any]]:
         """TINY_OVERRIDES with this example's own Generate inputs, then ``inputs`` (e.g. steps=3)."""
         extra = {**dict(self.tiny_extra), **inputs}
         return {**TINY_OVERRIDES, **{node: {**TINY_OVERRIDES[node], **extra} for node in GENERATE}}
 
+    def download_command(self) -> str:
+        """The one command that puts the model where the loader lists it (run beside ComfyUI/)."""
+        skips = "".join(f' --exclude "{glob}"' for glob in self.skip)
+        return f"hf download {self.repo} --local-dir {MODELS_DIR}/{self.model}{skips}"
+
 
 EXAMPLES = (
-    Example("flux_text_to_image", "FluxPipeline", "FLUX.1-dev", "flux"),
-    Example("wan_text_to_video", "WanPipeline", "Wan2.1-T2V-1.3B-Diffusers", "wan"),
-    Example("ltx2_text_to_video", "LTX2Pipeline", "LTX-2", "ltx2"),
+    Example("flux_text_to_image", "FluxPipeline", "FLUX.1-dev", "flux",
+            repo="black-forest-labs/FLUX.1-dev", title="FLUX.1-dev: text to image",
+            skip=("flux1-dev.safetensors", "ae.safetensors"), skip_what="the single-file checkpoints", gated=True),
+    Example("wan_text_to_video", "WanPipeline", "Wan2.1-T2V-1.3B-Diffusers", "wan",
+            repo="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", title="Wan 2.1: text to video"),
+    Example("ltx2_text_to_video", "LTX2Pipeline", "LTX-2", "ltx2",
+            repo="Lightricks/LTX-2", title="LTX-2: text to video with audio",
+            skip=("ltx-2-*",), skip_what="the single-file checkpoints"),
     # H3 clips are 5-15 s (124 frames at least); the tiny audio VAE's 160 Hz cannot be muxed into AAC.
     Example("h3_first_last_to_video", "MiniMaxH3ModularPipeline", "MiniMax-H3", "h3",
-            (("frames", 124), ("generate_audio", False))),
-    Example("h3_still_image", "MiniMaxH3ModularPipeline", "MiniMax-H3", "h3", (("frames", 1),)),
+            repo="MiniMaxAI/MiniMax-H3", title="MiniMax-H3: first and last frame to video",
+            tiny_extra=(("frames", 124), ("generate_audio", False)),
+            skip=("transformer_ref/*",), skip_what="the ref2va transformer"),
+    Example("h3_still_image", "MiniMaxH3ModularPipeline", "MiniMax-H3", "h3",
+            repo="MiniMaxAI/MiniMax-H3", title="MiniMax-H3: still image",
+            tiny_extra=(("frames", 1),), skip=("transformer_ref/*",), skip_what="the ref2va transformer"),
 )
 
 
@@ -155,11 +181,14 @@ def is_widget(kind: Any, options: dict[str, Any]) -> bool:
 # ----------------------------------------------------------------------------------- UI JSON
 
 
-def ui_workflow(api: dict[str, Any], schemas: dict[str, dict[str, Any]], model: str) -> dict[str, Any]:
-    """The UI workflow (nodes, links, widgets_values) a frontend would save for ``api``."""
+def ui_workflow(api: dict[str, Any], schemas: dict[str, dict[str, Any]], example: Example) -> dict[str, Any]:
+    """The UI workflow (nodes, links, widgets_values) a frontend would save for ``api``, with a
+    Note on top naming the model (the lowest id the twin leaves free, so ids stay dense)."""
     depth = _depths(api)
     links: list[list[Any]] = []
-    nodes = {node_id: _ui_node(node_id, node, schemas[node["class_type"]], model) for node_id, node in api.items()}
+    nodes = {
+        node_id: _ui_node(node_id, node, schemas[node["class_type"]], example.model) for node_id, node in api.items()
+    }
     for node_id, node in api.items():
         for slot, entry in enumerate(nodes[node_id]["inputs"]):
             source = node["inputs"].get(entry["name"])
@@ -169,11 +198,14 @@ def ui_workflow(api: dict[str, Any], schemas: dict[str, dict[str, Any]], model: 
                 links.append([link_id, int(source[0]), source[1], int(node_id), slot, origin["type"]])
                 entry["link"] = link_id
                 origin["links"].append(link_id)
-    _layout(nodes, depth)
+    free_id = min(set(range(1, len(api) + 2)) - {int(n) for n in api})
+    note = _note_node(free_id, note_text(example, api), order=len(api))
+    _layout(nodes, depth, top=note["pos"][1] + note["size"][1] + 60)
+    nodes[str(note["id"])] = note
     return {
-        "last_node_id": max(int(n) for n in api),
+        "last_node_id": max(int(n) for n in nodes),
         "last_link_id": len(links),
-        "nodes": [nodes[n] for n in sorted(api, key=int)],
+        "nodes": [nodes[n] for n in sorted(nodes, key=int)],
         "links": links,
         "groups": [],
         "config": {},
@@ -221,14 +253,17 @@ def _ui_node(node_id: str, node: dict[str, Any], info: dict[str, Any], model: st
 
 
 def _height(info: dict[str, Any], widgets: int, sockets: int) -> int:
-    """Room for every widget (multiline text boxes are taller) and for a preview under output nodes."""
+    """Room for every widget (multiline text boxes are taller) and for the picture an output node or
+    an image loader shows under them."""
     multiline = sum(1 for _, _, options, _ in schema_inputs(info) if options.get("multiline"))
-    preview = 240 if info.get("output_node") else 0
+    shows_image = info.get("output_node") or any(o.get("image_upload") for _, _, o, _ in schema_inputs(info))
+    preview = 240 if shows_image else 0
     return 46 + 22 * sockets + 26 * widgets + 70 * multiline + preview
 
 
 def _depths(api: dict[str, Any]) -> dict[str, int]:
-    """Column of each node: one right of its deepest source."""
+    """Column of each node: one right of its deepest source; a node with no source sits just left
+    of its first consumer (keyframe loaders beside the loader, next to what they feed)."""
     depth: dict[str, int] = {}
 
     def visit(node_id: str) -> int:
@@ -239,18 +274,131 @@ def _depths(api: dict[str, Any]) -> dict[str, int]:
 
     for node_id in api:
         visit(node_id)
+    for node_id, node in api.items():
+        if not any(_is_link(v) for v in node["inputs"].values()):
+            consumers = [depth[c] for c, n in api.items() if any(_is_link(v) and v[0] == node_id for v in n["inputs"].values())]
+            depth[node_id] = min(consumers, default=1) - 1
     return depth
 
 
-def _layout(nodes: dict[str, dict[str, Any]], depth: dict[str, int]) -> None:
-    """Columns by depth, stacked top-down; ``order`` topological (what the frontend would save)."""
+def _layout(nodes: dict[str, dict[str, Any]], depth: dict[str, int], top: int) -> None:
+    """Columns by depth from ``top`` down; ``order`` topological (what the frontend would save)."""
     tops: dict[int, int] = {}
     for order, node_id in enumerate(sorted(nodes, key=lambda n: (depth[n], int(n)))):
         node = nodes[node_id]
         column = depth[node_id]
-        top = tops.get(column, 140)
-        node.update(pos=[100 + 440 * column, top], order=order)
-        tops[column] = top + node["size"][1] + 60
+        y = tops.get(column, top)
+        node.update(pos=[100 + 440 * column, y], order=order)
+        tops[column] = y + node["size"][1] + 60
+
+
+# ------------------------------------------------------------------------------- the model Note
+
+
+def note_text(example: Example, api: dict[str, Any]) -> str:
+    """What the template's Note says: the model it needs, the command that fetches it, where it goes."""
+    lines = [
+        example.title,
+        "",
+        f"Needs the diffusers-format model {example.repo}",
+        f"(https://huggingface.co/{example.repo}) in a folder named {example.model} under {MODELS_DIR}/.",
+    ]
+    if example.gated:
+        lines.append("The repository is gated: accept its licence on that page and run `hf auth login` first.")
+    lines += ["", "Download it, from the folder that holds ComfyUI/:", example.download_command()]
+    if example.skip:
+        lines.append(f"(--exclude leaves out {example.skip_what}, which this template does not load.)")
+    lines += [
+        "With huggingface_hub older than 1.0 the command is `huggingface-cli download`, same arguments.",
+        "",
+        "A folder elsewhere works too when extra_model_paths.yaml adds it under `diffusers`. Refresh the",
+        f"page (R) and pick {example.model} in the loader's model list.",
+    ]
+    images = [node["inputs"]["image"] for node in api.values() if node["class_type"] == "LoadImage"]
+    if images:
+        lines += ["", "The Load Image nodes start on sample keyframes that the pack copies into ComfyUI/input:",
+                  *images, "Load your own first and last frames there."]
+    return "\n".join(lines)
+
+
+def _note_node(node_id: int, text: str, order: int) -> dict[str, Any]:
+    width, height = 860, 40 + 14 * (text.count("\n") + 1)
+    return {
+        "id": node_id,
+        "type": "Note",
+        "pos": [100, 40],
+        "size": [width, height],
+        "flags": {},
+        "order": order,  # a virtual node: never executed, placed after the graph
+        "mode": 0,
+        "inputs": [],
+        "outputs": [],
+        "properties": {},
+        "widgets_values": [text],
+        "color": "#432",
+        "bgcolor": "#653",
+    }
+
+
+# ----------------------------------------------------------------------------- shipped inputs
+
+# The keyframes the first/last-frame template loads: a harbour at dawn and the same harbour at night
+# (its prompt), drawn from formulas so the tool rewrites the same pixels; 7:4 like H3's 1344x768.
+KEYFRAMES = {"diffusers_offload_h3_first_frame.png": "dawn", "diffusers_offload_h3_last_frame.png": "night"}
+KEYFRAME_SIZE = (336, 192)
+
+
+def keyframe(kind: str) -> Any:
+    """The ``"dawn"`` or ``"night"`` harbour as an RGB PIL image of :data:`KEYFRAME_SIZE`."""
+    import numpy as np
+    from PIL import Image
+
+    night = {"dawn": False, "night": True}[kind]
+    width, height = KEYFRAME_SIZE
+    horizon = int(height * 0.58)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    image = np.zeros((height, width, 3))
+
+    def blend(top: tuple[int, int, int], bottom: tuple[int, int, int], t: Any) -> Any:
+        return np.asarray(top) * (1 - t[..., None]) + np.asarray(bottom) * t[..., None]
+
+    sky, sea = y < horizon, y >= horizon
+    light_x, light_y, radius = (0.25 * width, 0.2 * height, 9) if night else (0.7 * width, horizon - 8, 15)
+    top, glow = ((5, 8, 25), (28, 38, 75)) if night else ((70, 92, 150), (250, 170, 110))
+    image[sky] = blend(top, glow, y / horizon)[sky]
+    deep, shallow = ((14, 20, 42), (3, 5, 12)) if night else ((46, 88, 118), (16, 42, 62))
+    image[sea] = blend(deep, shallow, (y - horizon) / (height - horizon))[sea]
+    disc = (x - light_x) ** 2 + (y - light_y) ** 2 <= radius**2
+    halo = np.exp(-((x - light_x) ** 2 + (y - light_y) ** 2) / (2 * (radius * 3.0) ** 2))
+    body = (235, 235, 215) if night else (255, 222, 165)
+    image[sky] += (halo * (0.25 if night else 0.6))[sky][:, None] * (np.asarray(body) - image[sky])
+    image[disc & sky] = body
+    ripple = (np.sin(y * 1.9) > 0.5) & (np.abs(x - light_x) < radius * (0.8 + (y - horizon) / 60)) & sea
+    image[ripple] = image[ripple] * 0.6 + np.asarray(body) * 0.4
+    if night:  # stars from a fixed integer hash: the same sky on every machine
+        for i in range(40):
+            sx, sy = (i * 7919 + i * i * 613) % width, (i * 331 + i * i * i * 17) % int(horizon * 0.85)
+            image[sy, sx] = (220, 220, 235)
+    shade = np.asarray((0, 0, 0) if night else (32, 26, 38))
+    pier = (y >= horizon + 6) & (y < horizon + 11) & (x < 0.45 * width)
+    posts = (y >= horizon + 11) & (y < horizon + 20) & (x < 0.45 * width) & ((x.astype(int) % 18) < 3)
+    house = (x >= 0.04 * width) & (x < 0.16 * width) & (y >= horizon - 24) & (y < horizon + 6)
+    roof = (y < horizon - 24) & (y >= horizon - 36) & (np.abs(x - 0.10 * width) < (y - (horizon - 36)) * 1.7)
+    hull = (y >= horizon + 16) & (y < horizon + 24) & (np.abs(x - 0.63 * width) < 30 - (y - horizon - 16) * 1.5)
+    mast = (np.abs(x - 0.63 * width) < 1.2) & (y >= horizon - 30) & (y < horizon + 16)
+    image[pier | posts | house | roof | hull | mast] = shade
+    window = (x >= 0.08 * width) & (x < 0.12 * width) & (y >= horizon - 16) & (y < horizon - 8)
+    image[window] = (255, 196, 84) if night else (60, 52, 66)
+    return Image.fromarray(np.clip(np.rint(image), 0, 255).astype(np.uint8), "RGB")
+
+
+def write_keyframes() -> list[Path]:
+    INPUT_DIR.mkdir(exist_ok=True)
+    paths = []
+    for name, kind in KEYFRAMES.items():
+        keyframe(kind).save(INPUT_DIR / name, optimize=True)
+        paths.append(INPUT_DIR / name)
+    return paths
 
 
 def write_ui(name: str, workflow: dict[str, Any]) -> Path:
