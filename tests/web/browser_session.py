@@ -35,6 +35,7 @@ ROLES = {"loader": ex.LOADER, "generate": "DiffusersOffloadGenerateVideo", "repo
 # A mixed placement on the tiny model: the text encoder resident (under the floor), the VAE on
 # demand, the transformer streamed per step (the preload planner's plan line).
 SETTINGS = {"resident_floor_mb": 0.1, "on_demand_threshold_gb": 0.0}
+SNAPPED_WIDTH = 40  # not on the tiny model's grid: the short run's notes say what it became
 SHORT_STEPS, LONG_STEPS = 12, 1000  # short: the view draws once per frame, a loaded box may merge a
 # few updates; long: it must outlast a page reload on a slow box (it is interrupted after it)
 DRIVE_TIMEOUT_S = 420
@@ -62,9 +63,9 @@ def missing() -> str | None:
     return None
 
 
-def prompt(steps: int) -> dict[str, Any]:
+def prompt(steps: int, **inputs: Any) -> dict[str, Any]:
     """The example's API twin on the tiny model; a fresh seed so ComfyUI's cache never answers."""
-    overrides = ex.example(EXAMPLE).tiny_overrides(steps=steps, seed=random.randrange(2**32))
+    overrides = ex.example(EXAMPLE).tiny_overrides(steps=steps, seed=random.randrange(2**32), **inputs)
     return ex.api_prompt(EXAMPLE, "tiny-wan", {**overrides, ex.SETTINGS: SETTINGS})
 
 
@@ -109,7 +110,7 @@ def run_session(work: Path, shots: dict[str, Path] | None = None) -> dict[str, A
         server_start = time.monotonic() - started
         config = {
             "url": server.url, "result": str(work / "result.json"), "chromium": chromium(),
-            "profile": str(work / "profile"), "workflow": workflow(), "short": prompt(SHORT_STEPS),
+            "profile": str(work / "profile"), "workflow": workflow(), "short": prompt(SHORT_STEPS, width=SNAPPED_WIDTH),
             "long": prompt(LONG_STEPS), "nodes": node_ids(),
             "shots": {k: str(v) for k, v in shots.items()},
         }
@@ -118,6 +119,8 @@ def run_session(work: Path, shots: dict[str, Path] | None = None) -> dict[str, A
                               capture_output=True, text=True, timeout=DRIVE_TIMEOUT_S)
         log = server.log()
     record = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
+    schema = comfy_source / "comfy_api" / "latest" / "_io.py"  # does this ComfyUI's io.Schema take search aliases?
+    record["schemaTakesAliases"] = schema.is_file() and "search_aliases" in schema.read_text(encoding="utf-8")
     record.update(returncode=proc.returncode, server_start=server_start, server_log=log,
                   driver_stderr=proc.stderr[-4000:], shots={k: str(v) for k, v in shots.items()})
     return record

@@ -47,12 +47,17 @@ function watch(page, label) {
 }
 
 /** Open the page and wait for the app, the graph and our extension's setup. */
-async function openApp(page, { ours = true } = {}) {
-  await page.goto(config.url, { waitUntil: "domcontentloaded" });
+async function openApp(page, { ours = true, reload = false } = {}) {
+  const t = Date.now();
+  if (reload) await page.reload({ waitUntil: "domcontentloaded" });
+  else await page.goto(config.url, { waitUntil: "domcontentloaded" });
+  const loaded = Date.now();
   await page.waitForFunction(() => window.app?.graph && window.LiteGraph && window.comfyAPI?.api?.api, null, {
     timeout: 90000,
   });
+  const app = Date.now();
   if (ours) await page.waitForFunction(() => window.DiffusersOffloadView, null, { timeout: 30000 });
+  (result.openings ??= []).push({ page: (Date.now() - t) / 1000, loaded: (loaded - t) / 1000, app: (app - t) / 1000 });
 }
 
 /** Show the example's UI workflow, its widgets set to what the long run queues (same ids). */
@@ -69,7 +74,7 @@ async function loadWorkflow(page) {
     window.app.canvas.ds.scale = 0.8;
     window.app.graph.setDirtyCanvas(true, true);
   }, [config.workflow, config.long]);
-  return page.evaluate(() => String(window.app.rootGraph?.id ?? window.app.graph.id));
+  return shownWorkflow(page);
 }
 
 /** The Offload settings node of the saved UI workflow, as the frontend rebuilt it from the schema:
@@ -107,6 +112,18 @@ async function finished(promptId, timeoutMs = 240000) {
 }
 
 const command = (page, id) => page.evaluate((c) => window.app.extensionManager.command.execute(c), id);
+const shownWorkflow = (page) => page.evaluate(() => String(window.app.rootGraph?.id ?? window.app.graph.id));
+
+/** Go back through the open workflow tabs to the one whose graph is `workflowId`. */
+async function backToTab(page, workflowId) {
+  for (let i = 0; i < 12 && (await shownWorkflow(page)) !== workflowId; i++) {
+    const before = await shownWorkflow(page);
+    await command(page, "Workspace.PreviousOpenedWorkflow");
+    await until("the previous tab", async () => (await shownWorkflow(page)) !== before, 10000, 50);
+  }
+  if ((await shownWorkflow(page)) !== workflowId) throw new Error(`no open tab shows workflow ${workflowId}`);
+  await sleep(300);
+}
 const views = async (page) => ({
   loader: await readView(page, loader), generate: await readView(page, generate),
   report: await readView(page, report), settings: await readView(page, settings),
@@ -216,12 +233,9 @@ async function main() {
     const otherId = await loadWorkflow(page);
     await sleep(300);
     result.otherTab = { workflowId: otherId, views: await views(page) };
-    for (let i = 0; i < 6 && (await page.evaluate(() => String(window.app.rootGraph.id))) !== result.workflowId; i++) {
-      await command(page, "Workspace.PreviousOpenedWorkflow");
-      await sleep(300);
-    }
+    await backToTab(page, result.workflowId);
     result.backTab = {
-      workflowId: await page.evaluate(() => String(window.app.rootGraph.id)),
+      workflowId: await shownWorkflow(page),
       views: await until("the first tab's placement", async () => {
         const v = await views(page);
         return v.loader?.shows === "placement" ? v : null;
@@ -248,10 +262,7 @@ async function main() {
       }
       await page.keyboard.press("Escape");
     }
-    for (let i = 0; i < 6 && (await page.evaluate(() => String(window.app.rootGraph.id))) !== result.workflowId; i++) {
-      await command(page, "Workspace.PreviousOpenedWorkflow");
-      await sleep(300);
-    }
+    await backToTab(page, result.workflowId);
     lap("help");
 
     // 6. a long run: reload in the middle; events that come before the extension's setup are
@@ -269,12 +280,17 @@ async function main() {
     await until("the loader's rows", async () => (await readView(page, loader))?.rows.length, 10000);
     await shootNode(page, loader, config.shots.node);
     lap("mid run");
-    await page.reload({ waitUntil: "domcontentloaded" });
-    await openApp(page);
+    // the route answers late, so the run's events surely reach the page before the view is live
+    const slowRoute = async (route) => { await sleep(1500); await route.continue(); };
+    await page.route("**/diffusers_offload/state", slowRoute);
+    await openApp(page, { reload: true });
+    await page.unroute("**/diffusers_offload/state", slowRoute);
     lap("reopened");
-    const restored = await page.evaluate(() => String(window.app.rootGraph?.id ?? window.app.graph.id));
+    // the frontend restores the open tab (the same workflow id) a little after its setup
+    const restored = await until("the restored tab", async () => (await shownWorkflow(page)) === result.workflowId, 15000)
+      .catch(() => false);
     result.reload = {
-      workflowRestoredByFrontend: restored === result.workflowId,
+      workflowRestoredByFrontend: restored,
       early: await page.evaluate(() => window.DiffusersOffloadView.state.early),
       routeStages: await page.evaluate(() => window.DiffusersOffloadView.state.fromRoute?.stages ?? null),
       view: await until("the restored view", async () => {

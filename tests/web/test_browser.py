@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # pytest runs with --i
 from browser_session import (  # noqa: E402
     EXAMPLE,
     SHORT_STEPS,
+    SNAPPED_WIDTH,
     SessionUnavailable,
     ex,  # noqa: E402
     failure,
@@ -161,10 +162,15 @@ def test_placement_is_drawn_on_the_loader_and_the_report_only(session: dict[str,
 
 
 def test_stage_text_under_the_node_is_cleared_when_the_run_ends(session: dict[str, Any]) -> None:
-    assert "decoding" in session["events"]["progressText"]  # ComfyUI showed it during the run
-    text = session["after"]["views"]["generate"]["progressText"]
-    assert text is None or not STAGE_TEXT.match(text), text
-    assert session["afterLong"]["progressText"] is None or not STAGE_TEXT.match(session["afterLong"]["progressText"])
+    """ComfyUI shows the stage the pack sends as progress text ("decoding") under the node; once the
+    run ends the node shows the run's notes again (the short run's width was snapped), or nothing."""
+    sent = session["events"]["progressText"]
+    stages = [t for t in sent if STAGE_TEXT.match(t)]
+    notes = [t for t in sent if not STAGE_TEXT.match(t)]
+    assert stages and stages[-1] == sent[-1], sent  # a stage was the last text shown during the run
+    assert notes and str(SNAPPED_WIDTH) in notes[-1], sent
+    assert session["after"]["views"]["generate"]["progressText"] == notes[-1]
+    assert session["afterLong"]["progressText"] is None  # no notes in the long run: no text at all
 
 
 def test_nodes_are_sized_to_what_they_show(session: dict[str, Any]) -> None:
@@ -224,6 +230,7 @@ def test_reload_mid_run_buffers_early_events_and_restores_the_view_from_the_rout
     assert (stage["prompt"], stage["workflow"]) == (session["longId"], session["workflowId"])
     assert reload["view"]["stage"] in ("denoise", "decode") and not reload["view"]["rows"]
     assert reload["loader"]["rows"]
+    assert reload["early"] >= 1, "no event came before the extension's setup: the buffer was not exercised"
     unknown = [m for m in session["console"] if "diffusers_offload." in m["text"]]
     assert unknown == []  # no "Unhandled message ... Unknown message type diffusers_offload.stage"
     assert session["longHistory"]["status_str"] in ("error", "success")  # interrupted, or done first
@@ -244,10 +251,13 @@ def test_every_node_has_a_help_page_the_frontend_shows(session: dict[str, Any]) 
 
 
 def test_search_aliases_where_the_server_takes_them(session: dict[str, Any]) -> None:
+    """2026 trees: the words are in the node info and the frontend's node search finds the nodes by
+    them. v0.3.75's schema has no such field: none is passed (the node would fail to register)."""
     info = session["nodeInfo"]
-    if not any(n["search_aliases"] for n in info.values()):  # v0.3.75: the schema has no aliases
-        assert "search" not in session
-        pytest.skip("this ComfyUI's schema takes no search aliases (v0.3.x); checked: none are sent")
+    if not session["schemaTakesAliases"]:
+        assert all(n["search_aliases"] is None for n in info.values()) and "search" not in session
+        assert set(ALIASES) <= set(info)  # every node registered all the same
+        return
     for node_type, words in ALIASES.items():
         assert set(info[node_type]["search_aliases"]) == words, node_type
     assert any(o.startswith("Offload settings") for o in session["search"]["block swap"])
