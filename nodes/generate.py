@@ -15,6 +15,7 @@ from .grid import model_grid
 from .outputs import to_audio, to_image, video_output
 from .running import Run
 from .types import CATEGORY, NOTES, SEED_MAX, DiffusersPipe, PipeHandle
+from .web_api import search_aliases
 
 SIZE_MAX = 8192
 MODULAR_HINT = "; modular pipelines (MiniMax-H3) run through their own node"
@@ -51,6 +52,7 @@ class GenerateImage(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadGenerateImage",
+            **search_aliases("flux"),
             display_name="Generate image (diffusers)",
             category=CATEGORY,
             description="Runs a text-to-image diffusers pipeline; size snapped to the model's grid.",
@@ -91,6 +93,7 @@ class GenerateVideo(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadGenerateVideo",
+            **search_aliases("wan"),
             display_name="Generate video (diffusers)",
             category=CATEGORY,
             description="Runs a text/image-to-video diffusers pipeline; size and frames snapped to the model's grid.",

@@ -20,6 +20,7 @@ from ..offload_core.run.stages import DENOISE, IMAGE, VIDEO
 from .outputs import to_audio, to_pil, video_output
 from .running import Run
 from .types import CATEGORY, NOTES, SEED_MAX, DiffusersPipe, PipeHandle
+from .web_api import search_aliases
 
 
 def _check_workflow(pipe: Any, keyframes: int) -> None:
@@ -73,6 +74,7 @@ class GenerateH3(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadGenerateH3",
+            **search_aliases("h3"),
             display_name="Generate video + audio (MiniMax-H3)",
             category=CATEGORY,
             description="Runs MiniMax-H3 (t2va, or fl2va with a first and/or last frame). Canvas and frames are "

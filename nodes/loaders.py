@@ -30,6 +30,7 @@ from .folders import (
     resolve_model,
 )
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle, family_of
+from .web_api import search_aliases
 
 log = logging.getLogger("diffusers_offload.nodes")
 
@@ -98,6 +99,7 @@ class LoadPipeline(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadLoadPipeline",
+            **search_aliases("offload", "block swap", "wan", "flux"),
             display_name="Load diffusers pipeline",
             category=CATEGORY,
             description="Loads a diffusers pipeline folder (model_index.json) from models/diffusers. "
@@ -129,6 +131,7 @@ class LoadModularPipeline(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadLoadModularPipeline",
+            **search_aliases("offload", "block swap", "h3"),
             display_name="Load modular pipeline (diffusers)",
             category=CATEGORY,
             description="Loads a modular diffusers pipeline folder (modular_model_index.json, e.g. MiniMax-H3) "

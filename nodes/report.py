@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from .types import CATEGORY, DiffusersPipe, PipeHandle
+from .web_api import search_aliases
 
 
 class PlacementReportNode(io.ComfyNode):
@@ -14,6 +15,7 @@ class PlacementReportNode(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadReport",
+            **search_aliases("offload"),
             display_name="Placement report",
             category=CATEGORY,
             description="Shows each component's role, size, dtype and where its weights are.",

@@ -20,6 +20,7 @@ from comfy_api.latest import io
 from ..offload_core import OffloadConfig
 from ..offload_core.config import MODES
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle
+from .web_api import search_aliases
 
 DEFAULTS = OffloadConfig()
 BASIC = ("mode", "preload", "pin_memory", "on_demand_threshold_gb", "always", "never")
@@ -81,6 +82,7 @@ class OffloadSettings(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadSettings",
+            **search_aliases("offload", "block swap"),
             display_name="Offload settings",
             category=CATEGORY,
             description="Offload options for a diffusers pipeline. The defaults need no tuning; connect this only "
@@ -105,6 +107,7 @@ class ApplyOffloadSettings(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="DiffusersOffloadApplySettings",
+            **search_aliases("offload", "block swap"),
             display_name="Apply offload settings",
             category=CATEGORY,
             description="Gives a loaded pipeline new offload settings without loading it again.",
