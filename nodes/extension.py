@@ -9,6 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from . import generate, h3, host, loaders, lora, report, settings, web_api
+from .inputs import ship_template_inputs
 
 
 def connect_web_view() -> None:
@@ -21,6 +22,7 @@ def connect_web_view() -> None:
 
 
 connect_web_view()
+ship_template_inputs()  # the templates' keyframes, where LoadImage finds them
 
 
 class DiffusersOffloadExtension(ComfyExtension):

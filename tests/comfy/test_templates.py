@@ -135,8 +135,26 @@ def test_every_shipped_input_is_used_and_is_what_the_tool_draws() -> None:
             assert np.abs(np.asarray(shipped, dtype=np.int16) - drawn).max() <= 1, file
 
 
-@pytest.mark.xfail(reason="nodes/ does not yet copy example_workflows/input/ into ComfyUI's input folder at load, "
-                          "so a fresh install opens the first/last-frame template with missing keyframes")
+def test_shipping_inputs_copies_what_is_missing_and_never_overwrites(comfy: harness.ComfyHost, tmp_path: Path) -> None:
+    """The pack copies the templates' inputs into ComfyUI's input folder at load; a file of the
+    same name already there (the user's) stays as it is."""
+    inputs = comfy.pack_submodule("nodes.inputs")
+    target = Path(inputs.folder_paths.get_input_directory())
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "dofl_test_new.png").write_bytes(b"new")
+    (shipped / "dofl_test_taken.png").write_bytes(b"ours")
+    (target / "dofl_test_taken.png").write_bytes(b"the user's")
+    try:
+        assert inputs.ship_template_inputs(shipped) == ["dofl_test_new.png"]
+        assert (target / "dofl_test_new.png").read_bytes() == b"new"
+        assert (target / "dofl_test_taken.png").read_bytes() == b"the user's"
+        assert inputs.ship_template_inputs(shipped) == []
+    finally:
+        for name in ("dofl_test_new.png", "dofl_test_taken.png"):
+            (target / name).unlink(missing_ok=True)
+
+
 def test_comfyui_offers_the_shipped_inputs_to_load_image(comfy: harness.ComfyHost) -> None:
     """What the frontend checks on load: each LoadImage value among the node's listed files.
     Runs before the twin below writes its own copies into the input folder."""
