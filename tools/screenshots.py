@@ -1,7 +1,8 @@
-"""Take the README's screenshots (docs/node_view.png, docs/panel.png) from a real browser session.
+"""Take the README's screenshots (docs/node_view.png, panel.png, preview.png) from a browser session.
 
 Why a tool and not the tests: the browser tests must write nothing tracked, so the pictures are
-retaken only on purpose (``make screenshots``), from the same session the tests check. Needs what
+retaken only on purpose (``make screenshots``), from the same session the tests check, its server
+launched with previews on (``--preview-method latent2rgb``) for the generate node's preview. Needs what
 ``tests/web/setup.sh`` installs (the make target runs it first).
 
     .venv/bin/python tools/screenshots.py [--out docs]
@@ -29,7 +30,7 @@ def main() -> int:
     shots = {key: args.out.resolve() / name for key, name in SHOT_NAMES.items()}
     with tempfile.TemporaryDirectory(prefix="offload-shots-") as work:
         try:
-            record = run_session(Path(work), shots)
+            record = run_session(Path(work), shots, previews=True)
         except SessionUnavailable as exc:
             print(f"cannot take screenshots: {exc}", file=sys.stderr)
             return 2

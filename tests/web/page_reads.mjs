@@ -75,13 +75,16 @@ export async function readPanel(page) {
 }
 
 /** Records, during a run, every stage text the node view shows, the most component rows the
- *  generate node ever showed, our events and ComfyUI's progress text for that node. */
+ *  generate node ever showed, our events, ComfyUI's progress text for that node and its preview
+ *  images (how many, and the node each was for where the server says). */
 export async function recordStages(page, nodeId) {
   await page.evaluate((id) => {
     window.__seen = [];
     window.__generateRows = 0;
-    window.__events = { placement: 0, stage: 0, stages: [], stagePayloads: [], progressText: [] };
+    window.__events = { placement: 0, stage: 0, stages: [], stagePayloads: [], progressText: [], previews: 0, previewNodes: [] };
     const api = window.comfyAPI.api.api;
+    api.addEventListener("b_preview", () => window.__events.previews++); // ComfyUI's preview images
+    api.addEventListener("b_preview_with_metadata", ({ detail }) => window.__events.previewNodes.push(String(detail?.displayNodeId)));
     api.addEventListener("diffusers_offload.placement", () => window.__events.placement++);
     api.addEventListener("diffusers_offload.stage", ({ detail }) => {
       window.__events.stage++;
@@ -142,4 +145,13 @@ export async function readHelp(page, nodes, sleep) {
     help[type] = seen;
   }
   return help;
+}
+
+/** The preview images the frontend holds and draws for a node (ComfyUI's b_preview messages). */
+export async function readPreview(page, nodeId) {
+  return page.evaluate((id) => {
+    const node = window.app.graph.getNodeById(id);
+    const held = window.app.nodePreviewImages?.[String(id)];
+    return { held: held ? [...held].length : 0, imgs: node?.imgs?.length ?? 0, size: node ? [node.size[0], node.size[1]] : null };
+  }, nodeId);
 }

@@ -148,6 +148,14 @@ def test_generate_node_shows_stage_and_step_only_then_nothing(session: dict[str,
     assert after["generate"]["shows"] == "nothing" and after["settings"]["shows"] == "nothing"
 
 
+def test_no_preview_image_when_previews_are_off(session: dict[str, Any]) -> None:
+    """The session's server runs with ComfyUI's default preview method (none): the generate node
+    sends no preview image and the frontend draws none on it (``make screenshots`` turns them on)."""
+    assert session["events"]["previews"] == 0 and session["events"]["previewNodes"] == []
+    assert session["preview"]["held"] == 0 and session["preview"]["imgs"] == 0
+    assert "preview" not in session["shots"]
+
+
 def test_placement_is_drawn_on_the_loader_and_the_report_only(session: dict[str, Any]) -> None:
     route = _route_pipeline(session)
     after = session["after"]["views"]
