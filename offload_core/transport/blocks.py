@@ -84,9 +84,12 @@ class StreamBlock:
     def largest_unit(self) -> int:
         return max(u.nbytes for u in self.units)
 
-    def bind_host(self) -> None:
+    def release(self, offload_device: torch.device) -> None:
+        """Back to the host masters for good, except a weight the user cast after placement,
+        which stays cast (moved to ``offload_device``): a release never restores a stale dtype."""
         for slot in self.slots:
-            slot.tensor.data = slot.host
+            cast = slot.tensor.dtype != slot.host.dtype
+            slot.tensor.data = slot.tensor.data.to(offload_device) if cast else slot.host
 
 
 @dataclass(eq=False)

@@ -111,9 +111,7 @@ class BlockStreamer(TransportBase):
         while self._hooked:
             remove_hook(self._hooked.pop(), STREAM_HOOK)
         for block in self.blocks:
-            for slot in block.slots:  # the host masters, or the user's own cast of a weight
-                slot.tensor.data = slot.host if slot.tensor.dtype == slot.host.dtype else slot.tensor.data.to(
-                    self.ctx.offload_device)
+            block.release(self.ctx.offload_device)
         for piece in self.pieces:
             piece.resident = None
         self.prefetch.release_all()

@@ -20,8 +20,6 @@ test_group_offload_guards.py.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from diffusers.hooks import HookRegistry
@@ -43,22 +41,13 @@ from engine.group_cases import (
     changed_weights,
     leftovers,
     make,
+    quick_release,  # noqa: F401  (autouse: releases without a full collection)
     snapshot,
     tiny_vae,
     twin,
 )
 
 CAST_REFUSED = ("auto-parts", "auto-whole")  # issue 20 (2): streamed weights cast after placement are refused
-
-@pytest.fixture(autouse=True, scope="module")
-def _quick_release():
-    """``release`` collects garbage (0.2-0.3 s with torch and diffusers loaded): what is alive before
-    these tests is frozen out of the collector's sight, so a release costs milliseconds."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
-
 
 def run_placed(pipe, mode: str, run, components=("transformer",), config=None):
     """Place, ``run()`` under the simulator, release: (output, off-device reads, leftovers, changed)."""

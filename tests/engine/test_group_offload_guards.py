@@ -10,7 +10,6 @@ the user's hooks by identity, every weight bit-equal (`group_cases.leftovers`).
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -32,22 +31,13 @@ from engine.group_cases import (
     changed_weights,
     leftovers,
     make,
+    quick_release,  # noqa: F401  (autouse: releases without a full collection)
     snapshot,
     tiny_vae,
     twin,
 )
 
 COMPS = ("transformer", "vae")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _quick_release():
-    """See test_group_offload_cases.py: what is alive before these tests is frozen out of the
-    collector's sight, so the collection ``release`` runs costs milliseconds."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def _dummy_pipe() -> DummyPipeline:
