@@ -34,6 +34,7 @@ from .state import (
 from .state import clear as clear_state
 from .transport import LeafGroupTransport, OnDemandTransport, ResidentTransport, Transport, TransportContext
 from .transport.base import strip_hooks
+from .transport.dequant import fp8_layers, register_dequant, remove_dequant
 from .transport.on_demand import OnDemandGroup
 from .transport.preload import PreloadingStreamer
 
@@ -117,7 +118,11 @@ class Engine:
         try:
             transport = _make_transport(decision.role, self._context(config, pstate, verdict), info)
             COMPONENT.set(module, ComponentState(signature, transport, decision, info))
+            fp8 = fp8_layers(module)
+            register_dequant(module)  # before the transport's hooks: the onload runs first
             transport.apply(module)
+            cast = transport.self_cast()
+            remove_dequant([layer for layer in fp8 if id(layer.weight) in cast])
         except BaseException:
             self._teardown(module)
             PIN_VERDICT.pop(module)

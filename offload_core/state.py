@@ -56,11 +56,13 @@ OWN_REGISTRY = Key("own_registry")  # the module's diffusers HookRegistry was ma
 PLANNER = Key("planner", kept=True)  # preload measures, penalties, blocks kept at unload
 LORA = Key("lora", kept=True)  # the LoRA set a component carries and its base-weight backups
 LORA_REPORT = Key("lora_report", kept=True)  # the LoRA path a component took, for the report
+FP8 = Key("fp8", kept=True)  # formats.fp8.Fp8Table: the model's fp8 weights and scales (set by a loader)
 
 KEPT_ON_PURPOSE = {
     PLANNER.attr: "the preload planner survives a release so that a reload plans from its measures",
     LORA.attr: "a fused LoRA stays until the LoRA set is cleared (its backups restore the base weights)",
     LORA_REPORT.attr: "goes with the LoRA set",
+    FP8.attr: "the weights' storage format, set by the loader: it lives as long as the weights",
 }
 
 # Hooks in diffusers' per-module HookRegistry. The marker sits under diffusers' own
@@ -69,7 +71,8 @@ KEPT_ON_PURPOSE = {
 MARKER = _GROUP_OFFLOADING
 STREAM_HOOK = "diffusers_offload_stream"
 ON_DEMAND_HOOK = "diffusers_offload_on_demand"
-OUR_HOOKS = (STREAM_HOOK, ON_DEMAND_HOOK)
+DEQUANT_HOOK = "diffusers_offload_dequant"
+OUR_HOOKS = (STREAM_HOOK, ON_DEMAND_HOOK, DEQUANT_HOOK)
 DIFFUSERS_GROUP_HOOKS = (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING)
 REGISTRY = "_diffusers_hook"
 BRIDGE = "_hf_hook"

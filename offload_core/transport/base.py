@@ -86,6 +86,10 @@ class Transport(Protocol):
     def before_write(self) -> None:
         """Weights are about to be written in place: drop copies made ahead of use."""
 
+    def self_cast(self) -> set[int]:
+        """Ids of the fp8 weights this transport dequantises itself (the others go through a
+        dequantising hook per layer, `dequant.py`)."""
+
     def device_bytes(self) -> int:
         """Bytes of this component's weights on the onload device right now."""
 
@@ -119,6 +123,9 @@ class TransportBase:
 
     def before_write(self) -> None:
         return None
+
+    def self_cast(self) -> set[int]:
+        return set()
 
     def pinned_bytes(self) -> int:
         return 0

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..formats.fp8 import Fp8Table
+from .cast import UnitCast, unit_cast
+
 ALIGN = 512
 PART_FRACTION = 8  # a child of at least 1/8 of its block's bytes streams as its own part
 REST_FRACTION = 16  # a block streams in parts only if what stays resident is at most 1/16 of it
@@ -48,6 +51,9 @@ class StreamUnit:
     start: int
     nbytes: int
     piece: StreamPiece | None = None  # what the preload plan keeps or streams it with
+    cast: UnitCast | None = None  # its fp8 weights' cast to compute values (`cast.py`), if any
+    kept: torch.Tensor | None = None  # its bytes in its piece's device buffer while kept
+    kept_views: list[torch.Tensor] | None = None  # its tensors there
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""
@@ -125,8 +131,10 @@ class StreamPiece:
         return out
 
     def bind_host(self) -> None:
+        """The piece is no longer kept: its units back to their host masters."""
         for unit in self.units:
             unit.bind_host()
+            unit.kept = unit.kept_views = None
 
 
 def make_pieces(block: StreamBlock, first_index: int) -> list[StreamPiece]:
@@ -146,11 +154,12 @@ def make_pieces(block: StreamBlock, first_index: int) -> list[StreamPiece]:
 
 def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, parts: bool,
                host_of: Callable[[torch.Tensor], torch.Tensor], pinned: bool, device: torch.device,
-               first_unit: int, shared: frozenset[int] = frozenset()) -> StreamBlock:
-    """Lay ``module``'s tensors out flat, one unit after another (``host_of`` gives each its
-    host master copy, ``pinned`` says whether those are page-locked); with ``parts``, a block
-    that splits well keeps its rest on ``device``. Tensors in ``shared`` (ids of tensors other
-    blocks or the non-block part use too) stay on ``device`` whatever the block does."""
+               first_unit: int, shared: frozenset[int] = frozenset(), fp8: Fp8Table | None = None) -> StreamBlock:
+    """Lay ``module``'s tensors out flat, one unit after another, each unit's fp8 weights (of
+    ``fp8``) first (``host_of`` gives each tensor its host master copy, ``pinned`` says whether
+    those are page-locked); with ``parts``, a block that splits well keeps its rest on
+    ``device``. Tensors in ``shared`` (ids of tensors other blocks or the non-block part use
+    too) stay on ``device`` whatever the block does."""
     block = StreamBlock(index, f"{tower}.{depth}", tower, depth, module, pinned=pinned)
     if parts:
         pieces, rest = _pieces(module, shared)
@@ -162,14 +171,21 @@ def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, p
     block.rest_bytes = sum(nbytes(t) for t in rest if id(t) not in shared)
     offset = 0
     for owner, tensors in pieces:
+        if fp8 is not None:
+            tensors = sorted(tensors, key=lambda t: not fp8.holds(t))
         start = offset
         slots = []
+        fp8_end = 0
         for t in tensors:
             host = host_of(t)
             t.data = host
             slots.append(TensorSlot(t, host, offset, nbytes(host)))
             offset += -(-nbytes(host) // ALIGN) * ALIGN
-        block.units.append(StreamUnit(first_unit + len(block.units), block, owner, slots, start, offset - start))
+            if fp8 is not None and fp8.holds(t):
+                fp8_end = offset - start
+        unit = StreamUnit(first_unit + len(block.units), block, owner, slots, start, offset - start)
+        unit.cast = unit_cast(fp8, [s.tensor for s in slots], [s.offset - start for s in slots], fp8_end)
+        block.units.append(unit)
         block.slots.extend(slots)
     block.nbytes = offset
     return block

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from .blocks import StreamPiece, StreamUnit
+from .cast import CastPool
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
 
@@ -31,23 +32,47 @@ class Prefetcher:
         self.inflight: dict[int, RingSlot] = {}  # copied ahead, not bound yet
         self.bound: dict[int, RingSlot] = {}  # bound for a forward running now
         self.sync_loads = 0  # streamed units that were not copied ahead (with a side stream)
+        self.casts = CastPool(device)  # compute buffers of the fp8 units bound now
+        self.cast_bound: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer
 
     def bind(self, unit: StreamUnit) -> None:
-        """Make a streamed unit's weights ready on the device (a kept one already is), then keep
-        the units after it copying."""
-        if unit.piece.resident is None and unit.index not in self.bound:
-            if unit.index not in self.inflight:
-                self.sync_loads += self.copy_stream is not None
-                self._drop_wrong_guesses(unit)
-            slot = self._take(unit)
-            self.bound[unit.index] = slot
-            unit.bind(self.views(unit, slot))
+        """Make a unit's weights ready on the device (a kept one already is, but for its fp8
+        weights' cast), then keep the units after it copying."""
+        if not self.ready(unit):
+            if unit.piece.resident is None:
+                if unit.index not in self.inflight:
+                    self.sync_loads += self.copy_stream is not None
+                    self._drop_wrong_guesses(unit)
+                slot = self._take(unit)
+                self.bound[unit.index] = slot
+                self._bind(unit, slot.buf, self.views(unit, slot))
+            else:
+                self._bind(unit, unit.kept, unit.kept_views)
         self.prefetch_after(unit)
 
+    def ready(self, unit: StreamUnit) -> bool:
+        """The unit's weights are bound to compute from now."""
+        if unit.index in self.bound or unit.index in self.cast_bound:
+            return True
+        return unit.piece.resident is not None and unit.cast is None
+
+    def _bind(self, unit: StreamUnit, region: torch.Tensor, views: list[torch.Tensor]) -> None:
+        """Bind ``unit`` to ``views`` of its storage bytes ``region``, its fp8 weights to their
+        compute values cast from there."""
+        cast = unit.cast
+        if cast is None:
+            unit.bind(views)
+            return
+        shapes = [slot.host.shape for slot in unit.slots[: cast.count]]
+        buf, computed = self.casts.cast(unit.index, cast, region, shapes)
+        self.cast_bound[unit.index] = buf
+        unit.bind([*computed, *views[cast.count :]])
+
     def release(self, unit: StreamUnit) -> bool:
-        """A unit's forward ended: back to its host copy, its buffer to the next streamed unit.
-        True when that copy met an out-of-memory error (the unit then loads at its entry, where
-        an OOM gives kept blocks up)."""
+        """A unit's forward ended: back to its host copy (a kept one to its stored bytes), its
+        buffers to the next streamed unit. True when that copy met an out-of-memory error (the
+        unit then loads at its entry, where an OOM gives kept blocks up)."""
+        self._uncast(unit)
         slot = self.bound.pop(unit.index, None)
         if slot is None:
             return False
@@ -59,8 +84,18 @@ class Prefetcher:
             return True
         return False
 
+    def _uncast(self, unit: StreamUnit) -> None:
+        buf = self.cast_bound.pop(unit.index, None)
+        if buf is None:
+            return
+        self.casts.release(buf)
+        if unit.kept_views is not None:
+            unit.bind(unit.kept_views)
+
     def release_all(self) -> None:
         """Every bound unit back to its host copy (a forward that raised never released them)."""
+        for index in list(self.cast_bound):
+            self._uncast(self.units[index])
         for index in list(self.bound):
             self.units[index].bind_host()
             self.ring.release(self.bound.pop(index), read_by_compute=True)
@@ -136,18 +171,22 @@ class Prefetcher:
             return stream.record_event()
 
     def load_kept(self, piece: StreamPiece) -> torch.Tensor:
-        """A kept piece's own buffer, its units bound to it. From the compute stream's pool: the
-        copy waits for the compute work queued so far, which may still read that memory, and the
-        compute stream for the copy."""
+        """A kept piece's own buffer, its units bound to it (an fp8 unit's weights are cast
+        from it at each bind). From the compute stream's pool: the copy waits for the compute
+        work queued so far, which may still read that memory, and the compute stream for the copy."""
         buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        per_unit = list(zip(piece.units, piece.views(buf), strict=True))
-        pairs = [(view, slot.host) for unit, views in per_unit for view, slot in zip(views, unit.slots, strict=True)]
+        offset = 0
+        for unit in piece.units:
+            unit.kept = buf[offset : offset + unit.nbytes]
+            unit.kept_views = unit.views(unit.kept)
+            offset += unit.nbytes
+        pairs = [(view, slot.host) for unit in piece.units for view, slot in zip(unit.kept_views, unit.slots, strict=True)]
         ready = self.copy(pairs, piece.block.pinned, compute.record_event() if compute is not None else None)
         if ready is not None:
             compute.wait_event(ready)
-        for unit, views in per_unit:
-            unit.bind(views)
+        for unit in piece.units:
+            unit.bind(unit.kept_views)
         return buf
 
     def discard(self, index: int) -> None:
@@ -160,6 +199,7 @@ class Prefetcher:
         for index in list(self.inflight):
             self.discard(index)
         self.ring.clear()
+        self.casts.clear()
 
     def set_buffers(self, buffers: int) -> None:
         """How many streaming buffers circulate (units copied ahead beyond them are dropped)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..formats.fp8 import table_of
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import (
@@ -82,7 +83,8 @@ class BlockStreamer(TransportBase):
             for depth, block in enumerate(tower.blocks):
                 made = make_block(len(self.blocks), tower.name, depth, block, parts=self.ctx.stream_parts,
                                   host_of=self._host_master, pinned=self.ctx.pin and self.cuda,
-                                  device=self.device, first_unit=len(self.units), shared=shared)
+                                  device=self.device, first_unit=len(self.units), shared=shared,
+                                  fp8=table_of(module))
                 self.blocks.append(made)
                 self.units.extend(made.units)
                 self.pieces.extend(make_pieces(made, len(self.pieces)))
@@ -98,6 +100,7 @@ class BlockStreamer(TransportBase):
         self.order.set([u.index for u in self.units])
         self._guessed = {b.tower for b in self.blocks if b.in_parts}
         self.ring.resize(self._largest_streamed())
+        self.prefetch.casts.resize(max((u.cast.compute_bytes for u in self.units if u.cast), default=0))
         log.info(
             "%s: %d blocks in %d tower(s) streamed in %d units (%.2f GiB/step, buffers of %.2f GiB, %s, %s), "
             "non-block part resident (%.2f GiB)",
@@ -110,11 +113,11 @@ class BlockStreamer(TransportBase):
         remove_hook(module, MARKER)
         while self._hooked:
             remove_hook(self._hooked.pop(), STREAM_HOOK)
+        self.prefetch.release_all()
         for block in self.blocks:
             block.release(self.ctx.offload_device)
         for piece in self.pieces:
             piece.resident = None
-        self.prefetch.release_all()
         self.drop_prefetched()
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -186,7 +189,7 @@ class BlockStreamer(TransportBase):
     def borrow(self, unit: StreamUnit) -> bool:
         """A layer of a whole block runs outside the block's forward: bind the block for it (True)
         unless it is bound or kept already (False)."""
-        if unit.piece.resident is not None or unit.index in self.prefetch.bound:
+        if self.prefetch.ready(unit):
             return False
         retry_on_oom(lambda: self.prefetch.bind(unit), lambda _attempt: self.relieve_in(unit.block))
         return True
@@ -321,7 +324,7 @@ class BlockStreamer(TransportBase):
         """Weight bytes on the device when the allocator peaked: the resident part plus the most
         streamed-block buffers that were alive at once this cycle (the peak happens inside a block,
         with its successor prefetched)."""
-        return self._head_bytes + self.kept_bytes() + self._transit_peak
+        return self._head_bytes + self.kept_bytes() + self._transit_peak + self.prefetch.casts.nbytes
 
     def reset_peak(self) -> None:
         self._transit_peak = self.ring.nbytes
@@ -341,10 +344,14 @@ class BlockStreamer(TransportBase):
         (read from the block table, not by walking every tensor: it runs once per forward)."""
         if self.module is None or self.device == self.ctx.offload_device:
             return 0
-        return self._head_bytes + self.kept_bytes() + self.ring.nbytes
+        return self._head_bytes + self.kept_bytes() + self.ring.nbytes + self.prefetch.casts.held
 
     def pinned_bytes(self) -> int:
         return self.pins.nbytes
+
+    def self_cast(self) -> set[int]:
+        """The fp8 weights its units cast themselves (one cast per unit, `cast.py`)."""
+        return {id(slot.tensor) for u in self.units if u.cast for slot in u.slots[: u.cast.count]}
 
     def masters(self) -> Masters:
         """Each streamed tensor's host master (a kept piece's device copy is its live ``.data``)."""
@@ -367,8 +374,9 @@ class BlockStreamer(TransportBase):
         return freed
 
     def run_bytes(self) -> int:
-        """The streaming slots: the unit being run plus those filled ahead."""
-        return self.ring.capacity * self._largest_streamed()
+        """The streaming slots (the unit being run plus those filled ahead) and, for fp8 units,
+        the compute buffer the running unit is cast into."""
+        return self.ring.capacity * self._largest_streamed() + self.prefetch.casts.nbytes
 
     def details(self) -> dict[str, object]:
         return {

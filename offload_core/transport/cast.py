@@ -1,0 +1,106 @@
+"""fp8 units of the block streamer: one cast per unit into the buffer its forward computes from.
+
+A unit's fp8 weights lie first in its layout (`blocks.make_block`), so its fp8 bytes are one
+contiguous region: a single ``copy_`` turns that region into compute-dtype values, element for
+byte (an fp8 weight at byte offset ``o`` is the compute value at element ``o``), and one
+``_foreach_mul_`` on the GPU applies the per-tensor scales. Why not a cast per layer (diffusers' layerwise
+casting, ComfyUI's cast per op): the per-layer launches cost more than the bytes saved on a
+streamed image step (bench/README.md, formats). The storage bytes (a ring buffer, a kept piece)
+are what moves and stays; the compute buffer lives only while the unit runs, from a small pool
+on the compute stream, so reusing one is ordered after the unit that last read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats.fp8 import Fp8Table
+
+
+@dataclass(eq=False)
+class UnitCast:
+    storage: torch.dtype
+    compute: torch.dtype
+    count: int  # fp8 slots, first in the unit
+    nbytes: int  # bytes of the fp8 region from the unit's start = elements of its compute buffer
+    offsets: list[int]  # each fp8 slot's byte offset from the unit's start
+    scaled: list[int] = field(default_factory=list)  # positions (among the fp8 slots) with a scale
+    scales: list[float] = field(default_factory=list)
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.nbytes * torch.empty((), dtype=self.compute).element_size()
+
+
+def unit_cast(table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list[int], end: int) -> UnitCast | None:
+    """The cast of a unit whose tensors (fp8 ones first) lie at ``offsets`` from its start;
+    ``end``: where its fp8 region ends. None when none is fp8."""
+    if table is None:
+        return None
+    fp8 = [i for i, t in enumerate(tensors) if table.holds(t)]
+    if not fp8:
+        return None
+    assert fp8 == list(range(len(fp8))), "fp8 tensors must lead the unit's layout"
+    scaled = [i for i in fp8 if table.scale_of(tensors[i]) is not None]
+    return UnitCast(table.storage, table.compute, len(fp8), end, offsets[:len(fp8)], scaled,
+                    [table.scale_of(tensors[i]) for i in scaled])
+
+
+class CastPool:
+    """Compute buffers for the fp8 units bound now, with each buffer's views per unit cached
+    (building views is most of the host time a unit costs)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (id(buffer), unit index) -> views
+        self.held = 0  # bytes of compute buffers alive (free and bound)
+        self.nbytes = 0  # the size buffers are made at: the largest unit's compute bytes
+
+    def cast(self, index: int, cast: UnitCast, region: torch.Tensor, shapes: list[torch.Size]
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Cast ``region`` (the unit's storage bytes, from its start) into a compute buffer;
+        returns the buffer (give it back with `release`) and the fp8 slots' compute views."""
+        buf = self._take(cast)
+        key = (id(buf), index)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, shapes, strict=True)]
+        buf[: cast.nbytes].copy_(region[: cast.nbytes].view(cast.storage))
+        scaled = [views[i] for i in cast.scaled]
+        if scaled and buf.is_cuda:  # one launch; its float math equals ``mul_(scale)``'s
+            torch._foreach_mul_(scaled, cast.scales)
+        else:  # the CPU's foreach rounds the scale to the compute dtype first
+            for view, scale in zip(scaled, cast.scales, strict=True):
+                view.mul_(scale)
+        return buf, views
+
+    def release(self, buf: torch.Tensor) -> None:
+        if not self._free and buf.numel() * buf.element_size() == self.nbytes:
+            self._free.append(buf)
+        else:
+            self._forget(buf)
+
+    def resize(self, nbytes: int) -> None:
+        if nbytes != self.nbytes:
+            self.clear()
+            self.nbytes = nbytes
+
+    def clear(self) -> None:
+        while self._free:
+            self._forget(self._free.pop())
+
+    def _take(self, cast: UnitCast) -> torch.Tensor:
+        if self._free and self._free[-1].dtype == cast.compute:
+            return self._free.pop()
+        size = max(self.nbytes, cast.compute_bytes) // torch.empty((), dtype=cast.compute).element_size()
+        buf = torch.empty(size, dtype=cast.compute, device=self.device)
+        self.held += buf.numel() * buf.element_size()
+        return buf
+
+    def _forget(self, buf: torch.Tensor) -> None:
+        self.held -= buf.numel() * buf.element_size()
+        for key in [k for k in self._views if k[0] == id(buf)]:
+            del self._views[key]

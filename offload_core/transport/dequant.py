@@ -1,0 +1,66 @@
+"""fp8 weights outside the block streamer: one small hook per fp8 Linear that binds the weight's
+compute value for its forward and the stored fp8 tensor back after it.
+
+Registered before a transport is applied, so that it sits inside the transport's own hooks (a
+leaf group's onload runs first, then the dequantisation on the device); the block streamer casts
+its units itself (one cast per unit, `cast.py`) and takes these hooks off the layers it streams.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.hooks import ModelHook
+
+from ..formats.fp8 import Fp8Table, dequantize, table_of
+from ..state import DEQUANT_HOOK
+from .base import add_hook, remove_hook
+
+
+class DequantHook(ModelHook):
+    def __init__(self, table: Fp8Table) -> None:
+        super().__init__()
+        self.table = table
+        self.stored: torch.Tensor | None = None  # the fp8 tensor while its compute value is bound
+
+    def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
+        weight = module.weight
+        if self.stored is not None:  # a forward that raised never reached post_forward
+            weight.data = self.stored
+        if weight.dtype == self.table.storage:
+            self.stored = weight.data
+            weight.data = dequantize(weight.data, self.table.scale_of(weight), self.table.compute)
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, output):
+        self._restore(module)
+        return output
+
+    def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
+        self._restore(module)
+        return module
+
+    def _restore(self, module: torch.nn.Module) -> None:
+        if self.stored is not None:
+            module.weight.data = self.stored
+            self.stored = None
+
+
+def fp8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    table = table_of(model)
+    if table is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and table.holds(m.weight)]
+
+
+def register_dequant(model: torch.nn.Module) -> int:
+    """A dequantising hook on each fp8 Linear of ``model``; returns how many."""
+    table = table_of(model)
+    layers = fp8_layers(model)
+    for layer in layers:
+        add_hook(layer, DequantHook(table), DEQUANT_HOOK)
+    return len(layers)
+
+
+def remove_dequant(layers) -> None:
+    for layer in layers:
+        remove_hook(layer, DEQUANT_HOOK)

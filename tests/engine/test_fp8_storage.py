@@ -1,0 +1,147 @@
+"""fp8 storage with bf16 compute on every transport: outputs equal a bf16 model holding the
+dequantised weights (``fp8.to(bf16) * scale``), bit for bit, in every mode and preload policy;
+what the streamer moves and keeps is fp8 bytes; a release leaves the fp8 weights as they were."""
+
+import copy
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8, table_of
+from diffusers_offload.offload_core.state import leftovers
+from diffusers_offload.offload_core.transport.prefetch import Prefetcher
+from fixtures.tiny_models import load_wan, run_wan
+
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+CONFIGS = {
+    "auto": dict(mode="auto"),
+    "auto-whole": dict(mode="auto", stream_parts=False),
+    "auto-keep-all": dict(mode="auto", preload="100"),
+    "auto-keep-some": dict(mode="auto", preload="0.0005"),
+    "model": dict(mode="model"),
+    "leaf": dict(mode="leaf"),
+    "none": dict(mode="none"),
+}
+
+
+def _scaled_fp8(pipe) -> dict[str, torch.Tensor]:
+    """Store every Linear weight as ``fp8(w / s)`` with a per-tensor scale ``s`` (ComfyUI's
+    fp8_scaled layout); returns the scales by layer name."""
+    scales = {}
+    for name, layer in pipe.transformer.named_modules():
+        if isinstance(layer, torch.nn.Linear) and name.startswith("blocks."):
+            s = layer.weight.detach().abs().amax().float() / 448.0
+            layer.weight.data = (layer.weight.data.float() / s).to(torch.float8_e4m3fn)
+            scales[name] = s
+    return scales
+
+
+def _dequantised_twin(pipe):
+    """The same pipeline with each fp8 weight replaced by ``fp8.to(bf16) * scale`` (the
+    independent reference: ComfyUI's formula written out, not the pack's code)."""
+    twin = copy.copy(pipe)
+    transformer = copy.deepcopy(pipe.transformer)
+    table = table_of(pipe.transformer)
+    originals = dict(pipe.transformer.named_modules())
+    for name, layer in transformer.named_modules():
+        w = originals[name].weight if isinstance(layer, torch.nn.Linear) else None
+        if w is not None and w.dtype == torch.float8_e4m3fn:
+            scale = table.scale_of(w)
+            value = w.data.to(torch.bfloat16)
+            layer.weight.data = value if scale is None else value * torch.tensor(scale, dtype=torch.float32)
+    vars(transformer).pop("_diffusers_offload_fp8", None)
+    twin.register_modules(transformer=transformer)
+    return twin
+
+
+@pytest.fixture(params=["plain", "scaled"])
+def fp8_wan(request, tiny_wan_dir):
+    pipe = load_bf16(tiny_wan_dir)
+    if request.param == "plain":
+        store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    else:
+        mark_fp8(pipe.transformer, torch.bfloat16, _scaled_fp8(pipe))
+    return pipe
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_fp8_output_equals_the_dequantised_bf16_model_in_every_mode(fp8_wan, config):
+    expected = run_wan(_dequantised_twin(fp8_wan))
+    stored = {n: p.detach().clone() for n, p in fp8_wan.transformer.named_parameters()}
+    engine = Engine()
+    engine.place(fp8_wan, OffloadConfig(**CONFIGS[config], **BASE))
+    first = run_wan(fp8_wan)
+    engine.after_run(fp8_wan)
+    second = run_wan(fp8_wan)
+    engine.after_run(fp8_wan)
+    engine.release(fp8_wan)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert leftovers(fp8_wan.transformer) == []
+    for name, p in fp8_wan.transformer.named_parameters():
+        assert p.dtype == stored[name].dtype and p.device.type == "cpu", name
+        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
+                           stored[name].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else stored[name]), name
+
+
+def test_scales_are_applied(tiny_wan_dir):
+    """The scaled file's output differs from the unscaled fp8 values (what diffusers'
+    from_single_file silently loads): a pack that dropped the scales fails here."""
+    pipe = load_bf16(tiny_wan_dir)
+    mark_fp8(pipe.transformer, torch.bfloat16, _scaled_fp8(pipe))
+    expected = run_wan(_dequantised_twin(pipe))
+    unscaled = _dequantised_twin(pipe)
+    for name, layer in unscaled.transformer.named_modules():
+        w = dict(pipe.transformer.named_modules())[name]
+        if isinstance(layer, torch.nn.Linear) and w.weight.dtype == torch.float8_e4m3fn:
+            layer.weight.data = w.weight.data.to(torch.bfloat16)
+    assert not torch.allclose(run_wan(unscaled), expected)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="auto", **BASE))
+    assert torch.equal(run_wan(pipe), expected)
+    engine.release(pipe)
+
+
+def test_streamer_moves_and_keeps_fp8_bytes(tiny_wan_dir, monkeypatch):
+    pipe = load_bf16(tiny_wan_dir)
+    model = pipe.transformer
+    bf16_blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    store_fp8(model, torch.float8_e4m3fn, torch.bfloat16)
+    fp8_blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    assert fp8_blocks < 0.6 * bf16_blocks
+    moved = []
+    real_copy = Prefetcher.copy
+
+    def counting(self, pairs, pinned, after):
+        pairs = list(pairs)
+        moved.append(sum(src.numel() * src.element_size() for _dst, src in pairs))
+        assert all(dst.dtype == src.dtype for dst, src in pairs), "copies move storage dtypes only"
+        return real_copy(self, pairs, pinned, after)
+
+    monkeypatch.setattr(Prefetcher, "copy", counting)
+    engine = Engine()
+    report = engine.place(pipe, OffloadConfig(mode="auto", stream_parts=False, **BASE))
+    run_wan(pipe, num_inference_steps=1)
+    engine.after_run(pipe)
+    forwards = 2  # one step, classifier-free guidance: two transformer forwards
+    assert sum(moved) == forwards * fp8_blocks
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    engine.release(pipe)
+
+
+def load_bf16(tiny_wan_dir):
+    """The tiny Wan with its transformer in bf16 (the dtype fp8 weights compute in)."""
+    pipe = load_wan(tiny_wan_dir)
+    pipe.transformer.to(torch.bfloat16)
+    return pipe
+
+
+def test_a_scale_that_does_not_match_its_weight_is_refused(tiny_wan_dir):
+    pipe = load_bf16(tiny_wan_dir)
+    scales = _scaled_fp8(pipe)
+    name = next(iter(scales))
+    scales[name] = torch.ones(3)
+    with pytest.raises(ValueError, match=f"the scale of {name} has shape \\(3,\\)"):
+        mark_fp8(pipe.transformer, torch.bfloat16, scales)
+    with pytest.raises(ValueError, match="fp8 weights compute in bf16, fp16 or fp32"):
+        store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.int8)
