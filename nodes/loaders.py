@@ -18,6 +18,7 @@ from diffusers import DiffusionPipeline
 from diffusers.modular_pipelines import ModularPipeline
 
 from ..offload_core import OffloadConfig
+from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
 from . import host
 from .folders import (
     MODULAR_INDEX,
@@ -39,6 +40,7 @@ DTYPES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
+    **FP8_DTYPES,  # the denoisers' Linear weights stored in fp8, computing in the auto dtype
 }
 WORKFLOWS = ("t2va", "fl2va", "ref2va")
 REF_FOLDER = "transformer_ref"
@@ -89,7 +91,25 @@ def _handle(pipe: Any, folder: Path, dtype: torch.dtype, config: OffloadConfig) 
 
 def _dtype_input() -> io.Input:
     return io.Combo.Input("dtype", options=list(DTYPES), default="auto",
-                          tooltip="Weight dtype; auto picks what ComfyUI would for the device.")
+                          tooltip="Weight dtype; auto picks what ComfyUI would for the device. fp8_e4m3fn / "
+                                  "fp8_e5m2 store the denoisers' weights in fp8 (half the bytes to hold and "
+                                  "move) and compute in the auto dtype, as ComfyUI's weight_dtype does.")
+
+
+def _dtypes(dtype: str, config: OffloadConfig) -> tuple[torch.dtype, torch.dtype | None]:
+    """(the dtype components load and compute in, the fp8 storage of the denoisers or None)."""
+    chosen = DTYPES[dtype]
+    if chosen in FP8_DTYPES.values():
+        return host.auto_dtype(config), chosen
+    return chosen or host.auto_dtype(config), None
+
+
+def _store(pipe: Any, storage: torch.dtype | None, compute: torch.dtype) -> Any:
+    if storage is not None:
+        names = store_denoisers_fp8(pipe, storage, compute)
+        log.info("%s stored in %s, computing in %s", ", ".join(names), str(storage).removeprefix("torch."),
+                 str(compute).removeprefix("torch."))
+    return pipe
 
 
 class LoadPipeline(io.ComfyNode):
@@ -120,8 +140,8 @@ class LoadPipeline(io.ComfyNode):
     def execute(cls, model: str, dtype: str, offload: OffloadConfig | None = None) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
-        torch_dtype = DTYPES[dtype] or host.auto_dtype(config)
-        return _handle(load_pipeline(folder, torch_dtype), folder, torch_dtype, config)
+        torch_dtype, storage = _dtypes(dtype, config)
+        return _handle(_store(load_pipeline(folder, torch_dtype), storage, torch_dtype), folder, torch_dtype, config)
 
 
 class LoadModularPipeline(io.ComfyNode):
@@ -152,8 +172,9 @@ class LoadModularPipeline(io.ComfyNode):
     def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
-        torch_dtype = DTYPES[dtype] or host.auto_dtype(config)
-        return _handle(load_modular(folder, workflow, torch_dtype), folder, torch_dtype, config)
+        torch_dtype, storage = _dtypes(dtype, config)
+        pipe = _store(load_modular(folder, workflow, torch_dtype), storage, torch_dtype)
+        return _handle(pipe, folder, torch_dtype, config)
 
 
 NODES: list[type[io.ComfyNode]] = [LoadPipeline, LoadModularPipeline]

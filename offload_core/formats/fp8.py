@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
+from ..components import denoisers
 from ..log import get_logger
 from ..state import FP8
 
@@ -67,6 +68,14 @@ def store_fp8(model: torch.nn.Module, storage: torch.dtype, compute: torch.dtype
         if layer.weight.is_floating_point() and not is_fp8(layer.weight):
             layer.weight.data = layer.weight.data.to(storage)
     return mark_fp8(model, compute)
+
+
+def store_denoisers_fp8(pipe: object, storage: torch.dtype, compute: torch.dtype) -> list[str]:
+    """`store_fp8` on each of the pipeline's denoisers; returns their names."""
+    found = denoisers(pipe)
+    for module in found.values():
+        store_fp8(module, storage, compute)
+    return list(found)
 
 
 def mark_fp8(model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor] | None = None,

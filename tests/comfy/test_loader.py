@@ -108,6 +108,25 @@ def test_loads_in_the_chosen_dtype_and_leaves_the_folder_untouched(comfy: harnes
     assert tree_hash(diffusers_dir / model) == before
 
 
+def test_fp8_dtype_stores_the_denoiser_in_fp8_and_computes_in_the_auto_dtype(comfy: harness.ComfyHost,
+                                                                             diffusers_dir: Path, model: str) -> None:
+    before = tree_hash(diffusers_dir / model)
+
+    comfy.run_prompt(prompt(model, "fp8_e4m3fn")).raise_for_error()
+
+    ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
+    patcher = next(lm.model for lm in reversed(comfy.model_management.current_loaded_models)
+                   if isinstance(lm.model, ours))
+    transformer = patcher.pipe.transformer
+    block_weights = [m.weight for m in transformer.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert block_weights and all(w.dtype == torch.float8_e4m3fn for w in block_weights)
+    assert transformer.dtype == patcher.model_dtype() == torch.float32  # the auto dtype on the CPU
+    stored = sum(t.numel() * t.element_size() for c in (transformer, patcher.pipe.vae, patcher.pipe.text_encoder)
+                 for t in {id(t): t for t in (*c.parameters(), *c.buffers())}.values())
+    assert patcher.model_size() == stored  # ComfyUI is told the storage bytes
+    assert tree_hash(diffusers_dir / model) == before
+
+
 def _write(rel: str, data: bytes | str) -> Callable[[Path], None]:
     def damage(folder: Path) -> None:
         path = folder / rel
