@@ -47,6 +47,9 @@ class OffloadConfig:
     whole, so its streaming buffers are smaller and more blocks stay on a small card (see
     bench/README.md). A block's large children must use their weights only inside their own
     forward (true of diffusers' attention and feed-forward modules); off streams every block whole.
+
+    prompt_cache_gb: host memory for the prompt-embedding cache (``run/prompt_cache.py``): a prompt
+    encoded once is not encoded again while the pipeline is placed; 0 turns the cache off.
     """
 
     mode: Mode = field(default="auto", metadata={"rehook": True})
@@ -63,6 +66,7 @@ class OffloadConfig:
     stream_parts: bool = field(default=True, metadata={"rehook": True})
     device: str | None = None
     measures_path: str | None = None
+    prompt_cache_gb: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "always", _parse_list(self.always))
@@ -84,7 +88,7 @@ class OffloadConfig:
             raise OffloadConfigError(
                 "record_stream=True needs use_stream=True: turn streams on or record_stream off"
             )
-        for name in ("pin_reserve_gb", "on_demand_threshold_gb", "resident_floor_mb"):
+        for name in ("pin_reserve_gb", "on_demand_threshold_gb", "resident_floor_mb", "prompt_cache_gb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise OffloadConfigError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -107,6 +111,10 @@ class OffloadConfig:
     @property
     def on_demand_threshold_bytes(self) -> int:
         return int(self.on_demand_threshold_gb * GB)
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        return int(self.prompt_cache_gb * GB)
 
     def replace(self, **changes) -> OffloadConfig:
         return dataclasses.replace(self, **changes)
