@@ -76,6 +76,7 @@ from benchkit.models import (  # noqa: E402
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core import memory as engine_memory  # noqa: E402
+from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, store_fp8  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
 row = Rows()
@@ -93,7 +94,47 @@ def loop(m, feeds, repeats: int) -> float:
 
 
 def build(args):
-    return build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
+    """The model; with ``--storage fp8_*`` its Linear weights stored in fp8 (bf16 compute), as the
+    loader's fp8 dtype does."""
+    m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
+    if args.storage != "bf16":
+        store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
+    return m
+
+
+def resident(m, feeds: dict, args) -> dict:
+    """The resident reference rows; their outputs are the parity references. fp8 storage has no
+    plain resident forward: the engine keeps every block on the device, so the reference runs the
+    same cast path (one cast per unit) as the streamed rows."""
+    refs = {}
+    eng = bag = None
+    if args.storage != "bf16":
+        eng, bag = Engine(), Components(transformer=m)
+        eng.place(bag, config(args, preload="1000"))
+    for w, feed in feeds.items():
+        med, runs, refs[w] = run(m, feed, 1, args.repeats)
+        row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop(m, feed, args.repeats),
+            weights_gib=nbytes(m) / GiB, peak_alloc_gib=peak_alloc_gib(), storage=args.storage,
+            kept_gib=eng.states(bag)["transformer"].transport.kept_bytes() / GiB if eng else None)
+    if eng is not None:
+        eng.release(bag)
+        layerwise(m, feeds, refs, args)
+    return refs
+
+
+def layerwise(m, feeds: dict, refs: dict, args) -> None:
+    """Calibration for fp8: the model resident with a dequantising hook per layer (mode none):
+    its step, and its output against the per-unit cast path's (the same formula: expect 0)."""
+    eng, bag = Engine(), Components(transformer=m)
+    eng.place(bag, on_dev(mode="none"))
+    try:
+        for w, feed in feeds.items():
+            med, runs, out = run(m, feed, 1, args.repeats)
+            row(section="resident_layerwise", workload=w, median_s=med, runs=runs, rel_err=rel_err(out, refs[w]),
+                bit_equal=bool(torch.equal(out, refs[w])), peak_alloc_gib=peak_alloc_gib())
+            del out
+    finally:
+        eng.release(bag)
 
 
 def inputs(args, w: str) -> tuple:
@@ -270,6 +311,8 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
+    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES), default="bf16",
+                    help="weight storage: fp8 stores the Linear weights in fp8, computing in bf16 (main model only)")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
@@ -285,7 +328,8 @@ def main() -> None:
     if flux and WAN_ONLY & set(args.sections.split(",")):
         ap.error(f"--model flux runs no {', '.join(sorted(WAN_ONLY & set(args.sections.split(','))))} section")
     FORWARD = flux_forward if flux else wan_forward
-    row = open_output(args, "wan_bench_flux" if flux else "wan_bench")
+    name = "wan_bench_flux" if flux else "wan_bench"
+    row = open_output(args, name if args.storage == "bf16" else f"{name}_{args.storage}")
     if args.tiny:
         DEV, args.blocks, args.mode_blocks, args.frames = "cpu", min(args.blocks, 2), min(args.mode_blocks, 2), 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -301,7 +345,8 @@ def main() -> None:
         diffusers=diffusers.__version__, h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
         host_total_gib=psutil.virtual_memory().total / GiB,
         allocator=torch.cuda.get_allocator_backend() if cuda else None, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        stream_parts=not args.whole_blocks, window=args.window, model=args.model, args=vars(args))
+        stream_parts=not args.whole_blocks, window=args.window, model=args.model, storage=args.storage,
+        args=vars(args))
     if "modes" in sections:
         section_modes(args)
     if set(sections) - {"modes"}:
@@ -318,11 +363,7 @@ def main_model(args, sections, caps, workloads) -> None:
         weights_gib=nbytes(m) / GiB, blocks=len(blocks), non_block_gib=(nbytes(m) - sum(map(nbytes, blocks))) / GiB,
         block_gib=sorted({round(nbytes(b) / GiB, 4) for b in blocks}))
     feeds = {w: inputs(args, w) for w in workloads}
-    refs = {}
-    for w in workloads:
-        med, runs, refs[w] = run(m, feeds[w], 1, args.repeats)
-        row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop(m, feeds[w], args.repeats),
-            weights_gib=nbytes(m) / GiB, peak_alloc_gib=peak_alloc_gib())
+    refs = resident(m, feeds, args)
     row(section="to_host", seconds=to_host(m), rss_gib=psutil.Process().memory_info().rss / GiB)
     if "stream" in sections:
         run_engine("stream", m, config(args, preload="off"), None, refs, feeds, args, workloads=workloads)

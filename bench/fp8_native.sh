@@ -1,0 +1,47 @@
+#!/bin/bash
+# fp8 storage against ComfyUI's native fp8 path, side by side in one GPU call (issue 23's bench):
+# our wan_bench.py rows with --storage fp8_e4m3fn, then ComfyUI's own Wan with DynamicVRAM and
+# UNETLoader weight_dtype fp8_e4m3fn (../shared/reference/native_anchor/native_bench.py) at the
+# same caps, one process per cap.
+#
+# Here, once: `bash bench/comfy_coexist.sh prep <2026 ComfyUI tree>` fills the ignored .gpu/.
+# On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
+#   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"]
+# Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/wan_bench_fp8_e4m3fn.json (+ .log).
+set -u
+cd "$(dirname "$0")/.." || exit 2
+CAPS=${1:-"12 24"}
+LAYERS=${2:-40}
+OURS_ARGS=${3:-"--sections stream,preload"}
+OUT=${OUT:-/tmp/fp8_native_out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/fp8_native.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+T0=$SECONDS
+BUDGET_S=${BUDGET_S:-570}
+left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .gpu/whl/*.whl .whl/*.whl || exit 3
+tar -xJf .gpu/whl/comfy_kitchen-0.2.31-cp312-nohip.tar.xz -C /tmp/site || exit 3
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+echo "== [$((SECONDS-T0))s] ours: wan_bench --storage fp8_e4m3fn --caps ${CAPS// /,}"
+timeout -k 10 $(( $(left) - 150 )) python3 bench/wan_bench.py --storage fp8_e4m3fn $OURS_ARGS \
+  --caps "${CAPS// /,}" --out "$OUT"
+echo "ours rc=$?"
+
+M=/tmp/wan14b_L${LAYERS}_bf16.safetensors
+echo "== [$((SECONDS-T0))s] native model (ComfyUI layout, bf16, $LAYERS layers)"
+timeout -k 10 120 python3 .gpu/native_anchor/make_wan_sd.py --preset 14b --layers "$LAYERS" --device cuda \
+  --out "$M" --skip-if-exists || exit 4
+for cap in $CAPS; do
+  L=$(left)
+  if [ "$L" -lt 40 ]; then echo "== skip native cap=$cap: ${L}s left"; continue; fi
+  echo "== [$((SECONDS-T0))s] native fp8_e4m3fn cap=$cap"
+  timeout -k 10 $(( L < 200 ? L : 200 )) python3 .gpu/native_anchor/native_bench.py --comfy-dir .gpu/comfyui \
+    --model "$M" --cap-gb "$cap" --weight-dtype fp8_e4m3fn --workloads small,video --tag fp8 \
+    --json-out "$OUT/native.jsonl"
+  echo "native cap=$cap rc=$?"
+done
+echo "== [$((SECONDS-T0))s] done"
