@@ -60,7 +60,8 @@ FP8 = Key("fp8", kept=True)  # formats.fp8.Fp8Table: the model's fp8 weights and
 
 KEPT_ON_PURPOSE = {
     PLANNER.attr: "the preload planner survives a release so that a reload plans from its measures",
-    LORA.attr: "a fused LoRA stays until the LoRA set is cleared (its backups restore the base weights)",
+    LORA.attr: "a LoRA set stays until it is cleared (fused weights' restore sources; unfused layers' factors, "
+               "whose hooks a teardown strips and the next activation re-attaches)",
     LORA_REPORT.attr: "goes with the LoRA set",
     FP8.attr: "the weights' storage format, set by the loader: it lives as long as the weights",
 }
@@ -72,7 +73,8 @@ MARKER = _GROUP_OFFLOADING
 STREAM_HOOK = "diffusers_offload_stream"
 ON_DEMAND_HOOK = "diffusers_offload_on_demand"
 DEQUANT_HOOK = "diffusers_offload_dequant"
-OUR_HOOKS = (STREAM_HOOK, ON_DEMAND_HOOK, DEQUANT_HOOK)
+LORA_HOOK = "diffusers_offload_lora"  # an unfused LoRA's low-rank delta on a quantized layer
+OUR_HOOKS = (STREAM_HOOK, ON_DEMAND_HOOK, DEQUANT_HOOK, LORA_HOOK)
 DIFFUSERS_GROUP_HOOKS = (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING)
 REGISTRY = "_diffusers_hook"
 BRIDGE = "_hf_hook"
