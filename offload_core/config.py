@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -32,6 +33,24 @@ def _parse_list(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, .
     return tuple(dict.fromkeys(v.strip() for v in value if v and v.strip()))
 
 
+_GIB_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gb|gib|g)?\s*$", re.IGNORECASE)
+
+
+def _parse_host_ram(value: object) -> float | str:
+    """``host_ram_gb`` as ``"auto"`` or a finite number of GiB >= 0; anything else is refused."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return "auto"
+        match = _GIB_TEXT.match(text)
+        if match:
+            return float(match.group(1))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    raise OffloadConfigError(
+        f"host_ram_gb must be 'auto' or a finite number of GiB >= 0 (such as 24), got {value!r}")
+
+
 @dataclass(frozen=True)
 class OffloadConfig:
     """Options of the offload engine.
@@ -50,6 +69,11 @@ class OffloadConfig:
 
     prompt_cache_gb: host memory for the prompt-embedding cache (``run/prompt_cache.py``): a prompt
     encoded once is not encoded again while the pipeline is placed; 0 turns the cache off.
+
+    host_ram_gb: host memory the pack may page-lock (streamed weights pinned in place and the
+    pinned staging buffers the rest is copied through): ``"auto"`` grants what is free at
+    placement less ``pin_reserve_gb``; a number of GiB (``24``, ``"24 GB"``) caps it further, never
+    above what is free less the reserve. What it does not grant streams through staging buffers.
     """
 
     mode: Mode = field(default="auto", metadata={"rehook": True})
@@ -67,6 +91,7 @@ class OffloadConfig:
     device: str | None = None
     measures_path: str | None = None
     prompt_cache_gb: float = 1.0
+    host_ram_gb: float | str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "always", _parse_list(self.always))
@@ -75,6 +100,7 @@ class OffloadConfig:
             object.__setattr__(self, "preload", parse_policy(self.preload))
         except ValueError as exc:
             raise OffloadConfigError(str(exc)) from None
+        object.__setattr__(self, "host_ram_gb", _parse_host_ram(self.host_ram_gb))
         self._validate()
 
     def hooking(self) -> tuple[tuple[str, object], ...]:
@@ -115,6 +141,11 @@ class OffloadConfig:
     @property
     def prompt_cache_bytes(self) -> int:
         return int(self.prompt_cache_gb * GB)
+
+    @property
+    def host_ram_bytes(self) -> int | None:
+        """The page-lock cap of ``host_ram_gb`` in bytes; None for ``"auto"`` (free less reserve)."""
+        return None if self.host_ram_gb == "auto" else int(float(self.host_ram_gb) * GB)
 
     def replace(self, **changes) -> OffloadConfig:
         return dataclasses.replace(self, **changes)
