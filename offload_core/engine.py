@@ -18,9 +18,11 @@ from .components import ComponentInfo, describe, iter_modules
 from .config import OffloadConfig
 from .guards import onload_device, refuse_foreign_offload
 from .log import get_logger
-from .memory import MemoryReader, PinVerdict, pin_budget, sweep_cleanup
+from .memory import MemoryReader, PinVerdict, sweep_cleanup
+from .pin_path import pin_verdict, transport_context
 from .report import ComponentReport, PlacementReport, gib
 from .roles import Role, RoleDecision, decide, warn_unknown_entries
+from .run import prompt_cache
 from .state import (
     APPLYING,
     COMPONENT,
@@ -30,6 +32,7 @@ from .state import (
     OUR_HOOKS,
     PIN_VERDICT,
     PIPELINE,
+    PROMPT_CACHE,
 )
 from .state import clear as clear_state
 from .transport import LeafGroupTransport, OnDemandTransport, ResidentTransport, Transport, TransportContext
@@ -91,6 +94,7 @@ class Engine:
                 PIPELINE.pop(pipe)
                 self._pipelines.discard(pipe)
             raise
+        prompt_cache.install(pipe, config.prompt_cache_bytes, device)
         report = self.report(pipe)
         key = tuple((c.name, c.role, c.reason) for c in report.components)
         if key != pstate.logged:
@@ -116,7 +120,7 @@ class Engine:
             self._teardown(module)
         APPLYING.set(module, True)
         try:
-            transport = _make_transport(decision.role, self._context(config, pstate, verdict), info)
+            transport = _make_transport(decision.role, self._context(config, pstate, verdict, info, decision), info)
             COMPONENT.set(module, ComponentState(signature, transport, decision, info))
             fp8 = fp8_layers(module)
             register_dequant(module)  # before the transport's hooks: the onload runs first
@@ -132,35 +136,14 @@ class Engine:
 
     def _pin_verdict(self, module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision,
                      config: OffloadConfig) -> PinVerdict | None:
-        """Cached on the component: a granted pin lowers the very reading it was granted against."""
-        wants = decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)
-        if not (wants and config.pin_memory and config.use_stream):
-            return None
-        cached: PinVerdict | None = PIN_VERDICT.get(module)
-        if cached is not None and cached.need == info.nbytes and cached.reserve == config.pin_reserve_bytes:
-            return cached
-        verdict = pin_budget(info.nbytes, self.memory, config.pin_reserve_bytes)
-        PIN_VERDICT.set(module, verdict)
-        if verdict.granted:
-            log.info("%s: %s", info.name, verdict.describe())
-        else:
-            log.warning(
-                "%s: %s -> block level without streams: %s moved from pageable memory every step",
-                info.name, verdict.describe(), gib(info.nbytes),
-            )
-        return verdict
+        """Cached on the component (`pin_path.pin_verdict`); its own pins do not count against it."""
+        state: ComponentState | None = COMPONENT.get(module)
+        own = state.transport.pinned_bytes() if state is not None else 0
+        return pin_verdict(module, info, decision, config, self.memory, own)
 
-    def _context(self, config: OffloadConfig, pstate: PipelineState,
-                 verdict: PinVerdict | None) -> TransportContext:
-        granted = verdict is not None and verdict.granted
-        return TransportContext(
-            onload_device=pstate.device,
-            config=config,
-            streams=granted and pstate.device.type == "cuda",
-            pin=granted,
-            memory=self.memory,
-            owner=pstate.on_demand,
-        )
+    def _context(self, config: OffloadConfig, pstate: PipelineState, verdict: PinVerdict | None,
+                 info: ComponentInfo, decision: RoleDecision) -> TransportContext:
+        return transport_context(info, decision, config, pstate.device, verdict, self.memory, pstate.on_demand)
 
     # -- release --------------------------------------------------------------------------
     def _teardown(self, module: torch.nn.Module) -> None:
@@ -179,6 +162,7 @@ class Engine:
             except Exception as exc:  # keep releasing the others; report what failed
                 log.error("release of %s failed: %s: %s", name, type(exc).__name__, exc)
             clear_state(module)
+        prompt_cache.remove(pipe)
         clear_state(pipe)
         self._pipelines.discard(pipe)
         sweep_cleanup()
@@ -239,6 +223,7 @@ class Engine:
             mode=pstate.config.mode if pstate else "-",
             components=tuple(comps),
             plan=_plans(comps),
+            prompt_cache=cache.summary() if (cache := PROMPT_CACHE.get(pipe)) is not None else "",
         )
 
 
@@ -281,7 +266,7 @@ def _component_report(info: ComponentInfo, state: ComponentState | None,
 def _signature(decision: RoleDecision, config: OffloadConfig, device: torch.device,
                verdict: PinVerdict | None) -> tuple:
     """What a component was hooked with: a change re-places it; anything else is a retune."""
-    return decision.role, decision.lists, verdict.granted if verdict else None, str(device), config.hooking()
+    return decision.role, decision.lists, verdict.grant if verdict else None, str(device), config.hooking()
 
 
 def _make_transport(role: Role, ctx: TransportContext, info: ComponentInfo) -> Transport:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -56,6 +56,11 @@ class MemoryReader:
             return 0
         stats = _allocator_stats(device)
         return int(stats.get("num_alloc_retries", 0)) + int(stats.get("num_ooms", 0))
+
+    def pin_limit(self) -> PinLimit | None:
+        """The host application's own cap on page-locked memory, if it sets one (a ComfyUI host
+        reads its ``MAX_PINNED_MEMORY``); None: only free memory and ``host_ram_gb`` bound pins."""
+        return None
 
     def empty_cache(self, device: torch.device) -> None:
         if device.type == "cuda":
@@ -110,23 +115,62 @@ def _set_allocator_settings(settings: str) -> None:
 
 
 @dataclass(frozen=True)
+class PinLimit:
+    """A host's own cap on page-locked memory (ComfyUI's ``MAX_PINNED_MEMORY`` less its own pins):
+    what this pack may lock in all, and where the cap comes from, for the log."""
+
+    nbytes: int
+    source: str
+
+
+@dataclass(frozen=True)
 class PinVerdict:
-    granted: bool
+    """How much of a component's ``need`` may be page-locked (``grant``), and which of the caps
+    bound it: host memory free less the reserve, ``host_ram_gb``, the host's pin limit."""
+
     need: int
     available: int
     reserve: int
+    grant: int = -1  # -1: the whole need (a verdict built by hand)
+    limit: str = "host free less reserve"  # the cap that bound the grant
+    key: tuple = field(default=(), compare=False)  # the settings it was read for (the engine's cache)
+
+    def __post_init__(self) -> None:
+        if self.grant < 0:
+            object.__setattr__(self, "grant", self.need)
+
+    @property
+    def granted(self) -> bool:
+        """The whole need may be pinned."""
+        return self.grant >= self.need
+
+    @property
+    def word(self) -> str:
+        return "granted" if self.granted else "partly granted" if self.grant > 0 else "denied"
 
     def describe(self) -> str:
-        word = "granted" if self.granted else "denied"
-        return (f"pin {word}: need {self.need / 2**30:.2f} GiB, host free {self.available / 2**30:.2f} GiB "
-                f"less reserve {self.reserve / 2**30:.2f} GiB")
+        bound = "" if self.granted else f" (bound by {self.limit})"
+        return (f"pin {self.word}: {self.grant / 2**30:.2f} of {self.need / 2**30:.2f} GiB{bound}; host free "
+                f"{self.available / 2**30:.2f} GiB less reserve {self.reserve / 2**30:.2f} GiB")
 
 
-def pin_budget(need: int, reader: MemoryReader, reserve: int) -> PinVerdict:
+def pin_budget(need: int, reader: MemoryReader, reserve: int, budget: int | None = None,
+               held: int = 0) -> PinVerdict:
     """Grant pinning only against host memory free *now* less a reserve, never total memory:
-    pinned pages cannot be swapped, so over-pinning pushes the host into the OOM killer."""
+    pinned pages cannot be swapped, so over-pinning pushes the host into the OOM killer. Also
+    capped by ``budget`` (``host_ram_gb``) and the host's pin limit (`MemoryReader.pin_limit`),
+    each less ``held``, what this process has page-locked for other components already. Grants
+    what fits: the rest of the component streams through pinned staging buffers."""
     available = reader.host_available()
-    return PinVerdict(granted=need <= available - reserve, need=need, available=available, reserve=reserve)
+    rooms = {"host free less reserve": available - reserve}
+    if budget is not None:
+        rooms[f"host_ram_gb {budget / 2**30:.2f} GiB"] = budget - held
+    limit = reader.pin_limit()
+    if limit is not None:
+        rooms[limit.source] = limit.nbytes - held
+    bound = min(rooms, key=rooms.__getitem__)
+    grant = max(min(need, rooms[bound]), 0)
+    return PinVerdict(need=need, available=available, reserve=reserve, grant=grant, limit=bound)
 
 
 def accelerator_available() -> bool:

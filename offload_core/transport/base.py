@@ -39,8 +39,9 @@ class TransportContext:
 
     onload_device: torch.device
     config: OffloadConfig = field(default_factory=OffloadConfig)
-    streams: bool = False  # side-stream prefetch (needs pinned memory and an accelerator)
+    streams: bool = False  # side-stream prefetch (an accelerator; unpinned weights go through staging buffers)
     pin: bool = False
+    pin_bytes: int | None = None  # the most a transport may page-lock (None: all it holds, when ``pin``)
     memory: MemoryReader = field(default_factory=MemoryReader)
     owner: object | None = None  # the pipeline-level group (on-demand eviction peers)
     offload_device: torch.device = field(default_factory=lambda: torch.device("cpu"))

@@ -1,0 +1,88 @@
+"""How a component's weights reach the device, decided once per placement and logged once.
+
+- **pinned**: the pin budget grants the component's bytes; its streamed weights are page-locked
+  in place and copied on the side stream;
+- **partly pinned**: the budget grants part (`memory.pin_budget`); the block streamer pins blocks
+  until the grant is used and copies the rest through a small ring of pinned staging buffers
+  (`transport/staging.py`), on the same side stream;
+- **staged**: nothing pinned (``pin_memory`` off, ComfyUI's ``--disable-pinned-memory``, a denied
+  budget): the block streamer still keeps its side stream, through the staging buffers;
+- **synchronous**: no side stream (``use_stream`` off, a device without streams), or a
+  component under diffusers' leaf groups without a full grant (their streams pin a copy of
+  every weight themselves, so they run only where the whole component is granted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .components import ComponentInfo
+from .config import OffloadConfig
+from .log import get_logger
+from .memory import MemoryReader, PinVerdict, pin_budget
+from .pinning import pinned_bytes
+from .report import gib
+from .roles import Role, RoleDecision
+from .state import PIN_VERDICT
+from .transport import TransportContext
+
+log = get_logger("engine")
+
+
+def wants_pin(info: ComponentInfo, decision: RoleDecision) -> bool:
+    """Components whose weights are copied every step: the streamed denoisers."""
+    return decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)
+
+
+def pin_verdict(module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision, config: OffloadConfig,
+                memory: MemoryReader, own: int = 0) -> PinVerdict | None:
+    """The component's pin verdict, cached on it: a granted pin lowers the very reading it was
+    granted against. ``own``: bytes the component holds pinned now (a re-placement), which do not
+    count against the caps as another component's would. None when pinning is not asked for."""
+    if not (wants_pin(info, decision) and config.pin_memory and config.use_stream):
+        return None
+    cached: PinVerdict | None = PIN_VERDICT.get(module)
+    key = (info.nbytes, config.pin_reserve_bytes, config.host_ram_bytes)
+    if cached is not None and cached.key == key:
+        return cached
+    verdict = replace(pin_budget(info.nbytes, memory, config.pin_reserve_bytes, budget=config.host_ram_bytes,
+                                 held=max(pinned_bytes() - own, 0)), key=key)
+    PIN_VERDICT.set(module, verdict)
+    return verdict
+
+
+def transport_context(info: ComponentInfo, decision: RoleDecision, config: OffloadConfig, device: torch.device,
+                      verdict: PinVerdict | None, memory: MemoryReader, owner: object) -> TransportContext:
+    """The transport's settings from the verdict (see the module docstring), and the one log line
+    that says which path the component's copies take."""
+    streamer = decision.role is Role.PER_STEP
+    full = verdict is not None and verdict.granted
+    grant = verdict.grant if verdict is not None else 0
+    streams = device.type == "cuda" and config.use_stream and (streamer or full)
+    pin = grant > 0 if streamer else full
+    ctx = TransportContext(onload_device=device, config=config, streams=streams, pin=pin,
+                           pin_bytes=None if full or not pin else grant, memory=memory, owner=owner)
+    if wants_pin(info, decision):
+        _log_path(info, config, verdict, ctx, streamer)
+    return ctx
+
+
+def _log_path(info: ComponentInfo, config: OffloadConfig, verdict: PinVerdict | None, ctx: TransportContext,
+              streamer: bool) -> None:
+    why = verdict.describe() if verdict is not None else (
+        "pin_memory off" if not config.pin_memory else "use_stream off")
+    volume = gib(info.nbytes)
+    if verdict is not None and verdict.granted:
+        log.info("%s: %s -> pinned in place%s", info.name, why, ", side-stream prefetch" if ctx.streams else "")
+    elif ctx.streams and ctx.pin:
+        log.info("%s: %s -> blocks pinned up to the grant, the rest (up to %s) copied every step from pageable "
+                 "memory through pinned staging buffers on the side stream", info.name, why,
+                 gib(info.nbytes - (ctx.pin_bytes or 0)))
+    elif ctx.streams:
+        log.warning("%s: %s -> %s copied from pageable memory every step through pinned staging buffers on the "
+                    "side stream", info.name, why, volume)
+    else:
+        log.warning("%s: %s -> %s without streams (on %s): %s moved from pageable memory every step", info.name,
+                    why, "block level" if streamer else "leaf level", ctx.onload_device, volume)
