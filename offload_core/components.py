@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats.gguf import gguf_quant_types
 from .log import get_logger
 
 log = get_logger("components")
@@ -128,6 +129,9 @@ def _is_bridged(method: object) -> bool:
 
 
 def _quantization(module: torch.nn.Module) -> str | None:
+    gguf = gguf_quant_types(module)  # from_single_file sets no config.quantization_config
+    if gguf:
+        return "gguf " + "/".join(gguf)
     qc = getattr(getattr(module, "config", None), "quantization_config", None)
     if qc is None:
         qc = getattr(module, "quantization_config", None)
