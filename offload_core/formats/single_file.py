@@ -1,0 +1,358 @@
+"""Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8, GGUF) into
+the diffusers class of a config folder of the same family.
+
+Keys are converted by diffusers' own single-file conversion (the mapping function
+`from_single_file` uses). bf16 files and GGUF files go through `from_single_file` itself. fp8
+files do not: diffusers 0.42.1 casts their fp8 values to the compute dtype and drops every
+``scale_weight`` (silently wrong weights, twice the bytes), so here the converted fp8 tensors are
+assigned into an empty model as they are and `fp8.mark_fp8` records their per-tensor scales.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+from accelerate import init_empty_weights
+from safetensors.torch import load_file
+
+from ..log import get_logger
+from .fp8 import dequantize, is_fp8, mark_fp8
+from .inspect import (
+    INPUT_SCALE_SUFFIXES,
+    QUANT_SUFFIX,
+    SingleFileError,
+    SingleFileInfo,
+    check_quant_layers,
+    inspect_safetensors,
+)
+
+log = get_logger("single_file")
+
+SCALE_KEY = ".scale_weight"  # the spelling both ComfyUI layouts are normalised to before conversion
+CLASS_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers class-name prefix -> family (first match)
+    ("WanVACE", "wan"), ("WanAnimate", "wan"), ("Wan", "wan"), ("Flux2", "flux2"), ("Flux3", "flux3"),
+    ("Flux", "flux"), ("Chroma", "chroma"), ("LTX2", "ltx2"), ("LTXVideo", "ltx-video"), ("MiniMaxH3", "minimax_h3"),
+    ("HunyuanVideo", "hunyuan-video"), ("Mochi", "mochi"), ("SD3", "sd3"), ("AuraFlow", "auraflow"),
+    ("Lumina2", "lumina2"), ("Sana", "sana"), ("HiDream", "hidream"), ("Cosmos", "cosmos"), ("ZImage", "z-image"),
+    ("QwenImage", "qwen-image"), ("Krea2", "krea2"),
+)
+_input_scales_noted: set[str] = set()
+
+
+def class_family(class_name: str) -> str | None:
+    return next((family for prefix, family in CLASS_FAMILIES if class_name.startswith(prefix)), None)
+
+
+def model_class(folder: Path, what: str) -> type:
+    """The diffusers class a component folder's ``config.json`` names."""
+    config = Path(folder) / "config.json"
+    try:
+        name = json.loads(config.read_text(encoding="utf-8"))["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SingleFileError(f"{config} cannot be read ({exc}): the config folder needs the {what} config "
+                              "(config.json with _class_name); use a diffusers folder of the model's family") from exc
+    cls = getattr(diffusers, str(name), None)
+    if not isinstance(cls, type):
+        raise SingleFileError(f"{config} names {name!r}, which this diffusers version does not have")
+    return cls
+
+
+def load_denoiser(path: Path, config_folder: Path, compute: torch.dtype, subfolder: str = "transformer") -> Any:
+    """The denoiser of single file ``path`` as the class of ``config_folder/subfolder``, computing in
+    ``compute``; fp8 files keep their fp8 storage (with their scales), GGUF files their packed bytes."""
+    path, config_folder = Path(path), Path(config_folder)
+    if not path.is_file():
+        raise SingleFileError(f"{path} does not exist: pick a file from models/diffusion_models")
+    cls = model_class(config_folder / subfolder, subfolder)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, config_folder, subfolder, cls, compute)
+    info = inspect_safetensors(path)
+    _check_denoiser(info, cls, config_folder)
+    if info.quant_keys or "_quantization_metadata" in info.metadata:
+        check_quant_layers(info)
+    if info.fp8 is None and not info.scales:
+        log.info("%s: %s denoiser in %s, loaded by diffusers' from_single_file as %s", path.name, info.family,
+                 info.format, _short(compute))
+        return _from_single_file(path, config_folder, subfolder, cls, torch_dtype=compute)
+    return _load_fp8(path, info, config_folder, subfolder, cls, compute)
+
+
+def _check_denoiser(info: SingleFileInfo, cls: type, config_folder: Path) -> None:
+    """A text encoder, VAE, LoRA or a denoiser of another family is refused, saying what it is."""
+    if info.role != "denoiser":
+        hint = {"text_encoder": "pick it as the text-encoder file", "vae": "pick it as the VAE file",
+                "lora": "load it with Load LoRA (diffusers)"}.get(info.role, "pick a denoiser file")
+        raise SingleFileError(f"{info.path} looks like {info.looks_like}, not a denoiser: {hint}")
+    expected = class_family(cls.__name__)
+    if info.family != expected:
+        raise SingleFileError(
+            f"{info.path} is {info.looks_like}, but the config folder {config_folder} is a {expected or cls.__name__} "
+            f"model ({cls.__name__}): pick a config folder of the file's family, or a {expected} file")
+
+
+def _from_single_file(path: Path, config_folder: Path, subfolder: str, cls: type, **kwargs: Any) -> Any:
+    try:
+        return cls.from_single_file(str(path), config=str(config_folder), subfolder=subfolder,
+                                    local_files_only=True, **kwargs)
+    except Exception as exc:  # diffusers' errors name neither the file nor the folder
+        raise SingleFileError(f"diffusers could not load {path} as {cls.__name__} with the config of "
+                              f"{config_folder / subfolder}: {type(exc).__name__}: {exc}") from exc
+
+
+def _load_gguf(path: Path, config_folder: Path, subfolder: str, cls: type, compute: torch.dtype) -> Any:
+    from diffusers import GGUFQuantizationConfig
+
+    _check_gguf(path, cls, config_folder)
+    model = _from_single_file(path, config_folder, subfolder, cls, torch_dtype=compute,
+                              quantization_config=GGUFQuantizationConfig(compute_dtype=compute))
+    log.info("%s: GGUF denoiser loaded as %s (packed weights, dequantised to %s at compute)", path.name,
+             cls.__name__, _short(compute))
+    return model
+
+
+def _check_gguf(path: Path, cls: type, config_folder: Path) -> None:
+    """The GGUF helper's header reader, when present, refuses bad files and unknown types by name."""
+    try:
+        from . import gguf as gguf_format
+    except ImportError:
+        return
+    info = gguf_format.inspect_gguf(path)
+    family = getattr(info, "family", None)
+    expected = class_family(cls.__name__)
+    if family and expected and family != expected:
+        raise SingleFileError(f"{path} is a {family} GGUF file, but the config folder {config_folder} is a "
+                              f"{expected} model ({cls.__name__}): pick a config folder of the file's family")
+
+
+def _load_fp8(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: str, cls: type,
+              compute: torch.dtype) -> Any:
+    """fp8 weights assigned as they are (after diffusers' key conversion) and marked with their scales."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    mapping = SINGLE_FILE_LOADABLE_CLASSES.get(cls.__name__)
+    if mapping is None:
+        raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
+    checkpoint = _read_fp8_checkpoint(path, info)
+    config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
+    with init_empty_weights():
+        model = cls.from_config(config)
+    expected = model.state_dict()
+    converted = checkpoint if set(expected) <= set(checkpoint) else mapping["checkpoint_mapping_fn"](
+        config=config, checkpoint=checkpoint)
+    scales = {k.removesuffix(SCALE_KEY): converted.pop(k) for k in [k for k in converted if k.endswith(SCALE_KEY)]}
+    if len(scales) != len(info.scales):
+        raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion kept {len(scales)} of the file's "
+                              f"{len(info.scales)} weight scales; this pack cannot map them for this family yet")
+    _check_keys(path, converted, expected, cls, config_folder / subfolder)
+    state = _compute_state(converted, scales, cls, compute)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    try:
+        mark_fp8(model, compute, scales, source=str(path))
+    except ValueError as exc:
+        raise SingleFileError(str(exc)) from exc
+    log.info("%s: %s denoiser in %s (%d per-tensor scales) loaded as %s, fp8 storage kept", path.name,
+             info.family, info.format, len(scales), cls.__name__)
+    return model
+
+
+def _read_fp8_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
+    """The file's tensors less the marker, input scales and quant entries; weight scales under one
+    spelling (``<layer>.scale_weight``) so the conversion renames their layer part like the weight's."""
+    try:
+        checkpoint = load_file(str(path))
+    except Exception as exc:
+        raise SingleFileError(f"{path} cannot be read by safetensors ({exc}): download this file again") from exc
+    if info.marker:
+        checkpoint.pop(info.marker, None)
+    ignored = [k for k in checkpoint if k.endswith(INPUT_SCALE_SUFFIXES)]
+    for key in ignored:
+        checkpoint.pop(key)
+    if ignored and str(path) not in _input_scales_noted:
+        _input_scales_noted.add(str(path))
+        log.info("%s: %d input scales ignored (they only serve fp8 matmul; weights are dequantised to compute)",
+                 path.name, len(ignored))
+    for key in [k for k in checkpoint if k.endswith(QUANT_SUFFIX)]:
+        checkpoint.pop(key)
+    for layer, key in info.scales.items():
+        checkpoint[layer + SCALE_KEY] = checkpoint.pop(key)
+    return checkpoint
+
+
+def _check_keys(path: Path, converted: dict, expected: dict, cls: type, config: Path) -> None:
+    missing = sorted(set(expected) - set(converted))
+    unexpected = sorted(set(converted) - set(expected))
+    wrong = [f"{k} {tuple(converted[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+             if k in converted and tuple(converted[k].shape) != tuple(v.shape)]
+    if missing or unexpected or wrong:
+        raise SingleFileError(
+            f"{path} does not match the {cls.__name__} config in {config}: "
+            f"{len(missing)} weights missing {missing[:3]}, {len(unexpected)} unexpected {unexpected[:3]}, "
+            f"{len(wrong)} of another shape {wrong[:3]}: pick the config folder of this model size and variant")
+
+
+def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], cls: type,
+                   compute: torch.dtype) -> dict[str, torch.Tensor]:
+    """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (for fp16 compute) in fp32, an fp8
+    weight among them dequantised with its scale; fp8 tensors otherwise as stored."""
+    keep32 = list(cls._keep_in_fp32_modules or []) if compute == torch.float16 else []
+    state = {}
+    for key, t in converted.items():
+        fp32 = any(m in key.split(".") for m in keep32)
+        if is_fp8(t) and fp32:
+            scale = scales.pop(key.removesuffix(".weight"), None)
+            if scale is not None and scale.numel() != 1:
+                raise SingleFileError(f"the scale of {key} has shape {tuple(scale.shape)} for a weight of shape "
+                                      f"{tuple(t.shape)}; only per-tensor scales (one value) are supported")
+            t = dequantize(t, None if scale is None else float(scale.float().reshape(())), torch.float32)
+        elif t.is_floating_point() and not is_fp8(t):
+            t = t.to(torch.float32 if fp32 else compute)
+        state[key] = t
+    return state
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# -- the pipeline around a single-file denoiser ---------------------------------------------------
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
+FILE_KINDS = {"text_encoder": "text-encoder file", "vae": "VAE file"}
+
+
+def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
+                                text_encoder_file: Path | None = None, vae_file: Path | None = None) -> Any:
+    """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
+    one is enough when the text-encoder and VAE files are given) with the denoiser from
+    ``denoiser_file``, computing in ``dtype``."""
+    folder = Path(config_folder)
+    index = _read_index(folder)
+    if "transformer" not in index:
+        raise SingleFileError(f"{folder} has no transformer component: single-file denoisers load into "
+                              "transformer pipelines (Wan, Flux, LTX-2, ...); pick such a config folder")
+    files = {"text_encoder": text_encoder_file, "vae": vae_file}
+    parts: dict[str, Any] = {}
+    for name, cls_name in _model_components(folder, index):
+        if name == "transformer":
+            continue
+        chosen = files.get(name)
+        if chosen is not None:
+            parts[name] = _load_part(name, Path(chosen), folder, cls_name, dtype)
+        elif not _has_weights(folder / name):
+            kind = FILE_KINDS.get(name)
+            pick = f"pick a {kind} for it" if kind else "use a diffusers folder that has them"
+            raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
+    parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
+    try:
+        pipe = _assemble(folder, index, parts, dtype)
+    except Exception as exc:
+        raise SingleFileError(f"diffusers could not build the pipeline of {folder} around {denoiser_file}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
+             "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
+    return pipe
+
+
+def _assemble(folder: Path, index: dict, parts: dict[str, Any], dtype: torch.dtype) -> Any:
+    """The index's pipeline class built from ``parts`` and the folder's other components, each
+    loaded as `DiffusionPipeline.from_pretrained` would. Why not that call itself: diffusers 0.42.1
+    reloads a passed component the pipeline declares optional (Wan's ``transformer``) from the
+    folder and drops the passed one."""
+    import importlib
+
+    pipeline_class = getattr(diffusers, index["_class_name"], None)
+    if not isinstance(pipeline_class, type):
+        raise SingleFileError(f"{folder}: pipeline class {index['_class_name']!r} is not in this diffusers version")
+    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(pipeline_class)
+    kwargs: dict[str, Any] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or name not in (*expected, *optional):
+            continue
+        if name in parts:
+            kwargs[name] = parts[name]
+        elif isinstance(spec, list) and len(spec) == 2:
+            if not all(spec):
+                kwargs[name] = None
+                continue
+            cls = getattr(importlib.import_module(str(spec[0])), str(spec[1]))
+            weights = issubclass(cls, torch.nn.Module)
+            dtype_kw = {} if not weights else {"torch_dtype" if spec[0] == "diffusers" else "dtype": dtype}
+            kwargs[name] = cls.from_pretrained(str(folder / name), local_files_only=True, **dtype_kw)
+        else:
+            kwargs[name] = spec
+    pipe = pipeline_class(**kwargs)
+    pipe.register_to_config(_name_or_path=str(folder))
+    return pipe
+
+
+def _read_index(folder: Path) -> dict:
+    path = folder / "model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SingleFileError(f"{folder} is not a diffusers config folder: {path} cannot be read ({exc})") from exc
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise SingleFileError(f"{path} is not a diffusers pipeline index (no _class_name)")
+    return index
+
+
+def _model_components(folder: Path, index: dict) -> list[tuple[str, str]]:
+    """(name, class) of the index's components that hold weights (a folder with a config.json)."""
+    return [(name, str(spec[1])) for name, spec in index.items()
+            if not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and all(spec)
+            and (folder / name / "config.json").is_file()]
+
+
+def _has_weights(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
+
+
+def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.dtype) -> Any:
+    """A text encoder or VAE from its single file, into the class and config of ``folder/name``."""
+    if not path.is_file():
+        raise SingleFileError(f"{path} does not exist: pick a {FILE_KINDS.get(name, 'file')} from ComfyUI's folders")
+    info = inspect_safetensors(path)
+    role = "vae" if name == "vae" else "text_encoder"
+    if info.role != role and not (role == "vae" and info.role == "unknown"):
+        raise SingleFileError(f"{path} looks like {info.looks_like}, not a {FILE_KINDS.get(name, name)} for {name} "
+                              f"({cls_name})")
+    if role == "vae":
+        return _from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
+    return _load_text_encoder(path, info, folder / name, cls_name, dtype)
+
+
+def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
+    """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
+    not) are dequantised to ``dtype`` here (text encoders run once per prompt)."""
+    import transformers
+
+    cls = getattr(transformers, cls_name, None)
+    if not isinstance(cls, type):
+        raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
+    state = _read_fp8_checkpoint(path, info) if (info.fp8 is not None or info.scales) else load_file(str(path))
+    for key in [k for k in state if k.endswith(SCALE_KEY)]:
+        layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
+        if layer + ".weight" in state and scale.numel() == 1:
+            state[layer + ".weight"] = dequantize(state[layer + ".weight"], float(scale.float().reshape(())), dtype)
+    state = {k: dequantize(v, None, dtype) if is_fp8(v) else v for k, v in state.items()}
+    try:
+        model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
+                                            state_dict=state, dtype=dtype, output_loading_info=True)
+    except Exception as exc:
+        raise SingleFileError(f"transformers could not load {path} as {cls_name}: {type(exc).__name__}: {exc}") from exc
+    missing = [k for k in report.get("missing_keys", ()) if k not in _tied(model)]
+    if missing or report.get("mismatched_keys"):
+        raise SingleFileError(f"{path} does not match the {cls_name} config in {config}: missing {sorted(missing)[:3]},"
+                              f" other shapes {list(report.get('mismatched_keys') or [])[:3]}: pick the text encoder "
+                              "this model uses")
+    log.info("%s: %s text encoder (%s) loaded as %s", path.name, cls_name, info.format, _short(dtype))
+    return model
+
+
+def _tied(model: Any) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()
