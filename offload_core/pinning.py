@@ -57,6 +57,24 @@ class PinSet:
         self._keep.clear()
 
 
+class PinGrant:
+    """A pin grant used up in order: ``claim(n)`` says whether the next ``n`` bytes are pinned.
+    ``nbytes`` None grants all; once a claim does not fit, later ones are refused too (the pinned
+    blocks stay a prefix of the table; the rest stream through staging buffers)."""
+
+    def __init__(self, allowed: bool, nbytes: int | None) -> None:
+        self.left = nbytes if allowed else 0
+
+    def claim(self, nbytes: int) -> bool:
+        if self.left is None:
+            return True
+        if nbytes > self.left:
+            self.left = 0
+            return False
+        self.left -= nbytes
+        return True
+
+
 def _register(ptr: int, size: int) -> bool:
     with _lock:
         if ptr in _registered:

@@ -5,6 +5,8 @@ next streamed units in execution order are copied into the other buffers on the 
 (``prefetch_after``). A buffer is written after the compute work that last read it (an event per
 buffer, not a wait for all queued compute) and read on the compute stream after its copy; the
 buffers belong to the compute stream's pool, so ``record_stream`` is never needed here.
+A unit whose host copy is not page-locked (pinning off, denied, or partly granted) goes through
+the pinned staging buffers of `staging.py` on the same side stream.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from collections.abc import Iterable
 
 import torch
 
-from .blocks import StreamPiece, StreamUnit
+from .blocks import StreamBlock, StreamPiece, StreamUnit
 from .cast import CastPool
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
+from .staging import StagingRing
 
 Pairs = Iterable[tuple[torch.Tensor, torch.Tensor]]  # (device view, host master)
 
@@ -34,6 +37,8 @@ class Prefetcher:
         self.sync_loads = 0  # streamed units that were not copied ahead (with a side stream)
         self.casts = CastPool(device)  # compute buffers of the fp8 units bound now
         self.cast_bound: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer
+        # unpinned units reach the device through pinned staging buffers, on the side stream
+        self.staging = StagingRing(self.copy_stream) if self.copy_stream is not None else None
 
     def bind(self, unit: StreamUnit) -> None:
         """Make a unit's weights ready on the device (a kept one already is, but for its fp8
@@ -140,9 +145,21 @@ class Prefetcher:
         """Copy a streamed unit into a ring slot, once the compute work that last read the
         slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
         slot = self.ring.acquire()
+        if self.staged(unit):
+            slot.written = self.staging.copy(unit, slot.buf[: unit.nbytes], after=slot.read)
+            return slot
         pairs = zip(self.views(unit, slot), (s.host for s in unit.slots), strict=True)
         slot.written = self.copy(pairs, unit.block.pinned, after=slot.read)
         return slot
+
+    def staged(self, unit: StreamUnit) -> bool:
+        """Whether ``unit`` is copied through the staging buffers: its host copy is not
+        page-locked and there is a side stream to copy on."""
+        if self.staging is None or unit.block.pinned:
+            return False
+        if not self.staging.slot_bytes:  # one size for every unit it stages
+            self.staging.resize(max(u.nbytes for u in self.units))
+        return True
 
     @staticmethod
     def views(unit: StreamUnit, slot: RingSlot) -> list[torch.Tensor]:
@@ -181,8 +198,15 @@ class Prefetcher:
             unit.kept = buf[offset : offset + unit.nbytes]
             unit.kept_views = unit.views(unit.kept)
             offset += unit.nbytes
-        pairs = [(view, slot.host) for unit in piece.units for view, slot in zip(unit.kept_views, unit.slots, strict=True)]
-        ready = self.copy(pairs, piece.block.pinned, compute.record_event() if compute is not None else None)
+        after = compute.record_event() if compute is not None else None
+        if self.staged(piece.units[0]):
+            ready = None
+            for unit in piece.units:
+                ready = self.staging.copy(unit, unit.kept, after=after)
+        else:
+            pairs = [(view, slot.host) for unit in piece.units
+                     for view, slot in zip(unit.kept_views, unit.slots, strict=True)]
+            ready = self.copy(pairs, piece.block.pinned, after)
         if ready is not None:
             compute.wait_event(ready)
         for unit in piece.units:
@@ -200,6 +224,8 @@ class Prefetcher:
             self.discard(index)
         self.ring.clear()
         self.casts.clear()
+        if self.staging is not None:
+            self.staging.clear()
 
     def set_buffers(self, buffers: int) -> None:
         """How many streaming buffers circulate (units copied ahead beyond them are dropped)."""
@@ -207,6 +233,20 @@ class Prefetcher:
             for index in list(self.inflight)[buffers - len(self.bound):]:
                 self.discard(index)
             self.ring.set_capacity(buffers)
+
+    def host_note(self, blocks: list[StreamBlock]) -> str:
+        """How the blocks' host copies reach the device, for the streamer's log line."""
+        pinned = sum(b.pinned for b in blocks)
+        if pinned == len(blocks) > 0:
+            return "pinned"
+        rest = "through pinned staging buffers" if self.staging is not None else "synchronously from pageable memory"
+        return f"{pinned}/{len(blocks)} blocks pinned, the rest copied {rest}"
+
+    def host_details(self, blocks: list[StreamBlock]) -> dict[str, int]:
+        """Host memory for the report: every block's master stays in RAM, kept or not."""
+        staging = self.staging.details() if self.staging is not None else {"staging_bytes": 0, "staged": 0}
+        return {"pinned_blocks": sum(b.pinned for b in blocks),
+                "host_bytes": sum(s.nbytes for b in blocks for s in b.slots), **staging}
 
     def fill(self) -> bool:
         """With a side stream, make the ring's missing buffers now (see `BufferRing.fill`)."""

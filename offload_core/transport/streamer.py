@@ -16,7 +16,7 @@ import torch
 
 from ..formats.fp8 import table_of
 from ..log import get_logger
-from ..pinning import PinSet
+from ..pinning import PinGrant, PinSet
 from .base import (
     MARKER,
     STREAM_HOOK,
@@ -79,10 +79,12 @@ class BlockStreamer(TransportBase):
         tower_ids = {id(b) for t in towers for b in t.blocks}
         shared = shared_tensors(module, towers, tower_ids)
         self._move_head(module, tower_ids, self.device)
+        grant = PinGrant(self.ctx.pin and self.cuda, self.ctx.pin_bytes)
         for tower in towers:
             for depth, block in enumerate(tower.blocks):
+                pin = grant.claim(sum(nbytes(t) for t in block_tensors(block) if id(t) not in shared))
                 made = make_block(len(self.blocks), tower.name, depth, block, parts=self.ctx.stream_parts,
-                                  host_of=self._host_master, pinned=self.ctx.pin and self.cuda,
+                                  host_of=lambda t, pin=pin: self._host_master(t, pin), pinned=pin,
                                   device=self.device, first_unit=len(self.units), shared=shared,
                                   fp8=table_of(module))
                 self.blocks.append(made)
@@ -106,7 +108,7 @@ class BlockStreamer(TransportBase):
             "non-block part resident (%.2f GiB)",
             type(module).__name__, len(self.blocks), len(towers), len(self.units), self.streamed_bytes() / 2**30,
             self.ring.slot_bytes / 2**30, "side-stream prefetch" if self.prefetch.copy_stream else "no stream",
-            "pinned" if self.ctx.pin and self.cuda else "pageable", self.head_bytes() / 2**30,
+            self.prefetch.host_note(self.blocks), self.head_bytes() / 2**30,
         )
 
     def remove(self, module: torch.nn.Module) -> None:
@@ -148,10 +150,10 @@ class BlockStreamer(TransportBase):
         add_hook(module, hook, STREAM_HOOK)
         self._hooked.append(module)
 
-    def _host_master(self, t: torch.Tensor) -> torch.Tensor:
-        """The host copy a streamed tensor rests in: where it already lies, page-locked in place."""
+    def _host_master(self, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        """The host copy a streamed tensor rests in: where it lies, page-locked in place if granted."""
         host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
-        return self.pins.pin(host) if self.ctx.pin else host
+        return self.pins.pin(host) if pin else host
 
     # -- the per-forward path (graph breaks under torch.compile: they rebind weights) -----------
     @torch.compiler.disable
@@ -203,7 +205,7 @@ class BlockStreamer(TransportBase):
         done = self.units[self._seen[-1]].block
         if done.tower not in self._guessed:
             return
-        ran = [i - done.units[0].index for i in _dedupe([i for i in self._seen if self.units[i].block is done])]
+        ran = [i - done.units[0].index for i in dict.fromkeys(i for i in self._seen if self.units[i].block is done)]
         if len(ran) != len(done.units):
             return
         self._guessed.discard(done.tower)
@@ -218,7 +220,7 @@ class BlockStreamer(TransportBase):
         """The units ran in ``_seen``'s order this forward: the order to prefetch by from now on
         (unless the forward stopped early)."""
         if self._seen and len(self._seen) >= len(self.order.units) // 2:
-            self.order.set(_dedupe(self._seen))
+            self.order.set(list(dict.fromkeys(self._seen)))
             self._guessed.clear()
 
     @torch.compiler.disable
@@ -392,8 +394,5 @@ class BlockStreamer(TransportBase):
             "units": len(self.units),
             "ooms": self.ooms,
             "sync_loads": self.prefetch.sync_loads,
+            **self.prefetch.host_details(self.blocks),
         }
-
-
-def _dedupe(seq: list[int]) -> list[int]:
-    return list(dict.fromkeys(seq))
