@@ -29,6 +29,23 @@ class ComponentReport:
     def host_bytes(self) -> int:
         return max(self.nbytes - self.device_bytes, 0)
 
+    @property
+    def ram_bytes(self) -> int:
+        """Its weights in host memory: a streamer's every block master (kept blocks' too), else
+        what is not on the device."""
+        return int(self.details.get("host_bytes", self.host_bytes))
+
+    @property
+    def pageable_bytes(self) -> int:
+        return max(self.ram_bytes - self.pinned_bytes, 0)
+
+    def ram_text(self) -> str:
+        """``RAM 5.00 GiB (pinned 2.00 GiB, pageable 3.00 GiB, staging 256.00 MiB)``: host memory
+        by kind (staging buffers are pinned too, beside the weights)."""
+        staging = int(self.details.get("staging_bytes", 0))
+        return (f"RAM {gib(self.ram_bytes)} (pinned {gib(self.pinned_bytes)}, pageable {gib(self.pageable_bytes)}"
+                + (f", staging {gib(staging)})" if staging else ")"))
+
     def line(self) -> str:
         dtype = "/".join(self.dtypes) + (f" [{self.quantization}]" if self.quantization else "")
         extra = ""
@@ -41,7 +58,7 @@ class ComponentReport:
             extra += f", LoRA {lora['path']} on {lora['layers']} layers"
         return (
             f"  {self.name:<16} {self.cls:<34} {self.role:<9} {gib(self.nbytes):>11}  {dtype:<16} "
-            f"device {gib(self.device_bytes)}, pinned {gib(self.pinned_bytes)}{extra}  ({self.reason})"
+            f"device {gib(self.device_bytes)}, {self.ram_text()}{extra}  ({self.reason})"
         )
 
 
@@ -61,6 +78,10 @@ class PlacementReport:
     def pinned_bytes(self) -> int:
         return sum(c.pinned_bytes for c in self.components)
 
+    @property
+    def ram_bytes(self) -> int:
+        return sum(c.ram_bytes + int(c.details.get("staging_bytes", 0)) for c in self.components)
+
     def component(self, name: str) -> ComponentReport:
         for c in self.components:
             if c.name == name:
@@ -69,7 +90,7 @@ class PlacementReport:
 
     def text(self) -> str:
         head = f"{self.pipeline} on {self.device}, mode {self.mode}: " \
-               f"{gib(self.device_bytes)} on device, {gib(self.pinned_bytes)} pinned"
+               f"{gib(self.device_bytes)} on device, {gib(self.ram_bytes)} in RAM ({gib(self.pinned_bytes)} pinned)"
         lines = [head, *(c.line() for c in self.components)]
         if self.plan:
             lines.append(f"  preload: {self.plan}")
@@ -79,4 +100,7 @@ class PlacementReport:
         out = asdict(self)
         out["device_bytes"] = self.device_bytes
         out["pinned_bytes"] = self.pinned_bytes
+        out["ram_bytes"] = self.ram_bytes
+        for comp, row in zip(self.components, out["components"], strict=True):
+            row.update(ram_bytes=comp.ram_bytes, pageable_bytes=comp.pageable_bytes)
         return out
