@@ -3,7 +3,9 @@
 Leaf hooks sit on every leaf module, so a pipeline that calls an inner model directly (MiniMax-H3
 calls ``text_encoder.model(...)``) still onloads. Without streams nothing is pinned. The only
 module of the engine that reads diffusers' group internals (``masters``). Leaf groups hold at most
-one layer on the device, only while it runs: nothing to give back.
+one layer on the device, only while it runs: nothing to give back. With streams diffusers pins a
+copy of every weight and leaves the module's tensors on those copies: a release puts them back in
+pageable memory and empties PyTorch's pinned host cache, so no pinned RAM outlives the placement.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers.hooks import apply_group_offloading
 
+from ..memory import flush_host_cache
 from ..state import REGISTRY
 from .base import (
     DIFFUSERS_GROUP_HOOKS,
@@ -47,6 +50,9 @@ class LeafGroupTransport(TransportBase):
     def remove(self, module: torch.nn.Module) -> None:
         strip_hooks(module, DIFFUSERS_GROUP_HOOKS)
         move_module(module, self.ctx.offload_device)
+        if self.ctx.streams:
+            unpin(module)
+            flush_host_cache()  # what the groups' copies held (the engine's sweep collects any left in cycles)
         self.module = None
 
     def device_bytes(self) -> int:
@@ -78,6 +84,24 @@ class LeafGroupTransport(TransportBase):
 
     def details(self) -> dict[str, object]:
         return {"streams": self.ctx.streams}
+
+
+def unpin(module: torch.nn.Module) -> int:
+    """Move every tensor of ``module`` that lies in pinned host memory to a pageable copy (same
+    Parameter objects); the pinned buffers go back to PyTorch's host cache. Returns the bytes moved."""
+    moved = 0
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is None or not _pinned(t):
+                    continue
+                copy = torch.empty_like(t.data, device="cpu", pin_memory=False).copy_(t.data)
+                if isinstance(t, torch.nn.Parameter):
+                    t.data = copy
+                else:
+                    table[name] = copy
+                moved += copy.numel() * copy.element_size()
+    return moved
 
 
 def _pinned(t: torch.Tensor) -> bool:
