@@ -68,7 +68,8 @@ class StagingRing:
         staging = self._take(unit.nbytes)
         views = staging.views.get(unit.index)
         if views is None:
-            views = staging.views[unit.index] = unit.views(staging.buf[: unit.nbytes])
+            with torch.inference_mode(False):  # plain views: written in and out of inference mode
+                views = staging.views[unit.index] = unit.views(staging.buf[: unit.nbytes])
         for view, slot in zip(views, unit.slots, strict=True):
             view.copy_(slot.host)
         src = staging.buf[: unit.nbytes]
@@ -87,7 +88,8 @@ class StagingRing:
         """The next buffer in turn, once its last device copy has read it (the host waits)."""
         self.resize(nbytes)
         if len(self._buffers) < self.count:
-            buf = self._pins.pin(torch.empty(self.slot_bytes, dtype=torch.uint8))
+            with torch.inference_mode(False):  # a plain tensor: written in and out of inference mode
+                buf = self._pins.pin(torch.empty(self.slot_bytes, dtype=torch.uint8))
             self._buffers.append(StagingBuffer(buf))
             return self._buffers[-1]
         staging = self._buffers[self._next]
