@@ -2,10 +2,13 @@
 the diffusers class of a config folder of the same family.
 
 Keys are converted by diffusers' own single-file conversion (the mapping function
-`from_single_file` uses). bf16 files and GGUF files go through `from_single_file` itself. fp8
-files do not: diffusers 0.42.1 casts their fp8 values to the compute dtype and drops every
-``scale_weight`` (silently wrong weights, twice the bytes), so here the converted fp8 tensors are
-assigned into an empty model as they are and `fp8.mark_fp8` records their per-tensor scales.
+`from_single_file` uses). GGUF files go through `from_single_file` itself (its GGUF quantizer).
+safetensors files do not: diffusers 0.42.1 casts fp8 values to the compute dtype and drops every
+``scale_weight`` (silently wrong weights, twice the bytes), and casts every module, its fp32
+ones included, to the compute dtype (unlike its folder loader). Here the converted tensors are
+assigned into an empty model: fp8 ones as they are (`fp8.mark_fp8` records their per-tensor
+scales), the rest in the compute dtype except diffusers' ``_keep_in_fp32_modules``, as
+`from_pretrained` keeps them.
 """
 
 from __future__ import annotations
@@ -74,11 +77,7 @@ def load_denoiser(path: Path, config_folder: Path, compute: torch.dtype, subfold
     _check_denoiser(info, cls, config_folder)
     if info.quant_keys or "_quantization_metadata" in info.metadata:
         check_quant_layers(info)
-    if info.fp8 is None and not info.scales:
-        log.info("%s: %s denoiser in %s, loaded by diffusers' from_single_file as %s", path.name, info.family,
-                 info.format, _short(compute))
-        return _from_single_file(path, config_folder, subfolder, cls, torch_dtype=compute)
-    return _load_fp8(path, info, config_folder, subfolder, cls, compute)
+    return _load_converted(path, info, config_folder, subfolder, cls, compute)
 
 
 def _check_denoiser(info: SingleFileInfo, cls: type, config_folder: Path) -> None:
@@ -128,15 +127,16 @@ def _check_gguf(path: Path, cls: type, config_folder: Path) -> None:
                               f"{expected} model ({cls.__name__}): pick a config folder of the file's family")
 
 
-def _load_fp8(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: str, cls: type,
-              compute: torch.dtype) -> Any:
-    """fp8 weights assigned as they are (after diffusers' key conversion) and marked with their scales."""
+def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: str, cls: type,
+                    compute: torch.dtype) -> Any:
+    """The file's tensors, keys converted by diffusers, assigned into an empty model; fp8 weights
+    kept as they are and marked with their scales."""
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 
     mapping = SINGLE_FILE_LOADABLE_CLASSES.get(cls.__name__)
     if mapping is None:
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
-    checkpoint = _read_fp8_checkpoint(path, info)
+    checkpoint = _read_checkpoint(path, info)
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
         model = cls.from_config(config)
@@ -151,6 +151,10 @@ def _load_fp8(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: 
     state = _compute_state(converted, scales, cls, compute)
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
+    if info.fp8 is None and not scales:
+        log.info("%s: %s denoiser in %s loaded as %s, computing in %s", path.name, info.family, info.format,
+                 cls.__name__, _short(compute))
+        return model
     try:
         mark_fp8(model, compute, scales, source=str(path))
     except ValueError as exc:
@@ -160,7 +164,7 @@ def _load_fp8(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: 
     return model
 
 
-def _read_fp8_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
+def _read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
     """The file's tensors less the marker, input scales and quant entries; weight scales under one
     spelling (``<layer>.scale_weight``) so the conversion renames their layer part like the weight's."""
     try:
@@ -197,9 +201,10 @@ def _check_keys(path: Path, converted: dict, expected: dict, cls: type, config: 
 
 def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], cls: type,
                    compute: torch.dtype) -> dict[str, torch.Tensor]:
-    """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (for fp16 compute) in fp32, an fp8
-    weight among them dequantised with its scale; fp8 tensors otherwise as stored."""
-    keep32 = list(cls._keep_in_fp32_modules or []) if compute == torch.float16 else []
+    """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (half compute) in fp32, an fp8
+    weight among them dequantised as ComfyUI does (in the compute dtype, then held in fp32); fp8
+    tensors otherwise as stored."""
+    keep32 = list(cls._keep_in_fp32_modules or []) if compute in (torch.float16, torch.bfloat16) else []
     state = {}
     for key, t in converted.items():
         fp32 = any(m in key.split(".") for m in keep32)
@@ -208,7 +213,7 @@ def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.T
             if scale is not None and scale.numel() != 1:
                 raise SingleFileError(f"the scale of {key} has shape {tuple(scale.shape)} for a weight of shape "
                                       f"{tuple(t.shape)}; only per-tensor scales (one value) are supported")
-            t = dequantize(t, None if scale is None else float(scale.float().reshape(())), torch.float32)
+            t = dequantize(t, None if scale is None else float(scale.float().reshape(())), compute).float()
         elif t.is_floating_point() and not is_fp8(t):
             t = t.to(torch.float32 if fp32 else compute)
         state[key] = t
@@ -333,7 +338,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     cls = getattr(transformers, cls_name, None)
     if not isinstance(cls, type):
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
-    state = _read_fp8_checkpoint(path, info) if (info.fp8 is not None or info.scales) else load_file(str(path))
+    state = _read_checkpoint(path, info) if (info.fp8 is not None or info.scales) else load_file(str(path))
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
         if layer + ".weight" in state and scale.numel() == 1:
