@@ -25,13 +25,14 @@ from typing import Any
 
 import comfy.model_management as mm
 import folder_paths
+import psutil
 import torch
 from comfy.cli_args import args
 from comfy.model_patcher import ModelPatcher
 from comfy.patcher_extension import CallbacksMP
 
 from ..offload_core import Engine, OffloadConfig, PlacementReport
-from ..offload_core.memory import MemoryReader
+from ..offload_core.memory import MemoryReader, PinLimit
 from ..offload_core.preload import notify_model_load, process_store
 
 log = logging.getLogger("diffusers_offload.nodes")
@@ -41,11 +42,34 @@ MEASURES_FILE = Path("diffusers_offload") / "measures.json"
 
 
 class ComfyMemory(MemoryReader):
-    """Device readings less ComfyUI's reserve (``--reserve-vram``), so preload never plans into it."""
+    """Device readings less ComfyUI's reserve (``--reserve-vram``), so preload never plans into it;
+    ComfyUI's cap on pinned memory bounds the engine's pins too."""
 
     def device_free(self, device: torch.device) -> tuple[int, int]:
         free, cached = super().device_free(device)
         return max(free - int(mm.extra_reserved_memory()), 0), cached
+
+    def pin_limit(self) -> PinLimit | None:
+        return comfy_pin_limit()
+
+
+def comfy_pin_limit() -> PinLimit | None:
+    """ComfyUI's own cap on page-locked memory, ``MAX_PINNED_MEMORY`` (v0.3.75: 45 % of RAM on
+    Windows, 95 % elsewhere; 2026 trees: 40 % on Windows, up to 90 % elsewhere), less what ComfyUI
+    has pinned itself (``TOTAL_PINNED_MEMORY``): what the pack may lock beside it. None where
+    ComfyUI sets none (no NVIDIA or AMD device; ``--disable-pinned-memory`` turns the pack's
+    ``pin_memory`` off instead, in `effective_config`). Logged once when first read."""
+    cap = float(getattr(mm, "MAX_PINNED_MEMORY", -1) or -1)
+    if cap <= 0:
+        return None
+    own = int(getattr(mm, "TOTAL_PINNED_MEMORY", 0) or 0)
+    where = "Windows" if getattr(mm, "WINDOWS", False) else "this system"
+    source = (f"ComfyUI's pinned-memory cap {cap / 2**30:.2f} GiB ({cap / psutil.virtual_memory().total:.0%} of RAM "
+              f"on {where}) less its own pins {own / 2**30:.2f} GiB")
+    if "pin_limit" not in _noted:
+        _noted.add("pin_limit")
+        log.info("pinning: %s also bounds the pack's pinned weights and staging buffers", source)
+    return PinLimit(int(cap) - own, source)
 
 
 ENGINE = Engine(memory=ComfyMemory())
