@@ -1,9 +1,9 @@
 """fp8 units of the block streamer: one cast per unit into the buffer its forward computes from.
 
 A unit's fp8 weights lie first in its layout (`blocks.make_block`), so its fp8 bytes are one
-contiguous region: a single ``copy_`` turns that region into compute-dtype values, element for
-byte (an fp8 weight at byte offset ``o`` is the compute value at element ``o``), and one
-``_foreach_mul_`` on the GPU applies the per-tensor scales. Why not a cast per layer (diffusers' layerwise
+contiguous region: one kernel (`fp8_kernel.py`) turns that region into compute-dtype values with
+each weight's scale, element for byte (an fp8 weight at byte offset ``o`` is the compute value at
+element ``o``); without it, a ``copy_`` and a ``mul_`` per scaled weight. Why not a cast per layer (diffusers' layerwise
 casting, ComfyUI's cast per op): the per-layer launches cost more than the bytes saved on a
 streamed image step (bench/README.md, formats). The storage bytes (a ring buffer, a kept piece)
 are what moves and stays; the compute buffer lives only while the unit runs, from a small pool
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats.fp8 import Fp8Table
+from . import fp8_kernel
 
 
 @dataclass(eq=False)
@@ -29,9 +30,22 @@ class UnitCast:
     scaled: list[int] = field(default_factory=list)  # positions (among the fp8 slots) with a scale
     scales: list[float] = field(default_factory=list)
 
+    _table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (starts, scales), on the device
+
     @property
     def compute_bytes(self) -> int:
         return self.nbytes * torch.empty((), dtype=self.compute).element_size()
+
+    def table(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each fp8 weight's start and scale for `fp8_kernel.cast_into` (None: none is scaled)."""
+        if not self.scaled:
+            return None, None
+        if self._table is None or self._table[0].device != device:
+            by_slot = dict(zip(self.scaled, self.scales, strict=True))
+            scales = [by_slot.get(i, 1.0) for i in range(self.count)]
+            self._table = (torch.tensor(self.offsets, dtype=torch.int64, device=device),
+                           torch.tensor(scales, dtype=torch.float32, device=device))
+        return self._table
 
 
 def unit_cast(table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list[int], end: int) -> UnitCast | None:
@@ -68,13 +82,11 @@ class CastPool:
         views = self._views.get(key)
         if views is None:
             views = self._views[key] = [buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, shapes, strict=True)]
-        buf[: cast.nbytes].copy_(region[: cast.nbytes].view(cast.storage))
-        scaled = [views[i] for i in cast.scaled]
-        if scaled and buf.is_cuda:  # one launch; its float math equals ``mul_(scale)``'s
-            torch._foreach_mul_(scaled, cast.scales)
-        else:  # the CPU's foreach rounds the scale to the compute dtype first
-            for view, scale in zip(scaled, cast.scales, strict=True):
-                view.mul_(scale)
+        src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
+        if not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):
+            dst.copy_(src)
+            for i, scale in zip(cast.scaled, cast.scales, strict=True):  # (a foreach rounds the scale first)
+                views[i].mul_(scale)
         return buf, views
 
     def release(self, buf: torch.Tensor) -> None:

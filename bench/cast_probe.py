@@ -1,0 +1,63 @@
+"""How fast an fp8 region becomes bf16 on this GPU: torch's ``copy_`` against the pack's Triton cast
+(offload_core/transport/fp8_kernel.py) and a ``torch.compile``d cast, on one Wan-14B block-sized
+region (about 0.33 GB of fp8), bytes read + written per second. Checks that all give the same bits.
+
+    python bench/cast_probe.py [--mb 330] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from benchkit import pack
+
+pack()
+from diffusers_offload.offload_core.transport import fp8_kernel  # noqa: E402
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mb", type=int, default=330)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    n = args.mb * 2**20
+    src = torch.randn(n, device="cuda").to(torch.float8_e4m3fn)
+    out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    moved = n * 3  # 1 byte read, 2 written per element
+    compiled = torch.compile(lambda x: x.to(torch.bfloat16), dynamic=True)
+    ref = src.to(torch.bfloat16)
+    rows = {}
+    for name, fn in {
+        "copy_": lambda: out.copy_(src),
+        "triton": lambda: fp8_kernel.cast_into(out, src),
+        "compile": lambda: compiled(src),
+    }.items():
+        s = timed(fn, args.repeats)
+        rows[name] = {"ms": s * 1e3, "gb_s": moved / s / 1e9}
+    fp8_kernel.cast_into(out, src)
+    rows["triton_bit_equal"] = bool(torch.equal(out, ref))
+    half = n // 2 // 512 * 512  # two weights, each with its scale (ComfyUI's fp8_scaled formula)
+    starts = torch.tensor([0, half], dtype=torch.int64, device="cuda")
+    scales = torch.tensor([0.0123456789, 3.75], dtype=torch.float32, device="cuda")
+    fp8_kernel.cast_into(out, src, starts, scales)
+    scaled_ref = torch.cat([src[:half].to(torch.bfloat16) * scales[0], src[half:].to(torch.bfloat16) * scales[1]])
+    rows["triton_scaled_bit_equal"] = bool(torch.equal(out, scaled_ref))
+    rows["compile_bit_equal"] = bool(torch.equal(compiled(src), ref))
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mb": args.mb, **rows}))
+
+
+if __name__ == "__main__":
+    main()

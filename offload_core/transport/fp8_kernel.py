@@ -1,0 +1,64 @@
+"""One fused kernel that turns a unit's fp8 region into compute values with each weight's scale.
+
+Own code because torch has none that does this at memory speed: its fp8 -> bf16 ``copy_`` runs
+at about a quarter of the H200's bandwidth and a separate scale multiply is another full pass
+(bench/README.md, "fp8 cast"). Triton ships with torch's CUDA builds; where it is missing, or the
+GPU has no fp8 conversion (before sm_89), the caller falls back to ``copy_`` + ``mul_``.
+
+Every weight starts on a 512-byte boundary of the region (`blocks.ALIGN`), so a program of 512
+elements lies inside one weight and takes the scale of the last weight starting at or before it.
+Math: ``float(fp8) * scale`` rounded once to the compute dtype, the bits of ``w.to(c) * scale``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch builds
+    triton = None
+
+BLOCK = 512  # = blocks.ALIGN: no program straddles two weights
+_broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
+
+if triton is not None:
+
+    @triton.jit
+    def _cast_kernel(src, dst, starts, scales, n, nseg, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        base = pid * BLOCK
+        offs = base + tl.arange(0, BLOCK)
+        mask = offs < n
+        scale = tl.load(scales)
+        for i in range(1, nseg):
+            scale = tl.where(base >= tl.load(starts + i), tl.load(scales + i), scale)
+        x = tl.load(src + offs, mask=mask).to(tl.float32)
+        tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
+
+
+def available(t: torch.Tensor) -> bool:
+    if triton is None or not t.is_cuda or t.device.index in _broken:
+        return False
+    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def cast_into(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor | None = None,
+              scales: torch.Tensor | None = None) -> bool:
+    """``out[i] = src[i] * scale`` (scale of the segment holding ``i``: ``starts`` ascending
+    int64 element offsets from 0, ``scales`` float32, both on the device); without a table every
+    scale is 1. False when the kernel cannot run here (the caller falls back)."""
+    if not available(src):
+        return False
+    if starts is None:
+        starts = torch.zeros(1, dtype=torch.int64, device=src.device)
+        scales = torch.ones(1, dtype=torch.float32, device=src.device)
+    n = src.numel()
+    try:
+        _cast_kernel[(triton.cdiv(n, BLOCK),)](src, out, starts, scales, n, starts.numel(), BLOCK=BLOCK,
+                                               num_warps=2)
+    except Exception:  # a Triton that cannot compile here: the fallback, for good on this device
+        _broken.add(src.device.index)
+        return False
+    return True
