@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from . import generate, h3, host, loaders, lora, report, settings, web_api
+from . import generate, h3, host, loaders, lora, report, settings, single_file, web_api
 from .inputs import ship_template_inputs
 
 
@@ -30,4 +30,5 @@ class DiffusersOffloadExtension(ComfyExtension):
         web_api.register_routes()
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [*loaders.NODES, *generate.NODES, *h3.NODES, *lora.NODES, *settings.NODES, *report.NODES]
+        return [*loaders.NODES, *generate.NODES, *h3.NODES, *lora.NODES, *settings.NODES, *report.NODES,
+                *single_file.NODES]

@@ -1,0 +1,100 @@
+"""Load diffusion model file (diffusers): a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled,
+GGUF) in the pipeline of a diffusers config folder of the same family.
+
+Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not bf16 diffusers
+folders. Files are listed through ``folder_paths`` (so ``extra_model_paths.yaml`` works); the
+config folder (a configs-only copy is enough) gives the pipeline class, configs, tokenizer and
+scheduler, and the optional text-encoder / VAE files its other weights.
+"""
+
+from __future__ import annotations
+
+import folder_paths
+import torch
+from comfy_api.latest import io
+
+from ..offload_core import OffloadConfig
+from ..offload_core.formats.inspect import SingleFileError
+from ..offload_core.formats.single_file import load_pipeline_with_denoiser
+from . import host
+from .folders import list_models, resolve_model
+from .loaders import _handle
+from .types import CATEGORY, DiffusersPipe, OffloadConfigType
+from .web_api import search_aliases
+
+NONE = "none"
+COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("auto", *COMPUTE)
+DENOISER_FOLDERS = ("diffusion_models", "unet_gguf")
+
+
+def _registered(name: str) -> bool:
+    return name in getattr(folder_paths, "folder_names_and_paths", {})
+
+
+def denoiser_files() -> list[str]:
+    """Files in diffusion_models (which covers unet) and unet_gguf where a GGUF pack registered it."""
+    names: set[str] = set()
+    for folder in DENOISER_FOLDERS:
+        if _registered(folder):
+            names.update(folder_paths.get_filename_list(folder))
+    return sorted(names)
+
+
+def _full_path(folders: tuple[str, ...], name: str) -> str:
+    for folder in folders:
+        if _registered(folder):
+            path = folder_paths.get_full_path(folder, name)
+            if path:
+                return path
+    raise SingleFileError(f"no file {name!r} in ComfyUI's {' / '.join(folders)} folders: put it there (or in an "
+                          "extra_model_paths.yaml location) and refresh")
+
+
+def _optional(folder: str, name: str) -> str | None:
+    return None if name == NONE else _full_path((folder,), name)
+
+
+class LoadDiffusionModelFile(io.ComfyNode):
+    """A single-file denoiser in the pipeline of a diffusers config folder."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="DiffusersOffloadLoadDiffusionModelFile",
+            **search_aliases("offload", "block swap", "wan", "fp8", "gguf", "single file"),
+            display_name="Load diffusion model file (diffusers)",
+            category=CATEGORY,
+            description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled or GGUF) into the "
+                        "pipeline of a diffusers folder of the same family; a configs-only folder is enough when "
+                        "the text-encoder and VAE files are picked. The file's storage (fp8, GGUF) is kept.",
+            inputs=[
+                io.Combo.Input("config", options=list_models(),
+                               tooltip="A diffusers folder of the file's family under models/diffusers (configs, "
+                                       "tokenizer and scheduler; weights optional)."),
+                io.Combo.Input("denoiser", options=denoiser_files(),
+                               tooltip="The denoiser file, from models/diffusion_models (or unet, unet_gguf)."),
+                io.Combo.Input("text_encoder", options=[NONE, *folder_paths.get_filename_list("text_encoders")],
+                               default=NONE, tooltip="A text-encoder file from models/text_encoders; 'none' uses "
+                                                     "the config folder's."),
+                io.Combo.Input("vae", options=[NONE, *folder_paths.get_filename_list("vae")], default=NONE,
+                               tooltip="A VAE file from models/vae; 'none' uses the config folder's."),
+                io.Combo.Input("dtype", options=list(DTYPES), default="auto",
+                               tooltip="Compute dtype; the denoiser's storage stays the file's (fp8, GGUF)."),
+                OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
+            ],
+            outputs=[DiffusersPipe.Output(display_name="pipe")],
+        )
+
+    @classmethod
+    def execute(cls, config: str, denoiser: str, text_encoder: str, vae: str, dtype: str,
+                offload: OffloadConfig | None = None) -> io.NodeOutput:
+        settings = offload or OffloadConfig()
+        folder = resolve_model(config)
+        compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
+        pipe = load_pipeline_with_denoiser(folder, _full_path(DENOISER_FOLDERS, denoiser), compute,
+                                           _optional("text_encoders", text_encoder), _optional("vae", vae))
+        return _handle(pipe, folder, compute, settings)
+
+
+NODES: list[type[io.ComfyNode]] = [LoadDiffusionModelFile]

@@ -1,0 +1,66 @@
+"""Load diffusion model file (diffusers) in a real ComfyUI: it lists denoiser files from ComfyUI's
+folders (an extra path too, as extra_model_paths.yaml adds), loads the tiny Wan fp8_scaled file
+into a configs-only folder with text-encoder and VAE files, and a bad file comes back as a prompt
+error naming it, the file unchanged, the next prompt running."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from comfyhost import harness
+from fixtures import comfy_files
+
+pytest_plugins = ["comfyhost.fixtures"]
+_comfy_wan, _configs_only, _component_files = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
+                                              comfy_files.wan_component_files)
+LOADER = "DiffusersOffloadLoadDiffusionModelFile"
+
+
+@pytest.fixture(scope="module")
+def placed(comfy: harness.ComfyHost, comfy_wan, wan_configs_only, wan_component_files, tmp_path_factory) -> dict:
+    """The files in ComfyUI's folders: the denoiser in an extra diffusion_models path."""
+    fp = comfy.folder_paths
+    extra = tmp_path_factory.mktemp("extra-diffusion-models")
+    shutil.copyfile(comfy_wan("fp8_scaled"), extra / "wan-tiny-fp8_scaled.safetensors")
+    fp.add_model_folder_path("diffusion_models", str(extra))
+    shutil.copyfile(wan_component_files["text_encoder"], Path(fp.get_folder_paths("text_encoders")[0]) / "umt5-tiny.safetensors")
+    shutil.copyfile(wan_component_files["vae"], Path(fp.get_folder_paths("vae")[0]) / "wan-vae-tiny.safetensors")
+    target = Path(fp.get_folder_paths("diffusers")[0]) / "tiny" / "wan-configs"
+    if not target.is_dir():
+        shutil.copytree(wan_configs_only, target)
+    return {"config": "tiny/wan-configs", "denoiser": "wan-tiny-fp8_scaled.safetensors", "extra": extra,
+            "text_encoder": "umt5-tiny.safetensors", "vae": "wan-vae-tiny.safetensors"}
+
+
+def prompt(placed: dict, **change: Any) -> dict[str, Any]:
+    inputs = {k: placed[k] for k in ("config", "denoiser", "text_encoder", "vae")} | {"dtype": "bf16"} | change
+    return {"1": {"class_type": LOADER, "inputs": inputs},
+            "2": {"class_type": "DiffusersOffloadReport", "inputs": {"pipe": ["1", 0]}}}
+
+
+def options(comfy: harness.ComfyHost, name: str) -> list[str]:
+    _type, opts = comfy.nodes.NODE_CLASS_MAPPINGS[LOADER].INPUT_TYPES()["required"][name]
+    return opts["options"]
+
+
+def test_lists_files_from_comfy_folders_and_loads_fp8_scaled(comfy: harness.ComfyHost, placed: dict) -> None:
+    assert placed["denoiser"] in options(comfy, "denoiser")
+    assert placed["text_encoder"] in options(comfy, "text_encoder") and "none" in options(comfy, "vae")
+    comfy.run_prompt(prompt(placed)).raise_for_error()
+
+
+def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(comfy: harness.ComfyHost,
+                                                                         placed: dict) -> None:
+    bad = placed["extra"] / "wan-truncated.safetensors"
+    bad.write_bytes((placed["extra"] / placed["denoiser"]).read_bytes()[:5000])
+    before = hashlib.sha256(bad.read_bytes()).hexdigest()
+    result = comfy.run_prompt(prompt(placed, denoiser=bad.name))
+    assert not result.success and "wan-truncated.safetensors" in result.error["exception_message"]
+    assert hashlib.sha256(bad.read_bytes()).hexdigest() == before
+    te = comfy.run_prompt(prompt(placed, denoiser=placed["denoiser"], text_encoder="none"))
+    assert not te.success and "pick a text-encoder file" in te.error["exception_message"]
+    comfy.run_prompt(prompt(placed)).raise_for_error()
