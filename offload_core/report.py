@@ -3,6 +3,7 @@ nodes and the web view (``to_dict`` is JSON-ready)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 GiB = 1024**3
@@ -55,11 +56,23 @@ class ComponentReport:
             extra += f" ({gib(held)} kept)" if held else ""
         lora = self.details.get("lora")
         if isinstance(lora, dict):
-            extra += f", LoRA {lora['path']} on {lora['layers']} layers"
+            extra += _lora_text(lora)
         return (
             f"  {self.name:<16} {self.cls:<34} {self.role:<9} {gib(self.nbytes):>11}  {dtype:<16} "
             f"device {gib(self.device_bytes)}, {self.ram_text()}{extra}  ({self.reason})"
         )
+
+
+def _lora_text(lora: dict[str, object]) -> str:
+    """``LoRA fused+unfused on 56 layers (unfused: 48 fp8, e.g. blocks.0.ffn.net.2; 1.2 MiB of
+    factors on the device)``: the layers a quantized weight kept unfused, by reason."""
+    text = f", LoRA {lora['path']} on {lora['layers']} layers"
+    unfused = lora.get("unfused")
+    if isinstance(unfused, dict) and unfused:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(unfused.values()).items()))
+        text += (f" (unfused: {kinds}, e.g. {next(iter(unfused))}; "
+                 f"{gib(int(lora.get('factor_bytes', 0)))} of factors on the device)")
+    return text
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class PlacementReport:
     mode: str
     components: tuple[ComponentReport, ...]
     plan: str = ""  # the preload planner's last plan line, when a denoiser is streamed
+    prompt_cache: str = ""  # entries, bytes, hits of the prompt-embedding cache (run/prompt_cache.py)
 
     @property
     def device_bytes(self) -> int:
@@ -94,6 +108,8 @@ class PlacementReport:
         lines = [head, *(c.line() for c in self.components)]
         if self.plan:
             lines.append(f"  preload: {self.plan}")
+        if self.prompt_cache:
+            lines.append(f"  prompt cache: {self.prompt_cache}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:

@@ -56,6 +56,8 @@ OWN_REGISTRY = Key("own_registry")  # the module's diffusers HookRegistry was ma
 PLANNER = Key("planner", kept=True)  # preload measures, penalties, blocks kept at unload
 LORA = Key("lora", kept=True)  # the LoRA set a component carries and its base-weight backups
 LORA_REPORT = Key("lora_report", kept=True)  # the LoRA path a component took, for the report
+PROMPT_CACHE = Key("prompt_cache")  # run.prompt_cache.PromptCache, on the pipeline object
+BLOCK_CLASS = Key("block_class")  # a modular block's own class, while a caching subclass stands in
 FP8 = Key("fp8", kept=True)  # formats.fp8.Fp8Table: the model's fp8 weights and scales (set by a loader)
 
 KEPT_ON_PURPOSE = {
@@ -123,6 +125,20 @@ def wrap_entry(module: torch.nn.Module, name: str,
 def unwrap_entries(module: torch.nn.Module) -> None:
     for name in [n for n, v in vars(module).items() if getattr(v, _WRAPPED, False)]:
         del vars(module)[name]
+
+
+def swap_class(obj: object, cls: type) -> None:
+    """Give ``obj`` the subclass ``cls`` of its class (a modular block is called through its
+    type's ``__call__``, which an instance attribute cannot shadow); `restore_class` undoes it."""
+    if BLOCK_CLASS.get(obj) is None:
+        BLOCK_CLASS.set(obj, type(obj))
+    obj.__class__ = cls
+
+
+def restore_class(obj: object) -> None:
+    original = BLOCK_CLASS.pop(obj)
+    if original is not None:
+        obj.__class__ = original
 
 
 def clear(obj: object) -> None:
