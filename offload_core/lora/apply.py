@@ -6,34 +6,33 @@ copies, the live parameter). Writing every copy a transport loads from (``Transp
 means the next onload moves the patched weights, and no hook ever comes off: placement and LoRA
 stay independent. This module knows transports only through that protocol.
 
-- Fused (float weights): ``W = W0 + sum(strength * scale * up @ down)``, computed in float32 from a
-  pageable host backup of ``W0``; the backup stays until the layer is no longer covered, so going
-  back to the base (or to another set) writes ``W0`` back bit-exactly.
-- Unfused (quantized components, fp8 or integer weights, where fusing would round the delta away):
-  a forward hook on the layer adds the low-rank product; its factors live in host memory and are
-  copied to wherever the layer's input is, so they move with their block.
+- Fused (plain bf16/fp16/fp32 weights): ``W = W0 + sum(strength * scale * up @ down)``, computed
+  in float32 from ``W0``; going back to the base (or to another set) writes ``W0`` back
+  bit-exactly. ``W0`` is read back from the safetensors file the component was loaded from where
+  the file holds it unchanged (`restore.py`), else kept as a pageable host backup.
+- Unfused (fp8 storage, GGUF parameters, other quantized layers, where fusing would round the
+  delta away): a hook on the layer adds the low-rank product (`unfused.py`); removal takes it off.
 - Each component remembers the signature (files' identities, strengths) of the set it carries;
   activating the same set again reads nothing and writes nothing.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
-from torch.utils.hooks import RemovableHandle
 
 from ..components import iter_modules
 from ..log import get_logger
 from ..state import COMPONENT, LORA, LORA_REPORT, PIPELINE
 from ..transport.base import Masters
+from . import unfused as hooks
 from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
+from .restore import FileSource, WeightFiles
 
 log = get_logger("lora")
-
-FUSABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 __all__ = ["LoraError", "LoraSpec", "activate", "check", "set_signature"]
 
@@ -48,20 +47,35 @@ class LoraSpec:
 
 @dataclass
 class _ComponentLora:
-    """What one component carries: its set's signature, backups of the fused weights' original
-    values (host, pageable), and the forward hooks of the unfused layers."""
+    """What one component carries: its set's signature; where each fused weight's original value
+    comes back from (its file, else a pageable host backup); the unfused layers' factors."""
 
     signature: tuple = ()
-    backups: dict[str, torch.Tensor] = field(default_factory=dict)
-    hooks: list[RemovableHandle] = field(default_factory=list)
+    backups: dict[str, torch.Tensor] = field(default_factory=dict)  # the RAM backup store
+    sources: dict[str, FileSource] = field(default_factory=dict)  # restored from the file
+    unfused: dict[str, hooks.Factors] = field(default_factory=dict)  # module path -> factors
+    reasons: dict[str, str] = field(default_factory=dict)  # module path -> why unfused
+
+    @property
+    def changes_weights(self) -> bool:
+        """The component computes differently from its base (a fused or an unfused layer)."""
+        return bool(self.backups or self.sources or self.unfused)
+
+    @property
+    def hooks(self) -> list[str]:
+        """What changes the outputs besides RAM backups (file-backed fused weights, unfused
+        layers); kept for readers that test ``backups or hooks`` (use `changes_weights`)."""
+        return [*self.sources, *self.unfused]
 
 
 @dataclass
 class _Plan:
-    """Per component: parameter name -> [(layer, strength)] to fuse; module path -> same, unfused."""
+    """Per component: parameter name -> [(layer, strength)] to fuse; module path -> same, unfused
+    (with the reason, e.g. ``fp8``)."""
 
     fused: dict[str, list[tuple[LoraLayer, float]]] = field(default_factory=dict)
     unfused: dict[str, list[tuple[LoraLayer, float]]] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 def set_signature(specs: Sequence[LoraSpec]) -> tuple:
@@ -77,6 +91,8 @@ def activate(pipe: object, specs: Sequence[LoraSpec]) -> None:
     """
     signature = set_signature(specs)
     components = dict(iter_modules(pipe))
+    for name, module in components.items():
+        _reattach(name, module)
     if all(_carried(m) == signature for m in components.values()):
         return
     files = [(read_lora(s.path, pipe), s.strength) for s in specs if s.strength != 0]
@@ -99,6 +115,17 @@ def _carried(module: torch.nn.Module) -> tuple:
     return state.signature if state is not None else ()
 
 
+def _reattach(name: str, module: torch.nn.Module) -> None:
+    """Unfused layers whose hooks a teardown (re-placement, release) stripped get them back."""
+    state: _ComponentLora | None = LORA.get(module)
+    if state is None or not state.unfused or hooks.attached(module, state.unfused):
+        return
+    hooks.detach(module, list(state.unfused))
+    hooks.attach(module, state.unfused)
+    log.info("%s: LoRA hooks re-attached on %d unfused layers (a placement change had taken them off)",
+             name, len(state.unfused))
+
+
 def _compute_device(pipe: object) -> torch.device:
     """Deltas are computed on the accelerator the pipeline runs on (a 14B LoRA is seconds there)."""
     pstate = PIPELINE.get(pipe)
@@ -117,19 +144,20 @@ def _plan(pipe: object, components: dict[str, torch.nn.Module],
             module = components.get(comp)
             if module is None:
                 continue
-            quantized = _is_quantized(module)
             for path, layer in layers.items():
                 target = _target(module, path)
                 if target is None:
                     continue
                 _check_shape(lora, comp, path, target, layer)
                 plan = plans.setdefault(comp, _Plan())
-                if quantized or target.weight.dtype not in FUSABLE:
+                reason = hooks.unfused_reason(module, target)
+                if reason is not None:
                     if not isinstance(target, torch.nn.Linear):
                         log.warning("LoRA %s: %s.%s is a quantized %s: only linear layers take an unfused "
                                     "LoRA; layer skipped", lora.path, comp, path, type(target).__name__)
                         continue
                     plan.unfused.setdefault(path, []).append((layer, strength))
+                    plan.reasons[path] = reason
                 else:
                     for suffix in _fused_params(target, layer):
                         plan.fused.setdefault(f"{path}.{suffix}", []).append((layer, strength))
@@ -142,11 +170,6 @@ def _plan(pipe: object, components: dict[str, torch.nn.Module],
             log.warning("LoRA %s: %d of %d layers match %s; the other layers and %d stray tensors are ignored",
                         lora.path, matched, total, model, lora.skipped)
     return plans
-
-
-def _is_quantized(module: torch.nn.Module) -> bool:
-    qc = getattr(getattr(module, "config", None), "quantization_config", None)
-    return (qc or getattr(module, "quantization_config", None)) is not None
 
 
 def _target(module: torch.nn.Module, path: str) -> torch.nn.Module | None:
@@ -168,7 +191,10 @@ def _check_shape(lora: LoraFile, comp: str, path: str, target: torch.nn.Module, 
     weight = target.weight
     if layer.up is None:
         return
-    want = (weight.shape[0], weight[0].numel())
+    if isinstance(target, torch.nn.Linear):  # a GGUF weight's shape is its packed bytes'
+        want = (target.out_features, target.in_features)
+    else:
+        want = (weight.shape[0], weight[0].numel())
     have = (layer.up.shape[0], layer.down[0].numel())
     if want != have:
         raise LoraError(f"LoRA {lora.path}: layer {comp}.{path} is {want[0]}x{want[1]} in the model but "
@@ -185,38 +211,72 @@ def _first_key(lora: LoraFile) -> str:
 def _apply(name: str, module: torch.nn.Module, plan: _Plan, signature: tuple, device: torch.device) -> None:
     if _carried(module) == signature:
         return
-    # Stored before the first write: if a write fails, the backups taken so far are not lost and
-    # the next activation (its signature still differs) recomputes every layer from them.
+    # Stored before the first write: if a write fails, the sources and backups taken so far are
+    # not lost and the next activation (its signature still differs) recomputes every layer from them.
     state = LORA.get(module)
     if state is None:
         state = _ComponentLora()
         LORA.set(module, state)
+    files = WeightFiles.of(module)
+    files.check(list(state.sources.values()))  # a changed file is refused before any write
     placed = COMPONENT.get(module)
     copies: Masters = placed.transport.masters() if placed is not None else {}
     if placed is not None:
         placed.transport.before_write()
-    for pname in sorted(set(state.backups) | set(plan.fused)):
+    fresh: list[str] = []
+    for pname in sorted(set(state.backups) | set(state.sources) | set(plan.fused)):
         param = module.get_parameter(pname)
         targets = _dedupe([*copies.get(id(param), []), param.data])
+        base = _base(state, files, pname, targets[0], fresh)
         if pname in plan.fused:
-            base = state.backups.get(pname)
-            if base is None:
-                base = state.backups[pname] = _host_copy(targets[0])
             delta = _delta(plan.fused[pname], pname.endswith(".bias"), device).reshape(base.shape)
             # Moved first, converted on the device: ``.to(device, float32)`` converts on the host.
             value = (base.to(device).float() + delta).to(param.dtype)
         else:
-            value = state.backups.pop(pname)
+            value = base
+            state.backups.pop(pname, None)
+            state.sources.pop(pname, None)
         for t in targets:
             t.copy_(value)
-    for handle in state.hooks:
-        handle.remove()
-    state.hooks = [module.get_submodule(path).register_forward_hook(_LowRankDelta(entries))
-                   for path, entries in plan.unfused.items()]
+    hooks.detach(module, list(state.unfused))
+    state.unfused = {path: hooks.Factors.of(entries) for path, entries in plan.unfused.items()}
+    state.reasons = dict(plan.reasons)
+    hooks.attach(module, state.unfused)
     state.signature = signature
-    if not (signature or state.backups or state.hooks):
+    if fresh:
+        _log_bases(name, files, state, fresh)
+    if not (signature or state.backups or state.sources or state.unfused):
         LORA.pop(module)  # back to base: nothing of ours left on the module
-    _record(name, module, plan)
+    _record(name, module, plan, state)
+
+
+def _base(state: _ComponentLora, files: WeightFiles, pname: str, master: torch.Tensor,
+          fresh: list[str]) -> torch.Tensor:
+    """``pname``'s original value: from its file or backup once fused; the live master the first
+    time (then its restore source is chosen: the file if it holds this value, else a RAM copy)."""
+    if pname in state.backups:
+        return state.backups[pname]
+    source = state.sources.get(pname)
+    if source is not None:
+        return files.read(source, master.dtype)
+    fresh.append(pname)
+    source = files.source(pname, master)
+    if source is not None:
+        state.sources[pname] = source
+        return master
+    state.backups[pname] = _host_copy(master)
+    return state.backups[pname]
+
+
+def _log_bases(name: str, files: WeightFiles, state: _ComponentLora, fresh: list[str]) -> None:
+    in_ram = [p for p in fresh if p in state.backups]
+    from_file = len(fresh) - len(in_ram)
+    where = str(files.folder) if files.folder is not None else "no file (the model was not loaded from a folder)"
+    if in_ram:
+        log.info("%s: LoRA base values of %d weights restore from %s; %d kept in RAM (not in the files or "
+                 "different from them, e.g. %s)", name, from_file, where, len(in_ram), in_ram[0])
+    else:
+        log.info("%s: LoRA base values of %d weights restore from %s, none kept in RAM", name, from_file, where)
 
 
 def _dedupe(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -247,34 +307,19 @@ def _delta(entries: list[tuple[LoraLayer, float]], bias: bool, device: torch.dev
     return total
 
 
-class _LowRankDelta:
-    """Forward hook: ``output + x @ down^T @ up^T (+ bias)``, the stacked LoRAs concatenated."""
-
-    def __init__(self, entries: list[tuple[LoraLayer, float]]) -> None:
-        weighted = [(layer, strength * layer.scale) for layer, strength in entries if layer.up is not None]
-        self.down = torch.cat([layer.down.flatten(1) for layer, _ in weighted]) if weighted else None
-        self.up = torch.cat([layer.up.flatten(1) * c for layer, c in weighted], dim=1) if weighted else None
-        biases = [layer.bias * strength * layer.scale for layer, strength in entries if layer.bias is not None]
-        self.bias = torch.stack(biases).sum(0) if biases else None
-
-    def __call__(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
-        dtype = output.dtype
-        if self.down is not None:
-            down = self.down.to(x.device, dtype, non_blocking=True)
-            up = self.up.to(x.device, dtype, non_blocking=True)
-            output = output + F.linear(F.linear(x.to(dtype), down), up)
-        if self.bias is not None:
-            output = output + self.bias.to(x.device, dtype, non_blocking=True)
-        return output
-
-
-def _record(name: str, module: torch.nn.Module, plan: _Plan) -> None:
-    """The path this component took, for the placement report (``details['lora']``)."""
+def _record(name: str, module: torch.nn.Module, plan: _Plan, state: _ComponentLora) -> None:
+    """The path this component took, for the placement report (``details['lora']``): fused and/or
+    unfused, the layers covered and, for unfused ones, each layer's reason and the factors' bytes."""
     paths = [p for p, n in (("fused", plan.fused), ("unfused", plan.unfused)) if n]
     if not paths:
         LORA_REPORT.pop(module)
         return
     layers = len({p.rsplit(".", 1)[0] for p in plan.fused} | set(plan.unfused))
-    LORA_REPORT.set(module, {"path": "+".join(paths), "layers": layers})
-    log.info("%s: LoRA %s on %d layers", name, "+".join(paths), layers)
+    report: dict[str, object] = {"path": "+".join(paths), "layers": layers}
+    if plan.unfused:
+        report["unfused"] = dict(state.reasons)
+        report["factor_bytes"] = hooks.device_bytes(module, state.unfused)
+    LORA_REPORT.set(module, report)
+    kinds = Counter(state.reasons.values())
+    log.info("%s: LoRA %s on %d layers%s", name, "+".join(paths), layers,
+             f" (unfused: {', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})" if kinds else "")

@@ -156,7 +156,9 @@ def test_quantized_component_takes_the_unfused_path_under_block_streaming(
     torch.testing.assert_close(run_wan(wan_pipe), references["a"])
     engine.after_run(wan_pipe)
     report = engine.report(wan_pipe)
-    assert report.component("transformer").details["lora"] == {"path": "unfused", "layers": covered(wan_pipe)}
+    lora = report.component("transformer").details["lora"]
+    assert (lora["path"], lora["layers"]) == ("unfused", covered(wan_pipe))
+    assert len(lora["unfused"]) == covered(wan_pipe) and set(lora["unfused"].values()) == {"test"}  # the quant method
     assert f"LoRA unfused on {covered(wan_pipe)} layers" in report.text()
     assert_weights_equal(wan_pipe, base, engine)
     activate(wan_pipe, [])
