@@ -30,7 +30,7 @@ from ..state import COMPONENT, LORA, LORA_REPORT, PIPELINE
 from ..transport.base import Masters
 from . import unfused as hooks
 from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
-from .restore import FileSource, WeightFiles
+from .restore import FileSource, WeightFiles, check_unchanged
 
 log = get_logger("lora")
 
@@ -86,8 +86,11 @@ def set_signature(specs: Sequence[LoraSpec]) -> tuple:
 def activate(pipe: object, specs: Sequence[LoraSpec]) -> None:
     """Make exactly ``specs`` effective on ``pipe`` (an empty set restores the base weights).
 
-    Call between runs (after the engine's ``after_run``), placed or not. Every file is read and
-    matched before the first weight is written, so a refused file changes nothing.
+    Call between runs (after the engine's ``after_run``), placed or not, and after each
+    placement: a teardown strips the unfused layers' hooks, and this call puts them back (from
+    the factors kept on the component, no file read). Every LoRA file is read and matched, and
+    every model file a base value comes back from is checked, before the first weight is
+    written, so a refused file changes nothing.
     """
     signature = set_signature(specs)
     components = dict(iter_modules(pipe))
@@ -97,6 +100,10 @@ def activate(pipe: object, specs: Sequence[LoraSpec]) -> None:
         return
     files = [(read_lora(s.path, pipe), s.strength) for s in specs if s.strength != 0]
     plans = _plan(pipe, components, files)
+    for module in components.values():
+        state: _ComponentLora | None = LORA.get(module)
+        if state is not None and state.sources:
+            check_unchanged(list(state.sources.values()))
     device = _compute_device(pipe)
     with torch.no_grad():
         for name, module in components.items():
@@ -218,7 +225,6 @@ def _apply(name: str, module: torch.nn.Module, plan: _Plan, signature: tuple, de
         state = _ComponentLora()
         LORA.set(module, state)
     files = WeightFiles.of(module)
-    files.check(list(state.sources.values()))  # a changed file is refused before any write
     placed = COMPONENT.get(module)
     copies: Masters = placed.transport.masters() if placed is not None else {}
     if placed is not None:

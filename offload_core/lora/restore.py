@@ -73,18 +73,6 @@ class WeightFiles:
                 log.warning("LoRA restore: %s cannot be read (%s); %s is backed up in RAM", file, exc, name)
         return None
 
-    def check(self, sources: list[FileSource]) -> None:
-        """Every file still is what it was when its values were verified (before any write)."""
-        for src in sources:
-            try:
-                now = identity(src.file)
-            except OSError:
-                now = None
-            if now != src.identity:
-                raise LoraError(
-                    f"{src.file} changed on disk since a LoRA was applied (it holds the base value of "
-                    f"{src.key}): the base weights cannot be restored from it; reload the model")
-
     def read(self, src: FileSource, dtype: torch.dtype) -> torch.Tensor:
         """The base value, as the loader made it (``.to(dtype)`` on the host)."""
         return self._handle(src.file).get_tensor(src.key).to(dtype)
@@ -99,6 +87,19 @@ class WeightFiles:
         if self._keys is None:
             self._keys = _index_folder(self.folder) if self.folder is not None else {}
         return self._keys
+
+
+def check_unchanged(sources: list[FileSource]) -> None:
+    """Every file still is what it was when its values were verified (call before any write)."""
+    for src in sources:
+        try:
+            now = identity(src.file)
+        except OSError:
+            now = None
+        if now != src.identity:
+            raise LoraError(
+                f"{src.file} changed on disk since a LoRA was applied (it holds the base value of "
+                f"{src.key}): the base weights cannot be restored from it; reload the model")
 
 
 def _index_folder(folder: Path) -> dict[str, list[str]]:
