@@ -62,16 +62,25 @@ class Factors:
 
 
 class LoraHook(ModelHook):
-    """``output + up(down(x)) (+ bias)`` around the layer's forward (and whatever hooks sit inside)."""
+    """``output + up(down(x)) (+ bias)`` around the layer's forward (and whatever hooks sit inside).
+
+    The input is held from ``pre_forward`` to ``post_forward`` rather than wrapping the forward
+    (``new_forward``): diffusers' ``HookRegistry.remove_hook`` rewires the next hook's plain
+    ``forward`` reference, which drops a ``new_forward`` hook registered after the removed one
+    (its leaf-level lazy prefetch removes its tracker hooks after the first forward)."""
 
     def __init__(self, factors: Factors) -> None:
         super().__init__()
         self.factors = factors
         self._resident: tuple[torch.device, torch.dtype, tuple[torch.Tensor | None, ...]] | None = None
+        self._x: torch.Tensor | None = None
 
-    def new_forward(self, module: torch.nn.Module, *args, **kwargs):
-        out = self.fn_ref.original_forward(*args, **kwargs)
-        x = args[0] if args else kwargs["input"]
+    def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
+        self._x = args[0] if args else kwargs["input"]
+        return args, kwargs
+
+    def post_forward(self, module: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
+        x, self._x = self._x, None
         down, up, bias = self._on(out.device, out.dtype)
         if down is not None:
             h = F.linear(x.to(out.device, out.dtype), down)
@@ -91,7 +100,7 @@ class LoraHook(ModelHook):
         return self._resident[2]
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
-        self._resident = None
+        self._resident = self._x = None
         return module
 
 

@@ -209,6 +209,26 @@ def test_a_replacement_strips_the_hooks_and_the_next_activation_reattaches_them(
     assert LORA.get(pipe.transformer) is None and leftovers(pipe.transformer) == []
 
 
+def test_the_hook_survives_diffusers_removing_a_hook_registered_before_it(
+        fp8_case: dict, tiny_wan_dir: Path, wan_loras: dict[str, Path]) -> None:
+    """diffusers' leaf-level lazy prefetch removes its tracker hooks after the first forward;
+    ``HookRegistry.remove_hook`` rewires the next hook's ``forward``, which must not unhook ours."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    pipe = fp8_pipe(tiny_wan_dir, fp8_case["scaled"])
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="none", **BASE))
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    for layer in layers:
+        HookRegistry.check_if_exists_or_initialize(layer).register_hook(ModelHook(), "tracker")
+    activate(pipe, [spec(wan_loras["a"])])
+    for layer in layers:
+        layer._diffusers_hook.remove_hook("tracker", recurse=False)
+    assert torch.equal(run(engine, pipe, spec(wan_loras["a"])), fp8_case["lora"])
+    assert torch.equal(run(engine, pipe), fp8_case["base"])
+    engine.release(pipe)
+
+
 # -- GGUF -----------------------------------------------------------------------------------------
 GGUF_TARGETS = ("to_q", "to_k", "ffn.net.2")  # attention stays F16 in the tiny file, ffn.net.2 is quantized
 
