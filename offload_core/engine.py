@@ -21,7 +21,7 @@ from .log import get_logger
 from .memory import MemoryReader, PinVerdict, sweep_cleanup
 from .pin_path import pin_verdict, transport_context
 from .report import ComponentReport, PlacementReport, gib
-from .roles import Role, RoleDecision, decide, warn_unknown_entries
+from .roles import Role, RoleDecision, decide, warn_unknown_entries, with_stream_verdict
 from .run import prompt_cache
 from .state import (
     APPLYING,
@@ -38,8 +38,10 @@ from .state import clear as clear_state
 from .transport import LeafGroupTransport, OnDemandTransport, ResidentTransport, Transport, TransportContext
 from .transport.base import strip_hooks
 from .transport.dequant import fp8_layers, register_dequant, remove_dequant
+from .transport.encoder_stream import EncoderStreamer, streamable
 from .transport.on_demand import OnDemandGroup
 from .transport.preload import PreloadingStreamer
+from .transport.streamer import BlockStreamer
 
 log = get_logger("engine")
 
@@ -94,6 +96,7 @@ class Engine:
                 PIPELINE.pop(pipe)
                 self._pipelines.discard(pipe)
             raise
+        self._link_parking(pipe, pstate)
         prompt_cache.install(pipe, config.prompt_cache_bytes, device)
         report = self.report(pipe)
         key = tuple((c.name, c.role, c.reason) for c in report.components)
@@ -120,7 +123,10 @@ class Engine:
             self._teardown(module)
         APPLYING.set(module, True)
         try:
-            transport = _make_transport(decision.role, self._context(config, pstate, verdict, info, decision), info)
+            ctx = self._context(config, pstate, verdict, info, decision)
+            streamed = ENCODER_STREAMING and decision.pinned_stream and ctx.pin and ctx.pin_bytes is None and streamable(module)
+            decision = with_stream_verdict(decision, streamed)
+            transport = EncoderStreamer(ctx) if streamed else _make_transport(decision.role, ctx, info)
             COMPONENT.set(module, ComponentState(signature, transport, decision, info))
             fp8 = fp8_layers(module)
             register_dequant(module)  # before the transport's hooks: the onload runs first
@@ -144,6 +150,20 @@ class Engine:
     def _context(self, config: OffloadConfig, pstate: PipelineState, verdict: PinVerdict | None,
                  info: ComponentInfo, decision: RoleDecision) -> TransportContext:
         return transport_context(info, decision, config, pstate.device, verdict, self.memory, pstate.on_demand)
+
+    def _link_parking(self, pipe: object, pstate: PipelineState) -> None:
+        """A streamed denoiser's forward sends idle components home first (a VAE between its
+        encodes and decode, an encoder's non-layer part), before its plan reads the free memory.
+        On-demand modules stay between their own calls only where that happens for every denoiser
+        (streamed, or on demand: entering evicts idle peers)."""
+        denoisers = [s.transport for s in self.states(pipe).values() if s.info.is_denoiser]
+        park = _parker(self, pipe)
+        for transport in denoisers:
+            if isinstance(transport, BlockStreamer):
+                transport.events.unsubscribe(PARK)
+                transport.events.subscribe(PARK, park, first=True)
+        pstate.on_demand.stay = all(isinstance(t, (BlockStreamer, OnDemandTransport, ResidentTransport))
+                                    for t in denoisers)
 
     # -- release --------------------------------------------------------------------------
     def _teardown(self, module: torch.nn.Module) -> None:
@@ -237,6 +257,25 @@ def _room_maker(engine: Engine, pipe: object) -> Callable[[int], int]:
         return owner.give_back(target, nbytes) if owner is not None and target is not None else 0
 
     return make_room
+
+
+PARK = "park_idle"
+ENCODER_STREAMING = False  # see the report: tests of the leaf path to be updated first
+
+
+def _parker(engine: Engine, pipe: object) -> Callable[..., bool]:
+    """The denoiser-start listener of `Engine._link_parking`, holding engine and pipeline weakly."""
+    engine_ref, pipe_ref = weakref.ref(engine), weakref.ref(pipe)
+
+    def park(event: str, source: object, **_info: object) -> bool:
+        owner, target = engine_ref(), pipe_ref()
+        if event == "forward" and owner is not None and target is not None:
+            for state in owner.states(target).values():
+                if state.transport is not source and state.transport.offload_idle():
+                    log.debug("%s went home: a denoiser starts", state.info.name)
+        return False
+
+    return park
 
 
 def _plans(comps: list[ComponentReport]) -> str:

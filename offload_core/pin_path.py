@@ -24,7 +24,7 @@ from .log import get_logger
 from .memory import MemoryReader, PinVerdict, pin_budget
 from .pinning import pinned_bytes
 from .report import gib
-from .roles import Role, RoleDecision
+from .roles import Role, RoleDecision, pins_when_granted
 from .state import PIN_VERDICT
 from .transport import TransportContext
 
@@ -32,8 +32,10 @@ log = get_logger("engine")
 
 
 def wants_pin(info: ComponentInfo, decision: RoleDecision) -> bool:
-    """Components whose weights are copied every step: the streamed denoisers."""
-    return decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)
+    """Components whose weights are copied every step (the streamed denoisers), and those that move
+    from pinned memory when the budget grants it (`roles.pins_when_granted`)."""
+    return (decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)
+            or pins_when_granted(info, decision))
 
 
 def pin_verdict(module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision, config: OffloadConfig,

@@ -9,6 +9,7 @@ silently, since a typo there would otherwise leave a component placed as if the 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +33,22 @@ class RoleDecision:
     role: Role
     reason: str
     lists: tuple[str, ...] = ()  # list entries that touched the component (part of its signature)
+    # A leaf-role text encoder whose layers stream from pinned memory when the pin budget grants
+    # the whole of it (SPEC §2, §13); when it denies, it stays on leaf groups from pageable memory.
+    pinned_stream: bool = False
+
+
+def with_stream_verdict(decision: RoleDecision, streamed: bool) -> RoleDecision:
+    """A ``pinned_stream`` decision's reason once the budget has spoken (for the report)."""
+    if not (decision.pinned_stream and streamed):
+        return decision
+    return dataclasses.replace(decision, reason=f"{decision.reason}: layers streamed from pinned memory")
+
+
+def pins_when_granted(info: ComponentInfo, decision: RoleDecision) -> bool:
+    """Components other than denoisers that move from pinned memory when the budget grants it:
+    on-demand modules (a VAE's whole-module move) and text encoders streamed by layer."""
+    return decision.role is Role.ON_DEMAND or decision.pinned_stream
 
 
 def _match(entries: tuple[str, ...], info: ComponentInfo) -> str | None:
@@ -103,7 +120,10 @@ def _decide_by_mode(info: ComponentInfo, config: OffloadConfig, forced: bool) ->
         return RoleDecision(Role.LEAF, "mode leaf")
     if info.is_denoiser:
         return RoleDecision(Role.PER_STEP, "denoiser: block stream per step")
-    return RoleDecision(Role.LEAF, _once_per_run(info))
+    reason = _once_per_run(info)
+    if info.is_text_encoder and config.mode == "auto" and info.nbytes >= config.on_demand_threshold_bytes:
+        return RoleDecision(Role.LEAF, reason, pinned_stream=True)
+    return RoleDecision(Role.LEAF, reason)
 
 
 def _once_per_run(info: ComponentInfo) -> str:

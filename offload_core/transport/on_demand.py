@@ -4,8 +4,12 @@ Entry points: ``encode``/``decode`` (diffusers' ``apply_forward_hook`` bridge ca
 ``module._hf_hook.pre_forward``), ``forward`` (marker hook), and blocks that fire ``_hf_hook`` by
 hand before calling an inner model (MiniMax-H3's text encoder). Whole-module moves make tiled and
 chunked calls find every weight loaded. After an ``encode``/``decode`` returns (its outputs are
-materialised) the module goes back; a ``forward`` entry stays until a peer needs the room or the
-run ends (a denoiser would otherwise bounce every step).
+materialised) the module goes back, unless the group lets it ``stay`` (the engine sets that where a
+denoiser's start sends idle modules home): then consecutive calls of one run (fl2va encodes two
+keyframes) move it once, and it goes home at the run's end, when a denoiser starts, or when a peer
+needs the room. A ``forward`` entry stays until a peer needs the room or the run ends (a denoiser
+would otherwise bounce every step). When the pin budget grants it, the resting tensors are
+page-locked in place (`pinning.PinSet`), so a move-in runs at the copy engine's speed.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from .. import state
 from ..log import get_logger
+from ..pinning import PinSet
 from .base import MARKER, MarkerHook, Masters, TransportBase, TransportContext, add_hook, remove_hook
 from .moves import HostTensors, bytes_on, host_tensors, module_bytes, move_module, rebind
 
@@ -33,6 +38,7 @@ class OnDemandGroup:
     def __init__(self) -> None:
         self.members: list[OnDemandTransport] = []
         self.make_room: Callable[[int], int] | None = None
+        self.stay = False  # an encode/decode leaves its module loaded for the run's next call
 
     def evict_except(self, keep: OnDemandTransport) -> None:
         for other in self.members:
@@ -57,10 +63,13 @@ class OnDemandTransport(TransportBase):
         self.depth = 0
         self.moves = 0
         self._host: HostTensors = []  # the resting tensors while the module visits the device
+        self.pins = PinSet()
 
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
         move_module(module, self.ctx.offload_device)
+        if self.ctx.pin:
+            self._pin_resting(module)
         state.install_bridge(module, self.onload, self.ctx.onload_device)
         for entry in self.entries:
             state.wrap_entry(module, entry, self._wrap)
@@ -75,7 +84,20 @@ class OnDemandTransport(TransportBase):
         if self.group is not None and self in self.group.members:
             self.group.members.remove(self)
         self.offload()
+        self.pins.release()
         self.module = None
+
+    def _pin_resting(self, module: torch.nn.Module) -> None:
+        """Page-lock the resting tensors where they lie (a pinned copy stands in where a storage
+        cannot be registered)."""
+        for owner, name, is_param, t in host_tensors(module):
+            pinned = self.pins.pin(t)
+            if pinned is t:
+                continue
+            if is_param:
+                owner._parameters[name].data = pinned
+            else:
+                owner._buffers[name] = pinned
 
     def _wrap(self, method: Callable) -> Callable:
         def entered(*args, **kwargs):
@@ -85,7 +107,7 @@ class OnDemandTransport(TransportBase):
                 return method(*args, **kwargs)
             finally:
                 self.depth -= 1
-                if self.depth == 0:
+                if self.depth == 0 and not (self.group is not None and self.group.stay):
                     self.offload()
 
         return entered
@@ -98,7 +120,10 @@ class OnDemandTransport(TransportBase):
             self._make_room()
         self._host = host_tensors(self.module)
         try:
-            move_module(self.module, self.ctx.onload_device)
+            if self.pinned_bytes():  # from page-locked memory the copy runs asynchronously, stream-ordered
+                move_module(self.module, self.ctx.onload_device, non_blocking=True)
+            else:
+                move_module(self.module, self.ctx.onload_device)
         except BaseException:  # an OOM half-way: leave no part of the module on the device
             self._rebind()
             raise
@@ -135,8 +160,11 @@ class OnDemandTransport(TransportBase):
             return 0
         return bytes_on(self.module, self.ctx.onload_device)
 
+    def pinned_bytes(self) -> int:
+        return self.pins.nbytes
+
     def offload_idle(self) -> bool:
-        if not self.loaded:
+        if not self.loaded or self.depth:
             return False
         self.offload()
         return True

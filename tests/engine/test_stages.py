@@ -30,7 +30,7 @@ from fixtures.hook_inventory import hook_inventory
 from fixtures.tiny_pipes import load_h3, run_h3
 
 # Every role gets a real transport on the tiny model (leaf text encoder, per-step denoiser, on-demand VAEs).
-CFG = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+CFG = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", prompt_cache_gb=0)  # every run encodes
 STEPS = 3  # H3's scheduler takes grid points: 3 steps = 2 denoiser forwards
 TOTALS = {DENOISE: STEPS - 1, VIDEO: 7}  # 124 frames = 37 latent frames = 7 chunks of one 32x32 tile
 
