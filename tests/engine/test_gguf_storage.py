@@ -214,8 +214,14 @@ def test_the_streamer_moves_and_the_report_counts_packed_bytes(tiny_wan_dir, wan
     run_wan(pipe, num_inference_steps=1)
     engine.after_run(pipe)
     forwards = 2  # one step, classifier-free guidance: two transformer forwards
-    assert sum(moved) == forwards * block_bytes
-    assert sorted(n for _d, n in gguf_moved) == sorted(forwards * list(gguf_ids.values()))
+    blocks = len(model.blocks)  # the tiny Wan's blocks share one layout
+    assert set(moved) == {block_bytes // blocks}, "each copy is one block's stored bytes"
+    # Without a side stream, exactly the run's copies; with one (an accelerator), the prefetch
+    # also fills buffers for a next forward that never comes (after_run drops them): at most a ring.
+    extra = len(moved) - forwards * blocks
+    assert extra == 0 if streamer.prefetch.copy_stream is None else 0 <= extra <= streamer.ring.capacity
+    one_block = [n for p_id, n in gguf_ids.items() if p_id in {id(p) for p in model.blocks[0].parameters()}]
+    assert one_block and sorted(n for _d, n in gguf_moved) == sorted(len(moved) * one_block)
     assert {d for d, _n in gguf_moved} == {torch.uint8}
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     component = report.component("transformer")
