@@ -1,6 +1,6 @@
 """fp8 storage with bf16/fp16 compute: which weights of a model are stored in fp8, their per-tensor
-scales, and the one dequantisation every path uses (``weight.to(compute) * scale``, as ComfyUI's
-fp8 "scaled" layers compute it).
+scales, and the one dequantisation every path uses (``weight.to(compute) * scale.to(compute)``,
+as ComfyUI's fp8 "scaled" layers compute it).
 
 Only ``nn.Linear`` weights are stored in fp8 (they are nearly all of a denoiser's bytes), and not
 in the layers diffusers' own layerwise casting skips (embeddings, norms, ``proj_out``: their dtype
@@ -54,8 +54,8 @@ def table_of(model: torch.nn.Module) -> Fp8Table | None:
 
 
 def dequantize(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor:
-    """The compute-dtype value of an fp8 weight (a Python-float scale multiplies in the same
-    float math as ComfyUI's fp32 scale tensor, so both give the same bits)."""
+    """The compute-dtype value of an fp8 weight; ``scale`` as `scale_value` rounds it (the product
+    is then computed in float and rounded once, the bits of ``w.to(c) * scale.to(c)``)."""
     out = weight.to(compute)
     return out if scale is None else out.mul_(scale)
 
@@ -100,7 +100,7 @@ def mark_fp8(model: torch.nn.Module, compute: torch.dtype, scales: dict[str, tor
             continue
         table.weights[id(layer.weight)] = name
         if scale is not None:
-            table.scales[id(layer.weight)] = _scalar(scale, name, layer.weight, what)
+            table.scales[id(layer.weight)] = _scalar(scale, name, layer.weight, what, compute)
     _dequantize_others(model, compute, scales, what)
     if scales:
         raise ValueError(f"{what}: scales for layers the model does not have: {sorted(scales)[:5]}")
@@ -119,19 +119,25 @@ def _dequantize_others(model: torch.nn.Module, compute: torch.dtype, scales: dic
             if t is None or not is_fp8(t) or (pname == "weight" and id(module) in stored):
                 continue
             scale = scales.pop(name, None) if pname == "weight" else None
-            t.data = dequantize(t.data, None if scale is None else _scalar(scale, name, t, what), compute)
+            t.data = dequantize(t.data, None if scale is None else _scalar(scale, name, t, what, compute), compute)
 
 
-def _scalar(scale: torch.Tensor | float, layer: str, weight: torch.Tensor, what: str) -> float:
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(
-                f"{what}: the scale of {layer} has shape {tuple(scale.shape)} for a weight of shape "
-                f"{tuple(weight.shape)}; only per-tensor scales (one value) are supported")
-        scale = float(scale.float().item())
-    if not (scale == scale and abs(scale) != float("inf")):  # nan / inf
-        raise ValueError(f"{what}: the scale of {layer} is {scale}")
-    return scale
+def scale_value(scale: torch.Tensor | float, compute: torch.dtype) -> float:
+    """A per-tensor scale rounded to ``compute``, as ``dequantize`` takes it."""
+    return float(torch.as_tensor(scale, dtype=torch.float32).reshape(()).to(compute).float().item())
+
+
+def _scalar(scale: torch.Tensor | float, layer: str, weight: torch.Tensor, what: str, compute: torch.dtype) -> float:
+    """The per-tensor scale as the compute dtype holds it: ComfyUI dequantises with
+    ``w.to(c) * scale.to(c)`` (comfy-kitchen's reference), so the scale is rounded to ``c`` first."""
+    if isinstance(scale, torch.Tensor) and scale.numel() != 1:
+        raise ValueError(
+            f"{what}: the scale of {layer} has shape {tuple(scale.shape)} for a weight of shape "
+            f"{tuple(weight.shape)}; only per-tensor scales (one value) are supported")
+    value = scale_value(scale, compute)
+    if not (value == value and abs(value) != float("inf")):  # nan / inf
+        raise ValueError(f"{what}: the scale of {layer} is {value}")
+    return value
 
 
 def _check_dtypes(storage: torch.dtype, compute: torch.dtype, what: str) -> None:

@@ -23,7 +23,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from ..log import get_logger
-from .fp8 import dequantize, is_fp8, mark_fp8
+from .fp8 import dequantize, is_fp8, mark_fp8, scale_value
 from .inspect import (
     INPUT_SCALE_SUFFIXES,
     QUANT_SUFFIX,
@@ -213,7 +213,7 @@ def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.T
             if scale is not None and scale.numel() != 1:
                 raise SingleFileError(f"the scale of {key} has shape {tuple(scale.shape)} for a weight of shape "
                                       f"{tuple(t.shape)}; only per-tensor scales (one value) are supported")
-            t = dequantize(t, None if scale is None else float(scale.float().reshape(())), compute).float()
+            t = dequantize(t, None if scale is None else scale_value(scale, compute), compute).float()
         elif t.is_floating_point() and not is_fp8(t):
             t = t.to(torch.float32 if fp32 else compute)
         state[key] = t
@@ -342,7 +342,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
         if layer + ".weight" in state and scale.numel() == 1:
-            state[layer + ".weight"] = dequantize(state[layer + ".weight"], float(scale.float().reshape(())), dtype)
+            state[layer + ".weight"] = dequantize(state[layer + ".weight"], scale_value(scale, dtype), dtype)
     state = {k: dequantize(v, None, dtype) if is_fp8(v) else v for k, v in state.items()}
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),

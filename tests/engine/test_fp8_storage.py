@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8, table_of
+from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures.tiny_models import load_wan, run_wan
@@ -36,19 +36,18 @@ def _scaled_fp8(pipe) -> dict[str, torch.Tensor]:
     return scales
 
 
-def _dequantised_twin(pipe):
-    """The same pipeline with each fp8 weight replaced by ``fp8.to(bf16) * scale`` (the
-    independent reference: ComfyUI's formula written out, not the pack's code)."""
+def _dequantised_twin(pipe, scales: dict[str, torch.Tensor]):
+    """The same pipeline with each fp8 weight replaced by ``fp8.to(bf16) * scale.to(bf16)`` (the
+    independent reference: comfy-kitchen's dequantisation written out from the file's scales,
+    not the pack's code)."""
     twin = copy.copy(pipe)
     transformer = copy.deepcopy(pipe.transformer)
-    table = table_of(pipe.transformer)
     originals = dict(pipe.transformer.named_modules())
     for name, layer in transformer.named_modules():
         w = originals[name].weight if isinstance(layer, torch.nn.Linear) else None
         if w is not None and w.dtype == torch.float8_e4m3fn:
-            scale = table.scale_of(w)
             value = w.data.to(torch.bfloat16)
-            layer.weight.data = value if scale is None else value * torch.tensor(scale, dtype=torch.float32)
+            layer.weight.data = value * scales[name].to(torch.bfloat16) if name in scales else value
     vars(transformer).pop("_diffusers_offload_fp8", None)
     twin.register_modules(transformer=transformer)
     return twin
@@ -56,17 +55,21 @@ def _dequantised_twin(pipe):
 
 @pytest.fixture(params=["plain", "scaled"])
 def fp8_wan(request, tiny_wan_dir):
+    """(the tiny Wan with its transformer in fp8, the file-side scales by layer)"""
     pipe = load_bf16(tiny_wan_dir)
+    scales = {}
     if request.param == "plain":
         store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
     else:
-        mark_fp8(pipe.transformer, torch.bfloat16, _scaled_fp8(pipe))
-    return pipe
+        scales = _scaled_fp8(pipe)
+        mark_fp8(pipe.transformer, torch.bfloat16, scales)
+    return pipe, scales
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fp8_output_equals_the_dequantised_bf16_model_in_every_mode(fp8_wan, config):
-    expected = run_wan(_dequantised_twin(fp8_wan))
+    fp8_wan, scales = fp8_wan
+    expected = run_wan(_dequantised_twin(fp8_wan, scales))
     stored = {n: p.detach().clone() for n, p in fp8_wan.transformer.named_parameters()}
     engine = Engine()
     engine.place(fp8_wan, OffloadConfig(**CONFIGS[config], **BASE))
@@ -87,9 +90,10 @@ def test_scales_are_applied(tiny_wan_dir):
     """The scaled file's output differs from the unscaled fp8 values (what diffusers'
     from_single_file silently loads): a pack that dropped the scales fails here."""
     pipe = load_bf16(tiny_wan_dir)
-    mark_fp8(pipe.transformer, torch.bfloat16, _scaled_fp8(pipe))
-    expected = run_wan(_dequantised_twin(pipe))
-    unscaled = _dequantised_twin(pipe)
+    scales = _scaled_fp8(pipe)
+    mark_fp8(pipe.transformer, torch.bfloat16, scales)
+    expected = run_wan(_dequantised_twin(pipe, scales))
+    unscaled = _dequantised_twin(pipe, {})
     for name, layer in unscaled.transformer.named_modules():
         w = dict(pipe.transformer.named_modules())[name]
         if isinstance(layer, torch.nn.Linear) and w.weight.dtype == torch.float8_e4m3fn:

@@ -1,5 +1,5 @@
 """ComfyUI single-file denoisers: an fp8_scaled / fp8 / ComfyUI-quant file runs like the bf16 model
-holding ``fp8.to(bf16) * scale`` computed here from the file (and unlike diffusers' own unscaled
+holding ``fp8.to(bf16) * scale.to(bf16)`` computed here from the file (and unlike diffusers' own unscaled
 load); a configs-only folder takes the text-encoder and VAE files; every bad input is refused
 with an error naming the file and what it looks like, and no file changes."""
 
@@ -34,7 +34,8 @@ def _digest(path: Path) -> str:
 
 
 def _dequantised_reference(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
-    """The file's weights as ComfyUI computes them (``w.to(bf16) * scale``, written out here), keys
+    """The file's weights as ComfyUI computes them (``w.to(bf16) * scale.to(bf16)``, comfy-kitchen's
+    reference dequantisation, written out here), keys
     converted by diffusers' Wan conversion, saved as a diffusers folder and loaded by diffusers'
     folder loader in bf16."""
     tensors = load_file(str(path))
@@ -45,7 +46,7 @@ def _dequantised_reference(path: Path, folder: Path, tmp: Path) -> WanTransforme
         layer = key.removesuffix(".weight")
         scale = tensors.get(f"{layer}.scale_weight", tensors.get(f"{layer}.weight_scale"))
         value = t.to(BF16)
-        out[key] = value if scale is None else value * scale.to(torch.float32)
+        out[key] = value if scale is None else value * scale.to(BF16)
     ref = tmp / f"reference-{path.stem}" / "transformer"
     ref.mkdir(parents=True)
     shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
