@@ -55,6 +55,8 @@ def main() -> None:
     fp8_kernel.cast_into(out, src, starts, scales)
     scaled_ref = torch.cat([src[:half].to(torch.bfloat16) * scales[0], src[half:].to(torch.bfloat16) * scales[1]])
     rows["triton_scaled_bit_equal"] = bool(torch.equal(out, scaled_ref))
+    one = fp8_kernel.dequantized(src[:half], float(scales[0]), torch.bfloat16)  # the per-layer hook's kernel
+    rows["triton_layer_bit_equal"] = bool(torch.equal(one, scaled_ref[:half]))
     rows["compile_bit_equal"] = bool(torch.equal(compiled(src), ref))
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mb": args.mb, **rows}))
 

@@ -13,6 +13,7 @@ from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import Fp8Table, dequantize, table_of
 from ..state import DEQUANT_HOOK
+from . import fp8_kernel
 from .base import add_hook, remove_hook
 
 
@@ -28,7 +29,9 @@ class DequantHook(ModelHook):
             weight.data = self.stored
         if weight.dtype == self.table.storage:
             self.stored = weight.data
-            weight.data = dequantize(weight.data, self.table.scale_of(weight), self.table.compute)
+            scale, compute = self.table.scale_of(weight), self.table.compute
+            fast = fp8_kernel.dequantized(weight.data, scale, compute)
+            weight.data = fast if fast is not None else dequantize(weight.data, scale, compute)
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output):

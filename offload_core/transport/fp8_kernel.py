@@ -38,6 +38,14 @@ if triton is not None:
         tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _cast_scalar_kernel(src, dst, n, scale, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask).to(tl.float32)
+        tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
+
+
 def available(t: torch.Tensor) -> bool:
     if triton is None or not t.is_cuda or t.device.index in _broken:
         return False
@@ -62,3 +70,19 @@ def cast_into(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor | None 
         _broken.add(src.device.index)
         return False
     return True
+
+
+def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
+    """One weight's compute value (``scale`` already rounded to ``compute``), or None where the
+    kernel cannot run (the caller falls back)."""
+    if not (available(weight) and weight.is_contiguous()):
+        return None
+    out = torch.empty(weight.shape, dtype=compute, device=weight.device)
+    n = weight.numel()
+    try:
+        _cast_scalar_kernel[(triton.cdiv(n, 1024),)](weight, out, n, 1.0 if scale is None else scale, BLOCK=1024,
+                                                     num_warps=4)
+    except Exception:
+        _broken.add(weight.device.index)
+        return None
+    return out
