@@ -7,7 +7,7 @@ node schemas of a real ComfyUI give, plus a Note naming the model to download. C
 every ``example_workflows/*.json`` as a template titled by its file stem and shows
 ``<stem>.jpg`` beside it. Run after changing a twin, a node's inputs or an example's model:
 
-    .venv/bin/python tools/make_workflows.py
+    .venv/bin/python tools/make_workflows.py [NAME ...]   # NAME: only those examples (no keyframes)
 
 ``tests/comfy/test_workflows.py`` fails when a UI file and its twin have drifted apart, and
 ``tests/comfy/test_templates.py`` when a template lacks its Note, thumbnail or inputs.
@@ -25,8 +25,8 @@ import offload_examples as ex
 
 THUMB_SIZE = (512, 512)
 BACKGROUND, PANEL, TEXT, MUTED, ACCENT = "#17191f", "#262a33", "#f2f2f2", "#a7adba", "#6fa8dc"
-CHAIN = (ex.SETTINGS, "DiffusersOffloadLoadPipeline", "DiffusersOffloadLoadModularPipeline", *ex.GENERATE,
-         "SaveImage", "SaveVideo")
+CHAIN = (ex.SETTINGS, "DiffusersOffloadLoadPipeline", "DiffusersOffloadLoadModularPipeline", ex.sf.SINGLE_FILE_LOADER,
+         *ex.GENERATE, "SaveImage", "SaveVideo")
 
 
 def thumbnail(example: ex.Example, api: dict[str, Any], schemas: dict[str, dict[str, Any]]) -> Any:
@@ -40,7 +40,7 @@ def thumbnail(example: ex.Example, api: dict[str, Any], schemas: dict[str, dict[
     for line in textwrap.wrap(example.title, 27):
         draw.text((28, y), line, font=big, fill=TEXT)
         y += 38
-    draw.text((28, y + 2), example.repo, font=small, fill=MUTED)
+    draw.text((28, y + 2), example.files[0].name if example.files else example.repo, font=small, fill=MUTED)
     y += 42
 
     keyframes = [node["inputs"]["image"] for node in api.values() if node["class_type"] == "LoadImage"]
@@ -63,15 +63,17 @@ def thumbnail(example: ex.Example, api: dict[str, Any], schemas: dict[str, dict[
     return image
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
     sys.path.append(str(ex.ROOT / "tests"))  # appended: ComfyUI's own folder must lead sys.path
     from comfyhost import harness
 
-    for path in ex.write_keyframes():
-        print(f"wrote {path.relative_to(ex.ROOT)}")
+    examples = [ex.example(name) for name in names] or list(ex.EXAMPLES)
+    if not names:
+        for path in ex.write_keyframes():
+            print(f"wrote {path.relative_to(ex.ROOT)}")
     with tempfile.TemporaryDirectory() as base:
         host = harness.setup(Path(base))
-        for example in ex.EXAMPLES:
+        for example in examples:
             api = ex.api_prompt(example.name, ex.MODEL_PLACEHOLDER)
             schemas = {node["class_type"]: ex.object_info(host, node["class_type"]) for node in api.values()}
             path = ex.write_ui(example.name, ex.ui_workflow(api, schemas, example))
@@ -83,4 +85,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import single_file_examples as sf
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES_DIR = ROOT / "example_workflows"
 API_DIR = EXAMPLES_DIR / "api"
@@ -58,6 +60,7 @@ class Example:
     skip: tuple[str, ...] = ()  # download globs: files of the repository this template never reads
     skip_what: str = ""  # what those globs leave out, for the Note
     gated: bool = False  # the repository asks users to accept its licence first
+    files: tuple[sf.ComfyFile, ...] = ()  # single-file templates: ComfyUI files; repo gives configs only
 
     def tiny_overrides(self, **inputs: Any) -> dict[str, dict[str, Any]]:
         """TINY_OVERRIDES with this example's own Generate inputs, then ``inputs`` (e.g. steps=3)."""
@@ -87,6 +90,14 @@ EXAMPLES = (
     Example("h3_still_image", "MiniMaxH3ModularPipeline", "MiniMax-H3", "h3",
             repo="MiniMaxAI/MiniMax-H3", title="MiniMax-H3: still image",
             tiny_extra=(("frames", 1),), skip=("transformer_ref/*",), skip_what="the ref2va transformer"),
+    Example("wan_fp8_scaled_single_file", "WanPipeline", "Wan2.1-T2V-14B-Diffusers", "wan",
+            repo="Wan-AI/Wan2.1-T2V-14B-Diffusers", title="Wan 2.1 14B, fp8_scaled file: text to video",
+            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
+            files=(sf.WAN_14B_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
+    Example("wan_gguf_single_file", "WanPipeline", "Wan2.1-T2V-14B-Diffusers", "wan",
+            repo="Wan-AI/Wan2.1-T2V-14B-Diffusers", title="Wan 2.1 14B, GGUF Q8_0 file: text to video",
+            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
+            files=(sf.WAN_14B_GGUF_Q8_0, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
 )
 
 
@@ -297,6 +308,8 @@ def _layout(nodes: dict[str, dict[str, Any]], depth: dict[str, int], top: int) -
 
 def note_text(example: Example, api: dict[str, Any]) -> str:
     """What the template's Note says: the model it needs, the command that fetches it, where it goes."""
+    if example.files:
+        return sf.note_text(example, MODELS_DIR)
     lines = [
         example.title,
         "",

@@ -1,0 +1,84 @@
+"""The single-file templates' ComfyUI files: what each widget of "Load diffusion model file
+(diffusers)" names, where the file comes from, and the Note that tells users so.
+
+Why apart from ``offload_examples``: a single-file template needs two things a folder template
+does not, a configs-only diffusers folder (a few MB: configs, tokenizer, scheduler) and files in
+ComfyUI's own model folders (the denoiser in ``diffusion_models``, the text encoder in
+``text_encoders``, the VAE in ``vae``: the files ComfyUI's native Wan workflows use). The Note
+names each file with its download address; the tests stand in the tiny file of the same role
+(``ComfyFile.tiny``) for each. Imports nothing from ComfyUI or from the rest of tools/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+SINGLE_FILE_LOADER = "DiffusersOffloadLoadDiffusionModelFile"
+# a diffusers repository's weights (shards and their index); what stays is configs, tokenizer, scheduler
+CONFIG_ONLY_SKIP = ("*.safetensors", "*.safetensors.index.json")
+CONFIG_ONLY_WHAT = "the folder's weights: the files below replace them"
+COMFY_MODELS = "ComfyUI/models"
+
+
+@dataclass(frozen=True)
+class ComfyFile:
+    """One file a single-file template picks: the loader input naming it, ComfyUI's model folder
+    it goes in, its Hugging Face repository and path there, and the tiny stand-in the tests use
+    (a format of ``comfy_files.comfy_wan``, a GGUF qtype, or the component's own name)."""
+
+    input: str
+    folder: str
+    repo: str
+    path: str
+    tiny: str
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.path).name
+
+    @property
+    def url(self) -> str:
+        return f"https://huggingface.co/{self.repo}/resolve/main/{self.path}"
+
+
+COMFY_WAN21 = "Comfy-Org/Wan_2.1_ComfyUI_repackaged"
+WAN_TEXT_ENCODER = ComfyFile("text_encoder", "text_encoders", COMFY_WAN21,
+                             "split_files/text_encoders/umt5_xxl_fp8_e4m3fn_scaled.safetensors", "text_encoder")
+WAN_VAE = ComfyFile("vae", "vae", COMFY_WAN21, "split_files/vae/wan_2.1_vae.safetensors", "vae")
+WAN_14B_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN21,
+                               "split_files/diffusion_models/wan2.1_t2v_14B_fp8_scaled.safetensors", "fp8_scaled")
+WAN_14B_GGUF_Q8_0 = ComfyFile("denoiser", "diffusion_models", "city96/Wan2.1-T2V-14B-gguf",
+                              "wan2.1-t2v-14b-Q8_0.gguf", "Q8_0")
+
+
+def note_text(example: Any, models_dir: str) -> str:
+    """The Note of a single-file template (``example`` an ``offload_examples.Example`` with
+    ``files``): the configs-only folder and its command, then each file, its folder and address."""
+    lines = [
+        example.title,
+        "",
+        f"Runs ComfyUI model files in the diffusers pipeline of {example.repo}",
+        f"(https://huggingface.co/{example.repo}): only its configs, tokenizer and scheduler (a few MB),",
+        f"in a folder named {example.model} under {models_dir}/.",
+        "",
+        "Download them, from the folder that holds ComfyUI/:",
+        example.download_command(),
+        f"(--exclude leaves out {example.skip_what}.)",
+        "With huggingface_hub older than 1.0 the command is `huggingface-cli download`, same arguments.",
+        "",
+        "The model files, each in the folder named (the text encoder and VAE are the ones ComfyUI's own",
+        "Wan workflows use):",
+    ]
+    for file in example.files:
+        lines += [f"{COMFY_MODELS}/{file.folder}/{file.name}", f"  {file.url}"]
+    if any(file.name.endswith(".gguf") for file in example.files):
+        lines += ["", "ComfyUI lists .gguf files once ComfyUI-GGUF (city96) is installed: it registers them in",
+                  "diffusion_models and unet."]
+    lines += [
+        "",
+        "Folders elsewhere work too when extra_model_paths.yaml adds them. Refresh the page (R) and pick",
+        f"{example.model} and the files in Load diffusion model file (diffusers).",
+    ]
+    return "\n".join(lines)
