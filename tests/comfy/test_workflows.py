@@ -12,6 +12,7 @@ ComfyUI's own validation and executor on the tiny model of their family. Schemas
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,16 +20,20 @@ from typing import Any
 import av
 import pytest
 from comfyhost import harness
+from fixtures import comfy_files, gguf_files
 from PIL import Image
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
 
 pytest_plugins = ["comfyhost.fixtures"]
+_comfy_wan, _configs_only, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
+                                                          comfy_files.wan_component_files, gguf_files.wan_gguf_fixture)
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
-FILE_LISTS = {(ex.LOADER, "model"), ("DiffusersOffloadLoadModularPipeline", "model"), ("LoadImage", "image")}
+FILE_LISTS = {(ex.LOADER, "model"), ("DiffusersOffloadLoadModularPipeline", "model"), ("LoadImage", "image"),
+              *((ex.sf.SINGLE_FILE_LOADER, name) for name in ("config", "denoiser", "text_encoder", "vae"))}
 
 
 def ui(name: str) -> dict[str, Any]:
@@ -137,7 +142,8 @@ def test_sockets_and_links_join_matching_types(name: str, schemas: dict[str, dic
         linked.add(link_id)
     assert {i["link"] for n in nodes.values() for i in n["inputs"]} - {None} == linked
     assert {x for n in nodes.values() for o in n["outputs"] for x in o["links"]} == linked
-    assert (workflow["last_node_id"], workflow["last_link_id"]) == (max(nodes), len(linked))
+    every_id = [node["id"] for node in json.loads((ex.EXAMPLES_DIR / f"{name}.json").read_text(encoding="utf-8"))["nodes"]]
+    assert (workflow["last_node_id"], workflow["last_link_id"]) == (max(every_id), len(linked))  # the Note counts
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -145,12 +151,58 @@ def test_ui_workflow_queues_exactly_its_api_twin(name: str, schemas: dict[str, d
     assert api_from_ui(ui(name), schemas) == ex.api_prompt(name, ex.example(name).model)
 
 
+def tiny_stand_in(file: Any, request: pytest.FixtureRequest) -> Path:
+    """The tiny Wan file of a template file's role and format (``ComfyFile.tiny``)."""
+    if file.input != "denoiser":
+        return request.getfixturevalue("wan_component_files")[file.tiny]
+    if file.name.endswith(".gguf"):
+        return request.getfixturevalue("wan_gguf")(file.tiny).file
+    return request.getfixturevalue("comfy_wan")(file.tiny)
+
+
+@pytest.fixture
+def gguf_listed(comfy: harness.ComfyHost) -> Any:
+    """.gguf denoisers listed as ComfyUI-GGUF lists them (its ``unet_gguf``: the diffusion_models
+    folders, extension .gguf); ComfyUI alone lists no .gguf file. Removed afterwards."""
+    table = comfy.folder_paths.folder_names_and_paths
+    had = table.get("unet_gguf")
+    if had is None:
+        table["unet_gguf"] = (table["diffusion_models"][0], {".gguf"})
+    yield
+    if had is None:
+        table.pop("unet_gguf", None)
+
+
+def place_single_files(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest
+                       ) -> tuple[str, dict[str, dict[str, Any]]]:
+    """A single-file template on tiny files: the configs-only tiny Wan linked into models/diffusers,
+    and for each file the template picks, its tiny stand-in copied into the ComfyUI folder the Note
+    names; returns the config's name and the loader inputs that pick the stand-ins."""
+    fp = comfy.folder_paths
+    config = ex.link_model(Path(fp.get_folder_paths("diffusers")[0]), request.getfixturevalue("wan_configs_only"))
+    if any(file.name.endswith(".gguf") for file in example.files):
+        request.getfixturevalue("gguf_listed")
+    picks = {}
+    for file in example.files:
+        source = tiny_stand_in(file, request)
+        folder = Path(fp.models_dir) / file.folder  # ComfyUI/models/<folder>, as the Note says
+        assert str(folder) in fp.get_folder_paths(file.folder), f"ComfyUI does not list {folder}"
+        target = folder / f"tiny-template-{source.name}"
+        shutil.copyfile(source, target)
+        picks[file.input] = target.name
+    return config, {ex.sf.SINGLE_FILE_LOADER: picks}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, request: pytest.FixtureRequest) -> None:
     example = ex.example(name)
-    folder = request.getfixturevalue(f"tiny_{example.tiny}_dir")
-    model = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), folder)
     overrides = example.tiny_overrides()
+    if example.files:  # single-file templates: the configs-only folder, the files in ComfyUI's folders
+        model, picks = place_single_files(example, comfy, request)
+        overrides |= picks
+    else:
+        folder = request.getfixturevalue(f"tiny_{example.tiny}_dir")
+        model = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), folder)
     prompt = ex.api_prompt(name, model, overrides)
     input_dir = Path(comfy.folder_paths.get_input_directory())
     for node in prompt.values():  # the keyframes an example loads: flat 32x32 pictures
