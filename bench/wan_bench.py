@@ -41,6 +41,8 @@ import time
 
 from benchkit import GB, GiB, Rows, open_output, output_args, pack
 from benchkit.anchors import section_anchors, section_mmgp
+from benchkit.gguf import QTYPES as GGUF_TYPES
+from benchkit.gguf import to_gguf
 from benchkit.table import self_check, side_by_side
 
 if "--self-check" in sys.argv:  # no torch, no GPU
@@ -97,18 +99,20 @@ def build(args):
     """The model; with ``--storage fp8_*`` its Linear weights stored in fp8 (bf16 compute), as the
     loader's fp8 dtype does."""
     m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
-    if args.storage != "bf16":
+    if args.storage in FP8_DTYPES:
         store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
+    elif args.storage in GGUF_TYPES:
+        row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
     return m
 
 
 def resident(m, feeds: dict, args) -> dict:
     """The resident reference rows; their outputs are the parity references. fp8 storage has no
     plain resident forward: the engine keeps every block on the device, so the reference runs the
-    same cast path (one cast per unit) as the streamed rows."""
+    same cast path (one cast per unit) as the streamed rows. GGUF layers dequantise themselves."""
     refs = {}
     eng = bag = None
-    if args.storage != "bf16":
+    if args.storage in FP8_DTYPES:
         eng, bag = Engine(), Components(transformer=m)
         eng.place(bag, config(args, preload="1000"))
     for w, feed in feeds.items():
@@ -311,8 +315,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
-    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES), default="bf16",
-                    help="weight storage: fp8 stores the Linear weights in fp8, computing in bf16 (main model only)")
+    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES, *GGUF_TYPES), default="bf16",
+                    help="weight storage (main model only): fp8 stores the Linear weights in fp8, computing in "
+                    "bf16; gguf_* makes the blocks' Linear layers diffusers' GGUF layers (benchkit/gguf.py)")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
