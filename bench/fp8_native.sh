@@ -6,13 +6,15 @@
 #
 # Here, once: `bash bench/comfy_coexist.sh prep <2026 ComfyUI tree>` fills the ignored .gpu/.
 # On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
-#   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"]
-# Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/wan_bench_fp8_e4m3fn.json (+ .log).
+#   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"] [GGUF="gguf_q8_0"]
+# Then, while time is left, each GGUF storage of GGUF (one image-like row at the first cap).
+# Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/cast_probe.json, $OUT/wan_bench_<storage>.json (+ .log).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 CAPS=${1:-"12 24"}
 LAYERS=${2:-40}
 OURS_ARGS=${3:-"--sections stream,preload"}
+GGUF=${4-"gguf_q8_0"}
 OUT=${OUT:-/tmp/fp8_native_out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/fp8_native.log") 2>&1
@@ -26,6 +28,7 @@ tar -xJf .gpu/whl/comfy_kitchen-0.2.31-cp312-nohip.tar.xz -C /tmp/site || exit 3
 export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
+python3 bench/cast_probe.py | tee "$OUT/cast_probe.json"
 echo "== [$((SECONDS-T0))s] ours: wan_bench --storage fp8_e4m3fn --caps ${CAPS// /,}"
 timeout -k 10 $(( $(left) - 150 )) python3 bench/wan_bench.py --storage fp8_e4m3fn $OURS_ARGS \
   --caps "${CAPS// /,}" --out "$OUT"
@@ -43,5 +46,14 @@ for cap in $CAPS; do
     --model "$M" --cap-gb "$cap" --weight-dtype fp8_e4m3fn --workloads small,video --tag fp8 \
     --json-out "$OUT/native.jsonl"
   echo "native cap=$cap rc=$?"
+done
+FIRST=${CAPS%% *}
+for st in $GGUF; do
+  L=$(left)
+  if [ "$L" -lt 90 ]; then echo "== skip $st: ${L}s left"; continue; fi
+  echo "== [$((SECONDS-T0))s] ours: wan_bench --storage $st --caps $FIRST (image-like)"
+  timeout -k 10 $(( L - 10 )) python3 bench/wan_bench.py --storage "$st" --sections preload --caps "$FIRST" \
+    --workloads small --out "$OUT"
+  echo "$st rc=$?"
 done
 echo "== [$((SECONDS-T0))s] done"
