@@ -124,8 +124,9 @@ class Engine:
         APPLYING.set(module, True)
         try:
             ctx = self._context(config, pstate, verdict, info, decision)
-            streamed = ENCODER_STREAMING and decision.pinned_stream and ctx.pin and ctx.pin_bytes is None and streamable(module)
-            decision = with_stream_verdict(decision, streamed)
+            granted = decision.pinned_stream and ctx.pin and ctx.pin_bytes is None
+            streamed = granted and streamable(module)
+            decision = with_stream_verdict(decision, granted, streamed)
             transport = EncoderStreamer(ctx) if streamed else _make_transport(decision.role, ctx, info)
             COMPONENT.set(module, ComponentState(signature, transport, decision, info))
             fp8 = fp8_layers(module)
@@ -260,7 +261,6 @@ def _room_maker(engine: Engine, pipe: object) -> Callable[[int], int]:
 
 
 PARK = "park_idle"
-ENCODER_STREAMING = False  # see the report: tests of the leaf path to be updated first
 
 
 def _parker(engine: Engine, pipe: object) -> Callable[..., bool]:

@@ -38,11 +38,14 @@ class RoleDecision:
     pinned_stream: bool = False
 
 
-def with_stream_verdict(decision: RoleDecision, streamed: bool) -> RoleDecision:
-    """A ``pinned_stream`` decision's reason once the budget has spoken (for the report)."""
-    if not (decision.pinned_stream and streamed):
+def with_stream_verdict(decision: RoleDecision, granted: bool, streamed: bool) -> RoleDecision:
+    """A ``pinned_stream`` decision's reason once the budget has spoken (for the report): the
+    layers stream when the whole encoder is granted and its layers are most of it
+    (`encoder_stream.streamable`); a denial leaves the reason as it was (leaf groups)."""
+    if not (decision.pinned_stream and granted):
         return decision
-    return dataclasses.replace(decision, reason=f"{decision.reason}: layers streamed from pinned memory")
+    how = "layers streamed from pinned memory" if streamed else "pin granted, its layers under half of it: leaf groups"
+    return dataclasses.replace(decision, reason=f"{decision.reason}: {how}")
 
 
 def pins_when_granted(info: ComponentInfo, decision: RoleDecision) -> bool:

@@ -8,7 +8,18 @@ once per run; no measures are taken or kept under any identity), and the non-lay
 embeddings, final norm, a VLM's vision tower and head) is not resident for the whole placement:
 it rests in (pinned) host memory, moves in when one of its modules is entered, and goes home at
 the end of the run, when the denoiser starts (`Engine` parks idle components), or when another
-component asks for room, so that it never takes the denoiser's preload room.
+component asks for room, so that it never takes the denoiser's preload room. Where the device is
+short (before the non-layer part moves in, or an out-of-memory error in a layer) the pipeline's
+other components give room back (the denoisers' kept blocks, idle on-demand modules), never this
+encoder's own part while it runs.
+
+Whole layers only: a T5 block's large children are its ``layer`` ModuleList (no forward of its
+own), so streaming T5 in parts would bind nothing. Forwards are told apart by the layers, not by
+the model's entry: MiniMax-H3 calls the inner ``text_encoder.model`` (the marker on the wrapper
+never fires), and a VLM's order differs with and without images: a layer entered at or below a
+depth its stack already ran in this forward begins the next forward. A forward that stops early
+(an interrupt between layers) learns no order that drops the layers it did not reach
+(`BlockStreamer._learn_order`).
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import torch
 from ..components import module_bytes
 from ..log import get_logger
 from .base import MarkerHook, Masters
-from .blocks import modules_outside
+from .blocks import StreamBlock, modules_outside
 from .streamer import BlockStreamer
 from .towers import find_towers
 
@@ -43,12 +54,12 @@ class EncoderStreamer(BlockStreamer):
     name = "encoder-stream"
 
     def __init__(self, ctx) -> None:
-        # Whole layers: an encoder's sublayers (T5's attention and feed-forward wrappers) share
-        # weights across their forwards, which streaming in parts does not allow.
+        # Whole layers (see the module docstring: a T5 block's one large child has no forward).
         super().__init__(dataclasses.replace(ctx, config=ctx.config.replace(stream_parts=False)))
         self._head: dict[int, tuple[torch.nn.Module, str, bool, torch.Tensor]] = {}
         self.head_loaded = False
         self.head_moves = 0
+        self._asking = False  # asking the pipeline for room: its give_back must not take this part
 
     def _move_head(self, module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> None:
         """At apply: note (and pin) the non-layer tensors where they rest, hook their modules;
@@ -70,16 +81,32 @@ class EncoderStreamer(BlockStreamer):
                 else:
                     sub._buffers[name] = host
                 self._head[id(t)] = (sub, name, is_param, host)
-            if own and sub is not module:
+        owners = {id(sub) for sub, _name, _is_param, _host in self._head.values()}
+        for sub in modules_outside(module, tower_ids):
+            # Containers too (``text_encoder.model``): the part is in before their forward reads any of it.
+            if sub is not module and not isinstance(sub, (torch.nn.ModuleList, torch.nn.ModuleDict)) and any(
+                    id(m) in owners for m in modules_outside(sub, tower_ids)):
                 self._hook(sub, MarkerHook(self.device, on_enter=self._head_in))
 
     def begin_forward(self, args: tuple, kwargs: dict) -> None:
         self._head_in()
         super().begin_forward(args, kwargs)
 
+    @torch.compiler.disable
+    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
+        """A layer entered at or below a depth its stack already ran in this forward: a new forward."""
+        if not self._forward_open and any(self.units[i].block.tower == block.tower
+                                          and self.units[i].block.depth >= block.depth for i in self._seen):
+            self._forward_open = True
+        super().enter_block(block, args, kwargs)
+
     def _head_in(self) -> None:
         if self.head_loaded or self.device == self.ctx.offload_device:
             return
+        available = self.ctx.memory.device_available(self.device)
+        need = self.head_bytes() + super().run_bytes()
+        if available is not None and available < need:
+            self._ask_room(need - available, "to move its non-layer part in")
         blocking = not (self.ctx.pin and self.cuda)
         for sub, name, is_param, host in self._head.values():
             moved = host.to(self.device, non_blocking=not blocking)
@@ -106,9 +133,32 @@ class EncoderStreamer(BlockStreamer):
         super().after_run()
         self._head_out()
 
+    def _ask_room(self, nbytes: int, why: str) -> int:
+        """The pipeline's other components free up to ``nbytes`` (`Engine.give_back` through the
+        on-demand group's ``make_room``); this encoder's own part stays while it asks."""
+        make_room = getattr(self.ctx.owner, "make_room", None)
+        if make_room is None or nbytes <= 0:
+            return 0
+        self._asking = True
+        try:
+            freed = make_room(nbytes)
+        finally:
+            self._asking = False
+        log.info("%s: %.2f GiB short on %s %s; the pipeline's other components gave back %.2f GiB",
+                 type(self.module).__name__, nbytes / 2**30, self.device, why, freed / 2**30)
+        return freed
+
+    def relieve_in(self, block: StreamBlock) -> bool:
+        """Out of memory in a layer: no planner here, so the pipeline gives room back."""
+        return super().relieve_in(block) or self._ask_room(self.ring.slot_bytes or block.nbytes, "in a layer") > 0
+
+    def relieve_outside_blocks(self, first: bool) -> bool:
+        return (super().relieve_outside_blocks(first)
+                or self._ask_room(self.head_bytes() + self.ring.slot_bytes, "outside its layers") > 0)
+
     def give_back(self, nbytes: int) -> int:
         freed = super().give_back(nbytes)
-        if freed < nbytes and self.head_loaded:
+        if freed < nbytes and self.head_loaded and not self._asking:
             freed += self.head_bytes()
             self._head_out()
         return freed

@@ -202,8 +202,8 @@ class BlockStreamer(TransportBase):
         registered in one order and may run in another (H3's blocks compute their modulation,
         registered last, first): in the first forward every part was otherwise a missed prefetch
         that loaded synchronously (H3 at full width: 0.76 s against 0.49 s whole)."""
-        done = self.units[self._seen[-1]].block
-        if done.tower not in self._guessed:
+        done = self.units[self._seen[-1]].block if self._seen else None  # none yet: a forward's first block
+        if done is None or done.tower not in self._guessed:
             return
         ran = [i - done.units[0].index for i in dict.fromkeys(i for i in self._seen if self.units[i].block is done)]
         if len(ran) != len(done.units):
@@ -217,10 +217,11 @@ class BlockStreamer(TransportBase):
         self.prefetch.prefetch_after(self.units[self._seen[-1]])
 
     def _learn_order(self) -> None:
-        """The units ran in ``_seen``'s order this forward: the order to prefetch by from now on
-        (unless the forward stopped early)."""
+        """``_seen``'s order (unless under half ran) is the order to prefetch by; units a partial
+        forward skipped (an interrupt, an unused tower) keep their known order after those it ran."""
         if self._seen and len(self._seen) >= len(self.order.units) // 2:
-            self.order.set(list(dict.fromkeys(self._seen)))
+            ran = dict.fromkeys(self._seen)
+            self.order.set([*ran, *(u for u in self.order.units if u not in ran)])
             self._guessed.clear()
 
     @torch.compiler.disable

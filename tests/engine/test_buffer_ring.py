@@ -41,17 +41,31 @@ def test_resizing_drops_slots_of_the_old_size_and_clear_drops_the_idle_ones():
     assert ring.acquire().buf.numel() == 512
 
 
-def _count_block_buffers(monkeypatch) -> list:
-    """Record every flat block buffer allocated from now on (uint8 ``torch.empty`` calls)."""
+def _count_block_buffers(monkeypatch, ring: BufferRing | None = None) -> list:
+    """Record every flat block buffer allocated from now on (uint8 ``torch.empty`` calls); with
+    ``ring``, only those inside its ``acquire`` (a text encoder streamed from pinned memory has a
+    ring of its own)."""
     allocations = []
     real_empty = torch.empty
+    inside = [] if ring is not None else [True]
 
     def counting_empty(*args, **kwargs):
-        if kwargs.get("dtype") is torch.uint8:
+        if inside and kwargs.get("dtype") is torch.uint8:
             allocations.append(args)
         return real_empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", counting_empty)
+    if ring is not None:
+        real_acquire = ring.acquire
+
+        def acquire(*args, **kwargs):
+            inside.append(True)
+            try:
+                return real_acquire(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(ring, "acquire", acquire)
     return allocations
 
 
@@ -60,7 +74,7 @@ def test_a_run_allocates_one_block_buffer_not_one_per_block_and_its_end_frees_it
     engine = Engine()
     engine.place(wan_pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, preload="off"))
     streamer = engine.states(wan_pipe)["transformer"].transport
-    allocations = _count_block_buffers(monkeypatch)
+    allocations = _count_block_buffers(monkeypatch, streamer.ring)
     try:
         out = run_wan(wan_pipe)  # 2 steps x 2 streamed blocks, no side stream on the CPU
         assert streamer.ring.nbytes == streamer.ring.slot_bytes

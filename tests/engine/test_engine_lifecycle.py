@@ -13,6 +13,7 @@ from diffusers_offload.offload_core.report import gib
 from diffusers_offload.offload_core.state import KEPT_ON_PURPOSE, leftovers
 from diffusers_offload.offload_core.transport import OnDemandTransport, TransportContext
 from diffusers_offload.offload_core.transport import on_demand as on_demand_module
+from diffusers_offload.offload_core.transport.encoder_stream import EncoderStreamer
 from diffusers_offload.offload_core.transport.leaf import LeafGroupTransport
 from fixtures.tiny_pipes import load_wan, run_wan
 
@@ -36,19 +37,26 @@ class Scripted(MemoryReader):
 
 
 # -- 4. failure mid-apply ------------------------------------------------------------------------
-def test_transport_failing_mid_apply_leaves_no_state_or_hooks(wan_pipe, monkeypatch):
-    original = LeafGroupTransport.apply
+@pytest.mark.parametrize(("transport", "host_free"), [(LeafGroupTransport, 0), (EncoderStreamer, None)],
+                         ids=["leaf-pin-denied", "streamed-pin-granted"])
+def test_transport_failing_mid_apply_leaves_no_state_or_hooks(wan_pipe, monkeypatch, transport, host_free):
+    """The text encoder's transport dies after hooking: on leaf groups (no room to pin) and with
+    its layers streamed (the pin granted by the live reading)."""
+    original = transport.apply
+    before = {n: t.detach().clone() for n, t in wan_pipe.text_encoder.state_dict().items()}
 
     def half_apply(self, module):
         original(self, module)  # hooks are on; then it dies
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(LeafGroupTransport, "apply", half_apply)
+    monkeypatch.setattr(transport, "apply", half_apply)
     with pytest.raises(RuntimeError, match="injected"):
-        Engine().place(wan_pipe, CFG)
+        Engine(memory=Scripted(host_free) if host_free is not None else None).place(wan_pipe, CFG)
     te = wan_pipe.text_encoder
     assert STATE not in te.__dict__ and SENTINEL not in te.__dict__
-    assert _hooked(te) == []
+    assert _hooked(te) == [] and leftovers(te) == []
+    after = te.state_dict()
+    assert all(torch.equal(after[n], t) and after[n].device.type == "cpu" for n, t in before.items())
 
 
 def test_sentinel_left_by_crash_is_torn_down_and_reapplied(wan_pipe, caplog):

@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers.hooks import group_offloading as diffusers_go
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig
+from diffusers_offload.offload_core.memory import MemoryReader
 from fixtures.tiny_pipes import run_h3
 
 CFG = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -49,9 +50,18 @@ def test_h3_audio_vae_on_demand_because_its_class_opts_out(h3_pipe):
     assert report.component("vae").role == "on-demand"
 
 
+class _NoRoomToPin(MemoryReader):
+    """A host with no free memory: the pin budget denies every component, so a text encoder takes
+    the leaf path (with a grant its layers stream: test_text_encoder_streaming.py)."""
+
+    def host_available(self) -> int:
+        return 0
+
+
 def test_h3_text_encoder_leaf_hooks_fire_when_pipeline_calls_inner_model(h3_pipe, monkeypatch):
-    engine = Engine()
+    engine = Engine(memory=_NoRoomToPin())
     engine.place(h3_pipe, CFG)
+    assert engine.states(h3_pipe)["text_encoder"].transport.name == "leaf"
     te_modules = {id(m) for m in h3_pipe.text_encoder.modules()}
     onloads = []
     original = diffusers_go.ModuleGroup.onload_
@@ -103,8 +113,11 @@ def test_a_clip_image_encoder_is_reported_as_an_image_encoder():
 
     encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=2,
                                                              num_attention_heads=4, image_size=32, patch_size=8))
-    report = Engine().place(Components(image_encoder=encoder), CFG)
-    assert report.component("image_encoder").reason == "image encoder"
+    pipe, engine = Components(image_encoder=encoder), Engine(memory=_NoRoomToPin())
+    assert engine.place(pipe, CFG).component("image_encoder").reason == "image encoder"
+    engine.release(pipe)
+    granted = Engine().place(pipe, CFG).component("image_encoder").reason  # its layers are the tiny model's lesser part
+    assert granted == "image encoder: pin granted, its layers under half of it: leaf groups"
 
 
 def test_the_report_names_each_denoisers_plan_when_there_are_two(wan_pipe):

@@ -83,9 +83,9 @@ def test_oom_in_a_block_buffer_gives_kept_blocks_up_and_the_step_goes_on(wan_pip
     engine, streamer = _placed(wan_pipe, CFG.replace(preload=1.5 * block / 2**30))
     kept_before = streamer.resident_indices()
     assert kept_before
-    failures = []
-    monkeypatch.setattr(streamer_module.torch, "empty",
-                        _fails_once(torch.empty, failures, "scripted: no room for the block buffer"))
+    failures = []  # in the denoiser's ring (a text encoder streamed from pinned memory has its own)
+    monkeypatch.setattr(streamer.ring, "acquire",
+                        _fails_once(streamer.ring.acquire, failures, "scripted: no room for the block buffer"))
     out = _run(engine, wan_pipe)
     assert failures, "the scripted OOM never fired"
     kept = streamer.resident_indices()
