@@ -18,7 +18,9 @@ from diffusers import DiffusionPipeline
 from diffusers.modular_pipelines import ModularPipeline
 
 from ..offload_core import OffloadConfig
+from ..offload_core.components import iter_modules
 from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
+from ..offload_core.formats.mapped import MappedFileError, map_from_files
 from . import host
 from .folders import (
     MODULAR_INDEX,
@@ -83,6 +85,18 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype) -> ModularPipe
     return pipe
 
 
+def map_weights(pipe: Any) -> Any:
+    """Each component's weights whose bytes are its safetensors files' rest on a private mapping
+    of the files (`formats/mapped.py`): the page cache is their store, not a RAM copy."""
+    for name, module in iter_modules(pipe):
+        try:
+            report = map_from_files(module)
+        except MappedFileError as exc:
+            raise PipelineFolderError(f"{name}: {exc}") from exc
+        log.info("%s: %s", name, report.line())
+    return pipe
+
+
 def _handle(pipe: Any, folder: Path, dtype: torch.dtype, config: OffloadConfig) -> io.NodeOutput:
     patcher = host.manage(pipe, dtype, config)
     return io.NodeOutput(PipeHandle(pipe=pipe, config=config, path=str(folder), family=family_of(pipe),
@@ -141,7 +155,8 @@ class LoadPipeline(io.ComfyNode):
         config = offload or OffloadConfig()
         folder = resolve_model(model)
         torch_dtype, storage = _dtypes(dtype, config)
-        return _handle(_store(load_pipeline(folder, torch_dtype), storage, torch_dtype), folder, torch_dtype, config)
+        pipe = map_weights(_store(load_pipeline(folder, torch_dtype), storage, torch_dtype))
+        return _handle(pipe, folder, torch_dtype, config)
 
 
 class LoadModularPipeline(io.ComfyNode):
@@ -173,7 +188,7 @@ class LoadModularPipeline(io.ComfyNode):
         config = offload or OffloadConfig()
         folder = resolve_model(model)
         torch_dtype, storage = _dtypes(dtype, config)
-        pipe = _store(load_modular(folder, workflow, torch_dtype), storage, torch_dtype)
+        pipe = map_weights(_store(load_modular(folder, workflow, torch_dtype), storage, torch_dtype))
         return _handle(pipe, folder, torch_dtype, config)
 
 

@@ -40,11 +40,19 @@ class ComponentReport:
     def pageable_bytes(self) -> int:
         return max(self.ram_bytes - self.pinned_bytes, 0)
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Pageable weights that are a private mapping of their files (`formats/mapped.py`): the
+        page cache holds them, and may give them up and read them again from disk."""
+        return min(int(self.details.get("mapped_bytes", 0)), self.pageable_bytes)
+
     def ram_text(self) -> str:
-        """``RAM 5.00 GiB (pinned 2.00 GiB, pageable 3.00 GiB, staging 256.00 MiB)``: host memory
-        by kind (staging buffers are pinned too, beside the weights)."""
+        """``RAM 5.00 GiB (pinned 2.00 GiB, pageable 3.00 GiB, mapped 2.50 GiB, staging 256.00
+        MiB)``: host memory by kind (mapped is the part of pageable read from the files' pages;
+        staging buffers are pinned too, beside the weights)."""
         staging = int(self.details.get("staging_bytes", 0))
         return (f"RAM {gib(self.ram_bytes)} (pinned {gib(self.pinned_bytes)}, pageable {gib(self.pageable_bytes)}"
+                + (f", mapped {gib(self.mapped_bytes)}" if self.mapped_bytes else "")
                 + (f", staging {gib(staging)})" if staging else ")"))
 
     def line(self) -> str:
@@ -118,5 +126,5 @@ class PlacementReport:
         out["pinned_bytes"] = self.pinned_bytes
         out["ram_bytes"] = self.ram_bytes
         for comp, row in zip(self.components, out["components"], strict=True):
-            row.update(ram_bytes=comp.ram_bytes, pageable_bytes=comp.pageable_bytes)
+            row.update(ram_bytes=comp.ram_bytes, pageable_bytes=comp.pageable_bytes, mapped_bytes=comp.mapped_bytes)
         return out
