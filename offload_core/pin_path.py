@@ -14,12 +14,14 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
 
 from .components import ComponentInfo
 from .config import OffloadConfig
+from .formats.mapped import mapped_bytes
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, pin_budget
 from .pinning import pinned_bytes
@@ -43,6 +45,13 @@ def pin_verdict(module: torch.nn.Module, info: ComponentInfo, decision: RoleDeci
     """The component's pin verdict, cached on it: a granted pin lowers the very reading it was
     granted against. ``own``: bytes the component holds pinned now (a re-placement), which do not
     count against the caps as another component's would. None when pinning is not asked for."""
+    verdict = _verdict(module, info, decision, config, memory, own)
+    note_disk_reads(module, info, decision, verdict, memory)
+    return verdict
+
+
+def _verdict(module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision, config: OffloadConfig,
+             memory: MemoryReader, own: int) -> PinVerdict | None:
     if not (wants_pin(info, decision) and config.pin_memory and config.use_stream):
         return None
     cached: PinVerdict | None = PIN_VERDICT.get(module)
@@ -53,6 +62,35 @@ def pin_verdict(module: torch.nn.Module, info: ComponentInfo, decision: RoleDeci
                                  held=max(pinned_bytes() - own, 0)), key=key)
     PIN_VERDICT.set(module, verdict)
     return verdict
+
+
+_disk_noted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> the (bytes, grant) logged
+
+
+def note_disk_reads(module: torch.nn.Module, info: ComponentInfo, decision: RoleDecision,
+                    verdict: PinVerdict | None, memory: MemoryReader) -> None:
+    """A streamed component whose unpinned weights are memory-mapped (`formats/mapped.py`) reads
+    them from the page cache each step; when free RAM cannot cache them all, from the disk: said
+    once per placement, with the bytes per step (up to all of them: a cyclic read larger than
+    the cache misses it throughout)."""
+    if not (decision.role is Role.PER_STEP or (decision.role is Role.LEAF and info.is_denoiser)):
+        return
+    grant = verdict.grant if verdict is not None else 0
+    key = (info.nbytes, grant)
+    if _disk_noted.get(module) == key:
+        return
+    _disk_noted[module] = key
+    streamed = min(mapped_bytes(module), max(info.nbytes - grant, 0))
+    if not streamed:
+        return
+    room = max(memory.host_available() - grant, 0)  # the pins take their grant from free memory
+    if room >= streamed:
+        log.info("%s: %s streamed from its memory-mapped files each step, cached in RAM (%s free)", info.name,
+                 gib(streamed), gib(room))
+        return
+    log.warning("%s: %s streamed from its memory-mapped files each step and free RAM (%s) cannot cache them: "
+                "expect %s to %s read from disk per step, at the disk's pace", info.name, gib(streamed),
+                gib(room), gib(streamed - room), gib(streamed))
 
 
 def transport_context(info: ComponentInfo, decision: RoleDecision, config: OffloadConfig, device: torch.device,
