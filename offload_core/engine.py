@@ -16,6 +16,7 @@ import torch
 
 from .components import ComponentInfo, describe, iter_modules
 from .config import OffloadConfig
+from .formats.mapped import mapped_bytes
 from .guards import onload_device, refuse_foreign_offload
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, sweep_cleanup
@@ -237,7 +238,7 @@ class Engine:
         for name, module in iter_modules(pipe):
             state = COMPONENT.get(module)
             info = state.info if state is not None else describe(name, module)
-            comps.append(_component_report(info, state, LORA_REPORT.get(module)))
+            comps.append(_component_report(info, state, LORA_REPORT.get(module), mapped_bytes(module)))
         return PlacementReport(
             pipeline=type(pipe).__name__,
             device=str(pstate.device) if pstate else "unplaced",
@@ -285,9 +286,10 @@ def _plans(comps: list[ComponentReport]) -> str:
 
 
 def _component_report(info: ComponentInfo, state: ComponentState | None,
-                      lora: dict[str, object] | None = None) -> ComponentReport:
+                      lora: dict[str, object] | None = None, mapped: int = 0) -> ComponentReport:
     t = state.transport if state is not None else None
-    details = {**(t.details() if t else {}), **({"lora": lora} if lora else {})}
+    details = {**(t.details() if t else {}), **({"lora": lora} if lora else {}),
+               **({"mapped_bytes": mapped} if mapped else {})}
     return ComponentReport(
         name=info.name,
         cls=info.cls,
