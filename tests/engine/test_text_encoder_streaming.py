@@ -336,3 +336,36 @@ def test_a_partial_forward_learns_what_it_ran_and_keeps_the_rest(wan_pipe) -> No
     streamer._learn_part_order()
     assert streamer._guessed == {streamer.blocks[0].tower} and streamer.order.units == learnt
     engine.release(wan_pipe)
+
+
+def test_an_oom_in_an_encoder_layer_takes_the_denoisers_kept_blocks_and_the_encode_goes_on(
+        wan_pipe, monkeypatch) -> None:
+    """The encoder has no planner: a layer buffer that finds no room asks the pipeline for it (the
+    denoiser's kept blocks go first, as for a VAE moving in) and the encode runs on, bit-exact."""
+    reference = run_wan(wan_pipe)
+    engine = Engine()
+    engine.place(wan_pipe, CFG)
+    denoiser = engine.states(wan_pipe)["transformer"].transport
+    engine.place(wan_pipe, CFG.replace(preload=1.5 * max(b.nbytes for b in denoiser.blocks) / 2**30))
+    kept = denoiser.resident_indices()
+    assert kept
+    encoder = _streamers(engine, wan_pipe, ("text_encoder",))["text_encoder"]
+    failures, real = [], encoder.ring.acquire
+
+    def acquire(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise torch.OutOfMemoryError("scripted: no room for the layer buffer")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(encoder.ring, "acquire", acquire)
+    during = []
+    layer_stack(wan_pipe.text_encoder)[0].register_forward_hook(
+        lambda *_: during.append(denoiser.resident_indices()))
+    try:
+        out = run_wan(wan_pipe)
+    finally:
+        engine.after_run(wan_pipe)
+    assert failures and encoder.ooms == 1 and during[0] < kept
+    _same(out, reference)
+    engine.release(wan_pipe)
