@@ -247,7 +247,8 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
     ended: list[str] = []
     after_run = engine.after_run
     monkeypatch.setattr(engine, "after_run", lambda pipe: ended.append(type(pipe).__name__) or after_run(pipe))
-    prompt = graph(model, seed=30 + list(UNIT_CLASSES).index(stage), outputs=(3,))  # a seed per case: no cache hit
+    # a prompt per case, never encoded before: the text encoder runs (the prompt cache has no entry for it)
+    prompt = graph(model, seed=30 + list(UNIT_CLASSES).index(stage), outputs=(3,), prompt=f"a robot, {stage} case")
 
     stopped = comfy.run_prompt(prompt)
 
@@ -255,7 +256,10 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
     assert ended == ["MiniMaxH3ModularPipeline"]  # the stopped call was still ended
     assert at_flag == [unit - 1] and units_run.count(stage) == unit - 1  # nothing of the stage ran after
     monkeypatch.setattr(running, "stage_host", make_host)
+    units_run.clear()
     comfy.run_prompt(prompt).raise_for_error()
+    # a cancelled encode cached nothing: the next run encodes the prompt (every layer); a finished one was kept
+    assert units_run.count("text encode") == (51 if stage == "text encode" else 0)
 
 
 def test_replacing_with_unchanged_settings_changes_no_hook(comfy: harness.ComfyHost, model: str,

@@ -4,7 +4,9 @@ in a text encode and in a decode, and an out-of-memory error the engine cannot a
 What a user sees: Cancel takes effect within one text-encoder layer (every text encoder: Flux's
 CLIP and T5, Wan's UMT5) and within one decoder chunk or tile, not only between denoise steps; the
 label names each stage; the next run gives the output of a run never interrupted; nothing of the
-pack is left on the pipeline (same hooks, same placement report). An out-of-memory error says what
+pack is left on the pipeline (same hooks, same placement report). The prompt-embedding cache keeps
+only finished encodes: a cancelled text encode leaves no entry (the next run encodes the prompt
+again), a cancelled decode keeps its prompt's entry (the next run skips the text encoder). An out-of-memory error says what
 was on the device per component, the free memory at the start and what to change, and leaves
 nothing placed, even when ComfyUI does not unload its models itself.
 """
@@ -98,11 +100,17 @@ COUNTERS = ("moves", "sync_loads", "ooms")  # report details that count runs, no
 
 def state(handle: Any, family: str) -> tuple[dict, dict]:
     """What the pack leaves on a pipeline between runs: its placement report (less the run
-    counters) and every hook."""
+    counters, and the prompt cache's summary: `cached` checks the cache) and every hook."""
     report = handle.report().to_dict()
+    report.pop("prompt_cache")
     report["components"] = [{**c, "details": {k: v for k, v in c["details"].items() if k not in COUNTERS}}
                             for c in report["components"]]
     return report, hook_inventory(handle.pipe, COMPONENTS[family], torch_hooks=True)
+
+
+def cached(comfy: harness.ComfyHost, handle: Any) -> int:
+    """How many encoded prompts the pipeline's prompt-embedding cache holds."""
+    return len(comfy.pack_submodule("offload_core.state").PROMPT_CACHE.get(handle.pipe).entries)
 
 
 @pytest.mark.parametrize(("family", "stage", "unit"), [
@@ -124,7 +132,7 @@ def test_cancel_in_text_encode_or_decode_stops_within_one_unit_and_the_next_run_
     frames = dict(captured)[0]  # another pipeline (other settings), never interrupted
     comfy.run_prompt(graph(models, family, seed=7, prompt="warm")).raise_for_error()
     handle = dict(captured)[9]
-    before = state(handle, family)
+    before, entries = state(handle, family), cached(comfy, handle)
     target = "text encode" if stage == "text encode" else FAMILIES[family][2]
     running = comfy.pack_submodule("nodes.running")
     make_host = running.stage_host
@@ -154,12 +162,18 @@ def test_cancel_in_text_encode_or_decode_stops_within_one_unit_and_the_next_run_
     if stage == "decode":
         assert units_run.count("text encode") > 0  # the earlier stages ran whole
     assert dict(captured)[9] is handle and state(handle, family) == before  # nothing left on the pipeline
+    encoded = stage == "decode"  # the text encode finished: its prompt is cached; a cancelled one is not
+    assert cached(comfy, handle) == entries + encoded
     monkeypatch.setattr(running, "stage_host", make_host)
     again = comfy.run_prompt(graph(models, family, seed, prompt)).raise_for_error()
     assert torch.equal(dict(captured)[0], frames), "the run after an interrupt differs from the reference"
     layers = FAMILIES[family][3]
-    assert [f"text encode layer {i}/{layers}" for i in range(1, layers + 1)] == [
-        t for t in texts(again) if t.startswith("text encode")][:layers]
+    encodes = [t for t in texts(again) if t.startswith("text encode")]
+    if encoded:
+        assert encodes == []  # served from the prompt cache
+    else:  # encoded again, from the first layer
+        assert [f"text encode layer {i}/{layers}" for i in range(1, layers + 1)] == encodes[:layers]
+    assert cached(comfy, handle) == entries + 1
     assert any(t.startswith(f"{FAMILIES[family][2]} ") for t in texts(again)) and state(handle, family) == before
 
 
