@@ -72,6 +72,16 @@ def _inputs() -> list[io.Input]:
         _input(io.Boolean.Input, "stream_parts", default=d.stream_parts, optional=True,  # older workflows lack it
                tooltip="Stream denoiser blocks in parts (attention, feed-forward): smaller buffers, so more "
                        "blocks stay on a small card. Off streams each block whole."),
+        # Later options are appended, optional, after stream_parts: earlier widgets keep their positions.
+        _input(io.Float.Input, "prompt_cache_gb", default=d.prompt_cache_gb, min=0.0, max=1024.0, step=0.25,
+               optional=True,
+               tooltip="Host memory (GiB) kept for encoded prompts: a prompt encoded once is not encoded again "
+                       "while the pipeline stays loaded (changing only the seed skips the text encoder). "
+                       "0 turns the cache off."),
+        _input(io.String.Input, "host_ram_gb", default=str(d.host_ram_gb), optional=True,
+               tooltip="Host RAM (GiB) the pack may page-lock for fast copies: auto takes what is free less "
+                       "pin_reserve_gb; a number such as 24 caps it further. The rest streams through small "
+                       "staging buffers. Empty: auto."),
     ]
 
 
@@ -93,10 +103,11 @@ class OffloadSettings(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, device: str, measures_path: str, **options: Any) -> io.NodeOutput:
-        """Widget ids are OffloadConfig's fields; an empty text field means ComfyUI's own choice."""
+    def execute(cls, device: str, measures_path: str, host_ram_gb: str = "auto", **options: Any) -> io.NodeOutput:
+        """Widget ids are OffloadConfig's fields; an empty text field means ComfyUI's own choice
+        (``host_ram_gb``: auto). Optional widgets missing from older workflows take the defaults."""
         config = OffloadConfig(device=device.strip() or None, measures_path=measures_path.strip() or None,
-                               **options)
+                               host_ram_gb=host_ram_gb.strip() or "auto", **options)
         return io.NodeOutput(config)
 
 

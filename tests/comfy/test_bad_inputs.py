@@ -171,6 +171,9 @@ SETTINGS = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_mem
     *[("preload", v, f"preload {v!r} is not understood: use 'auto', 'off' or a budget in GiB such as '12'")
       for v in ("nan", "inf", "-1", "NaN GB", "1e999")],
     ("pin_reserve_gb", float("nan"), "pin_reserve_gb must be a finite number >= 0, got nan"),  # passes min/max
+    ("prompt_cache_gb", float("nan"), "prompt_cache_gb must be a finite number >= 0, got nan"),
+    ("host_ram_gb", "lots", "host_ram_gb must be 'auto' or a finite number of GiB >= 0 (such as 24), got 'lots'"),
+    ("host_ram_gb", "-2", "host_ram_gb must be 'auto' or a finite number of GiB >= 0 (such as 24), got '-2'"),
 ])
 def test_preload_nan_or_inf_is_refused_at_the_settings_node_naming_the_option(
         comfy: harness.ComfyHost, diffusers_dir: Path, tiny_wan_dir: Path, option: str, value: object,

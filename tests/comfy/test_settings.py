@@ -27,7 +27,8 @@ BASIC = ["mode", "preload", "pin_memory", "on_demand_threshold_gb", "always", "n
 # The historic widget order: saved UI workflows store widget values by position.
 ORDER = ["mode", "use_stream", "record_stream", "pin_memory", "pin_reserve_gb", "on_demand_threshold_gb",
          "resident_floor_mb", "always", "never", "preload", "prefetch_window", "device", "measures_path",
-         "stream_parts"]
+         "stream_parts", "prompt_cache_gb", "host_ram_gb"]
+OPTIONAL = ["stream_parts", "prompt_cache_gb", "host_ram_gb"]  # added later: saved workflows lack them
 Capture = capture_class()
 
 
@@ -56,7 +57,7 @@ def test_the_usual_options_are_plain_and_the_rest_advanced_where_the_host_suppor
 ) -> None:
     inputs = list(ex.schema_inputs(info))
     assert [name for name, *_ in inputs] == ORDER
-    assert [name for name, _, _, optional in inputs if optional] == ["stream_parts"]
+    assert [name for name, _, _, optional in inputs if optional] == OPTIONAL
     advanced = [name for name, _, options, _ in inputs if options.get("advanced")]
     assert advanced == ([n for n in ORDER if n not in BASIC] if host_takes_advanced else [])
     assert tuple(BASIC) == comfy.pack_submodule("nodes.settings").BASIC
@@ -68,7 +69,7 @@ def test_every_option_is_still_settable(comfy: harness.ComfyHost, captured: list
         "mode": "leaf", "use_stream": False, "record_stream": False, "pin_memory": False, "pin_reserve_gb": 2.5,
         "on_demand_threshold_gb": 0.5, "resident_floor_mb": 8.0, "always": "vae", "never": "text_encoder",
         "preload": "3", "prefetch_window": 3, "device": "cpu", "measures_path": "/tmp/m.json",
-        "stream_parts": False,
+        "stream_parts": False, "prompt_cache_gb": 0.25, "host_ram_gb": "24",
     }
     prompt = {"1": {"class_type": ex.SETTINGS, "inputs": values},
               "2": {"class_type": CAPTURE, "inputs": {"value": ["1", 0], "slot": 0}}}
@@ -78,9 +79,10 @@ def test_every_option_is_still_settable(comfy: harness.ComfyHost, captured: list
     ((_, config),) = captured
     got = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     assert set(got) == set(ORDER)
-    assert {k: v for k, v in got.items() if k not in ("always", "never", "preload")} == {
-        k: v for k, v in values.items() if k not in ("always", "never", "preload")}
+    parsed = ("always", "never", "preload", "host_ram_gb")
+    assert {k: v for k, v in got.items() if k not in parsed} == {k: v for k, v in values.items() if k not in parsed}
     assert (config.always, config.never, str(config.preload)) == (("vae",), ("text_encoder",), "3 GiB")
+    assert config.host_ram_gb == 24.0 and config.host_ram_bytes == 24 * 2**30
 
 
 WITH_SETTINGS = [e.name for e in ex.EXAMPLES if ex.SETTINGS in json.dumps(ex.api_prompt(e.name, "m"))]
@@ -96,16 +98,36 @@ def test_saved_ui_workflows_map_their_settings_widgets_to_the_same_options(name:
             assert dict(zip(widgets, node["widgets_values"], strict=True)) == twin[str(node["id"])]["inputs"]
 
 
-def test_a_workflow_saved_before_stream_parts_still_runs(comfy: harness.ComfyHost, captured: list) -> None:
-    """stream_parts came last, optional: a prompt without it gets the default."""
+@pytest.mark.parametrize("saved_up_to", ["measures_path", "stream_parts"])
+def test_a_workflow_saved_before_the_later_options_still_runs(comfy: harness.ComfyHost, captured: list,
+                                                              saved_up_to: str) -> None:
+    """The optional options came last: a prompt saved before them gets their defaults."""
     old = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
            "on_demand_threshold_gb": 1.0, "resident_floor_mb": 64.0, "always": "", "never": "", "preload": "auto",
-           "prefetch_window": 2, "device": "", "measures_path": ""}
+           "prefetch_window": 2, "device": "", "measures_path": "", "stream_parts": False}
+    old = {k: v for k, v in old.items() if ORDER.index(k) <= ORDER.index(saved_up_to)}
     prompt = {"1": {"class_type": ex.SETTINGS, "inputs": old},
               "2": {"class_type": CAPTURE, "inputs": {"value": ["1", 0], "slot": 1}}}
 
     comfy.run_prompt(prompt).raise_for_error()
 
     ((_, config),) = captured
-    default = comfy.pack_submodule("offload_core.config").OffloadConfig().stream_parts
-    assert config.prefetch_window == 2 and config.stream_parts is default
+    default = comfy.pack_submodule("offload_core.config").OffloadConfig()
+    assert config.prefetch_window == 2
+    assert config.stream_parts is old.get("stream_parts", default.stream_parts)
+    assert (config.prompt_cache_gb, config.host_ram_gb) == (default.prompt_cache_gb, default.host_ram_gb)
+    assert (config.prompt_cache_gb, config.host_ram_gb) == (1.0, "auto")  # the documented defaults
+
+
+@pytest.mark.parametrize("text", ["", "  ", "auto", "AUTO"])
+def test_an_empty_host_ram_field_means_auto(comfy: harness.ComfyHost, captured: list, text: str) -> None:
+    values = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
+              "on_demand_threshold_gb": 1.0, "resident_floor_mb": 64.0, "always": "", "never": "", "preload": "auto",
+              "prefetch_window": 1, "device": "", "measures_path": "", "host_ram_gb": text}
+    prompt = {"1": {"class_type": ex.SETTINGS, "inputs": values},
+              "2": {"class_type": CAPTURE, "inputs": {"value": ["1", 0], "slot": 1}}}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    ((_, config),) = captured
+    assert config.host_ram_gb == "auto" and config.host_ram_bytes is None
