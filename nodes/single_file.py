@@ -9,6 +9,8 @@ scheduler, and the optional text-encoder / VAE files its other weights.
 
 from __future__ import annotations
 
+import os
+
 import folder_paths
 import torch
 from comfy_api.latest import io
@@ -33,12 +35,24 @@ def _registered(name: str) -> bool:
 
 
 def denoiser_files() -> list[str]:
-    """Files in diffusion_models (which covers unet) and unet_gguf where a GGUF pack registered it."""
-    names: set[str] = set()
+    """Files in diffusion_models (which covers unet) and unet_gguf where a GGUF pack registered it,
+    plus the ``.gguf`` files of diffusion_models, which plain ComfyUI does not list."""
+    names: set[str] = set(_gguf_files())
     for folder in DENOISER_FOLDERS:
         if _registered(folder):
             names.update(folder_paths.get_filename_list(folder))
     return sorted(names)
+
+
+def _gguf_files() -> dict[str, str]:
+    """name -> path of the ``.gguf`` files under the diffusion_models folders (read-only listing:
+    ComfyUI's own folder table is left as it is)."""
+    found: dict[str, str] = {}
+    for root in folder_paths.get_folder_paths("diffusion_models") if _registered("diffusion_models") else ():
+        files, _dirs = folder_paths.recursive_search(root, excluded_dir_names=[".git"])
+        for name in folder_paths.filter_files_extensions(files, {".gguf"}):
+            found.setdefault(name, os.path.join(root, name))
+    return found
 
 
 def _full_path(folders: tuple[str, ...], name: str) -> str:
@@ -47,6 +61,8 @@ def _full_path(folders: tuple[str, ...], name: str) -> str:
             path = folder_paths.get_full_path(folder, name)
             if path:
                 return path
+    if "diffusion_models" in folders and name in _gguf_files():
+        return _gguf_files()[name]
     raise SingleFileError(f"no file {name!r} in ComfyUI's {' / '.join(folders)} folders: put it there (or in an "
                           "extra_model_paths.yaml location) and refresh")
 

@@ -74,8 +74,7 @@ def note_text(example: Any, models_dir: str) -> str:
     for file in example.files:
         lines += [f"{COMFY_MODELS}/{file.folder}/{file.name}", f"  {file.url}"]
     if any(file.name.endswith(".gguf") for file in example.files):
-        lines += ["", "ComfyUI lists .gguf files once ComfyUI-GGUF (city96) is installed: it registers them in",
-                  "diffusion_models and unet."]
+        lines += ["", "The loader lists .gguf files in diffusion_models (and unet) itself: ComfyUI-GGUF is not needed."]
     lines += [
         "",
         "Folders elsewhere work too when extra_model_paths.yaml adds them. Refresh the page (R) and pick",

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 from comfyhost import harness
-from fixtures import comfy_files
+from fixtures import comfy_files, gguf_files
 
 pytest_plugins = ["comfyhost.fixtures"]
-_comfy_wan, _configs_only, _component_files = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
-                                              comfy_files.wan_component_files)
+_comfy_wan, _configs_only, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
+                                                          comfy_files.wan_component_files, gguf_files.wan_gguf_fixture)
 LOADER = "DiffusersOffloadLoadDiffusionModelFile"
 
 
@@ -64,3 +64,16 @@ def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(comfy: 
     te = comfy.run_prompt(prompt(placed, denoiser=placed["denoiser"], text_encoder="none"))
     assert not te.success and "pick a text-encoder file" in te.error["exception_message"]
     comfy.run_prompt(prompt(placed)).raise_for_error()
+
+
+def test_a_gguf_file_in_diffusion_models_is_listed_and_loads_without_a_gguf_pack(comfy: harness.ComfyHost,
+                                                                                placed: dict, wan_gguf) -> None:
+    """Plain ComfyUI lists no .gguf file (only ComfyUI-GGUF registers them): the loader lists and
+    resolves the ones in diffusion_models itself, and leaves ComfyUI's folder table as it was."""
+    table = comfy.folder_paths.folder_names_and_paths
+    assert "unet_gguf" not in table
+    before = {k: (list(v[0]), set(v[1])) for k, v in table.items()}
+    shutil.copyfile(wan_gguf("Q8_0").file, placed["extra"] / "wan-tiny-Q8_0.gguf")
+    assert "wan-tiny-Q8_0.gguf" in options(comfy, "denoiser")
+    comfy.run_prompt(prompt(placed, denoiser="wan-tiny-Q8_0.gguf")).raise_for_error()
+    assert {k: (list(v[0]), set(v[1])) for k, v in table.items()} == before
