@@ -84,6 +84,25 @@ def workflow() -> dict[str, Any]:
     return ui
 
 
+OLDER = ("measures_path", "stream_parts")  # the last widget of the settings node in older releases
+SAVED_CHANGES = {"mode": "leaf", "pin_reserve_gb": 2.5, "prefetch_window": 3, "measures_path": "/tmp/m.json",
+                 "stream_parts": False}  # values unlike the defaults, so that a shifted or dropped one shows
+
+
+def saved_before(last: str) -> dict[str, Any]:
+    """`workflow()` as a frontend saved it when ``last`` was the settings node's last widget, with
+    `SAVED_CHANGES` made: the later inputs and their values cut off (values are stored by position)."""
+    ui = workflow()
+    for node in ui["nodes"]:
+        if node["type"] == ex.SETTINGS:
+            names = [i["name"] for i in node["inputs"] if "widget" in i]
+            keep = names.index(last) + 1
+            node["inputs"] = [i for i in node["inputs"] if "widget" not in i or names.index(i["name"]) < keep]
+            node["widgets_values"] = [SAVED_CHANGES.get(name, value)
+                                      for name, value in zip(names[:keep], node["widgets_values"], strict=False)]
+    return ui
+
+
 def run_session(work: Path, shots: dict[str, Path] | None = None, previews: bool = False) -> dict[str, Any]:
     """Run the whole session with ``work`` as its scratch folder; the record of what the page
     showed, with ``returncode``. Screenshots go to ``shots`` (default: ``work/shots``). With
@@ -116,6 +135,7 @@ def run_session(work: Path, shots: dict[str, Path] | None = None, previews: bool
         config = {
             "url": server.url, "result": str(work / "result.json"), "chromium": chromium(),
             "profile": str(work / "profile"), "workflow": workflow(), "short": prompt(SHORT_STEPS, width=SNAPPED_WIDTH),
+            "olderWorkflows": {last: saved_before(last) for last in OLDER},
             "long": prompt(LONG_STEPS), "nodes": node_ids(),
             "shots": {k: str(v) for k, v in shots.items()}, "previews": previews,
         }

@@ -80,7 +80,7 @@ async function loadWorkflow(page) {
 
 /** The Offload settings node of the saved UI workflow, as the frontend rebuilt it from the schema:
  *  each widget's name, value and advanced flag (read before loadWorkflow sets values by name). */
-async function readSettings(page) {
+async function readSettings(page, workflow = config.workflow) {
   return page.evaluate(async (wf) => {
     await window.app.loadGraphData(structuredClone(wf));
     const node = window.app.graph.nodes.find((n) => n.type === "DiffusersOffloadSettings");
@@ -90,7 +90,7 @@ async function readSettings(page) {
       knowsAdvanced: typeof node.hasAdvancedWidgets === "function",
       widgets: node.widgets.map((w) => ({ name: w.name, value: w.value, advanced: Boolean(w.options?.advanced ?? w.advanced) })),
     };
-  }, config.workflow);
+  }, workflow);
 }
 
 /** Queue an API prompt as the frontend does: with the workflow on the canvas in extra_pnginfo. */
@@ -197,6 +197,8 @@ async function main() {
     result.nodeTypes = Object.keys(result.nodeInfo);
     result.tabButton = await page.locator(".diffusers-offload-tab-button").count();
     result.settings = await readSettings(page);
+    result.olderSettings = {}; // the same workflow as saved before the later (optional) options existed
+    for (const [last, wf] of Object.entries(config.olderWorkflows)) result.olderSettings[last] = await readSettings(page, wf);
     result.settingsSchema = { DiffusersOffloadSettings: info.DiffusersOffloadSettings };
     result.workflowId = await loadWorkflow(page);
     result.idle = { views: await views(page), layout: await readLayout(page) };

@@ -27,6 +27,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pytest runs with --import-mode=importlib
 from browser_session import (  # noqa: E402
     EXAMPLE,
+    OLDER,
+    SAVED_CHANGES,
     SHORT_STEPS,
     SNAPPED_WIDTH,
     SessionUnavailable,
@@ -43,6 +45,7 @@ STAGE_TEXT = re.compile(r"^(decoding|denoise|text encode|image encode|video deco
 ALIASES = {  # the words the node search also matches, where the server takes search aliases
     "DiffusersOffloadLoadPipeline": {"offload", "block swap", "wan", "flux"},
     "DiffusersOffloadLoadModularPipeline": {"offload", "block swap", "h3"},
+    "DiffusersOffloadLoadDiffusionModelFile": {"offload", "block swap", "wan", "fp8", "gguf", "single file"},
     "DiffusersOffloadGenerateImage": {"flux"},
     "DiffusersOffloadGenerateVideo": {"wan"},
     "DiffusersOffloadGenerateH3": {"h3"},
@@ -124,6 +127,25 @@ def test_the_saved_settings_node_loads_with_its_values_and_advanced_options_fold
     marked = {name for name, _, spec, _ in ex.schema_inputs(info) if spec.get("advanced")}
     folded = {w["name"] for w in widgets if w["advanced"]}
     assert folded == (marked if settings["knowsAdvanced"] else set())
+
+
+@pytest.mark.parametrize("last", OLDER)
+def test_a_settings_node_saved_before_the_later_options_loads_with_its_values_and_the_defaults(
+    session: dict[str, Any], last: str
+) -> None:
+    """Widget values are stored by position: a node saved when ``last`` was its last widget keeps
+    every saved value in place, and the options added after it show their defaults."""
+    older = session["olderSettings"][last]
+    info = session["settingsSchema"]["DiffusersOffloadSettings"]
+    twin = {**ex.api_prompt(EXAMPLE, ex.example(EXAMPLE).model)[older["id"]]["inputs"], **SAVED_CHANGES}
+    options = [name for name, *_ in ex.schema_inputs(info)]
+    defaults = {name: spec["default"] for name, _, spec, _ in ex.schema_inputs(info)}
+    shown = {w["name"]: w["value"] for w in older["widgets"] if w["name"] in options}
+    saved = options[:options.index(last) + 1]
+    assert list(shown) == options
+    assert {n: shown[n] for n in saved} == {n: twin[n] for n in saved}
+    assert {n: shown[n] for n in options if n not in saved} == {n: defaults[n] for n in options if n not in saved}
+    assert {"prompt_cache_gb", "host_ram_gb"} <= set(options) - set(saved)
 
 
 def test_generate_node_shows_stage_and_step_only_then_nothing(session: dict[str, Any]) -> None:
