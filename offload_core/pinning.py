@@ -3,18 +3,10 @@
 Why not ``Tensor.pin_memory()`` (what diffusers does): it allocates a second, fresh copy through
 the caching host allocator, rounded up to a power of two (1.57x the weights on Wan 14B) and at
 ~2.3 GB/s; registering memory that is already touched runs at ~23 GB/s and costs no extra byte.
-
-Registrations are whole pages, each page registered once: neighbouring tensors share pages (a
-safetensors file's tensors lie back to back; the heap packs small ones), and the driver refuses a
-range overlapping one it holds, so a tensor registers only its pages not registered yet. A
-private file mapping (`formats/mapped.py`) registers too: the driver asks for write access, which
-gives the locked pages private copies (copy-on-write) as anonymous memory, so the file is never
-touched and a later in-place write (a fused LoRA) lands in the very pages the device reads.
 """
 
 from __future__ import annotations
 
-import mmap
 import threading
 
 import torch
@@ -24,9 +16,7 @@ from .log import get_logger
 log = get_logger("pinning")
 
 _lock = threading.Lock()
-_registered: dict[int, int] = {}  # page-aligned host pointer -> bytes, for every live registration
-_users: dict[int, int] = {}  # registration -> how many PinSet entries use it (released at zero)
-PAGE = mmap.PAGESIZE
+_registered: dict[int, int] = {}  # host pointer -> bytes, for every live registration
 
 
 def pinned_bytes() -> int:
@@ -45,31 +35,20 @@ class PinSet:
     @property
     def nbytes(self) -> int:
         with _lock:
-            return sum(_registered.get(p, 0) for p in set(self._ptrs))
+            return sum(_registered.get(p, 0) for p in self._ptrs)
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return a pinned tensor with the same values: ``tensor`` itself when its storage could be
         registered in place, else a pinned copy."""
-        if not torch.cuda.is_available() or tensor.device.type != "cpu":
+        if not torch.cuda.is_available() or tensor.device.type != "cpu" or tensor.is_pinned():
             return tensor
         storage = tensor.untyped_storage()
-        lo, hi = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-        if hi == lo:
+        ptr, size = storage.data_ptr(), storage.nbytes()
+        if size and _register(ptr, size):
+            self._ptrs.append(ptr)
+            self._keep.append(tensor)
             return tensor
-        with _lock:
-            runs = uncovered_runs(lo, hi, _registered)
-            if tensor.is_pinned() and runs == [page_span(lo, hi)]:
-                return tensor  # PyTorch's own pinned memory
-            made = _register_runs(runs)
-            if made is not None:
-                made += overlapping(lo, hi, _registered, exclude=set(made))
-                for ptr in made:
-                    _users[ptr] = _users.get(ptr, 0) + 1
-        if made is None:
-            return tensor.pin_memory()
-        self._ptrs.extend(made)
-        self._keep.append(tensor)
-        return tensor
+        return tensor.pin_memory()
 
     def release(self) -> None:
         for ptr in self._ptrs:
@@ -96,57 +75,20 @@ class PinGrant:
         return True
 
 
-def overlapping(lo: int, hi: int, registered: dict[int, int], exclude: set[int]) -> list[int]:
-    """Registrations holding pages of ``[lo, hi)`` (a neighbour's shared page): a tensor uses them
-    too, so they stay registered until its set is released as well."""
-    start, end = page_span(lo, hi)
-    return [p for p, n in registered.items() if p < end and p + n > start and p not in exclude]
-
-
-def page_span(lo: int, hi: int) -> tuple[int, int]:
-    """The whole pages holding ``[lo, hi)``."""
-    return lo - lo % PAGE, -(-hi // PAGE) * PAGE
-
-
-def uncovered_runs(lo: int, hi: int, registered: dict[int, int]) -> list[tuple[int, int]]:
-    """The runs ``[start, end)`` of whole pages holding ``[lo, hi)`` that no registration in
-    ``registered`` (start -> bytes, page-aligned) covers."""
-    cur, end = page_span(lo, hi)
-    runs = []
-    for start, size in sorted(registered.items()):
-        if start + size <= cur or start >= end:
-            continue
-        if start > cur:
-            runs.append((cur, start))
-        cur = max(cur, start + size)
-        if cur >= end:
-            return runs
-    runs.append((cur, end))
-    return runs
-
-
-def _register_runs(runs: list[tuple[int, int]]) -> list[int] | None:
-    """Register every run (under ``_lock``); None, with nothing left registered, if one fails."""
-    made: list[int] = []
-    for start, end in runs:
-        err = torch.cuda.cudart().cudaHostRegister(start, end - start, 0)
+def _register(ptr: int, size: int) -> bool:
+    with _lock:
+        if ptr in _registered:
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
         if int(err) != 0:
-            log.debug("cudaHostRegister failed (%s) for %d bytes: pinned copy instead", err, end - start)
-            for ptr in made:
-                torch.cuda.cudart().cudaHostUnregister(ptr)
-                _registered.pop(ptr, None)
-            return None
-        _registered[start] = end - start
-        made.append(start)
-    return made
+            log.debug("cudaHostRegister failed (%s) for %d bytes: pinned copy instead", err, size)
+            return False
+        _registered[ptr] = size
+        return True
 
 
 def _unregister(ptr: int) -> None:
     with _lock:
-        _users[ptr] = _users.get(ptr, 1) - 1
-        if _users[ptr] > 0:
-            return
-        del _users[ptr]
         if _registered.pop(ptr, None) is not None:
             torch.cuda.cudart().cudaHostUnregister(ptr)
 

@@ -3,8 +3,7 @@ weights copied into anonymous memory (what a loader that casts or copies leaves)
 every tensor whose bytes are the file's rests on a private mapping of the file at its header
 offset (the same Parameter objects), the bytes mapped are the files' bytes, outputs are bit-exact
 in every mode, a fused LoRA never reaches the file, release leaves nothing of ours, a dtype cast at
-load maps nothing and says why, a truncated file is refused by name before anything is mapped, and
-the page-run registration the pinning uses for back-to-back tensors is exact."""
+load maps nothing and says why, and a truncated file is refused by name before anything is mapped."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from diffusers_offload.offload_core.components import iter_modules
 from diffusers_offload.offload_core.formats.mapped import MappedFileError, index_folder, map_from_files
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.memory import MemoryReader
-from diffusers_offload.offload_core.pinning import PAGE, overlapping, uncovered_runs
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.tiny_models import load_flux, load_wan, run_flux, run_wan
 
@@ -307,21 +305,3 @@ def test_scarce_ram_logs_the_disk_reads_per_step_once(tiny_wan_dir: Path, caplog
                                                                         pin_memory=pin_memory, **BASE))
         assert not [r for r in caplog.records if "read from disk" in r.getMessage()]
         assert len([r for r in caplog.records if "cached in RAM" in r.getMessage()]) == cached
-
-
-# -- pinning's page runs ----------------------------------------------------------------------------
-def test_page_runs_register_each_page_once() -> None:
-    """Back-to-back tensors share pages: each registers only the pages not registered yet, and a
-    run it shares stays registered while it is in use."""
-    registered: dict[int, int] = {}
-    a = (10 * PAGE + 100, 12 * PAGE + 50)  # pages 10, 11, 12
-    runs = uncovered_runs(*a, registered)
-    assert runs == [(10 * PAGE, 13 * PAGE)]
-    registered.update({s: e - s for s, e in runs})
-    b = (12 * PAGE + 50, 15 * PAGE)  # shares page 12 with a, ends on a boundary
-    assert uncovered_runs(*b, registered) == [(13 * PAGE, 15 * PAGE)]
-    assert overlapping(*b, registered, exclude=set()) == [10 * PAGE]
-    registered[13 * PAGE] = 2 * PAGE
-    assert uncovered_runs(11 * PAGE, 14 * PAGE + 1, registered) == []
-    gap = (9 * PAGE + 1, 16 * PAGE + 1)  # around both: only the edges are new
-    assert uncovered_runs(*gap, registered) == [(9 * PAGE, 10 * PAGE), (15 * PAGE, 17 * PAGE)]
