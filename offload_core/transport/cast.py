@@ -34,13 +34,13 @@ class UnitCast:
 
     @property
     def compute_bytes(self) -> int:
-        return self.nbytes * torch.empty((), dtype=self.compute).element_size()
+        return self.nbytes * self.compute.itemsize
 
     def table(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Each fp8 weight's start and scale for `fp8_kernel.cast_into` (None: none is scaled)."""
         if not self.scaled:
             return None, None
-        if self._table is None or self._table[0].device != device:
+        if self._table is None or self._table[0].device.index != device.index:
             by_slot = dict(zip(self.scaled, self.scales, strict=True))
             scales = [by_slot.get(i, 1.0) for i in range(self.count)]
             self._table = (torch.tensor(self.offsets, dtype=torch.int64, device=device),
@@ -107,7 +107,7 @@ class CastPool:
     def _take(self, cast: UnitCast) -> torch.Tensor:
         if self._free and self._free[-1].dtype == cast.compute:
             return self._free.pop()
-        size = max(self.nbytes, cast.compute_bytes) // torch.empty((), dtype=cast.compute).element_size()
+        size = max(self.nbytes, cast.compute_bytes) // cast.compute.itemsize
         buf = torch.empty(size, dtype=cast.compute, device=self.device)
         self.held += buf.numel() * buf.element_size()
         return buf

@@ -22,6 +22,7 @@ except ImportError:  # CPU-only torch builds
 
 BLOCK = 512  # = blocks.ALIGN: no program straddles two weights
 _broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
+_unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one-segment table of scale 1, per device
 
 if triton is not None:
 
@@ -60,8 +61,10 @@ def cast_into(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor | None 
     if not available(src):
         return False
     if starts is None:
-        starts = torch.zeros(1, dtype=torch.int64, device=src.device)
-        scales = torch.ones(1, dtype=torch.float32, device=src.device)
+        if src.device not in _unscaled:
+            _unscaled[src.device] = (torch.zeros(1, dtype=torch.int64, device=src.device),
+                                     torch.ones(1, dtype=torch.float32, device=src.device))
+        starts, scales = _unscaled[src.device]
     n = src.numel()
     try:
         _cast_kernel[(triton.cdiv(n, BLOCK),)](src, out, starts, scales, n, starts.numel(), BLOCK=BLOCK,
