@@ -1,4 +1,5 @@
-"""MiniMax-H3 run rules without ComfyUI: snapping, run views (audio off, stills), short-latent padding."""
+"""MiniMax-H3 run rules without ComfyUI: snapping, run views (audio off, stills), short-latent padding,
+and the ref2va workflow (its transformer_ref partition) placed by the engine."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 from diffusers.modular_pipelines.minimax_h3.decoders import MiniMaxH3AudioDecodeStep
+from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules
 from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view
+from diffusers_offload.offload_core.state import leftovers
+from fixtures.tiny_h3_ref import run_h3_ref2va
 from fixtures.tiny_pipes import load_h3, run_h3
 
 GRID = grid_rules.H3Grid(vae_scale=16, patch=(1, 2, 2), fps=24, frames_per_chunk=17, latents_per_chunk=5,
@@ -87,3 +91,56 @@ def test_a_still_lifts_the_duration_floor_for_its_view_only_and_pads_short_laten
     with pytest.raises(ValueError, match="between 5.0 and 15.0 seconds"):
         run_h3(h3_pipe, num_frames=1)
     assert grid_rules.decode_units(h3_pipe.vae, 2, 32, 32) == 1
+
+
+# -- ref2va: the transformer_ref partition ---------------------------------------------------------
+CPU = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+
+
+def test_ref2va_loads_only_transformer_ref_and_denoises_with_it(h3_ref2va_pipe) -> None:
+    pipe = h3_ref2va_pipe
+    assert getattr(pipe, "transformer", None) is None and pipe.transformer_ref is not None
+    calls: list[int] = []
+    handle = pipe.transformer_ref.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        out = run_h3_ref2va(pipe)
+    finally:
+        handle.remove()
+    assert calls == [1]  # two grid points: one forward
+    assert out.video.shape == (1, 124, 3, 32, 32) and out.audio.shape == (1, 2, 828)
+    assert torch.isfinite(out.video).all() and torch.isfinite(out.audio).all()
+    assert grid_rules.grid_of(pipe) == GRID  # the patch read from transformer_ref
+
+
+def test_ref2va_streams_transformer_ref_in_auto_mode_bit_exact_with_mode_none_and_release_leaves_nothing(
+    h3_ref2va_pipe,
+) -> None:
+    pipe = h3_ref2va_pipe
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="none", **CPU))
+    expected = run_h3_ref2va(pipe)
+    engine.after_run(pipe)
+    engine.release(pipe)
+
+    report = engine.place(pipe, OffloadConfig(**CPU))
+    ref = report.component("transformer_ref")
+    assert "transformer" not in {c.name for c in report.components}
+    assert ref.role == "per-step" and ref.details["blocks"] > 0
+    assert "transformer_ref" in report.text()
+    block = pipe.transformer_ref.transformer_blocks[0]
+    leaf = next(m for m in block.modules() if isinstance(m, torch.nn.Linear))
+    host_ptr, seen = leaf.weight.data_ptr(), []
+    handle = leaf.register_forward_hook(lambda m, a, o: seen.append(m.weight.data_ptr()))
+    try:
+        placed = run_h3_ref2va(pipe)
+    finally:
+        handle.remove()
+    engine.after_run(pipe)
+    assert seen and all(p != host_ptr for p in seen), "transformer_ref's blocks must run from a streamed buffer"
+    assert torch.equal(placed.video, expected.video) and torch.equal(placed.audio, expected.audio)
+
+    engine.release(pipe)
+    modules = ("text_encoder", "transformer_ref", "vae", "audio_vae")
+    assert [found for name in modules for found in leftovers(getattr(pipe, name))] == []
+    again = run_h3_ref2va(pipe)
+    assert torch.equal(again.video, expected.video) and torch.equal(again.audio, expected.audio)
