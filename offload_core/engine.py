@@ -21,6 +21,7 @@ from .guards import onload_device, refuse_foreign_offload
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, sweep_cleanup
 from .pin_path import pin_verdict, transport_context
+from .preload.shared import SharedBudget
 from .report import ComponentReport, PlacementReport, gib
 from .roles import Role, RoleDecision, decide, warn_unknown_entries, with_stream_verdict
 from .run import prompt_cache
@@ -157,13 +158,20 @@ class Engine:
         """A streamed denoiser's forward sends idle components home first (a VAE between its
         encodes and decode, an encoder's non-layer part), before its plan reads the free memory.
         On-demand modules stay between their own calls only where that happens for every denoiser
-        (streamed, or on demand: entering evicts idle peers)."""
+        (streamed, or on demand: entering evicts idle peers). Several planned denoisers (Wan 2.2
+        A14B) share one budget: a starting one's plan or shortage takes the idle ones' kept
+        blocks first (`preload/shared.py`)."""
         denoisers = [s.transport for s in self.states(pipe).values() if s.info.is_denoiser]
         park = _parker(self, pipe)
         for transport in denoisers:
             if isinstance(transport, BlockStreamer):
                 transport.events.unsubscribe(PARK)
                 transport.events.subscribe(PARK, park, first=True)
+        planned = [(n, s.transport) for n, s in self.states(pipe).items()
+                   if s.info.is_denoiser and isinstance(s.transport, PreloadingStreamer)]
+        budget = SharedBudget(planned) if len(planned) > 1 else None  # one VRAM budget over them
+        for _name, transport in planned:
+            transport.share(budget)
         pstate.on_demand.stay = all(isinstance(t, (BlockStreamer, OnDemandTransport, ResidentTransport))
                                     for t in denoisers)
 

@@ -160,6 +160,21 @@ class PreloadPlanner:
         """The resident set a cycle of ``workload`` would start with, changing nothing."""
         return self._cycle_target(workload)
 
+    def room_wanted(self, workload: int | None, extra: int) -> int:
+        """Bytes the device lacks now for the plan a cycle of ``workload`` would choose if
+        ``extra`` more bytes were free (idle denoisers' kept blocks, `shared.py`): what to ask
+        them for. 0 when that plan fits already, or nothing is measured or estimated (auto only)."""
+        if self.policy.mode != "auto" or workload is None or extra <= 0:
+            return 0
+        peak = self.measured_peak(workload)
+        peak = self._store.estimate(self._key(workload)) if peak is None else peak
+        if peak is None:
+            return 0
+        target = self._cycle_target(workload, extra)
+        slot = max((s for i, s in self.slot_sizes.items() if i not in target), default=0)
+        needs = self._bytes(target) + self._slot_count * slot
+        return max(0, needs - weight_budget(self._reader(), peak, self.penalty(workload)))
+
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
         its resident set held still and it saw no shortage; without ``usage`` (another model
@@ -228,14 +243,14 @@ class PreloadPlanner:
         kept = [i for i in self.ranking if i in self._kept]
         return self._fit(kept, self.measured_peak(self.last_workload) or 0, self.last_workload)
 
-    def _cycle_target(self, workload: int) -> frozenset[int]:
+    def _cycle_target(self, workload: int, extra: int = 0) -> frozenset[int]:
         """Auto with a measure: the fitted prefix's blocks per tower, spread evenly, unless it
         grows by too little to be worth the transfer; a shrink only releases (lowest-ranked
         first), so a smaller workload's plan loads nothing (alternating image and video cycles
         would otherwise reload blocks to re-spread them each time). Unmeasured: the set already
         resident, shrunk to what fits beside an estimate from the model's other workloads (so a
         first video step after images does not run out of memory). Off and fixed: the set
-        already resident."""
+        already resident. ``extra``: bytes assumed free beyond the reading (`room_wanted`)."""
         if self.policy.mode != "auto":
             return self._resident
         peak = self.measured_peak(workload)
@@ -243,8 +258,8 @@ class PreloadPlanner:
             guess = self._store.estimate(self._key(workload))
             if guess is None:
                 return self._resident
-            return self._shrunk(self._resident, self._bytes(self._fit(self.ranking, guess, workload)))
-        fitted = self._fit(self.ranking, peak, workload)
+            return self._shrunk(self._resident, self._bytes(self._fit(self.ranking, guess, workload, extra)))
+        fitted = self._fit(self.ranking, peak, workload, extra)
         growth = self._bytes(fitted) - self._bytes(self._resident)
         if growth < 0:
             return self._shrunk(self._resident, self._bytes(fitted))
@@ -252,10 +267,11 @@ class PreloadPlanner:
             return self._resident
         return spread_kept(fitted, self._blocks)
 
-    def _fit(self, order: Sequence[int], peak: int, workload: int | None) -> frozenset[int]:
-        """The longest prefix of ``order`` that fits beside ``peak`` and the penalty."""
+    def _fit(self, order: Sequence[int], peak: int, workload: int | None, extra: int = 0) -> frozenset[int]:
+        """The longest prefix of ``order`` that fits beside ``peak`` and the penalty (with
+        ``extra`` bytes more than the reading's)."""
         reading, penalty = self._reader(), self.penalty(workload)
-        budget = weight_budget(reading, peak, penalty)
+        budget = weight_budget(reading, peak, penalty) + extra
         chosen = set(order)
         outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
         k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside,

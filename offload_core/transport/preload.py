@@ -11,6 +11,7 @@ import torch
 from ..config import OffloadConfig
 from ..memory import MemoryReader, prefer_expandable_segments
 from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlanner
+from ..preload.shared import SharedBudget
 from ..preload.workload import entry_signature, scaled_workload, workload_fn
 from ..state import PLANNER
 from .streamer import BlockStreamer
@@ -45,6 +46,28 @@ class PreloadingStreamer(BlockStreamer):
             self.events.unsubscribe(PreloadDriver.NAME)
             super().remove(module)
 
+    def share(self, budget: SharedBudget | None) -> None:
+        """Join the pipeline's budget over its denoisers (None: the only one)."""
+        if self.driver is not None:
+            self.driver.shared = budget
+
+    def give_back(self, nbytes: int) -> int:
+        """Release kept pieces, lowest-ranked first (the planner's order: what is left is still
+        the best set of its size), until ``nbytes`` are freed; the planner keeps its plan, so
+        they come back at the next cycle where they fit."""
+        if self.driver is None:
+            return super().give_back(nbytes)
+        keep, freed = self.resident_indices(), 0
+        for index in reversed(self.driver.planner.ranking):
+            if freed >= nbytes:
+                break
+            if index in keep:
+                keep.discard(index)
+                freed += self.pieces[index].nbytes
+        if freed:
+            self.set_resident(keep)
+        return freed
+
     def run_bytes(self) -> int:
         """The streaming slots plus the activations measured for the last workload."""
         planner = self.driver.planner if self.driver is not None else None
@@ -71,6 +94,7 @@ class PreloadDriver:
         self._entry: tuple = ()  # the shapes this forward entered with
         self._workload_by_entry: dict[tuple, int] = {}
         self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
+        self.shared: SharedBudget | None = None  # the other denoisers of the pipeline (`share`)
         streamer.events.subscribe(self.NAME, self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -111,12 +135,22 @@ class PreloadDriver:
         makes before the first block counts as ours, what ran between forwards (a VAE) does not."""
         self._retries = self.memory.allocator_retries(self.streamer.device)
         self._entry = entry_signature(args, kwargs)
+        self._entering = False
+        coming = self._coming_workload()
+        self._take_idle(coming if coming is not None else self.planner.last_workload)
         self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         self._entering = True
-        coming = self._coming_workload()
         if coming is not None and coming != self.planner.last_workload:
             self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
         self.memory.reset_peak(self.streamer.device)
+
+    def _take_idle(self, workload: int | None) -> None:
+        """The other denoisers are idle while this one runs: when its plan for ``workload``
+        needs more room than is free, their kept blocks make it, in one request (`shared.py`),
+        before this plan is fitted (it then keeps what it planned)."""
+        if self.shared is not None:
+            need = self.planner.room_wanted(workload, self.shared.idle_kept(self.streamer))
+            self.shared.take_idle(self.streamer, need, f"{self.planner.label} starts")
 
     def _coming_workload(self) -> int | None:
         """The workload this forward will run: known from an earlier cycle entered the same way,
@@ -157,7 +191,11 @@ class PreloadDriver:
 
     def relieve(self, running: set[int]) -> bool:
         """A shortage: give up what the planner lets go (streaming buffers beyond the window, or
-        kept pieces, never those ``running``); False when nothing more can go."""
+        kept pieces, never those ``running``); False when nothing more can go. The idle
+        denoisers' kept blocks go first (one streamed block's worth plus the margin, at once)."""
+        need = max(self.planner.slot_sizes.values(), default=0)
+        if self.shared is not None and self.shared.take_idle(self.streamer, need, f"a shortage in {self.planner.label}"):
+            return True
         relief = self.planner.on_shortage(running=running)
         if not relief:
             return False
