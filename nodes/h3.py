@@ -1,7 +1,9 @@
 """Generate video + audio (MiniMax-H3): run a loaded modular MiniMax-H3 pipeline.
 
 Why its own node: H3 is modular only (no classic pipeline), and a run has choices the loaded
-model must not keep (audio off, a single still). Each run goes through a run view
+model must not keep (audio off, a single still). The loaded workflow decides the conditioning:
+t2va text only, fl2va first/last frames, ref2va reference images (ref_1…ref_9, in order); inputs
+the workflow cannot take are refused by name. Each run goes through a run view
 (``offload_core.models.minimax_h3.run_view``) over the same placed components; placement,
 stage progress, Cancel and the end of the call are ``running.Run``'s, the outputs ``outputs.py``'s.
 """
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 from comfy_api.latest import io
+from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3ImageReference
 
 from ..offload_core.models.minimax_h3 import grid as grid_rules
 from ..offload_core.models.minimax_h3.run_view import pad_short_latents, run_view
@@ -22,18 +25,48 @@ from .running import Run
 from .types import CATEGORY, NOTES, SEED_MAX, DiffusersPipe, PipeHandle
 from .web_api import search_aliases
 
+REFS = tuple(f"ref_{i}" for i in range(1, grid_rules.MAX_IMAGE_REFERENCES + 1))
 
-def _check_workflow(pipe: Any, keyframes: int) -> None:
+
+def _loaded_as(takes: set[str]) -> str:
+    return "ref2va" if "references" in takes else "fl2va" if "image" in takes else "t2va"
+
+
+def _check_workflow(pipe: Any, keyframes: int, refs: list[str]) -> None:
+    """A clear error for inputs the loaded workflow cannot take (a pruned pipeline would ignore or fail deep)."""
     takes = {param.name for param in pipe.blocks.inputs}
-    if "references" in takes:
-        raise ValueError("this pipeline is loaded for ref2va, which needs reference inputs Generate (H3) does not "
-                         "offer yet: load it with workflow t2va or fl2va")
+    workflow = _loaded_as(takes)
+    if refs and "references" not in takes:
+        raise ValueError(f"reference images ({', '.join(refs)}) are connected but the pipeline is loaded for "
+                         f"{workflow}: load it with workflow ref2va, or disconnect them")
     if keyframes and "image" not in takes:
-        raise ValueError("a first or last frame is connected but the pipeline is loaded for t2va: load it with "
-                         "workflow fl2va, or disconnect the frames")
-    if not keyframes and "image" in takes:
+        raise ValueError(f"a first or last frame is connected but the pipeline is loaded for {workflow}: load it "
+                         "with workflow fl2va, or disconnect the frames")
+    if workflow == "ref2va" and "image" not in takes and not refs:
+        raise ValueError("the pipeline is loaded for ref2va, which needs at least one reference image: connect "
+                         f"ref_1 (up to {REFS[-1]}), or load it with workflow t2va")
+    if workflow == "fl2va" and not keyframes:
         raise ValueError("the pipeline is loaded for fl2va, which needs a first or last frame: connect one, or "
                          "load it with workflow t2va")
+    if refs and keyframes:
+        raise ValueError(f"reference images ({', '.join(refs)}) and a first or last frame are both connected: "
+                         "ref2va takes references, fl2va keyframes; disconnect one of them")
+
+
+def _references(images: dict[str, torch.Tensor | None]) -> tuple[list[MiniMaxH3ImageReference], list[str]]:
+    """The connected ref_i inputs in order, every image of a batch a reference of its own; and their names."""
+    names = [name for name in REFS if images.get(name) is not None]
+    pictures = [to_pil(frame[None]) for name in names for frame in images[name]]
+    if len(pictures) > grid_rules.MAX_IMAGE_REFERENCES:
+        counts = ", ".join(f"{name}: {len(images[name])}" for name in names)
+        raise ValueError(f"{len(pictures)} reference images are connected ({counts}); MiniMax-H3 takes at most "
+                         f"{grid_rules.MAX_IMAGE_REFERENCES}: disconnect some or pass smaller batches")
+    for name in names:
+        height, width = images[name].shape[1:3]
+        if not 0.25 <= width / height <= 4.0:
+            raise ValueError(f"{name} is {width}×{height}; MiniMax-H3 takes reference images within 1:4 and 4:1: "
+                             "crop it")
+    return [MiniMaxH3ImageReference(image=picture) for picture in pictures], names
 
 
 def _frames_asked(frames: int, duration: float, fps: int, notes: list[str]) -> int:
@@ -64,11 +97,16 @@ def _inputs() -> list[io.Input]:
                      tooltip="Override of the video VAE's spatial compression; 0: the VAE's own."),
         io.Image.Input("first_frame", optional=True, tooltip="Keyframe the video starts from (fl2va)."),
         io.Image.Input("last_frame", optional=True, tooltip="Keyframe the video ends on (fl2va)."),
+        *(io.Image.Input(name, optional=True, tooltip=(
+            f"Reference image {i} for ref2va (subject, style or scene; needs the pipeline loaded with workflow "
+            f"ref2va). The model reads ref_1, ref_2, … in order, as <Picture 1>, <Picture 2>, … of the prompt; "
+            f"each image of a batch is a reference of its own; at most {len(REFS)} in all, each within 1:4 "
+            "and 4:1, encoded at its own aspect.")) for i, name in enumerate(REFS, 1)),
     ]
 
 
 class GenerateH3(io.ComfyNode):
-    """Text (and first/last frame) to video with audio on a loaded MiniMax-H3 modular pipeline."""
+    """Text (and first/last frame, or reference images) to video with audio on a loaded MiniMax-H3 modular pipeline."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -77,7 +115,8 @@ class GenerateH3(io.ComfyNode):
             **search_aliases("h3"),
             display_name="Generate video + audio (MiniMax-H3)",
             category=CATEGORY,
-            description="Runs MiniMax-H3 (t2va, or fl2va with a first and/or last frame). Canvas and frames are "
+            description="Runs MiniMax-H3 (t2va; fl2va with a first and/or last frame; ref2va with reference "
+                        "images ref_1…ref_9). Canvas and frames are "
                         "snapped to the model's grid with a note; frames = 1 renders a single still image.",
             inputs=_inputs(),
             outputs=[
@@ -93,13 +132,14 @@ class GenerateH3(io.ComfyNode):
     def execute(
         cls, pipe: PipeHandle, prompt: str, seed: int, steps: int, width: int, height: int, frames: int,
         duration: float, generate_audio: bool, vae_scale_factor: int, first_frame: torch.Tensor | None = None,
-        last_frame: torch.Tensor | None = None,
+        last_frame: torch.Tensor | None = None, **refs: torch.Tensor | None,
     ) -> io.NodeOutput:
         h3 = pipe.pipe
         if pipe.family != "minimax_h3":
             raise ValueError(f"{type(h3).__name__} is not MiniMax-H3: use 'Generate video (diffusers)' for it")
         keyframes = {k: to_pil(v) for k, v in (("image", first_frame), ("last_image", last_frame)) if v is not None}
-        _check_workflow(h3, len(keyframes))
+        references, ref_names = _references(refs)
+        _check_workflow(h3, len(keyframes), ref_names)
         grid = grid_rules.grid_of(h3, vae_scale_factor)
         width, height, notes = grid_rules.snap_canvas(grid, width, height)
         frames, frame_notes = grid_rules.snap_frames(grid, _frames_asked(frames, duration, grid.fps, notes))
@@ -114,11 +154,13 @@ class GenerateH3(io.ComfyNode):
         totals = {
             DENOISE: steps - 1,  # H3's scheduler takes grid points; the last one is the terminal 0
             VIDEO: grid_rules.decode_units(h3.vae, grid.latent_frames(frames), height, width),
-            IMAGE: grid_rules.encode_units(h3.vae, len(keyframes), height, width),
+            IMAGE: grid_rules.encode_units(h3.vae, len(keyframes), height, width) + grid_rules.reference_units(
+                h3.vae, grid, grid_rules.reference_short_edge(h3), [r.image.size for r in references]),
         }
         view = run_view(h3, audio=with_audio, still=still, vae_scale_factor=vae_scale_factor)
         kwargs = dict(prompt=prompt, height=height, width=width, num_frames=frames, num_inference_steps=steps,
-                      generator=torch.Generator("cpu").manual_seed(seed), output_type="pt", **keyframes)
+                      generator=torch.Generator("cpu").manual_seed(seed), output_type="pt", **keyframes,
+                      **({"references": references} if references else {}))
         with run, ExitStack() as stack:
             latent_grid = (grid.latent_frames(frames), height // grid.vae_scale, width // grid.vae_scale)
             stack.enter_context(run.stage_hooks(h3, totals, latent_grid))

@@ -281,3 +281,73 @@ def test_replacing_with_unchanged_settings_changes_no_hook(comfy: harness.ComfyH
 def hooks(pipe: Any) -> dict[tuple[str, str, str], Any]:
     """Every offload hook (registry entries, instance-level entries) and torch hook under the components."""
     return hook_inventory(pipe, ("text_encoder", "transformer", "vae", "audio_vae"), torch_hooks=True)
+
+
+# -- ref2va: reference images ref_1..ref_9 -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def ref_model(comfy: harness.ComfyHost, model: str, tiny_h3_ref_dir: Path) -> str:
+    """The tiny H3 with its transformer_ref partition, listed by the loader (Capture registered by `model`)."""
+    return ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_h3_ref_dir)
+
+
+def with_refs(prompt: dict, **refs: tuple[int, int, int]) -> dict:
+    """Connect ref_i inputs to flat EmptyImage batches: name -> (width, height, batch size)."""
+    for i, (name, (width, height, batch)) in enumerate(refs.items()):
+        prompt[name] = {"class_type": "EmptyImage", "inputs": {"width": width, "height": height,
+                                                              "batch_size": batch, "color": 0x1E1EC8 + 40 * i}}
+        prompt[GEN]["inputs"][name] = [name, 0]
+    return prompt
+
+
+def test_ref2va_from_reference_images_gives_video_with_audio(
+    comfy: harness.ComfyHost, ref_model: str, captured: list, units_run: list[str]
+) -> None:
+    prompt = with_refs(graph(ref_model, "ref2va", outputs=(0, 1, 2, 3)), ref_1=(48, 32, 1), ref_3=(32, 32, 2))
+    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+
+    result = comfy.run_prompt(prompt).raise_for_error()
+
+    out = outputs(captured)
+    assert out[3] == ""
+    assert_frames(out[1], 124)
+    assert out[2]["waveform"].shape == (1, 2, 828) and out[2]["sample_rate"] == 160
+    components = out[0].get_components()
+    assert torch.equal(components.images, out[1]) and torch.equal(components.audio["waveform"], out[2]["waveform"])
+    labels = texts(result)
+    assert "image encode 3/3" in labels  # ref_1's image and ref_3's two, each encoded at its own size
+    assert labels.index("image encode 3/3") < labels.index("denoise step 1/2")
+    assert units_run.count("denoise") == 2
+    pipe = out[9].pipe  # the ref2va partition alone was loaded, and it is what denoised
+    assert getattr(pipe, "transformer", None) is None and pipe.transformer_ref is not None
+
+
+@pytest.mark.parametrize(("workflow", "inputs", "message"), [
+    ("ref2va", {}, "loaded for ref2va, which needs at least one reference image: connect ref_1 (up to ref_9)"),
+    ("t2va", {"ref_2": (32, 32, 1)}, "reference images (ref_2) are connected but the pipeline is loaded for t2va: "
+                                     "load it with workflow ref2va"),
+    ("fl2va", {"ref_1": (32, 32, 1)}, "reference images (ref_1) are connected but the pipeline is loaded for fl2va"),
+    ("ref2va", {"ref_1": (32, 32, 4), "ref_2": (32, 32, 6)}, "10 reference images are connected (ref_1: 4, "
+                                                              "ref_2: 6); MiniMax-H3 takes at most 9"),
+    ("ref2va", {"ref_1": (160, 32, 1)}, "ref_1 is 160×32; MiniMax-H3 takes reference images within 1:4 and 4:1"),
+], ids=["ref2va-without-references", "t2va-with-a-reference", "fl2va-with-a-reference", "too-many", "aspect"])
+def test_reference_inputs_the_workflow_cannot_take_are_refused_by_name(
+    comfy: harness.ComfyHost, ref_model: str, captured: list, workflow: str, inputs: dict, message: str
+) -> None:
+    prompt = graph(ref_model, workflow, outputs=(3,))
+    if workflow == "fl2va":
+        with_frames(prompt, first_frame=0)
+    result = comfy.run_prompt(with_refs(prompt, **inputs))
+
+    assert not result.success and result.error["node_id"] == GEN
+    assert message in result.error["exception_message"]
+    assert not captured
+
+
+def test_ref2va_refuses_keyframes_beside_references(comfy: harness.ComfyHost, ref_model: str, captured: list) -> None:
+    prompt = with_frames(with_refs(graph(ref_model, "ref2va", outputs=(3,)), ref_1=(32, 32, 1)), last_frame=0)
+
+    result = comfy.run_prompt(prompt)
+
+    assert not result.success and result.error["node_id"] == GEN
+    assert ("a first or last frame is connected but the pipeline is loaded for ref2va: load it with workflow fl2va"
+            in result.error["exception_message"])

@@ -24,8 +24,6 @@ from ...components import patch_of
 MODEL = "MiniMax-H3"
 
 
-
-
 @dataclass(frozen=True)
 class H3Grid:
     """The sizes one loaded H3 pipeline takes."""
@@ -136,3 +134,26 @@ def decode_units(vae: Any, latent_frames: int, height: int, width: int) -> int:
 def encode_units(vae: Any, images: int, height: int, width: int) -> int:
     """Encoder calls for ``images`` keyframes (one frame each: one clip, tiled)."""
     return images * tiles(vae, height, width)
+
+
+# -- reference images (ref2va) --------------------------------------------------------------------
+MAX_IMAGE_REFERENCES = 9  # diffusers' MiniMaxH3Ref2VASetupStep default (max_images)
+
+
+def reference_short_edge(pipe: Any) -> int:
+    """The short edge every reference image is encoded at (2048 for the released checkpoint)."""
+    return int(pipe.config.get("reference_image_short_edge", 2048))
+
+
+def reference_size(grid: H3Grid, short_edge: int, width: int, height: int) -> tuple[int, int]:
+    """(width, height) a reference image is encoded at: its own aspect, scaled (up or down) to the
+    reference short edge and put on the canvas grid, as diffusers' ref2va setup step does."""
+    if not MINIMAX_H3_MIN_ASPECT_RATIO <= width / height <= MINIMAX_H3_MAX_ASPECT_RATIO:
+        raise ValueError(f"a reference image of {width}×{height}: {MODEL} takes 1:4 to 4:1")
+    scale, m = short_edge / min(width, height), grid.multiple
+    return max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m)
+
+
+def reference_units(vae: Any, grid: H3Grid, short_edge: int, sizes: list[tuple[int, int]]) -> int:
+    """Encoder calls for reference images of ``sizes`` (width, height): one still each, tiled at its own size."""
+    return sum(tiles(vae, h, w) for w, h in (reference_size(grid, short_edge, *size) for size in sizes))
