@@ -210,3 +210,82 @@ def test_the_sibling_carries_the_folders_flags_and_shares_its_components(
         assert sibling.config["expand_timesteps"] is True and sibling.config["boundary_ratio"] is None
         assert sibling.transformer is pipe.transformer and sibling.vae is pipe.vae
         assert calls.pipeline_for(pipe, image if sibling_class == "WanPipeline" else None) is pipe
+
+
+def test_a14b_through_the_nodes_shares_one_budget_between_its_denoisers(
+    comfy: harness.ComfyHost, models: Callable[[str], str], captured: list[tuple[int, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Generate video on a scripted card on which both denoisers' plans do not fit at once (as
+    on a GPU: kept pieces on the device): the starting denoiser takes the idle one's kept blocks
+    in one give_back, both keep blocks, run 2 keeps what run 1 kept, frames bit-exact vs none."""
+    shared = comfy.pack_submodule("offload_core.preload.shared")
+    planner = comfy.pack_submodule("offload_core.preload.planner")
+    streamer_cls = comfy.pack_submodule("offload_core.transport.streamer").BlockStreamer
+    host = comfy.pack_submodule("nodes.host")
+    margin = comfy.pack_submodule("offload_core.preload.fit").margin
+    monkeypatch.setattr(planner, "growth_threshold", lambda largest: 0)  # tiny blocks regrow
+    monkeypatch.setattr(planner, "process_store", comfy.pack_submodule("offload_core.preload.measures").MeasureStore)
+    monkeypatch.setattr(shared, "ROOM_MARGIN", 0)  # 512 MiB would take every tiny block
+    monkeypatch.setattr(streamer_cls, "device_bytes", lambda self: self.head_bytes() + self.kept_bytes())
+    live: list[Any] = []
+    at_end: dict[str, int] = {}  # each denoiser's kept bytes as its last forward of the run ended
+    notify = streamer_cls.notify
+
+    def noting(self, event, **info):
+        if event == "forward":
+            live[:] = [self, *[s for s in live if s is not self]][:2]  # the running one first
+        if event == "forward_end" and self in denoisers():
+            at_end[str(denoisers().index(self))] = self.kept_bytes()
+        return notify(self, event, **info)
+
+    monkeypatch.setattr(streamer_cls, "notify", noting)
+    activations = 64 << 10
+
+    def denoisers() -> list[Any]:  # the placed pipeline's two streamers
+        return [s.transport for pipe in list(host.ENGINE._pipelines) for n, s in host.ENGINE.states(pipe).items()
+                if n in ("transformer", "transformer_2") and isinstance(s.transport, streamer_cls)]
+
+    class Card(host.ComfyMemory):
+        def device_free(self, device):
+            placed = denoisers()
+            whole = max((sum(p.nbytes for p in s.pieces) for s in placed), default=0)
+            capacity = sum(s.head_bytes() for s in placed) + activations + margin(activations) + whole * 3 // 2
+            return (capacity - self.allocated(device), 0)
+
+        def allocated(self, device):
+            return sum(s.device_bytes() for s in denoisers())
+
+        def peak_allocated(self, device):
+            return self.allocated(device) - live[0].device_bytes() + live[0].weights_at_peak() + activations
+
+        def allocator_retries(self, device):
+            return 0
+
+    takes: list[tuple[int, int, int]] = []
+    take = shared.SharedBudget.take_idle
+
+    def counted(self, running, need, why):
+        idle = [m for _n, m in self.idle(running)]
+        calls = []
+        for member in idle:
+            monkeypatch.setattr(member, "give_back", lambda n, m=member, real=member.give_back: calls.append(n) or real(n))
+        freed = take(self, running, need, why)
+        takes.append((need, freed, len(calls)))
+        return freed
+
+    monkeypatch.setattr(shared.SharedBudget, "take_idle", counted)
+    model = models("wan22_a14b")
+    expected = [run(comfy, captured, graph(comfy, model, None, {"mode": "none"}, seed=s))[0] for s in (5, 6)]
+    monkeypatch.setattr(host.ENGINE, "memory", Card())
+    kept = []
+    for seed, frames_none in zip((5, 6), expected, strict=True):
+        takes.clear()
+        at_end.clear()
+        frames, _, _ = run(comfy, captured, graph(comfy, model, None, MODES["auto, streamed"], seed=seed))
+        assert torch.equal(frames, frames_none)
+        needed = [t for t in takes if t[0] > 0]
+        assert needed and all(freed >= need and calls == 1 for need, freed, calls in needed), takes
+        assert len(at_end) == 2 and all(at_end.values()), at_end  # both denoisers kept blocks
+        kept.append(dict(at_end))
+    assert kept[1] == kept[0]
