@@ -351,3 +351,12 @@ def test_ref2va_refuses_keyframes_beside_references(comfy: harness.ComfyHost, re
     assert not result.success and result.error["node_id"] == GEN
     assert ("a first or last frame is connected but the pipeline is loaded for ref2va: load it with workflow fl2va"
             in result.error["exception_message"])
+
+
+def test_a_ref2va_still(comfy: harness.ComfyHost, ref_model: str, captured: list) -> None:
+    comfy.run_prompt(with_refs(graph(ref_model, "ref2va", frames=1, outputs=(1, 3)), ref_1=(32, 48, 1))
+                     ).raise_for_error()
+
+    out = outputs(captured)
+    assert_frames(out[1], 1)
+    assert out[3] == "a still has no soundtrack: audio off for this run"
