@@ -129,15 +129,23 @@ def _is_bridged(method: object) -> bool:
 
 
 def _quantization(module: torch.nn.Module) -> str | None:
+    """How the weights are quantized: GGUF types, a diffusers ``quant_method``, the library and
+    type of a tensor-subclass weight, plain fp8 weights, or None."""
     gguf = gguf_quant_types(module)  # from_single_file sets no config.quantization_config
     if gguf:
         return "gguf " + "/".join(gguf)
     qc = getattr(getattr(module, "config", None), "quantization_config", None)
     if qc is None:
         qc = getattr(module, "quantization_config", None)
+    if qc is None:  # from_single_file keeps the config on the quantizer only (BFL, torchao)
+        qc = getattr(getattr(module, "hf_quantizer", None), "quantization_config", None)
     if qc is not None:
         method = getattr(qc, "quant_method", None) or type(qc).__name__
         return str(getattr(method, "value", method))
+    odd = next((type(p) for p in module.parameters() if type(p) not in (torch.nn.Parameter, torch.Tensor)), None)
+    if odd is not None:  # a tensor subclass without a config (torchao's quantize_, bitsandbytes, quanto)
+        lib = "optimum.quanto" if odd.__module__.startswith("optimum.quanto") else odd.__module__.split(".")[0]
+        return f"{lib} {odd.__name__}"
     fp8 = {t.dtype for t in module.parameters() if "float8" in str(t.dtype)}
     return "fp8-weights" if fp8 else None
 

@@ -17,7 +17,7 @@ import torch
 from .components import ComponentInfo, describe, iter_modules
 from .config import OffloadConfig
 from .formats.mapped import mapped_bytes
-from .guards import onload_device, refuse_foreign_offload
+from .guards import onload_device, refuse_foreign_offload, refuse_unmovable_quantization
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, sweep_cleanup
 from .pin_path import pin_verdict, transport_context
@@ -82,6 +82,7 @@ class Engine:
         device = onload_device(config)
         components = list(iter_modules(pipe))
         refuse_foreign_offload(components)
+        refuse_unmovable_quantization(components, config)
         warn_unknown_entries(config, components, type(pipe).__name__)
         pstate = PIPELINE.get(pipe)
         if pstate is None or pstate.device != device:

@@ -1,6 +1,7 @@
-"""What a placement pass refuses before it touches anything: a device that is not there, and a
+"""What a placement pass refuses before it touches anything: a device that is not there, a
 component another offload system already manages (two systems corrupt each other's idea of
-where the weights are). Refusals name the thing to change and leave the user's objects as they
+where the weights are), and a component quantized in a way the transports cannot move (unless it
+stays resident). Refusals name the thing to change and leave the user's objects as they
 were."""
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ from collections.abc import Iterable
 
 import torch
 
+from .components import describe
 from .config import OffloadConfig, OffloadConfigError
+from .log import get_logger
+from .roles import Role, decide
 from .state import COMPONENT, DIFFUSERS_GROUP_HOOKS, REGISTRY
+
+log = get_logger("guards")
 
 
 def onload_device(config: OffloadConfig) -> torch.device:
@@ -54,3 +60,51 @@ def refuse_foreign_offload(components: Iterable[tuple[str, torch.nn.Module]]) ->
                     f"{where} is managed by diffusers' group offload (enable_group_offload / "
                     "apply_group_offloading): remove it (diffusers.hooks.group_offloading) or reload the model "
                     "before handing the pipeline to the offload engine")
+
+
+# Quantizations whose weights the transports move by their storage bytes: plain tensors (the
+# pack's fp8 table, BFL fp8r/nvfp4: fp8/uint8 weights with their scales as plain buffers) and
+# diffusers' `GGUFParameter` (packed uint8, its quant type rides along with the Parameter).
+MOVABLE_QUANT = ("gguf", "bfl", "fp8-weights")
+# Why each other method cannot be moved (by `quant_method`, as diffusers' quantizers name them).
+_WRAPPER = ("a tensor subclass holding its quantized data in inner tensors: the engine's transports "
+            "rebind param.data, which replaces only the wrapper and leaves the inner tensors behind "
+            "(the layer would keep computing from the old ones)")
+_UNMOVABLE_WHY = {
+    "torchao": _WRAPPER,
+    "quanto": _WRAPPER,
+    "bitsandbytes": ("bitsandbytes parameters (Params4bit/Int8Params) keep their quantization state "
+                     "(absmax, scales) outside the weight's storage, so moving the weight bytes leaves it behind"),
+}
+_UNKNOWN_WHY = "its weight layout is not one the engine's transports were verified to move"
+
+
+def unmovable_quantization(quantization: str | None) -> str | None:
+    """Why the engine cannot move a component described with ``quantization`` (`describe`: a
+    diffusers ``quant_method``, ``gguf <types>``, or ``<library> <Type>`` for a parameter of an
+    unknown tensor type), or None when it can."""
+    method = (quantization or "").split(" ")[0]
+    if not method or method in MOVABLE_QUANT:
+        return None
+    family = next((k for k in _UNMOVABLE_WHY if k in method), None)
+    return f"quantized by {quantization}: " + (_UNMOVABLE_WHY[family] if family else _UNKNOWN_WHY)
+
+
+def refuse_unmovable_quantization(components: Iterable[tuple[str, torch.nn.Module]],
+                                  config: OffloadConfig) -> None:
+    """Refuse, before anything is placed, a component quantized in a way the transports cannot
+    move (torchao, quanto, bitsandbytes, ...) unless its role keeps it resident: the error names
+    the component, the method, why, and how to run it."""
+    for name, module in components:
+        info = describe(name, module)
+        why = unmovable_quantization(info.quantization)
+        if why is None:
+            continue
+        decision = decide(info, config)
+        if decision.role is Role.RESIDENT:
+            log.info("%s: %s; kept resident (%s)", name, why.split(":")[0], decision.reason)
+            continue
+        raise OffloadConfigError(
+            f"{name} ({info.cls}) is {why}. The engine cannot give it the {decision.role.value} role "
+            f"({decision.reason}). Keep it resident on the device: mode 'none', or add {name!r} to the "
+            "never list; or load it in bf16/fp16, fp8 or GGUF to stream it")
