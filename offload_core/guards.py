@@ -62,11 +62,11 @@ def refuse_foreign_offload(components: Iterable[tuple[str, torch.nn.Module]]) ->
                     "before handing the pipeline to the offload engine")
 
 
-# Quantizations whose weights the transports move by their storage bytes: plain tensors (the
-# pack's fp8 table, BFL fp8r/nvfp4: fp8/uint8 weights with their scales as plain buffers) and
-# diffusers' `GGUFParameter` (packed uint8, its quant type rides along with the Parameter).
+# Quantizations verified to ride every transport (their weights are plain tensors, or diffusers'
+# `GGUFParameter` whose quant type rides along with the Parameter): the pack's fp8 table, BFL fp8r
+# (fp8 weights, per-row scales as plain buffers), GGUF. Another method whose weights are all plain
+# tensors is moved by its bytes too (logged as not verified); the families below never are.
 MOVABLE_QUANT = ("gguf", "bfl", "fp8-weights")
-# Why each other method cannot be moved (by `quant_method`, as diffusers' quantizers name them).
 _WRAPPER = ("a tensor subclass holding its quantized data in inner tensors: the engine's transports "
             "rebind param.data, which replaces only the wrapper and leaves the inner tensors behind "
             "(the layer would keep computing from the old ones)")
@@ -76,35 +76,53 @@ _UNMOVABLE_WHY = {
     "bitsandbytes": ("bitsandbytes parameters (Params4bit/Int8Params) keep their quantization state "
                      "(absmax, scales) outside the weight's storage, so moving the weight bytes leaves it behind"),
 }
-_UNKNOWN_WHY = "its weight layout is not one the engine's transports were verified to move"
+_UNKNOWN_TYPE_WHY = ("a tensor type the engine does not know: its transports rebind param.data, which carries "
+                     "only a plain tensor's storage")
 
 
-def unmovable_quantization(quantization: str | None) -> str | None:
-    """Why the engine cannot move a component described with ``quantization`` (`describe`: a
-    diffusers ``quant_method``, ``gguf <types>``, or ``<library> <Type>`` for a parameter of an
-    unknown tensor type), or None when it can."""
+def unmovable_quantization(quantization: str | None, tensor_type: str | None = None) -> str | None:
+    """Why the engine cannot move a component described with ``quantization`` (`describe`'s
+    string) whose first non-plain parameter type is ``tensor_type``, or None when it can."""
     method = (quantization or "").split(" ")[0]
-    if not method or method in MOVABLE_QUANT:
-        return None
-    family = next((k for k in _UNMOVABLE_WHY if k in method), None)
-    return f"quantized by {quantization}: " + (_UNMOVABLE_WHY[family] if family else _UNKNOWN_WHY)
+    family = next((k for k in _UNMOVABLE_WHY if k in method), None) if method else None
+    if family is not None:
+        return f"is quantized by {quantization}: {_UNMOVABLE_WHY[family]}"
+    if tensor_type is not None:
+        family = next((k for k in _UNMOVABLE_WHY if k in tensor_type), None)
+        return f"has {tensor_type} weights: " + (_UNMOVABLE_WHY[family] if family else _UNKNOWN_TYPE_WHY)
+    return None
+
+
+def foreign_tensor_type(module: torch.nn.Module) -> str | None:
+    """``library.Type`` of the first parameter that is neither a plain tensor/Parameter nor
+    diffusers' `GGUFParameter` (read from the type: holds without any quantization config)."""
+    for param in module.parameters():
+        cls = type(param)
+        if cls in (torch.nn.Parameter, torch.Tensor) or cls.__name__ == "GGUFParameter":
+            continue
+        lib = "optimum.quanto" if cls.__module__.startswith("optimum.quanto") else cls.__module__.split(".")[0]
+        return f"{lib}.{cls.__name__}"
+    return None
 
 
 def refuse_unmovable_quantization(components: Iterable[tuple[str, torch.nn.Module]],
                                   config: OffloadConfig) -> None:
     """Refuse, before anything is placed, a component quantized in a way the transports cannot
-    move (torchao, quanto, bitsandbytes, ...) unless its role keeps it resident: the error names
-    the component, the method, why, and how to run it."""
+    move (torchao, quanto, bitsandbytes, an unknown tensor type) unless its role keeps it
+    resident: the error names the component, the method, why, and how to run it."""
     for name, module in components:
         info = describe(name, module)
-        why = unmovable_quantization(info.quantization)
+        why = unmovable_quantization(info.quantization, foreign_tensor_type(module))
         if why is None:
+            if info.quantization and info.quantization.split(" ")[0] not in MOVABLE_QUANT:
+                log.info("%s: quantized by %s, plain tensors: moved by their bytes (method not verified)",
+                         name, info.quantization)
             continue
         decision = decide(info, config)
         if decision.role is Role.RESIDENT:
             log.info("%s: %s; kept resident (%s)", name, why.split(":")[0], decision.reason)
             continue
         raise OffloadConfigError(
-            f"{name} ({info.cls}) is {why}. The engine cannot give it the {decision.role.value} role "
+            f"{name} ({info.cls}) {why}. The engine cannot give it the {decision.role.value} role "
             f"({decision.reason}). Keep it resident on the device: mode 'none', or add {name!r} to the "
             "never list; or load it in bf16/fp16, fp8 or GGUF to stream it")

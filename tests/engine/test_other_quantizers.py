@@ -10,7 +10,9 @@ what it can move and refuses the rest by name, before anything is placed.
   is tested — quanto on a real diffusers ``QuantoConfig`` attached to a real tiny model,
   bitsandbytes on its method names (``BitsAndBytesConfig`` cannot be built without the library).
   Their real tensor types and resident runs are NOT covered here.
-- every method in diffusers' quantizer mapping is decided (movable or refused with a reason).
+- every method in diffusers' quantizer mapping is decided: torchao, quanto and bitsandbytes are
+  refused by name; any other is moved when its weights are plain tensors and refused by their
+  type when a weight is a tensor type the engine does not know (a real diffusers subclass here).
 - BFL fp8r (a real single file loaded by diffusers' BFL quantizer) rides every transport: each
   mode and preload policy equals the resident model bit for bit; the fp8 bytes come back as they
   were. BFL nvfp4 is not covered (same plain-tensor layout, not built here).
@@ -24,7 +26,7 @@ import pytest
 import torch
 from diffusers import BFLQuantizationConfig, QuantoConfig, TorchAoConfig, WanTransformer3DModel
 from diffusers.quantizers.auto import AUTO_QUANTIZER_MAPPING
-from diffusers.quantizers.bfl.utils import quantize_fp8r
+from diffusers.quantizers.bfl.utils import BFLQuantizedParameter, quantize_fp8r
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.components import Components, describe
 from diffusers_offload.offload_core.config import OffloadConfigError
@@ -147,21 +149,37 @@ def test_quanto_config_is_refused_when_moved_kept_when_resident(tiny_transformer
 
 
 def test_every_diffusers_quantizer_is_decided():
-    """Every method in diffusers' own quantizer mapping is either one the transports move (GGUF,
-    BFL) or refused with a reason; bitsandbytes (its config cannot even be built without the
-    library) is decided by its method names only."""
+    """Every method in diffusers' own quantizer mapping is decided: the tensor-subclass families
+    (torchao, quanto, bitsandbytes: its config cannot even be built without the library, so it
+    is decided by its method names only) are refused by name; the others are moved when their
+    weights are plain tensors (GGUF and BFL verified above and in test_gguf_storage.py), and
+    refused by their tensor type when not (next test)."""
     methods = set(AUTO_QUANTIZER_MAPPING)
     assert {"bitsandbytes_4bit", "bitsandbytes_8bit", "torchao", "quanto", "gguf", "bfl"} <= methods
     refused = {m for m in methods if unmovable_quantization(m) is not None}
-    assert methods - refused == {"gguf", "bfl"}
+    assert refused == {"bitsandbytes_4bit", "bitsandbytes_8bit", "torchao", "quanto"}
     for method in ("bitsandbytes_4bit", "bitsandbytes_8bit"):
         assert "quantization state (absmax, scales)" in unmovable_quantization(method)
     for method in ("torchao", "quanto", "torchao Int8Tensor", "optimum.quanto WeightQBytesTensor"):
         assert "inner tensors" in unmovable_quantization(method)
-    assert "not one the engine's transports were verified" in unmovable_quantization("modelopt")
+    assert "inner tensors" in unmovable_quantization("modelopt", "torchao.Float8Tensor")
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf Q8_0/Q4_K", "bfl", "fp8-weights"])
+def test_an_unknown_tensor_type_is_refused_by_its_type(tiny_transformer):
+    """A weight of a tensor type the engine does not know (here diffusers' own
+    `BFLQuantizedParameter`, a Parameter subclass carrying scales as attributes) is refused by
+    its type whatever the method says, before anything is placed."""
+    layer = tiny_transformer.blocks[0].attn1.to_q
+    weight, scale = quantize_fp8r(layer.weight.detach())
+    layer.weight = BFLQuantizedParameter(weight, "fp8r", scale)
+    assert describe("transformer", tiny_transformer).quantization == "diffusers BFLQuantizedParameter"
+    with pytest.raises(OffloadConfigError, match=r"transformer \(WanTransformer3DModel\) has "
+                       r"diffusers\.BFLQuantizedParameter weights: a tensor type the engine does not know"):
+        Engine().place(Components(transformer=tiny_transformer), OffloadConfig(mode="model", **BASE))
+    assert leftovers(tiny_transformer) == []
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf Q8_0/Q4_K", "bfl", "fp8-weights", "sdnq"])
 def test_movable_quantizations_pass(quantization):
     assert unmovable_quantization(quantization) is None
 
