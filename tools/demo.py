@@ -72,10 +72,16 @@ def model_folder(args: argparse.Namespace) -> tuple[ex.Example, Path]:
             return (ex.example(args.example) if args.example else ex.example_for_model(folder)), folder
         except ValueError as exc:
             raise SystemExit(f"--model {args.model}: {exc}") from None
+    from fixtures.tiny_h3_ref import build_tiny_h3_ref
     from fixtures.tiny_models import BUILDERS, FOLDER_NAMES
 
     example = ex.example(args.example or DEFAULT_EXAMPLE)
-    folder = BUILDERS[example.tiny](TINY_DIR / FOLDER_NAMES[example.tiny])
+    if example.files:
+        raise SystemExit(f"--example {example.name}: the demo builds diffusers folders only; open this template "
+                         "in ComfyUI (its Note lists the single files and where they go)")
+    builders = {**BUILDERS, "h3_ref": build_tiny_h3_ref}
+    names = {**FOLDER_NAMES, "h3_ref": "tiny-minimax-h3-ref"}
+    folder = builders[example.tiny](TINY_DIR / names[example.tiny])
     print(f"built tiny {example.pipeline} in {folder.relative_to(ex.ROOT)}")
     return example, folder
 

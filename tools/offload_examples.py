@@ -53,7 +53,7 @@ class Example:
     name: str
     pipeline: str
     model: str
-    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS
+    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (or h3_ref: tests/fixtures/tiny_h3_ref.py)
     repo: str  # Hugging Face repository of the diffusers-format model
     title: str  # what the Note and the thumbnail call it
     tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example
