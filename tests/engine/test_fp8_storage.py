@@ -10,18 +10,11 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
+from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
-CONFIGS = {
-    "auto": dict(mode="auto"),
-    "auto-whole": dict(mode="auto", stream_parts=False),
-    "auto-keep-all": dict(mode="auto", preload="100"),
-    "auto-keep-some": dict(mode="auto", preload="0.0005"),
-    "model": dict(mode="model"),
-    "leaf": dict(mode="leaf"),
-    "none": dict(mode="none"),
-}
+CONFIGS = PLACEMENTS
 
 
 def _scaled_fp8(pipe) -> dict[str, torch.Tensor]:

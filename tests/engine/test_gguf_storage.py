@@ -39,22 +39,14 @@ from fixtures.gguf_files import (  # noqa: F401  (session fixtures)
     dequantized_state_dict,
     wan_gguf_fixture,
 )
+from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0)
 # The onload devices here: the CPU always (same kernels, so bit-exact and fast); an accelerator
 # when there is one (real moves, pinned memory, streams: the data swaps that matter).
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
-CONFIGS = {
-    "none": dict(mode="none"),
-    "auto": dict(mode="auto"),
-    "auto-whole": dict(mode="auto", stream_parts=False),
-    "auto-keep-all": dict(mode="auto", preload="100"),
-    "auto-keep-some": dict(mode="auto", preload="0.0005"),
-    "auto-keep-none": dict(mode="auto", preload="off"),
-    "model": dict(mode="model"),
-    "leaf": dict(mode="leaf"),
-}
+CONFIGS = PLACEMENTS
 # Relative L2 error of the denoiser's output against the bf16 model holding the unquantized
 # weights. A Q8_0 weight is off by at most half a step of max|block|/127, a 4-bit one by half a step
 # of a 16-level grid (Q4_0: max|block|/8; Q4_K: the 32-value sub-block's range/15): measured 0.7 %,

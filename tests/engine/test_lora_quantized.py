@@ -20,21 +20,14 @@ from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import LORA, LORA_HOOK, leftovers
 from fixtures.gguf_files import dequantized_state_dict, write_wan_gguf
 from fixtures.lora_reference import lora_deltas
+from fixtures.placements import PLACEMENTS
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 
 pytest_plugins = ["fixtures.tiny_loras"]
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
-MODES = {
-    "auto": dict(mode="auto"),
-    "auto-whole": dict(mode="auto", stream_parts=False),
-    "auto-keep-all": dict(mode="auto", preload="100"),
-    "auto-keep-some": dict(mode="auto", preload="0.0005"),
-    "model": dict(mode="model"),
-    "leaf": dict(mode="leaf"),
-    "none": dict(mode="none"),
-}
+MODES = PLACEMENTS
 # Unfused vs fused: the fused weight rounds W + delta to bf16 once, the unfused layer rounds W's
 # product and the delta's product separately: a layer's output differs by at most LAYER_ULPS bf16
 # ulps of its largest value; through the tiny transformer's six blocks the forward's relative L2

@@ -33,6 +33,7 @@ from diffusers_offload.offload_core.config import OffloadConfigError
 from diffusers_offload.offload_core.guards import unmovable_quantization
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.gguf_files import comfy_wan_state_dict
+from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import save_file
 from torchao.quantization import Int8WeightOnlyConfig, quantize_
@@ -186,14 +187,7 @@ def test_movable_quantizations_pass(quantization):
 
 # -- BFL fp8r: diffusers' BFL quantizer loads fp8 weights with per-row fp32 scales as plain tensors
 # (`BFLFP8RLinear`: a float8 Parameter and a ``weight_scale`` buffer), which every transport moves.
-BFL_CONFIGS = {
-    "auto": dict(mode="auto"),
-    "auto-whole": dict(mode="auto", stream_parts=False),
-    "auto-keep-all": dict(mode="auto", preload="100"),
-    "auto-keep-some": dict(mode="auto", preload="0.0005"),
-    "model": dict(mode="model"),
-    "leaf": dict(mode="leaf"),
-}
+BFL_CONFIGS = {k: v for k, v in PLACEMENTS.items() if k != "none"}  # none is the reference
 
 
 @pytest.fixture(scope="module")
