@@ -39,7 +39,7 @@ from .state import (
 from .state import clear as clear_state
 from .transport import LeafGroupTransport, OnDemandTransport, ResidentTransport, Transport, TransportContext
 from .transport.base import strip_hooks
-from .transport.dequant import fp8_layers, register_dequant, remove_dequant
+from .transport.dequant import register_dequant, remove_dequant
 from .transport.encoder_stream import EncoderStreamer, streamable
 from .transport.on_demand import OnDemandGroup
 from .transport.preload import PreloadingStreamer
@@ -132,8 +132,7 @@ class Engine:
             decision = with_stream_verdict(decision, granted, streamed)
             transport = EncoderStreamer(ctx) if streamed else _make_transport(decision.role, ctx, info)
             COMPONENT.set(module, ComponentState(signature, transport, decision, info))
-            fp8 = fp8_layers(module)
-            register_dequant(module)  # before the transport's hooks: the onload runs first
+            fp8 = register_dequant(module)  # before the transport's hooks: the onload runs first
             transport.apply(module)
             cast = transport.self_cast()
             remove_dequant([layer for layer in fp8 if id(layer.weight) in cast])

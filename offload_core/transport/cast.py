@@ -27,6 +27,7 @@ class UnitCast:
     count: int  # fp8 slots, first in the unit
     nbytes: int  # bytes of the fp8 region from the unit's start = elements of its compute buffer
     offsets: list[int]  # each fp8 slot's byte offset from the unit's start
+    shapes: list[torch.Size]  # and its shape
     scaled: list[int] = field(default_factory=list)  # positions (among the fp8 slots) with a scale
     scales: list[float] = field(default_factory=list)
 
@@ -58,7 +59,8 @@ def unit_cast(table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list
         return None
     assert fp8 == list(range(len(fp8))), "fp8 tensors must lead the unit's layout"
     scaled = [i for i in fp8 if table.scale_of(tensors[i]) is not None]
-    return UnitCast(table.storage, table.compute, len(fp8), end, offsets[:len(fp8)], scaled,
+    return UnitCast(table.storage, table.compute, len(fp8), end, offsets[:len(fp8)],
+                    [tensors[i].shape for i in fp8], scaled,
                     [table.scale_of(tensors[i]) for i in scaled])
 
 
@@ -73,15 +75,14 @@ class CastPool:
         self.held = 0  # bytes of compute buffers alive (free and bound)
         self.nbytes = 0  # the size buffers are made at: the largest unit's compute bytes
 
-    def cast(self, index: int, cast: UnitCast, region: torch.Tensor, shapes: list[torch.Size]
-             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def cast(self, index: int, cast: UnitCast, region: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Cast ``region`` (the unit's storage bytes, from its start) into a compute buffer;
         returns the buffer (give it back with `release`) and the fp8 slots' compute views."""
         buf = self._take(cast)
         key = (id(buf), index)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = [buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, shapes, strict=True)]
+            views = self._views[key] = [buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, cast.shapes, strict=True)]
         src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
         if not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):
             dst.copy_(src)

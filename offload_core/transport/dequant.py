@@ -55,13 +55,13 @@ def fp8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and table.holds(m.weight)]
 
 
-def register_dequant(model: torch.nn.Module) -> int:
-    """A dequantising hook on each fp8 Linear of ``model``; returns how many."""
+def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A dequantising hook on each fp8 Linear of ``model``; returns those layers."""
     table = table_of(model)
     layers = fp8_layers(model)
     for layer in layers:
         add_hook(layer, DequantHook(table), DEQUANT_HOOK)
-    return len(layers)
+    return layers
 
 
 def remove_dequant(layers) -> None:

@@ -68,8 +68,7 @@ class Prefetcher:
         if cast is None:
             unit.bind(views)
             return
-        shapes = [slot.host.shape for slot in unit.slots[: cast.count]]
-        buf, computed = self.casts.cast(unit.index, cast, region, shapes)
+        buf, computed = self.casts.cast(unit.index, cast, region)
         self.cast_bound[unit.index] = buf
         unit.bind([*computed, *views[cast.count :]])
 
