@@ -17,7 +17,6 @@ import pstats
 import statistics
 import time
 
-import torch
 from benchkit import open_output, output_args, pack
 from benchkit.measure import Ballast, sync
 from benchkit.models import build_wan, wan_forward, wan_inputs
