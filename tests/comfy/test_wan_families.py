@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from comfyhost import harness
-from comfyhost.capture import capture_class
+from comfyhost.capture import capture_class, capture_fixtures
 from fixtures.tiny_models import wan_start_image
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
@@ -67,17 +67,7 @@ def start_image(comfy: harness.ComfyHost) -> str:
     return START_IMAGE
 
 
-@pytest.fixture(scope="module")
-def capture_node(comfy: harness.ComfyHost) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, CAPTURE, Capture)
-        yield
-
-
-@pytest.fixture
-def captured(capture_node: None) -> list[tuple[int, Any]]:
-    Capture.seen.clear()
-    return Capture.seen
+capture_node, captured = capture_fixtures(CAPTURE, Capture)
 
 
 def settings(comfy: harness.ComfyHost, **overrides: Any) -> dict[str, Any]:

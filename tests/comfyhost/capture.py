@@ -6,6 +6,7 @@ own class (a shared one would let a cached instance write into another module's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -33,3 +34,23 @@ def capture_class(key: str = "slot", key_type: str = "INT") -> type:
             return {}
 
     return Capture
+
+
+def capture_fixtures(name: str, node: type) -> tuple[Callable, Callable]:
+    """The pytest fixtures a test module binds at module level: ``capture_node`` registers
+    ``node`` as ``name`` in ComfyUI's node table for the module; ``captured`` is its cleared
+    ``seen`` list for one test. (pytest is imported here: the bench loads this file without it.)"""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def capture_node(comfy: Any):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, name, node)
+            yield
+
+    @pytest.fixture
+    def captured(capture_node: None) -> list[tuple[Any, Any]]:
+        node.seen.clear()
+        return node.seen
+
+    return capture_node, captured
