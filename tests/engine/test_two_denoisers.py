@@ -47,12 +47,13 @@ def a14b(tiny_wan_family):
     return load_wan_family(tiny_wan_family("wan22_a14b"))
 
 
-def _placed(pipe, monkeypatch):
+def _placed(pipe, monkeypatch, room_margin: int = 0):
     """The pipeline placed on the card, whose capacity holds one denoiser's whole plan and half
-    the other's; returns (engine, card, {name: streamer})."""
+    the other's; returns (engine, card, {name: streamer}). The 512 MiB room margin would take
+    every tiny block: ``room_margin`` stands in for it at the tiny models' scale."""
     monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # tiny blocks regrow
     monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no earlier test's measures
-    monkeypatch.setattr(shared_module, "ROOM_MARGIN", 0)  # the 512 MiB would take every tiny block
+    monkeypatch.setattr(shared_module, "ROOM_MARGIN", room_margin)
     card = _Card()
     engine = Engine(memory=card)
     engine.place(pipe, AUTO)
@@ -110,9 +111,22 @@ def _kept_at_last_cycle(cycles, name):
     return next(resident for n, resident, _plan in reversed(cycles) if n == name)
 
 
-def test_the_idle_denoiser_gives_room_to_the_starting_one_in_one_call(a14b, monkeypatch):
+def _smallest_piece(pipe) -> int:
+    """The smallest piece either denoiser streams, placed once to read it."""
+    engine = Engine()
+    engine.place(pipe, AUTO)
+    try:
+        return min(p.nbytes for n in NAMES for p in engine.states(pipe)[n].transport.pieces)
+    finally:
+        engine.release(pipe)
+
+
+@pytest.mark.parametrize("with_margin", [False, True], ids=["margin 0", "margin one piece"])
+def test_the_idle_denoiser_gives_room_to_the_starting_one_in_one_call(a14b, monkeypatch, with_margin):
     expected = run_wan_family(a14b)  # unplaced: what mode none runs
-    engine, card, streamers = _placed(a14b, monkeypatch)
+    room_margin = _smallest_piece(a14b) if with_margin else 0
+    engine, card, streamers = _placed(a14b, monkeypatch, room_margin)
+    largest = max(p.nbytes for s in streamers.values() for p in s.pieces)
     takes, cycles = _watch(streamers, monkeypatch)
 
     runs, kept_after = [], []
@@ -126,7 +140,8 @@ def test_the_idle_denoiser_gives_room_to_the_starting_one_in_one_call(a14b, monk
         assert {t[0] for t in needed} == ({"transformer_2"} if len(runs) == 1 else set(NAMES)), takes
         for starter, need, freed, give_backs, idle_before, idle_after in needed:
             assert give_backs == 1, (starter, takes)  # the whole need at once, not piece by piece
-            assert freed >= need and idle_before - idle_after == freed, (starter, takes)
+            assert freed >= need + room_margin and idle_before - idle_after == freed, (starter, takes)
+            assert freed < need + room_margin + largest, (starter, takes)  # no piece beyond the ask
             assert idle_after > 0, (starter, takes)  # only what was needed: lowest-ranked, not all
         for name, resident, plan in cycles:
             assert resident == plan, (name, cycles)  # every cycle runs with what its planner chose
