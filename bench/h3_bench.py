@@ -6,6 +6,10 @@ of 1.20 GiB, Qwen3-VL with ``--te-layers`` of 64 layers, both VAEs at their real
 the engine with every role offloaded (``on_demand_threshold_gb=0``): text encoder leaf groups,
 denoiser block streaming with preload ``--preload``, both VAEs on demand. A ballast process leaves
 ``--cap`` GiB free. ``--tiny`` swaps in the test suite's tiny configs (CPU smoke run).
+``--storage fp8_e4m3fn`` builds the transformer and the text encoder directly in fp8 (per-tensor
+scales, marked as the loader marks an fp8_scaled file: ``benchkit.h3_fp8``), so that full depth
+(50 blocks, 64 text layers: ~130 GB in bf16) fits the host; the host rows give RSS after build and
+after placement and its peak (``ru_maxrss``) over the storage bytes (target: at most 1.1).
 
 Stages come from the engine's own stage hooks (``offload_core.run.stages.StageHooks``, installed as
 ``nodes/h3.py`` installs them, with ``run_view`` and ``pad_short_latents``), timed and peaked by
@@ -21,6 +25,7 @@ ComfyUI's ``partially_unload`` would make them). A run that fails (OOM or other)
 stage it failed in, the engine's ``after_run`` is called, and the next run goes on.
 
     python bench/h3_bench.py --runs plain --out $OUT                  # H200: 10 blocks, 12 GiB cap
+    python bench/h3_bench.py --blocks 50 --te-layers 64 --cap 24 --storage fp8_e4m3fn --runs plain --out $OUT
     python bench/h3_bench.py --tiny --device cpu --json /tmp/h3.jsonl  # CPU smoke run
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import time
 import traceback
 from typing import Any
@@ -43,6 +49,7 @@ from PIL import Image
 
 pack()
 from diffusers_offload.offload_core import Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, table_of  # noqa: E402
 from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules  # noqa: E402
 from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
@@ -138,10 +145,18 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
         forwards=args.steps - 1, notes=notes + frame_notes, cap_gib=args.cap, preload=args.preload,
         ooms=stats.get("num_ooms", 0) - stats0.get("num_ooms", 0),
         alloc_retries=stats.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
-        rss_gib=psutil.Process().memory_info().rss / GiB, rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB,
+        rss_growth_gib=(psutil.Process().memory_info().rss - rss0) / GiB, **host(args.storage_bytes),
         pinned_gib=pinned_bytes() / GiB, device_after_gib=device_bytes(engine, pipe) / GiB,
         plan=streamer.details().get("plan", "") if streamer is not None else "", **start, **result)
     return error is None
+
+
+def host(storage: int) -> dict[str, float]:
+    """Host RSS now and its peak so far (``ru_maxrss``: the build included), in GiB and over
+    ``storage``, the bytes of the pipeline's weights as stored."""
+    rss, peak = psutil.Process().memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(rss_gib=rss / GiB, rss_peak_gib=peak / GiB, storage_gib=storage / GiB,
+                rss_over_storage=rss / storage, peak_over_storage=peak / storage)
 
 
 def device_bytes(engine: Engine, pipe: Any) -> int:
@@ -176,7 +191,7 @@ def summary(rows: list[dict]) -> None:
     env = by("env")[0]
     cap = env["args"]["cap"]
     print(f"\n== H3 fl2va bench: {env['gpu'] or env['device']}, cap {cap} GiB free, torch {env['torch']}, "
-          f"diffusers {env['diffusers']}, transformers {env['transformers']}")
+          f"diffusers {env['diffusers']}, transformers {env['transformers']}, storage {env['args']['storage']}")
     roles = {}
     for p in by("placement"):
         roles = p["components"]
@@ -186,7 +201,11 @@ def summary(rows: list[dict]) -> None:
     for b in by("build"):
         extra = {k: round(v, 3) if isinstance(v, float) else v for k, v in b.items() if k in keys}
         print(f"  {b['component']:<13}{roles.get(b['component'], {}).get('role', '?'):<10}{b['gib']:>7.2f} GiB "
-              f"{b['params_b'] * 1e3:>9.1f} M params  {extra}")
+              f"{b['params_b'] * 1e3:>9.1f} M params  {'/'.join(b['dtypes'])}, {b['fp8_layers']} fp8 layers  {extra}")
+    for h in [*by("built"), *by("placement")]:
+        print(f"host after {'placement' if 'place_s' in h else 'build'}: RSS {h['rss_gib']:.2f} GiB = "
+              f"{h['rss_over_storage']:.3f} x storage {h['storage_gib']:.2f} GiB; peak {h['rss_peak_gib']:.2f} GiB = "
+              f"{h['peak_over_storage']:.3f} x (target <= 1.1)")
     for r in by("roles"):
         print(f"roles {'as expected' if r['ok'] else 'NOT as expected: ' + str(r['wrong'])}")
     for run in by("run"):
@@ -194,7 +213,8 @@ def summary(rows: list[dict]) -> None:
         print(f"\n-- run {label}: {'ok' if run['ok'] else 'FAILED'}, {run['total_s']:.2f} s, {run['width']}x{run['height']}, {run['frames']} frames "
               f"({run['latent_frames']} latent), {run['forwards']} forwards; OOMs {run['ooms']}, allocator retries "
               f"{run['alloc_retries']}; memory_required {run['memory_required_gib']:.2f} GiB; "
-              f"on device at start {run['device_at_start_gib']:.2f} GiB")
+              f"on device at start {run['device_at_start_gib']:.2f} GiB; RSS {run['rss_gib']:.2f} GiB "
+              f"({run['rss_over_storage']:.3f} x storage), peak {run['peak_over_storage']:.3f} x")
         for e in [e for e in by("error") if e["run"] == label]:
             print(f"   error in {e['stage']}: {e['error'][:300]}")
         print(f"   {'stage':<14}{'s':>9}{'units':>7}{'peak alloc':>12}{'peak resv':>11}{'alloc start->end GiB':>22}")
@@ -214,7 +234,8 @@ def summary(rows: list[dict]) -> None:
         for r in [x for x in by("recover") if x["run"] == label]:
             print(f"   recovered: swept {r['swept']}, stray on device {r['stray_on_device_gib']}")
     for r in by("release"):
-        print(f"\nreleased in {r['seconds']:.2f} s, pinned left {r['pinned_gib']:.2f} GiB, RSS {r['rss_gib']:.1f} GiB")
+        print(f"\nreleased in {r['seconds']:.2f} s, pinned left {r['pinned_gib']:.2f} GiB, RSS {r['rss_gib']:.1f} GiB, "
+              f"peak {r['peak_over_storage']:.3f} x storage")
 
 
 def check_roles(report, out: Rows) -> bool:
@@ -239,7 +260,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--whole-blocks", action="store_true", help="the transformer's blocks stream whole")
     ap.add_argument("--runs", default="plain,room", help="plain: engine alone; room: bench frees room first")
     ap.add_argument("--headroom", type=float, default=1.0, help="GiB asked beside an on-demand module (room runs)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES), default="bf16",
+                    help="fp8_*: the transformer's and text encoder's Linear weights built directly in fp8 (scaled)")
     ap.add_argument("--prompt", default="a red robot walks through a rainy neon street at night, rain sounds")
     output_args(ap)
     args = ap.parse_args(argv)
@@ -256,7 +279,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    out = open_output(args, "h3_bench", lines=True)
+    out = open_output(args, "h3_bench" if args.storage == "bf16" else f"h3_bench_{args.storage}", lines=True)
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -274,12 +297,14 @@ def main(argv: list[str] | None = None) -> None:
         out(section="build", component=name, cls=type(model).__name__, gib=nbytes(model) / GiB,
             params_b=sum(p.numel() for p in model.parameters()) / 1e9, build_s=build_s, to_host_s=host_s,
             dtypes=sorted({str(t.dtype).removeprefix("torch.") for t in model.parameters()}),
+            fp8_layers=len(table.weights) if (table := table_of(model)) is not None else 0,
             **h3_geometry(name, model), rss_gib=psutil.Process().memory_info().rss / GiB)
 
-    pipe = build_h3(args.tiny, args.blocks, args.te_layers, device, dtype, built)
+    pipe = build_h3(args.tiny, args.blocks, args.te_layers, device, dtype, built, FP8_DTYPES.get(args.storage))
+    args.storage_bytes = sum(nbytes(getattr(pipe, name)) for name in ROLES)
     out(section="pipeline", cls=type(pipe).__name__, workflow="fl2va", text_encoder_layer=pipe.text_encoder_layer,
-        total_gib=sum(nbytes(getattr(pipe, name)) for name in ROLES) / GiB)
-    out(section="built", seconds=time.perf_counter() - t0, rss_gib=psutil.Process().memory_info().rss / GiB)
+        total_gib=args.storage_bytes / GiB, storage=args.storage)
+    out(section="built", seconds=time.perf_counter() - t0, **host(args.storage_bytes))
 
     ballast = Ballast(args.cap) if device.type == "cuda" else None
     tracker = PeakTracker(device)
@@ -295,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         out(section="placement", place_s=place_s, cap_gib=args.cap, free_before_gib=free0 / GiB,
             free_after_gib=torch.cuda.mem_get_info(device)[0] / GiB if device.type == "cuda" else None,
             device_gib=report.device_bytes / GiB, pinned_gib=report.pinned_bytes / GiB,
-            rss_gib=psutil.Process().memory_info().rss / GiB,
+            **host(args.storage_bytes),
             components={c.name: dict(role=c.role, gib=c.nbytes / GiB, device_gib=c.device_bytes / GiB,
                                      pinned_gib=c.pinned_bytes / GiB, reason=c.reason,
                                      details={k: v for k, v in c.details.items() if k != "lora"})
@@ -312,8 +337,7 @@ def main(argv: list[str] | None = None) -> None:
         release_s = time.perf_counter() - t0
         if ballast is not None:
             ballast.close()
-    out(section="release", seconds=release_s, pinned_gib=pinned_bytes() / GiB,
-        rss_gib=psutil.Process().memory_info().rss / GiB)
+    out(section="release", seconds=release_s, pinned_gib=pinned_bytes() / GiB, **host(args.storage_bytes))
     summary(out.rows)
 
 

@@ -190,12 +190,15 @@ def _h3_text_config(tiny: bool, layers: int, tokenizer):
                          vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
 
 
-def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtype: torch.dtype, on_built=None):
+def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtype: torch.dtype, on_built=None,
+             storage: torch.dtype | None = None):
     """An fl2va ``MiniMaxH3ModularPipeline``: the transformer at the H3-33B width with ``blocks`` of
     its 50 blocks; Qwen3-VL at the assumed H3 width (tests/fixtures/meta_models.H3_TEXT_ENCODER) with
     ``te_layers`` of 64 layers (H3 reads ``hidden_states[50]``: a shorter stack reads its last but
     one); both VAEs at their real configs; the suite's byte-level tokenizer (its ids fit the real
-    vocabulary). ``on_built(name, model, build_s, to_host_s)`` after each model."""
+    vocabulary). ``on_built(name, model, build_s, to_host_s)`` after each model. ``storage`` (an fp8
+    dtype): the transformer and the text encoder are built directly in it, tensor by tensor
+    (``benchkit.h3_fp8``; their move to the host is part of ``build_s``)."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
     from diffusers.modular_pipelines import MiniMaxH3Blocks
     from diffusers.schedulers import MiniMaxH3Scheduler
@@ -204,10 +207,12 @@ def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtyp
     fixtures()
     from fixtures.tiny_tok import QWEN_VISION_TOKENS, tiny_qwen2_tokenizer
 
+    if storage is not None:
+        from .h3_fp8 import TOWERS, build_fp8
     tokenizer = tiny_qwen2_tokenizer(extra_special=QWEN_VISION_TOKENS)
     makers = {
-        "transformer": lambda: MiniMaxH3Transformer3DModel(**(H3_TINY_TRANSFORMER if tiny else {}), num_layers=blocks),
-        "text_encoder": lambda: Qwen3VLForConditionalGeneration(_h3_text_config(tiny, te_layers, tokenizer)),
+        "transformer": lambda n=blocks: MiniMaxH3Transformer3DModel(**(H3_TINY_TRANSFORMER if tiny else {}), num_layers=n),
+        "text_encoder": lambda n=te_layers: Qwen3VLForConditionalGeneration(_h3_text_config(tiny, n, tokenizer)),
         "vae": lambda: AutoencoderKLMiniMaxH3(**(H3_TINY_VAE if tiny else {})),
         "audio_vae": lambda: AutoencoderKLMiniMaxH3Audio(**(H3_TINY_AUDIO_VAE if tiny else H3_AUDIO_VAE)),
     }
@@ -215,6 +220,11 @@ def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtyp
     torch.manual_seed(0)
     for name, make in makers.items():
         t0 = time.perf_counter()
+        if storage is not None and name in TOWERS:
+            models[name] = build_fp8(make, TOWERS[name], device, dtype, storage)
+            if on_built is not None:
+                on_built(name, models[name], time.perf_counter() - t0, None)
+            continue
         with torch.device(device):
             model = make()
         cast_like_from_pretrained(model, dtype)
