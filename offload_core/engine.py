@@ -39,7 +39,7 @@ from .state import (
 from .state import clear as clear_state
 from .transport import LeafGroupTransport, OnDemandTransport, ResidentTransport, Transport, TransportContext
 from .transport.base import strip_hooks
-from .transport.dequant import register_dequant, remove_dequant
+from .transport.dequant import refuse_layerwise_casting, register_dequant, remove_dequant
 from .transport.encoder_stream import EncoderStreamer, streamable
 from .transport.on_demand import OnDemandGroup
 from .transport.preload import PreloadingStreamer
@@ -83,6 +83,7 @@ class Engine:
         components = list(iter_modules(pipe))
         refuse_foreign_offload(components)
         refuse_unmovable_quantization(components, config)
+        refuse_layerwise_casting(components)
         warn_unknown_entries(config, components, type(pipe).__name__)
         pstate = PIPELINE.get(pipe)
         if pstate is None or pstate.device != device:

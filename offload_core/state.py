@@ -74,9 +74,20 @@ KEPT_ON_PURPOSE = {
 MARKER = _GROUP_OFFLOADING
 STREAM_HOOK = "diffusers_offload_stream"
 ON_DEMAND_HOOK = "diffusers_offload_on_demand"
-DEQUANT_HOOK = "diffusers_offload_dequant"
+# The fp8 dequantising hook sits under diffusers' ``layerwise_casting`` name, for the same reason:
+# diffusers' ``get_parameter_dtype`` then answers its ``compute_dtype``, not the stored fp8 (models
+# cast their inputs to it: MiniMax-H3's text and audio projections).
+DEQUANT_HOOK = "layerwise_casting"
 LORA_HOOK = "diffusers_offload_lora"  # an unfused LoRA's low-rank delta on a quantized layer
 OUR_HOOKS = (STREAM_HOOK, ON_DEMAND_HOOK, DEQUANT_HOOK, LORA_HOOK)
+SHARED_NAMES = (DEQUANT_HOOK,)  # a user's own layerwise casting sits there too: ours when marked
+OURS = "_diffusers_offload_hook"  # the class attribute marking our hooks under a shared name
+
+
+def is_ours(name: str, hook: object) -> bool:
+    """Whether the hook registered as ``name`` is the pack's (any under a name only we use)."""
+    return name not in SHARED_NAMES or getattr(hook, OURS, False)
+
 DIFFUSERS_GROUP_HOOKS = (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING)
 REGISTRY = "_diffusers_hook"
 BRIDGE = "_hf_hook"
@@ -156,8 +167,8 @@ def leftovers(root: torch.nn.Module) -> list[str]:
         where = path or type(root).__name__
         found += [f"{where}: {attr}" for attr in vars(module)
                   if attr.startswith(PREFIX) and attr not in KEPT_ON_PURPOSE]
-        found += [f"{where}: hook {name}" for name in getattr(vars(module).get(REGISTRY), "hooks", {})
-                  if name in (*OUR_HOOKS, *DIFFUSERS_GROUP_HOOKS)]
+        found += [f"{where}: hook {name}" for name, hook in getattr(vars(module).get(REGISTRY), "hooks", {}).items()
+                  if name in (*OUR_HOOKS, *DIFFUSERS_GROUP_HOOKS) and is_ours(name, hook)]
         if isinstance(vars(module).get(BRIDGE), Bridge):
             found.append(f"{where}: {BRIDGE} bridge")
         found += [f"{where}: wrapped {n}" for n, v in vars(module).items() if getattr(v, _WRAPPED, False)]

@@ -148,8 +148,10 @@ def _check_dtypes(storage: torch.dtype, compute: torch.dtype, what: str) -> None
 
 
 def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """The Linear layers that may store fp8 (diffusers' layerwise-casting skip patterns apply)."""
-    skip = (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()))
+    """The Linear layers that may store fp8: diffusers' layerwise-casting skip patterns apply, and
+    so do the model's ``_keep_in_fp32_modules``, as in its ``enable_layerwise_casting``."""
+    skip = (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()),
+            *(getattr(model, "_keep_in_fp32_modules", None) or ()))
     return [(n, m) for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and isinstance(getattr(m, "weight", None), torch.Tensor)
             and not any(re.search(pattern, n) for pattern in skip)]

@@ -24,6 +24,7 @@ from ..state import (
     OWN_REGISTRY,
     REGISTRY,
     STREAM_HOOK,
+    is_ours,
 )
 
 __all__ = ["DIFFUSERS_GROUP_HOOKS", "MARKER", "ON_DEMAND_HOOK", "OUR_HOOKS", "STREAM_HOOK", "Masters",
@@ -177,8 +178,9 @@ def own_registries(root: torch.nn.Module, recurse: bool = True) -> None:
 
 
 def remove_hook(module: torch.nn.Module, name: str) -> None:
+    """Our hook ``name`` off ``module`` (a user's hook under a name we share stays)."""
     registry = getattr(module, REGISTRY, None)
-    if registry is not None:
+    if registry is not None and is_ours(name, registry.get_hook(name)):
         registry.remove_hook(name, recurse=False)
         _drop_empty_registry(module)
 

@@ -12,16 +12,23 @@ import torch
 from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import Fp8Table, dequantize, table_of
-from ..state import DEQUANT_HOOK
+from ..state import DEQUANT_HOOK, REGISTRY
 from . import fp8_kernel
 from .base import add_hook, remove_hook
 
 
 class DequantHook(ModelHook):
+    _diffusers_offload_hook = True  # `state.OURS`: under diffusers' layerwise-casting name, ours
+
     def __init__(self, table: Fp8Table) -> None:
         super().__init__()
         self.table = table
         self.stored: torch.Tensor | None = None  # the fp8 tensor while its compute value is bound
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What diffusers' ``get_parameter_dtype`` reads from a layerwise-casting hook."""
+        return self.table.compute
 
     def pre_forward(self, module: torch.nn.Module, *args, **kwargs):
         weight = module.weight
@@ -53,6 +60,18 @@ def fp8_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if table is None:
         return []
     return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and table.holds(m.weight)]
+
+
+def refuse_layerwise_casting(components) -> None:
+    """Before anything is placed: an fp8 layer of ours that also carries diffusers' layerwise
+    casting (the name our hook takes) is refused by its name; the user's hook stays."""
+    for name, model in components:
+        held = {id(layer) for layer in fp8_layers(model)}
+        for path, layer in model.named_modules():
+            registry = vars(layer).get(REGISTRY)
+            if id(layer) in held and registry is not None and registry.get_hook(DEQUANT_HOOK) is not None:
+                raise ValueError(f"{name}.{path} carries diffusers' layerwise casting (enable_layerwise_casting): "
+                                 "the pack stores and casts fp8 weights itself; reload the model without it")
 
 
 def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:

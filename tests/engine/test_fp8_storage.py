@@ -146,3 +146,20 @@ def test_a_scale_that_does_not_match_its_weight_is_refused(tiny_wan_dir):
         mark_fp8(pipe.transformer, torch.bfloat16, scales)
     with pytest.raises(ValueError, match="fp8 weights compute in bf16, fp16 or fp32"):
         store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.int8)
+
+
+def test_diffusers_layerwise_casting_on_an_fp8_layer_is_refused_by_name_and_kept(tiny_wan_dir):
+    """The pack's dequantising hook sits under diffusers' ``layerwise_casting`` name (so that
+    ``get_parameter_dtype`` reads the compute dtype): a user's own cast there is refused by the
+    layer's name before anything is placed, and stays on the layer."""
+    from diffusers.hooks.layerwise_casting import apply_layerwise_casting
+
+    pipe = load_bf16(tiny_wan_dir)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    layer = pipe.transformer.blocks[0].attn1.to_q
+    apply_layerwise_casting(layer, torch.float8_e4m3fn, torch.bfloat16)
+    engine = Engine()
+    with pytest.raises(ValueError, match=r"transformer\.blocks\.0\.attn1\.to_q carries diffusers' layerwise casting"):
+        engine.place(pipe, OffloadConfig(mode="none", **BASE))
+    assert engine.states(pipe) == {} and leftovers(pipe.transformer) == []
+    assert layer._diffusers_hook.get_hook("layerwise_casting") is not None  # the user's hook stays
