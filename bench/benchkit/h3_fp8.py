@@ -14,18 +14,9 @@ the template's tensor (a layer's norms repeat layer 0's). The Linear weights tha
 fp8 (``formats.fp8``'s own selection, as ``store_fp8`` makes it) are stored as ComfyUI's
 fp8_scaled files hold them: ``fp8(w / s)`` with a per-tensor scale ``s = amax(w) / fp8_max``,
 and the model is marked with ``formats.fp8.mark_fp8`` and those scales, as the single-file loader
-marks an fp8_scaled denoiser: the engine sees what a user's fp8_scaled file gives it, but for two
-exceptions (`_kept_out`), without which the transformer cannot run in the engine:
-
-- ``_keep_in_fp32_modules`` (H3: ``audio_proj_in``, ``time_embedder``) stay fp32, as the single-file
-  loader keeps them; the pack's own selection (``store_fp8``, the loader's fp8 weight dtype) takes
-  them, and H3 then fails: their fp32 bias meets the bf16 weight.
-- ``context_embedder`` stays bf16: H3 casts its input to ``get_parameter_dtype(context_embedder)``
-  before the layer's forward, where the engine's per-layer ``DequantHook`` has not yet bound the
-  bf16 weight (diffusers' ``get_parameter_dtype`` only knows its own ``layerwise_casting`` hook), so
-  the input would be cast to fp8. The blocks' ``adaln_proj.linear`` does the same, but streamed
-  blocks bind their compute weights when a unit is entered, before that read; it stays fp8 here
-  (placed without the streamer, mode ``none``, it would fail the same way).
+marks an fp8_scaled denoiser: the engine sees what a user's fp8_scaled file gives it (the pack's
+selection leaves ``_keep_in_fp32_modules`` in fp32, and its dequantising hook answers diffusers'
+``get_parameter_dtype``, which H3 casts its text input to).
 """
 
 from __future__ import annotations
@@ -47,9 +38,6 @@ log = get_logger("bench.h3_fp8")
 
 # The layer stack of each model: its layers are drawn afresh, the rest comes from the template.
 TOWERS = {"transformer": "transformer_blocks", "text_encoder": "model.language_model.layers"}
-# MiniMax-H3 casts ``context_embedder``'s input to ``get_parameter_dtype(context_embedder)``, read before
-# the layer's forward: an fp8 weight there makes the input fp8 (see the module docstring).
-DTYPE_READ = (r"^context_embedder$",)
 
 
 def build_fp8(
@@ -67,7 +55,7 @@ def build_fp8(
     with torch.device(device):
         template = make(1)
     cast_like_from_pretrained(template, dtype)
-    eligible = {name for name, _layer in _linears(model) if not _kept_out(model, name)}
+    eligible = {name for name, _layer in _linears(model)}
     generator = torch.Generator(device).manual_seed(1)
     scales = _materialize(model, template, tower, eligible, device, storage, generator)
     del template
@@ -83,14 +71,6 @@ def build_fp8(
         time.perf_counter() - t0,
     )
     return model
-
-
-def _kept_out(model: torch.nn.Module, name: str) -> bool:
-    """Layers left out of fp8 beside the pack's own rule: ``_keep_in_fp32_modules`` (a fp32 island,
-    as ``from_pretrained`` and the single-file loader keep it) and the layers whose weight dtype the
-    model's forward reads to cast their input (`DTYPE_READ`)."""
-    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
-    return any(k in name.split(".") for k in keep) or any(re.search(p, name) for p in DTYPE_READ)
 
 
 def _materialize(
