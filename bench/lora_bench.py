@@ -29,7 +29,6 @@ CPU smoke run (2 tiny blocks, a fixed one-block preload budget instead of auto +
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import tempfile
 import time
@@ -38,16 +37,13 @@ from pathlib import Path
 import psutil
 import torch
 from benchkit import GiB, open_output, output_args, pack
+from benchkit.lora import write_lora
 from benchkit.measure import Ballast, peak_alloc_gib, rel_err, sync, timed, to_host
 from benchkit.models import build_wan, nbytes, wan_forward, wan_inputs
-from safetensors.torch import save_file
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core.lora import LoraSpec, activate  # noqa: E402
-
-PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj")  # add_*: i2v only
-DELTA = 0.1  # each layer's delta RMS as a fraction of its weight's RMS
 
 
 def timed_call(fn, *args) -> float:
@@ -83,27 +79,6 @@ def weight_sums(m: torch.nn.Module, device: torch.device, streamer=None) -> dict
 
 def mismatches(sums: dict[str, int], original: dict[str, int]) -> list[str]:
     return [n for n, s in sums.items() if s != original[n.removesuffix("@host")]]
-
-
-def write_lora(m: torch.nn.Module, rank: int, folder: Path) -> tuple[Path, int]:
-    """A random rank-``rank`` LoRA on every attention projection of every block; (path, layers)."""
-    gen = torch.Generator().manual_seed(2)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, mod in m.named_modules():
-        parts = name.split(".")
-        if not (isinstance(mod, torch.nn.Linear) and parts[0] == "blocks" and len(parts) > 3
-                and parts[2] in ("attn1", "attn2") and ".".join(parts[3:]) in PROJECTIONS):
-            continue
-        out_f, in_f = mod.weight.shape
-        rms = mod.weight.detach().float().pow(2).mean().sqrt().item()
-        down = torch.randn(rank, in_f, generator=gen) / in_f**0.5  # delta = up @ down: RMS = DELTA * rms
-        up = torch.randn(out_f, rank, generator=gen) * (DELTA * rms * (in_f / rank) ** 0.5)
-        tensors[f"transformer.{name}.lora_A.weight"] = down.to(torch.bfloat16)
-        tensors[f"transformer.{name}.lora_B.weight"] = up.to(torch.bfloat16)
-    config = {"transformer.r": rank, "transformer.lora_alpha": rank, "transformer.target_modules": list(PROJECTIONS)}
-    path = folder / "pytorch_lora_weights.safetensors"
-    save_file(tensors, path, metadata={"format": "pt", "lora_adapter_metadata": json.dumps(config)})
-    return path, len(tensors) // 2
 
 
 def steps(eng: Engine, bag: Components, m, feeds, args) -> tuple[float, torch.Tensor, float]:

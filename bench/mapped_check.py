@@ -5,7 +5,10 @@ free (the page cache cannot use it): the step runs without being killed, RSS sta
 RAM, and the step time is compared with max(PCIe bound, bytes read from disk per step / measured
 disk read bandwidth) (issue's target: <= 1.3x). Also checks that page-locking a private file
 mapping works in place (cudaHostRegister), that its values and the file stay as they were, and
-the same step with RAM free (page cache warm) for the "no slower than today" row.
+the same step with RAM free (page cache warm) for the "no slower than today" row, and there a
+rank-64 LoRA on every attention projection (issue 21.3): apply and remove time, anonymous RSS
+before, with and after it, and the RAM backup store (empty when every base value comes back from
+the files; the bf16 in-memory model of lora_bench.py held 15.6 GiB of backups).
 
     python3 bench/mapped_check.py --write            # once: writes ~28.6 GB to --folder (2-4 min)
     python3 bench/mapped_check.py --free-gb 16       # the rows (about 3-6 min, most of it disk reads)
@@ -31,11 +34,14 @@ pack()  # the node pack, as diffusers_offload
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from benchkit.lora import write_lora  # noqa: E402
 from benchkit.measure import Ballast  # noqa: E402
 from diffusers import WanTransformer3DModel  # noqa: E402
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core.formats.mapped import index_folder, map_from_files  # noqa: E402
+from diffusers_offload.offload_core.lora import LoraSpec, activate  # noqa: E402
 from diffusers_offload.offload_core.pinning import PinSet  # noqa: E402
+from diffusers_offload.offload_core.state import LORA  # noqa: E402
 
 WAN14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
               ffn_dim=13824, num_layers=40, text_dim=4096, freq_dim=256, cross_attn_norm=True,
@@ -124,6 +130,30 @@ def pin_check(model: torch.nn.Module, folder: Path) -> str:
            f"{nbytes / 2**20:.1f} MiB registered)"
 
 
+def lora_check(model, pipe) -> str:
+    """Apply and remove a rank-64 attention LoRA on the placed, file-backed model: times, anonymous
+    RSS, the RAM backup store, and the sampled weights bit-equal after removal."""
+    import tempfile
+
+    sample = {n: p.detach().to("cpu", copy=True) for n, p in model.blocks[0].attn1.named_parameters()}
+    with tempfile.TemporaryDirectory() as tmp:
+        path, layers = write_lora(model, 64, Path(tmp))
+        anon0, start = rss()[0], time.perf_counter()
+        activate(pipe, [LoraSpec(str(path))])
+        apply_s, anon1 = time.perf_counter() - start, rss()[0]
+        state = LORA.get(model)
+        backups = sum(t.numel() * t.element_size() for t in state.backups.values()) if state else 0
+        sources = len(state.sources) if state else 0
+        start = time.perf_counter()
+        activate(pipe, [])
+        remove_s, anon2 = time.perf_counter() - start, rss()[0]
+    exact = all(torch.equal(p.detach().cpu(), sample[n]) for n, p in model.blocks[0].attn1.named_parameters())
+    return json.dumps(dict(row="lora rank 64", layers=layers, apply_s=round(apply_s, 2), remove_s=round(remove_s, 2),
+                           rss_anon_gib=[round(anon0, 2), round(anon1, 2), round(anon2, 2)],
+                           backups_gib=round(backups / GiB, 3), restored_from_files=sources,
+                           exact_after_remove=exact))
+
+
 def step(model, feeds, steps: int) -> tuple[float, float]:
     """(seconds per step, bytes read from disk per step) after a first (warm-up) step."""
     with torch.inference_mode():
@@ -157,6 +187,8 @@ def row(label: str, folder: Path, args, free_gb: float | None, feeds) -> None:
             per_step, disk = step(model, feeds, args.steps)
             streamed = int(engine.report(pipe).component("transformer").details.get("streamed_per_step", 0))
             anon, file = rss()  # while placed, after the steps
+            if free_gb is None:
+                print(lora_check(model, pipe), flush=True)
             engine.release(pipe)
         finally:
             ballast.close()
