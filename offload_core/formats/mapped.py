@@ -141,7 +141,7 @@ def map_from_files(module: torch.nn.Module, folder: str | os.PathLike[str] | Non
     """Re-point ``module``'s parameters and buffers whose bytes are the files' at a private
     mapping of ``folder``'s safetensors files (default: the folder the module was loaded from);
     the same Parameter objects stay, only their ``.data`` changes."""
-    path = Path(folder) if folder is not None else _source_folder(module)
+    path = Path(folder) if folder is not None else source_folder(module)
     report = MappedReport(str(path) if path is not None else "-")
     if path is None or not path.is_dir():
         _keep_all(module, report, "no folder of files recorded for it")
@@ -275,7 +275,12 @@ def mapped_bytes(module: torch.nn.Module) -> int:
     return total
 
 
-def _source_folder(module: torch.nn.Module) -> Path | None:
+def source_folder(module: torch.nn.Module) -> Path | None:
+    """The local folder ``module`` was loaded from (diffusers' and transformers' ``_name_or_path``,
+    a str or a path, as given to ``from_pretrained``), if it still exists."""
     config = getattr(module, "config", None)
     name = getattr(config, "_name_or_path", None) or getattr(module, "name_or_path", None)
-    return Path(name) if isinstance(name, str) and name else None
+    if not isinstance(name, (str, os.PathLike)) or not str(name):
+        return None
+    folder = Path(name)
+    return folder if folder.is_dir() else None

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..formats.mapped import source_folder
 from ..log import get_logger
 from .files import LoraError, identity
 
@@ -36,16 +37,6 @@ class FileSource:
     file: str
     key: str
     identity: tuple[str, int, int]
-
-
-def source_folder(module: torch.nn.Module) -> Path | None:
-    """The local folder ``module`` was loaded from, if it still exists."""
-    config = getattr(module, "config", None)
-    name = getattr(config, "_name_or_path", None) or getattr(module, "name_or_path", None)
-    if not isinstance(name, str) or not name:
-        return None
-    folder = Path(name)
-    return folder if folder.is_dir() else None
 
 
 class WeightFiles:

@@ -146,6 +146,22 @@ def test_a_sharded_folder_is_read_through_its_index(tiny_wan_dir: Path, wan_lora
     assert_bit_exact(pipe.transformer, base)
 
 
+def test_a_transformer_loaded_from_a_path_object_restores_from_its_files(
+        tiny_wan_dir: Path, wan_loras: dict[str, Path]) -> None:
+    """``from_pretrained(Path(...))`` records a path, not a str, as the folder it read: the files
+    are found all the same (a bench loading this way held every base value in RAM)."""
+    pipe = load_wan(tiny_wan_dir)
+    model = WanTransformer3DModel.from_pretrained(tiny_wan_dir / "transformer")
+    assert isinstance(model.config._name_or_path, os.PathLike)
+    pipe.register_modules(transformer=model)
+    base = weights(model)
+    activate(pipe, [spec(wan_loras["a"])])
+    state = carried(model)
+    assert state.backups == {} and COVERED in state.sources
+    activate(pipe, [])
+    assert_bit_exact(model, base)
+
+
 def test_weights_with_no_file_behind_them_keep_a_ram_backup(
         tiny_wan_dir: Path, wan_loras: dict[str, Path]) -> None:
     """A weight changed after load differs from its file: it alone is backed up in RAM, and
