@@ -12,7 +12,7 @@ import torch
 from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import Fp8Table, dequantize, table_of
-from ..state import DEQUANT_HOOK, REGISTRY
+from ..state import DEQUANT_HOOK, REGISTRY, is_ours
 from . import fp8_kernel
 from .base import add_hook, remove_hook
 
@@ -68,8 +68,8 @@ def refuse_layerwise_casting(components) -> None:
     for name, model in components:
         held = {id(layer) for layer in fp8_layers(model)}
         for path, layer in model.named_modules():
-            registry = vars(layer).get(REGISTRY)
-            if id(layer) in held and registry is not None and registry.get_hook(DEQUANT_HOOK) is not None:
+            hook = getattr(vars(layer).get(REGISTRY), "hooks", {}).get(DEQUANT_HOOK)
+            if id(layer) in held and hook is not None and not is_ours(DEQUANT_HOOK, hook):
                 raise ValueError(f"{name}.{path} carries diffusers' layerwise casting (enable_layerwise_casting): "
                                  "the pack stores and casts fp8 weights itself; reload the model without it")
 

@@ -163,3 +163,18 @@ def test_diffusers_layerwise_casting_on_an_fp8_layer_is_refused_by_name_and_kept
         engine.place(pipe, OffloadConfig(mode="none", **BASE))
     assert engine.states(pipe) == {} and leftovers(pipe.transformer) == []
     assert layer._diffusers_hook.get_hook("layerwise_casting") is not None  # the user's hook stays
+
+
+def test_an_fp8_model_placed_again_keeps_its_own_casting_hooks(fp8_wan):
+    """A second place (a new config, as each Generate does) meets the pack's own hooks under the
+    layerwise-casting name: not refused, and the output stays the dequantised model's."""
+    fp8_wan, scales = fp8_wan
+    expected = run_wan(_dequantised_twin(fp8_wan, scales))
+    engine = Engine()
+    engine.place(fp8_wan, OffloadConfig(mode="none", **BASE))
+    engine.place(fp8_wan, OffloadConfig(mode="auto", **BASE))
+    try:
+        assert torch.equal(run_wan(fp8_wan), expected)
+    finally:
+        engine.release(fp8_wan)
+    assert leftovers(fp8_wan.transformer) == []
