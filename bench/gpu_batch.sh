@@ -1,0 +1,62 @@
+#!/bin/bash
+# Several bench rows in one GPU call, in order, while time is left; every output in one archive
+# (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
+#   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
+# Rows: host (host_profile.py, ~2 min), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
+# h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
+# in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
+# wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB), gguf (Q8_0 and Q4_K at
+# 12 GiB). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+set -u
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-/tmp/gpu_batch_out}
+ROWS_DIR=/tmp/rows
+mkdir -p "$OUT" "$ROWS_DIR"
+exec > >(tee -a "$OUT/batch.log") 2>&1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+T0=$SECONDS
+BUDGET_S=${BUDGET_S:-560}
+left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .gpu/whl/*.whl .whl/*.whl || exit 3
+tar -xJf .gpu/whl/comfy_kitchen-0.2.31-cp312-nohip.tar.xz -C /tmp/site || exit 3
+export PYTHONPATH=/tmp/site
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+run() {  # run NAME MIN_SECONDS COMMAND...: skipped when fewer than MIN_SECONDS are left
+  local name=$1 need=$2
+  shift 2
+  local L
+  L=$(left)
+  if [ "$L" -lt "$need" ]; then echo "== skip $name: ${L}s left, needs ${need}s"; return; fi
+  echo "== [$((SECONDS - T0))s] $name: $*"
+  OUT="$ROWS_DIR" timeout -k 10 "$((L - 5))" "$@" > "$ROWS_DIR/$name.log" 2>&1
+  echo "== [$((SECONDS - T0))s] $name rc=$?"
+  grep -E '^\||"section": "(preload_auto|resident|engine|auto|trace)"|^-- run|^   (text encode|move|denoise  )|row"|SUMMARY|EXCEEDS|within' \
+    "$ROWS_DIR/$name.log" | cut -c1-400 | tail -40
+}
+
+for row in "$@"; do
+  case $row in
+    host) run host 150 python3 bench/host_profile.py --caps 0,24 --out "$ROWS_DIR" ;;
+    fresh) for i in 1 2 3; do
+             run "fresh$i" 70 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small \
+               --json "$ROWS_DIR/fresh$i.json"
+           done ;;
+    h3te) run h3te 240 python3 bench/h3_bench.py --runs plain,plain,plain --te-layers 64 --out "$ROWS_DIR" ;;
+    h3fp8) run h3fp8 300 python3 bench/h3_bench.py --blocks 50 --te-layers 64 --cap 24 --storage fp8_e4m3fn \
+             --runs plain --out "$ROWS_DIR" ;;
+    mapped) run mapped_write 200 python3 bench/mapped_check.py --write
+            run mapped 240 python3 bench/mapped_check.py --free-gb 16 ;;
+    wan22) run wan22 300 python3 bench/wan22_node.py --comfy-dir .gpu/comfyui --cap 12 --json "$ROWS_DIR/wan22.jsonl" ;;
+    single) run single 300 python3 bench/single_file_node.py --comfy-dir .gpu/comfyui --cap 12 --layers 40 \
+              --out "$ROWS_DIR" ;;
+    gguf) for st in gguf_q8_0 gguf_q4_k; do
+            run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps 12 --workloads small \
+              --out "$ROWS_DIR"
+          done ;;
+    *) echo "== unknown row $row" ;;
+  esac
+done
+tar -czf "$OUT/rows.tgz" -C "$ROWS_DIR" .
+echo "== [$((SECONDS - T0))s] done: $OUT/rows.tgz ($(du -h "$OUT/rows.tgz" | cut -f1))"
