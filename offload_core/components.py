@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .formats.gguf import gguf_quant_types
+from .formats.torchao import storage_bytes
 from .log import get_logger
 
 log = get_logger("components")
@@ -107,7 +108,8 @@ def tensors_of(module: torch.nn.Module) -> Iterator[torch.Tensor]:
 
 
 def module_bytes(module: torch.nn.Module) -> int:
-    """Size measured from the tensors (shared storages counted once)."""
+    """Size measured from the tensors' storage (shared tensors counted once; a subclass weight
+    such as torchao's by its inner tensors, not numel times its outer dtype)."""
     seen: set[int] = set()
     total = 0
     for t in tensors_of(module):
@@ -115,7 +117,7 @@ def module_bytes(module: torch.nn.Module) -> int:
         if key in seen:
             continue
         seen.add(key)
-        total += t.numel() * t.element_size()
+        total += storage_bytes(t)
     return total
 
 

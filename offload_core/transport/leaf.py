@@ -6,6 +6,8 @@ module of the engine that reads diffusers' group internals (``masters``). Leaf g
 one layer on the device, only while it runs: nothing to give back. With streams diffusers pins a
 copy of every weight and leaves the module's tensors on those copies: a release puts them back in
 pageable memory and empties PyTorch's pinned host cache, so no pinned RAM outlives the placement.
+torchao weights (tensor subclasses) ride these groups: diffusers swaps them whole
+(``swap_tensors``), and a release unpins their inner tensors and swaps them back the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 from diffusers.hooks import apply_group_offloading
 
+from ..formats.torchao import inner_tensors, is_wrapper, map_inner, storage_bytes, swap_into
 from ..memory import flush_host_cache
 from ..state import REGISTRY
 from .base import (
@@ -63,7 +66,12 @@ class LeafGroupTransport(TransportBase):
     def pinned_bytes(self) -> int:
         if self.module is None or not self.ctx.streams:
             return 0
-        return sum(t.numel() * t.element_size() for t in self.module.parameters() if _pinned(t))
+        return sum(
+            i.numel() * i.element_size()
+            for t in self.module.parameters()
+            for i in inner_tensors(t)
+            if _pinned(i)
+        )
 
     def masters(self) -> Masters:
         """diffusers keeps a CPU copy of each weight of a group it streams (``cpu_param_dict``):
@@ -88,20 +96,38 @@ class LeafGroupTransport(TransportBase):
 
 def unpin(module: torch.nn.Module) -> int:
     """Move every tensor of ``module`` that lies in pinned host memory to a pageable copy (same
-    Parameter objects); the pinned buffers go back to PyTorch's host cache. Returns the bytes moved."""
+    Parameter objects; a subclass weight rebuilt from pageable copies of its pinned inner tensors and
+    swapped in whole); the pinned buffers go back to PyTorch's host cache. Returns the bytes moved."""
     moved = 0
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for name, t in table.items():
-                if t is None or not _pinned(t):
+                if t is None:
                     continue
-                copy = torch.empty_like(t.data, device="cpu", pin_memory=False).copy_(t.data)
-                if isinstance(t, torch.nn.Parameter):
-                    t.data = copy
-                else:
-                    table[name] = copy
-                moved += copy.numel() * copy.element_size()
+                if is_wrapper(t):
+                    copy = map_inner(t, _pageable)
+                    if copy is not t:
+                        moved += storage_bytes(copy)
+                        _put(table, name, t, copy)
+                elif _pinned(t):
+                    copy = _pageable(t.data)
+                    moved += copy.numel() * copy.element_size()
+                    _put(table, name, t, copy)
     return moved
+
+
+def _pageable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when pageable, else a pageable copy."""
+    return torch.empty_like(t, device="cpu", pin_memory=False).copy_(t) if _pinned(t) else t
+
+
+def _put(table: dict[str, torch.Tensor | None], name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+    if isinstance(old, torch.nn.Parameter) and is_wrapper(old):
+        swap_into(old, new)
+    elif isinstance(old, torch.nn.Parameter):
+        old.data = new
+    else:
+        table[name] = new
 
 
 def _pinned(t: torch.Tensor) -> bool:

@@ -10,6 +10,7 @@ keyframes) move it once, and it goes home at the run's end, when a denoiser star
 needs the room. A ``forward`` entry stays until a peer needs the room or the run ends (a denoiser
 would otherwise bounce every step). When the pin budget grants it, the resting tensors are
 page-locked in place (`pinning.PinSet`), so a move-in runs at the copy engine's speed.
+torchao weights (tensor subclasses) are moved and put back whole (`moves.rebind`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .. import state
+from ..formats.torchao import is_wrapper, map_inner, swap_into
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, MarkerHook, Masters, TransportBase, TransportContext, add_hook, remove_hook
@@ -89,12 +91,14 @@ class OnDemandTransport(TransportBase):
 
     def _pin_resting(self, module: torch.nn.Module) -> None:
         """Page-lock the resting tensors where they lie (a pinned copy stands in where a storage
-        cannot be registered)."""
+        cannot be registered; a subclass weight's inner tensors one by one, swapped in whole)."""
         for owner, name, is_param, t in host_tensors(module):
-            pinned = self.pins.pin(t)
+            pinned = map_inner(t, self.pins.pin) if is_wrapper(t) else self.pins.pin(t)
             if pinned is t:
                 continue
-            if is_param:
+            if is_param and is_wrapper(t):
+                swap_into(owner._parameters[name], pinned)
+            elif is_param:
                 owner._parameters[name].data = pinned
             else:
                 owner._buffers[name] = pinned
@@ -139,8 +143,13 @@ class OnDemandTransport(TransportBase):
         if available is None or available >= need or self.group.make_room is None:
             return
         freed = self.group.make_room(need - available)
-        log.info("%s: %.2f GiB short on %s to move in; the pipeline's other components gave back %.2f GiB",
-                 type(self.module).__name__, (need - available) / 2**30, self.ctx.onload_device, freed / 2**30)
+        log.info(
+            "%s: %.2f GiB short on %s to move in; the pipeline's other components gave back %.2f GiB",
+            type(self.module).__name__,
+            (need - available) / 2**30,
+            self.ctx.onload_device,
+            freed / 2**30,
+        )
 
     def offload(self) -> None:
         """Back to the resting tensors: no copy out (copying a VAE out to pageable memory takes
