@@ -11,7 +11,7 @@
   every packed weight as it was;
 - `inspect_gguf` names a bad file and what it looks like, and refuses quant types diffusers
   cannot dequantize; no file is modified.
-Q8_0, Q4_0 and Q4_K (see tests/fixtures/gguf_files.py) are all covered.
+Q8_0, Q4_0, Q4_K, Q5_K and Q6_K (see tests/fixtures/gguf_files.py) are all covered.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from diffusers_offload.offload_core.transport.streamer import BlockStreamer
 from fixtures.gguf_files import (  # noqa: F401  (session fixtures)
+    K_QUANTS,
     QTYPES,
     WanGguf,
     dequantized_state_dict,
@@ -49,9 +50,11 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 CONFIGS = PLACEMENTS
 # Relative L2 error of the denoiser's output against the bf16 model holding the unquantized
 # weights. A Q8_0 weight is off by at most half a step of max|block|/127, a 4-bit one by half a step
-# of a 16-level grid (Q4_0: max|block|/8; Q4_K: the 32-value sub-block's range/15): measured 0.7 %,
-# 2.3 % and 1.8 % on this model; the bounds allow three to four times that.
-BF16_BOUND = {"Q8_0": 0.02, "Q4_0": 0.08, "Q4_K": 0.08}
+# of a 16-level grid (Q4_0: max|block|/8; Q4_K: the 32-value sub-block's range/15), a Q5_K one of
+# range/31, a Q6_K one of max|16 values|/31: measured 0.6 % (Q8_0), 2.0 % (Q4_0), 1.8 % (Q4_K),
+# 1.1 % (Q5_K) and 0.8 % (Q6_K) on these models (a K-quant file's rows narrower than 256 are in its
+# fallback type: Q4_0, Q5_1, Q8_0); the bounds allow three to four times that.
+BF16_BOUND = {"Q8_0": 0.02, "Q4_0": 0.08, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.03}
 _REFERENCE: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -64,16 +67,23 @@ def load_gguf_wan(tiny_wan_dir: Path, file: WanGguf):
     """The tiny Wan pipeline with its transformer loaded from the GGUF ``file`` (bf16 compute)."""
     pipe = load_wan(tiny_wan_dir)
     model = WanTransformer3DModel.from_single_file(
-        str(file.file), config=str(file.config_dir), subfolder="transformer",
-        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16), local_files_only=True)
+        str(file.file),
+        config=str(file.config_dir),
+        subfolder="transformer",
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16),
+        local_files_only=True,
+    )
     pipe.register_modules(transformer=model)
     return pipe
 
 
 def packed(model: torch.nn.Module) -> dict[str, tuple[object, tuple[int, ...], torch.Tensor]]:
     """name -> (quant_type, quant_shape, a copy of the packed bytes) for every GGUF weight."""
-    return {n: (p.quant_type, tuple(p.quant_shape), p.as_tensor().detach().clone())
-            for n, p in model.named_parameters() if isinstance(p, GGUFParameter)}
+    return {
+        n: (p.quant_type, tuple(p.quant_shape), p.as_tensor().detach().clone())
+        for n, p in model.named_parameters()
+        if isinstance(p, GGUFParameter)
+    }
 
 
 def resident_output(tiny_wan_dir: Path, file: WanGguf, device: str) -> torch.Tensor:
@@ -105,10 +115,16 @@ def test_the_file_loads_as_packed_gguf_parameters(tiny_wan_dir, wan_gguf, qtype)
     assert any(n.startswith("blocks.") for n in weights), "the blocks hold packed weights"
     for name, (_qt, shape, data) in weights.items():
         assert data.dtype == torch.uint8 and shape == tuple(reference[name].shape), name
-        torch.testing.assert_close(dequantize_gguf_tensor(dict(model.named_parameters())[name]).float(),
-                                   reference[name], rtol=1e-3, atol=1e-4)  # diffusers dequantizes in fp16
+        torch.testing.assert_close(
+            dequantize_gguf_tensor(dict(model.named_parameters())[name]).float(),
+            reference[name],
+            rtol=1e-3,
+            atol=1e-4,
+        )  # diffusers dequantizes in fp16
     described = describe("transformer", model).quantization
-    assert described.startswith("gguf ") and set(described.removeprefix("gguf ").split("/")) == set(info.quantized_types)
+    assert described.startswith("gguf ") and set(described.removeprefix("gguf ").split("/")) == set(
+        info.quantized_types
+    )
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -136,22 +152,35 @@ def test_every_mode_equals_the_resident_gguf_model(tiny_wan_dir, wan_gguf, qtype
         assert p.device.type == "cpu" and p.dtype == torch.uint8 and torch.equal(p.as_tensor(), data), name
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if c != "none"])
-def test_gguf_layers_compute_from_packed_weights_that_kept_their_quant_type(tiny_wan_dir, wan_gguf, config,
-                                                                             device, monkeypatch):
+# Q4_K (with its Q4_0 fallback rows) on every placement; Q5_K (Q5_1) and Q6_K (Q8_0) on a streamed
+# placement and leaf mode (the transports treat every quant type alike; this keeps the file's time).
+LAYER_CASES = [("Q4_K", c) for c in CONFIGS if c != "none"] + [
+    (q, c) for q in ("Q5_K", "Q6_K") for c in ("auto", "leaf")
+]
+
+
+@pytest.mark.parametrize(("qtype", "config"), LAYER_CASES)
+def test_gguf_layers_compute_from_packed_weights_that_kept_their_quant_type(
+    tiny_wan_dir, wan_gguf, qtype, config, device, monkeypatch
+):
     """What each GGUFLinear dequantizes while placed: the module's own `GGUFParameter` object,
     uint8, its quant type and shape intact, on the onload device. In leaf mode this is diffusers'
     group offloading swapping ``param.data`` on the parameter (the case that breaks on wrapper
     subclasses); the streamer binds ``param.data`` to views of its buffers."""
-    file = wan_gguf("Q4_K")
+    file = wan_gguf(qtype)
     pipe = load_gguf_wan(tiny_wan_dir, file)
-    expected = {id(p): (p.quant_type, tuple(p.quant_shape)) for p in pipe.transformer.parameters()
-                if isinstance(p, GGUFParameter)}
+    expected = {
+        id(p): (p.quant_type, tuple(p.quant_shape))
+        for p in pipe.transformer.parameters()
+        if isinstance(p, GGUFParameter)
+    }
     seen: list[tuple[int, object]] = []
     real = gguf_utils.dequantize_gguf_tensor
 
     def watching(tensor):
-        assert isinstance(tensor, GGUFParameter) and id(tensor) in expected, "a layer computes from another tensor"
+        assert isinstance(tensor, GGUFParameter) and id(tensor) in expected, (
+            "a layer computes from another tensor"
+        )
         assert (tensor.quant_type, tuple(tensor.quant_shape)) == expected[id(tensor)]
         assert tensor.dtype == torch.uint8 and tensor.device.type == device
         seen.append((id(tensor), tensor.quant_type))
@@ -163,28 +192,36 @@ def test_gguf_layers_compute_from_packed_weights_that_kept_their_quant_type(tiny
     run_wan(pipe, num_inference_steps=1)
     engine.release(pipe)
     assert {i for i, _q in seen} == set(expected), "every GGUF layer ran"
-    assert {q.name for _i, q in seen} == {"Q4_K", "Q4_0"}
+    assert {q.name for _i, q in seen} == {qtype, K_QUANTS[qtype][1]}
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_the_gguf_model_is_within_the_formats_error_of_the_bf16_model(tiny_wan_dir, wan_gguf, qtype):
     file = wan_gguf(qtype)
     quantized = load_gguf_wan(tiny_wan_dir, file).transformer
-    full = WanTransformer3DModel.from_pretrained(file.config_dir, subfolder="transformer", dtype=torch.bfloat16)
+    full = WanTransformer3DModel.from_pretrained(
+        file.config_dir, subfolder="transformer", dtype=torch.bfloat16
+    )
     gen = torch.Generator().manual_seed(0)
     latents = torch.randn(1, 16, 3, 8, 8, generator=gen).to(torch.bfloat16)
     text = torch.randn(1, 8, 32, generator=gen).to(torch.bfloat16)
     with torch.no_grad():
-        got, want = (m(latents, torch.tensor([500]), text, return_dict=False)[0].float() for m in (quantized, full))
+        got, want = (
+            m(latents, torch.tensor([500]), text, return_dict=False)[0].float() for m in (quantized, full)
+        )
     error = ((got - want).norm() / want.norm()).item()
     assert 0 < error < BF16_BOUND[qtype], f"{qtype}: relative error {error:.4f}"
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_the_streamer_moves_and_the_report_counts_packed_bytes(tiny_wan_dir, wan_gguf, qtype, device, monkeypatch):
+def test_the_streamer_moves_and_the_report_counts_packed_bytes(
+    tiny_wan_dir, wan_gguf, qtype, device, monkeypatch
+):
     pipe = load_gguf_wan(tiny_wan_dir, wan_gguf(qtype))
     model = pipe.transformer
-    gguf_ids = {id(p): p.numel() for b in model.blocks for p in b.parameters() if isinstance(p, GGUFParameter)}
+    gguf_ids = {
+        id(p): p.numel() for b in model.blocks for p in b.parameters() if isinstance(p, GGUFParameter)
+    }
     block_bytes = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
     moved, gguf_moved = [], []
     real_copy = Prefetcher.copy
@@ -242,7 +279,9 @@ def test_a_truncated_or_garbage_file_is_refused_naming_it(wan_gguf, tiny_wan_dir
         _cut(good, tmp_path / "cut-at-magic.gguf", 2): "empty|not a GGUF",
         (tmp_path / "noise.gguf"): "not a GGUF file: it looks like none of the weight formats",
         (tmp_path / "empty.gguf"): "not a GGUF file: it looks like an empty file",
-        _cut(safetensors, tmp_path / "renamed.gguf", safetensors.stat().st_size): "looks like a safetensors file",
+        _cut(
+            safetensors, tmp_path / "renamed.gguf", safetensors.stat().st_size
+        ): "looks like a safetensors file",
     }
     (tmp_path / "noise.gguf").write_bytes(np.random.default_rng(0).bytes(4096))
     (tmp_path / "empty.gguf").write_bytes(b"")
@@ -260,13 +299,19 @@ def test_a_quant_type_diffusers_cannot_dequantize_is_refused_by_name(tmp_path):
     path = tmp_path / "iq2.gguf"
     writer = gguf.GGUFWriter(str(path), arch="wan")
     _block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ2_XXS]
-    writer.add_tensor("blocks.0.ffn.2.weight", np.random.default_rng(0).integers(0, 255, (24, size), dtype=np.uint8),
-                      raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    writer.add_tensor(
+        "blocks.0.ffn.2.weight",
+        np.random.default_rng(0).integers(0, 255, (24, size), dtype=np.uint8),
+        raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS,
+    )
     writer.add_tensor("blocks.0.norm3.weight", np.ones(24, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(GgufFileError, match=r"iq2\.gguf holds quant type\(s\) IQ2_XXS that diffusers cannot "
-                                            r"dequantize \(1 tensors, e\.g\. blocks\.0\.ffn\.2\.weight\)"):
+    with pytest.raises(
+        GgufFileError,
+        match=r"iq2\.gguf holds quant type\(s\) IQ2_XXS that diffusers cannot "
+        r"dequantize \(1 tensors, e\.g\. blocks\.0\.ffn\.2\.weight\)",
+    ):
         inspect_gguf(path)
