@@ -3,7 +3,10 @@ and under the engine (every block kept, then at a ballast cap), and the calls th
 
 Why: on the H200 the image-like Wan-14B step is host-launch-bound (bench/README.md, run 24): the
 engine's forward took 20-35 ms more host time than resident with every block kept, of which the
-streamer's own methods explain 3 ms. This names the rest, function by function.
+streamer's own methods explain 3 ms. This names the rest, function by function, and times
+resident again after the engine rows: the engine turns PyTorch's expandable segments on for the
+process at its first placement, so a resident row measured first ran under another allocator
+setting than every engine row (the last row separates the allocator from the hooks).
 
     python3 bench/host_profile.py --caps 0,24 --out $OUT        # GPU, Wan-14B geometry, ~2 min
     .venv/bin/python bench/host_profile.py --tiny --device cpu   # CPU smoke (flow only)
@@ -95,6 +98,21 @@ def main() -> None:
             eng.release(bag)
             if ballast is not None:
                 ballast.close()
+    m.to(args.device)  # resident again, under the allocator setting the engine left
+    launch, step = launch_and_step(m, feeds, args.forwards)
+    after, calls = profile(m, feeds, args.forwards)
+    row(section="resident_after", launch_s=launch, step_s=step, calls_per_fwd=calls / args.forwards,
+        allocator=allocator_note(), added=added(base, after, args.forwards, args.top))
+
+
+def allocator_note() -> str:
+    """The CUDA allocator's backend and its settings as this process has them now."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return f"{torch.cuda.get_allocator_backend()} {getter() if getter else ''}".strip()
 
 
 if __name__ == "__main__":
