@@ -55,6 +55,11 @@ for row in "$@"; do
             run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps 12 --workloads small \
               --out "$ROWS_DIR"
           done ;;
+    noexp) for st in bf16 gguf_q4_k; do  # the engine leaves expandable segments off: allocator vs hooks
+             run "noexp_$st" 70 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python3 bench/wan_bench.py \
+               --storage "$st" --sections preload --caps "$([ "$st" = bf16 ] && echo 24 || echo 12)" --workloads small \
+               --json "$ROWS_DIR/noexp_$st.json"
+           done ;;
     *) echo "== unknown row $row" ;;
   esac
 done
