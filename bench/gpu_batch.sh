@@ -6,7 +6,8 @@
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
 # wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB), gguf (Q8_0 and Q4_K at
-# 12 GiB). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# 12 GiB), noexp (the fresh 24 GiB bf16 row and the GGUF Q4_K row with expandable segments left off:
+# is the engine's slower image-like step the allocator setting or its hooks?). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
