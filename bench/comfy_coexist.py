@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
 from benchkit import ROOT, GiB, gib
+from benchkit.comfy_run import comfy_tree, queue, require_nodes
 
 PIPE_NAME = "wan_coexist"
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -164,9 +164,7 @@ def main() -> int:
         os.environ.setdefault(k, "1")
     if a.build_only:
         return build_only(a)
-    p, comfy_dir = paths(a), Path(a.comfy_dir).resolve()
-    if not (comfy_dir / "main.py").is_file():
-        raise SystemExit(f"no ComfyUI tree at {comfy_dir} (set --comfy-dir or COMFYUI_PATH)")
+    p, comfy_dir = paths(a), comfy_tree(a.comfy_dir)
     t_start = time.perf_counter()
 
     def stamp(what: str) -> None:
@@ -188,10 +186,7 @@ def main() -> int:
 
     cuda = (not a.cpu) and torch.cuda.is_available()
     rec = bc.Recorder(torch, cuda)
-    status = host.pack_status()
-    if "DiffusersOffloadGenerateVideo" not in status.node_ids:
-        print("\n".join(host.init_log[-40:]))
-        raise SystemExit(f"our pack did not load: {status}")
+    require_nodes(host, "DiffusersOffloadGenerateVideo")
     host.nodes.NODE_CLASS_MAPPINGS.update(bc.helper_nodes(rec))
     host.comfy_utils.PROGRESS_THROTTLE_MIN_INTERVAL = 0.0
     rec.install(mm)
@@ -204,7 +199,7 @@ def main() -> int:
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "torch_allocator_backend": torch.cuda.get_allocator_backend() if cuda else None,
         "vram_state": str(mm.vram_state), "av_stubbed": av_stubbed, "boot_s": boot_s, "startup_notes": host.startup_notes,
-        "pack_nodes": len(status.node_ids), "build": build, "args": vars(a),
+        "pack_nodes": len(host.pack_status().node_ids), "build": build, "args": vars(a),
         **{k.replace("-", "_"): _version(k) for k in ("diffusers", "transformers", "comfy-aimdo", "comfy-kitchen")},
     }
     emit(a, env)
@@ -258,16 +253,8 @@ def run_phase(c: SimpleNamespace, phase: str, seeds: dict[str, int]) -> dict[str
             torch.cuda.reset_peak_memory_stats()
         except Exception as exc:  # not every allocator backend keeps peaks
             print("reset_peak_memory_stats:", exc, flush=True)
-    err, t0 = None, time.perf_counter()
-    try:
-        result = c.host.run_prompt(prompt, ["ch", "cf"] if phase == "ours" else ["cm", "cl"])
-        if not result.success:
-            e = result.error or {}
-            err = f"{e.get('node_type')}: {e.get('exception_type')}: {str(e.get('exception_message'))[:400]}"
-            print(f"[{phase}] FAILED {err}\n{''.join(e.get('traceback', []))[-3000:]}", flush=True)
-    except Exception as exc:  # report, do not hide
-        traceback.print_exc()
-        err = f"{type(exc).__name__}: {str(exc)[:400]}"
+    t0 = time.perf_counter()
+    err = queue(c.host, prompt, ["ch", "cf"] if phase == "ours" else ["cm", "cl"], phase)
     wall = time.perf_counter() - t0
     reloaded = False
     for key, attr in (("ours_handle", "ours"), ("native_model", "native")):

@@ -17,32 +17,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import statistics
-import time
 
 from benchkit import open_output, output_args, pack
-from benchkit.measure import Ballast, sync
+from benchkit.measure import Ballast, launch_and_step, sync
 from benchkit.models import build_wan, wan_forward, wan_inputs
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 
 Stats = dict[tuple, tuple[int, float, float]]  # (file, line, function) -> (calls, own s, cumulative s)
-
-
-def launch_and_step(m, feeds, repeats: int) -> tuple[float, float]:
-    """Median host time until the forward returns, and until the device is done."""
-    for _ in range(3):
-        wan_forward(m, *feeds)
-    launch, step = [], []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        wan_forward(m, *feeds)
-        launch.append(time.perf_counter() - t0)
-        sync()
-        step.append(time.perf_counter() - t0)
-    return statistics.median(launch), statistics.median(step)
 
 
 def profile(m, feeds, forwards: int) -> tuple[Stats, int]:
@@ -80,7 +63,7 @@ def main() -> None:
     row = open_output(args, "host_profile", lines=True)
     m = build_wan(4 if args.tiny else 40, device=args.device, tiny=args.tiny)
     feeds = wan_inputs("small", 1 if args.tiny else 21, device=args.device)
-    launch, step = launch_and_step(m, feeds, args.forwards)
+    launch, step, _loop = launch_and_step(lambda: wan_forward(m, *feeds), args.forwards)
     base, calls = profile(m, feeds, args.forwards)
     row(section="resident", launch_s=launch, step_s=step, calls_per_fwd=calls / args.forwards)
     for cap in [float(c) for c in args.caps.split(",")]:
@@ -89,7 +72,7 @@ def main() -> None:
         cpu = dict(device="cpu", resident_floor_mb=0, on_demand_threshold_gb=0) if args.device == "cpu" else {}
         try:
             eng.place(bag, OffloadConfig(preload="auto" if cap else "100", **cpu))
-            launch, step = launch_and_step(m, feeds, args.forwards)
+            launch, step, _loop = launch_and_step(lambda: wan_forward(m, *feeds), args.forwards)
             ours, calls = profile(m, feeds, args.forwards)
             kept = eng.states(bag)["transformer"].transport.details()["kept"]
             row(section="engine", cap_gib=cap or None, kept=kept, launch_s=launch, step_s=step,
@@ -99,7 +82,7 @@ def main() -> None:
             if ballast is not None:
                 ballast.close()
     m.to(args.device)  # resident again, under the allocator setting the engine left
-    launch, step = launch_and_step(m, feeds, args.forwards)
+    launch, step, _loop = launch_and_step(lambda: wan_forward(m, *feeds), args.forwards)
     after, calls = profile(m, feeds, args.forwards)
     row(section="resident_after", launch_s=launch, step_s=step, calls_per_fwd=calls / args.forwards,
         allocator=allocator_note(), added=added(base, after, args.forwards, args.top))

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -47,6 +46,7 @@ from typing import Any
 import benchkit.comfy as bc
 import comfy_coexist as coexist
 from benchkit import ROOT, GiB, gib, open_output, output_args
+from benchkit.comfy_run import comfy_tree, queue, require_nodes
 from benchkit.single_file import gbs, host_rss, native_facts, ours_facts, print_table, summarize, unload_all
 
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -176,9 +176,7 @@ def main() -> int:
         os.environ.setdefault(k, "1")
     if a.build_only:
         return build_only(a)
-    p, comfy_dir = paths(a), Path(a.comfy_dir).resolve()
-    if not (comfy_dir / "main.py").is_file():
-        raise SystemExit(f"no ComfyUI tree at {comfy_dir} (set --comfy-dir or COMFYUI_PATH)")
+    p, comfy_dir = paths(a), comfy_tree(a.comfy_dir)
     rows = open_output(a, "single_file_node", lines=True)
     rows.echo = False
     t_start = time.perf_counter()
@@ -194,10 +192,7 @@ def main() -> int:
 
     cuda = (not a.cpu) and torch.cuda.is_available()
     rec = bc.Recorder(torch, cuda)
-    status = host.pack_status()
-    if "DiffusersOffloadLoadDiffusionModelFile" not in status.node_ids:
-        print("\n".join(host.init_log[-40:]))
-        raise SystemExit(f"our pack did not load (or has no single-file loader): {status}")
+    require_nodes(host, "DiffusersOffloadLoadDiffusionModelFile", "DiffusersOffloadGenerateVideo")
     host.nodes.NODE_CLASS_MAPPINGS.update(bc.helper_nodes(rec))
     host.comfy_utils.PROGRESS_THROTTLE_MIN_INTERVAL = 0.0
     rec.install(mm)
@@ -262,19 +257,9 @@ def run_phase(c: SimpleNamespace, phase: str, workload: str, rows) -> dict[str, 
     counts0 = c.alloc_counts()
     if c.poller is not None:
         c.poller.reset()
-    err, t0 = None, time.perf_counter()
+    t0 = time.perf_counter()
     print(f"== phase {phase} {workload} (seed {c.seed})", flush=True)
-    try:
-        result = c.host.run_prompt(
-            workflow(c.a, c.p, workload, c.seed), ["ch", "cf"] if ours else ["cm", "cl"]
-        )
-        if not result.success:
-            e = result.error or {}
-            err = f"{e.get('node_type')}: {e.get('exception_type')}: {str(e.get('exception_message'))[:400]}"
-            print(f"[{phase}] FAILED {err}\n{''.join(e.get('traceback', []))[-3000:]}", flush=True)
-    except Exception as exc:  # report, do not hide
-        traceback.print_exc()
-        err = f"{type(exc).__name__}: {str(exc)[:400]}"
+    err = queue(c.host, workflow(c.a, c.p, workload, c.seed), ["ch", "cf"] if ours else ["cm", "cl"], phase)
     wall = time.perf_counter() - t0
     for key, attr in (("ours_handle", "ours"), ("native_model", "native")):
         got = rec.captured(key)

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from benchkit import Rows, open_output, output_args, pack
-from benchkit.measure import Ballast, loop_time, sync, to_host
+from benchkit.measure import Ballast, launch_and_step, sync, to_host
 from benchkit.models import build_wan, wan_forward, wan_inputs
 
 pack()
@@ -46,23 +45,6 @@ def in_hooks(streamer, names=("enter_block", "enter", "exit")) -> list[float]:
                     spent[0] += time.perf_counter() - t0
         setattr(streamer, name, timed)  # an instance attribute shadows the method for this process
     return spent
-
-
-def launch_and_step(m, feeds, repeats: int = 5) -> tuple[float, float, float]:
-    """Median host time until the forward returns (its launches) and until the GPU is done, each
-    forward synchronized; and the mean step of ``repeats`` forwards queued back to back, as a
-    sampling loop queues them."""
-    for _ in range(2):
-        wan_forward(m, *feeds)
-    launch, step = [], []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        wan_forward(m, *feeds)
-        launch.append(time.perf_counter() - t0)
-        sync()
-        step.append(time.perf_counter() - t0)
-    return statistics.median(launch), statistics.median(step), loop_time(lambda: wan_forward(m, *feeds), repeats)
 
 
 def reading_costs(repeats: int = 200) -> None:
@@ -125,7 +107,7 @@ def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
             streamed = {int(i) for i in text.split(",")}
             streamer.set_resident(streamer.pieces_of(set(range(len(streamer.blocks))) - streamed))
             try:
-                launch, step = launch_and_step(m, feeds)
+                launch, step, _loop = launch_and_step(lambda: wan_forward(m, *feeds))
             except torch.OutOfMemoryError:  # the planner, which would give blocks up, is detached
                 row(section="by_hand", window=window, streamed=sorted(streamed), error="out of memory")
                 continue
@@ -160,7 +142,7 @@ def main() -> None:
     m = build_wan(40)
     feeds = wan_inputs(args.workload, 21)
     reading_costs()
-    row(section="resident", launch_s=(r := launch_and_step(m, feeds))[0], step_s=r[1], loop_s=r[2])
+    row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1], loop_s=r[2])
     to_host(m)
     first = float(args.caps.split(",")[0])
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
@@ -176,7 +158,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
         eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
         streamer = eng.states(bag)["transformer"].transport
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
-        launch, step, loop = launch_and_step(m, feeds)
+        launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds))
         spent[0] = driver[0] = 0.0
         sync()
         wan_forward(m, *feeds)

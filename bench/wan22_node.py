@@ -30,7 +30,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
 from benchkit import ROOT, GiB, gib
+from benchkit.comfy_run import comfy_tree, queue, require_nodes
 from benchkit.wan22 import DENOISERS, latent_shape
 
 PIPE_NAME = "wan22_a14b_bench"
@@ -195,9 +195,7 @@ def main() -> int:
         return build_only(a)
     if a.resident_only:
         return resident_only(a)
-    p, comfy_dir = paths(a), Path(a.comfy_dir).resolve()
-    if not (comfy_dir / "main.py").is_file():
-        raise SystemExit(f"no ComfyUI tree at {comfy_dir} (set --comfy-dir or COMFYUI_PATH)")
+    p, comfy_dir = paths(a), comfy_tree(a.comfy_dir)
     t_start = time.perf_counter()
 
     def stamp(what: str) -> None:
@@ -220,10 +218,7 @@ def main() -> int:
     from benchkit.wan22 import DenoiserClock, aimdo_enabled, resolver
 
     cuda = (not a.cpu) and torch.cuda.is_available()
-    status = host.pack_status()
-    if "DiffusersOffloadGenerateVideo" not in status.node_ids:
-        print("\n".join(host.init_log[-40:]))
-        raise SystemExit(f"our pack did not load: {status}")
+    require_nodes(host, "DiffusersOffloadGenerateVideo")
     capture = bc.capture_class()
     host.nodes.NODE_CLASS_MAPPINGS["Wan22Capture"] = capture
     host.comfy_utils.PROGRESS_THROTTLE_MIN_INTERVAL = 0.0
@@ -282,16 +277,8 @@ def run_once(a, p, host, torch, capture, poller, ballast, run: int) -> dict[str,
         poller.reset()
     capture.seen.clear()
     counts0 = alloc_counts()
-    err, t0 = None, time.perf_counter()
-    try:
-        result = host.run_prompt(prompt(a, p, run), ["cf"])
-        if not result.success:
-            e = result.error or {}
-            err = f"{e.get('node_type')}: {e.get('exception_type')}: {str(e.get('exception_message'))[:400]}"
-            print(f"[run {run}] FAILED {err}\n{''.join(e.get('traceback', []))[-3000:]}", flush=True)
-    except Exception as exc:  # report, do not hide
-        traceback.print_exc()
-        err = f"{type(exc).__name__}: {str(exc)[:400]}"
+    t0 = time.perf_counter()
+    err = queue(host, prompt(a, p, run), ["cf"], f"run {run}")
     frames = next((v for k, v in reversed(capture.seen) if k == "frames"), None)
     row = {
         "section": "run",
