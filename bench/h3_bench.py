@@ -42,6 +42,7 @@ import numpy as np
 import psutil
 import torch
 from benchkit import GB, GiB, Rows, open_output, output_args, pack
+from benchkit.h3_fp8 import fp8_builder
 from benchkit.measure import Ballast, h2d_bandwidth, sync
 from benchkit.models import build_h3, h3_geometry, nbytes
 from benchkit.stages import OTHER, Instruments, PeakTracker, StageClock, TrackingReader
@@ -300,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
             fp8_layers=len(table.weights) if (table := table_of(model)) is not None else 0,
             **h3_geometry(name, model), rss_gib=psutil.Process().memory_info().rss / GiB)
 
-    pipe = build_h3(args.tiny, args.blocks, args.te_layers, device, dtype, built, FP8_DTYPES.get(args.storage))
+    storage = FP8_DTYPES.get(args.storage)
+    other = fp8_builder(device, dtype, storage) if storage is not None else None
+    pipe = build_h3(args.tiny, args.blocks, args.te_layers, device, dtype, built, other)
     args.storage_bytes = sum(nbytes(getattr(pipe, name)) for name in ROLES)
     out(section="pipeline", cls=type(pipe).__name__, workflow="fl2va", text_encoder_layer=pipe.text_encoder_layer,
         total_gib=args.storage_bytes / GiB, storage=args.storage)

@@ -40,6 +40,12 @@ log = get_logger("bench.h3_fp8")
 TOWERS = {"transformer": "transformer_blocks", "text_encoder": "model.language_model.layers"}
 
 
+def fp8_builder(device: torch.device, dtype: torch.dtype, storage: torch.dtype):
+    """For ``models.build_h3(build_other=...)``: the transformer and the text encoder built
+    directly in ``storage``; the other models as usual."""
+    return lambda name, make: build_fp8(make, TOWERS[name], device, dtype, storage) if name in TOWERS else None
+
+
 def build_fp8(
     make: Callable[..., torch.nn.Module],
     tower: str,

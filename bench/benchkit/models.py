@@ -191,14 +191,14 @@ def _h3_text_config(tiny: bool, layers: int, tokenizer):
 
 
 def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtype: torch.dtype, on_built=None,
-             storage: torch.dtype | None = None):
+             build_other=None):
     """An fl2va ``MiniMaxH3ModularPipeline``: the transformer at the H3-33B width with ``blocks`` of
     its 50 blocks; Qwen3-VL at the assumed H3 width (tests/fixtures/meta_models.H3_TEXT_ENCODER) with
     ``te_layers`` of 64 layers (H3 reads ``hidden_states[50]``: a shorter stack reads its last but
     one); both VAEs at their real configs; the suite's byte-level tokenizer (its ids fit the real
-    vocabulary). ``on_built(name, model, build_s, to_host_s)`` after each model. ``storage`` (an fp8
-    dtype): the transformer and the text encoder are built directly in it, tensor by tensor
-    (``benchkit.h3_fp8``; their move to the host is part of ``build_s``)."""
+    vocabulary). ``on_built(name, model, build_s, to_host_s)`` after each model. ``build_other(name,
+    make)``: a model built another way, or None (``benchkit.h3_fp8.fp8_builder``: directly in fp8,
+    its move to the host part of ``build_s``)."""
     from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Transformer3DModel
     from diffusers.modular_pipelines import MiniMaxH3Blocks
     from diffusers.schedulers import MiniMaxH3Scheduler
@@ -207,8 +207,6 @@ def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtyp
     fixtures()
     from fixtures.tiny_tok import QWEN_VISION_TOKENS, tiny_qwen2_tokenizer
 
-    if storage is not None:
-        from .h3_fp8 import TOWERS, build_fp8
     tokenizer = tiny_qwen2_tokenizer(extra_special=QWEN_VISION_TOKENS)
     makers = {
         "transformer": lambda n=blocks: MiniMaxH3Transformer3DModel(**(H3_TINY_TRANSFORMER if tiny else {}), num_layers=n),
@@ -220,8 +218,9 @@ def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtyp
     torch.manual_seed(0)
     for name, make in makers.items():
         t0 = time.perf_counter()
-        if storage is not None and name in TOWERS:
-            models[name] = build_fp8(make, TOWERS[name], device, dtype, storage)
+        other = build_other(name, make) if build_other is not None else None
+        if other is not None:
+            models[name] = other
             if on_built is not None:
                 on_built(name, models[name], time.perf_counter() - t0, None)
             continue
