@@ -1,11 +1,13 @@
-"""fp8 storage with bf16/fp16 compute: which weights of a model are stored in fp8, their per-tensor
-scales, and the one dequantisation every path uses (``weight.to(compute) * scale.to(compute)``,
-as ComfyUI's fp8 "scaled" layers compute it).
+"""Low-precision storage with bf16/fp16 compute: which weights of a model are stored in fp8 (or in
+int8, from ComfyUI's ``int8_tensorwise`` files), their scales, and the one dequantisation every
+path uses per storage: fp8 ``weight.to(compute) * scale.to(compute)``, as ComfyUI's fp8 "scaled"
+layers compute it; int8 ``(q.float() * scale).to(compute)``, comfy-kitchen's
+``dequantize_int8_simple_dtype`` (a float32 product rounded once; per-tensor or per-row scales).
 
 Only ``nn.Linear`` weights are stored in fp8 (they are nearly all of a denoiser's bytes), and not
 in the layers diffusers' own layerwise casting skips (embeddings, norms, ``proj_out``: their dtype
 steers input casts, e.g. Wan's time embedder casts the timestep to its weight's dtype); any other
-fp8 tensor a file holds is dequantised once at marking.
+fp8 tensor a file holds (and any scaled int8 weight outside them) is dequantised once at marking.
 The table lives on the model under one key (`FP8`); it is the weights' format, set by the
 loader, so a release keeps it.
 """
@@ -25,18 +27,34 @@ from ..state import FP8
 log = get_logger("fp8")
 
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+INT8 = torch.int8  # ComfyUI's int8_tensorwise weights: dequantised by torch on every transport, no kernel
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass
 class Fp8Table:
-    """A model's fp8 weights: ``compute`` is what they are dequantised to; ``scales`` maps
-    ``id(weight)`` to its per-tensor scale (absent: 1)."""
+    """A model's stored weights: fp8, or int8 when ``storage`` is `INT8` (the name predates int8;
+    one storage dtype per model). ``compute`` is what they are dequantised to; ``scales`` maps
+    ``id(weight)`` of an fp8 weight to its per-tensor scale (absent: 1), ``int8_scales`` that of
+    an int8 weight to its float scale tensor (shape ``()`` or ``[rows, 1]``)."""
 
     storage: torch.dtype
     compute: torch.dtype
     weights: dict[int, str] = field(default_factory=dict)  # id(weight) -> its layer's name
     scales: dict[int, float] = field(default_factory=dict)
+    int8_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def int8(self) -> bool:
+        return self.storage == INT8
+
+    def int8_scale(self, weight: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """An int8 weight's scale on ``device`` (copied there once)."""
+        key = (id(weight), device)
+        if key not in self._on_device:
+            self._on_device[key] = self.int8_scales[id(weight)].to(device)
+        return self._on_device[key]
 
     def scale_of(self, weight: torch.Tensor) -> float | None:
         return self.scales.get(id(weight))
@@ -60,6 +78,17 @@ def dequantize(weight: torch.Tensor, scale: float | None, compute: torch.dtype) 
     return out if scale is None else out.mul_(scale)
 
 
+def dequantize_int8(
+    q: torch.Tensor, scale: torch.Tensor, compute: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The compute-dtype value of an int8 weight: the bits of ``(q.float() * scale).to(compute)``
+    (int8 to float is exact, the product is float32 and rounded once into ``out``), without a
+    float32 copy of the weight."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=compute, device=q.device)
+    return torch.mul(q, scale, out=out)
+
+
 def store_fp8(model: torch.nn.Module, storage: torch.dtype, compute: torch.dtype) -> Fp8Table:
     """Cast the model's Linear weights to ``storage`` in place (what ComfyUI's UNETLoader
     ``weight_dtype`` does), computing in ``compute``."""
@@ -78,48 +107,118 @@ def store_denoisers_fp8(pipe: object, storage: torch.dtype, compute: torch.dtype
     return list(found)
 
 
-def mark_fp8(model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor] | None = None,
-             source: str | None = None) -> Fp8Table:
-    """Record the model's fp8 Linear weights and their per-tensor ``scales`` (by layer name, as
-    a file's ``<layer>.scale_weight`` / ``<layer>.weight_scale`` names them); any other fp8
-    tensor is dequantised now. ``source`` names the file in errors."""
+def mark_fp8(
+    model: torch.nn.Module,
+    compute: torch.dtype,
+    scales: dict[str, torch.Tensor] | None = None,
+    source: str | None = None,
+) -> Fp8Table:
+    """Record the model's fp8 (or int8) Linear weights and their ``scales`` (by layer name, as a
+    file's ``<layer>.scale_weight`` / ``<layer>.weight_scale`` names them: per tensor for fp8, per
+    tensor or per row for int8, which needs one); any other fp8 tensor, and any scaled int8 weight
+    outside those layers, is dequantised now. ``source`` names the file in errors."""
     what = source or type(model).__name__
     scales = dict(scales or {})
     linears = dict(_linears(model))
-    storages = {layer.weight.dtype for layer in linears.values() if is_fp8(layer.weight)}
+    storages = {layer.weight.dtype for layer in linears.values() if _stored(layer.weight)}
+    if len(storages) > 1 and INT8 in storages:
+        raise ValueError(
+            f"{what}: mixes int8 and fp8 weights {sorted(map(str, storages))}; one storage dtype per model"
+        )
     if len(storages) > 1:
         raise ValueError(f"{what}: mixes fp8 formats {sorted(map(str, storages))}; one fp8 dtype per model")
     storage = storages.pop() if storages else torch.float8_e4m3fn
-    _check_dtypes(storage, compute, what)
+    _check_dtypes(storage, compute, what, int8=True)
     table = Fp8Table(storage, compute)
     for name, layer in linears.items():
         scale = scales.pop(name, None)
-        if not is_fp8(layer.weight):
+        if not _stored(layer.weight):
             if scale is not None:
-                raise ValueError(f"{what}: {name} has a weight scale but its weight is {layer.weight.dtype}, not fp8")
+                raise ValueError(
+                    f"{what}: {name} has a weight scale but its weight is {layer.weight.dtype}, not fp8"
+                )
             continue
         table.weights[id(layer.weight)] = name
-        if scale is not None:
+        if layer.weight.dtype == INT8:
+            table.int8_scales[id(layer.weight)] = check_int8_scale(scale, name, layer.weight, what)
+        elif scale is not None:
             table.scales[id(layer.weight)] = _scalar(scale, name, layer.weight, what, compute)
     _dequantize_others(model, compute, scales, what)
     if scales:
         raise ValueError(f"{what}: scales for layers the model does not have: {sorted(scales)[:5]}")
     FP8.set(model, table)
-    log.info("%s: %d Linear weights stored in %s (%d scaled), computing in %s", what, len(table.weights),
-             str(storage).removeprefix("torch."), len(table.scales), str(compute).removeprefix("torch."))
+    if table.int8:
+        _log_int8(what, table)
+    else:
+        log.info(
+            "%s: %d Linear weights stored in %s (%d scaled), computing in %s",
+            what,
+            len(table.weights),
+            str(storage).removeprefix("torch."),
+            len(table.scales),
+            str(compute).removeprefix("torch."),
+        )
     return table
 
 
-def _dequantize_others(model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor],
-                       what: str) -> None:
-    """fp8 tensors outside Linear weights (a conv, a norm, a bias) become compute-dtype values."""
+def _log_int8(what: str, table: Fp8Table) -> None:
+    rows = sum(s.ndim > 0 for s in table.int8_scales.values())
+    log.info(
+        "%s: %d Linear weights stored in int8 (ComfyUI int8_tensorwise: %d per-row, %d per-tensor scales), "
+        "computing in %s; int8 uses the torch cast ((q.float() * scale).to(compute)) on every transport, "
+        "not the fp8 kernel",
+        what,
+        len(table.weights),
+        rows,
+        len(table.weights) - rows,
+        str(table.compute).removeprefix("torch."),
+    )
+
+
+def _stored(t: torch.Tensor) -> bool:
+    return is_fp8(t) or t.dtype == INT8
+
+
+def _dequantize_others(
+    model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor], what: str
+) -> None:
+    """fp8 tensors outside Linear weights (a conv, a norm, a bias) become compute-dtype values, and
+    so do int8 weights there (they need their scale)."""
     stored = {id(layer) for _name, layer in _linears(model)}
     for name, module in model.named_modules():
         for pname, t in (*module._parameters.items(), *module._buffers.items()):
-            if t is None or not is_fp8(t) or (pname == "weight" and id(module) in stored):
+            if t is None or (pname == "weight" and id(module) in stored):
+                continue
+            if pname == "weight" and t.dtype == INT8:
+                t.data = dequantize_int8(
+                    t.data, check_int8_scale(scales.pop(name, None), name, t, what), compute
+                )
+                continue
+            if not is_fp8(t):
                 continue
             scale = scales.pop(name, None) if pname == "weight" else None
-            t.data = dequantize(t.data, None if scale is None else _scalar(scale, name, t, what, compute), compute)
+            t.data = dequantize(
+                t.data, None if scale is None else _scalar(scale, name, t, what, compute), compute
+            )
+
+
+def check_int8_scale(scale: torch.Tensor | None, layer: str, weight: torch.Tensor, what: str) -> torch.Tensor:
+    """An int8 weight's scale as `dequantize_int8` takes it: one value (shape ``()``) or one per
+    row (``[rows, 1]``), in the dtype of ComfyUI's ``q.float() * scale`` (float32 but for a
+    float64 per-row scale)."""
+    if scale is None:
+        raise ValueError(f"{what}: {layer} has an int8 weight without a weight scale")
+    scale = torch.as_tensor(scale)
+    rows = weight.shape[0] if weight.ndim else 1
+    if not scale.is_floating_point() or (scale.numel() != 1 and tuple(scale.shape) != (rows, 1)):
+        raise ValueError(
+            f"{what}: the scale of {layer} has shape {tuple(scale.shape)} ({scale.dtype}) for an int8 weight of "
+            f"shape {tuple(weight.shape)}; int8 scales are float, per tensor (one value) or per row ([{rows}, 1])"
+        )
+    if not torch.isfinite(scale).all():
+        raise ValueError(f"{what}: the scale of {layer} is not finite")
+    dtype = torch.result_type(torch.empty(1, device="meta"), scale)
+    return (scale.reshape(()) if scale.numel() == 1 else scale).to(dtype).contiguous()
 
 
 def scale_value(scale: torch.Tensor | float, compute: torch.dtype) -> float:
@@ -127,31 +226,43 @@ def scale_value(scale: torch.Tensor | float, compute: torch.dtype) -> float:
     return float(torch.as_tensor(scale, dtype=torch.float32).reshape(()).to(compute).float().item())
 
 
-def _scalar(scale: torch.Tensor | float, layer: str, weight: torch.Tensor, what: str, compute: torch.dtype) -> float:
+def _scalar(
+    scale: torch.Tensor | float, layer: str, weight: torch.Tensor, what: str, compute: torch.dtype
+) -> float:
     """The per-tensor scale as the compute dtype holds it: ComfyUI dequantises with
     ``w.to(c) * scale.to(c)`` (comfy-kitchen's reference), so the scale is rounded to ``c`` first."""
     if isinstance(scale, torch.Tensor) and scale.numel() != 1:
         raise ValueError(
             f"{what}: the scale of {layer} has shape {tuple(scale.shape)} for a weight of shape "
-            f"{tuple(weight.shape)}; only per-tensor scales (one value) are supported")
+            f"{tuple(weight.shape)}; only per-tensor scales (one value) are supported"
+        )
     value = scale_value(scale, compute)
     if not (value == value and abs(value) != float("inf")):  # nan / inf
         raise ValueError(f"{what}: the scale of {layer} is {value}")
     return value
 
 
-def _check_dtypes(storage: torch.dtype, compute: torch.dtype, what: str) -> None:
-    if storage not in FP8_DTYPES.values():
+def _check_dtypes(storage: torch.dtype, compute: torch.dtype, what: str, int8: bool = False) -> None:
+    """``int8``: a loader's int8 weights are accepted too (never a cast to int8)."""
+    if storage not in FP8_DTYPES.values() and not (int8 and storage == INT8):
         raise ValueError(f"{what}: {storage} is not an fp8 storage dtype (one of {list(FP8_DTYPES)})")
     if compute not in COMPUTE_DTYPES:
-        raise ValueError(f"{what}: fp8 weights compute in bf16, fp16 or fp32, not {compute}")
+        kind = "int8" if storage == INT8 else "fp8"
+        raise ValueError(f"{what}: {kind} weights compute in bf16, fp16 or fp32, not {compute}")
 
 
 def _linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
     """The Linear layers that may store fp8: diffusers' layerwise-casting skip patterns apply, and
     so do the model's ``_keep_in_fp32_modules``, as in its ``enable_layerwise_casting``."""
-    skip = (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()),
-            *(getattr(model, "_keep_in_fp32_modules", None) or ()))
-    return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and not any(re.search(pattern, n) for pattern in skip)]
+    skip = (
+        *DEFAULT_SKIP_MODULES_PATTERN,
+        *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()),
+        *(getattr(model, "_keep_in_fp32_modules", None) or ()),
+    )
+    return [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and not any(re.search(pattern, n) for pattern in skip)
+    ]

@@ -19,14 +19,30 @@ from safetensors import safe_open
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 FP8_NAMES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
-ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool, **FP8_NAMES}
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    **FP8_NAMES,
+}
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")
 QUANT_SUFFIX = ".comfy_quant"
 QUANT_METADATA = "_quantization_metadata"
-LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2"}  # ComfyUI's per-tensor fp8: fp8_scaled by another name
+LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise"}  # per-tensor fp8 (fp8_scaled by another
+# name); int8 with a per-tensor or per-row scale, without convrot (Hadamard-rotated weights)
+INT8_QUANT = "int8_tensorwise"
+ACCEPTED_QUANT = (
+    "float8_e4m3fn / float8_e5m2 with per-tensor scales and int8_tensorwise without convrot "
+    "(per-tensor or per-row scales)"
+)
 
 # (pattern on any key, what the file looks like, its role): first match wins; before the denoiser
 # detector, since a text encoder never carries a denoiser's keys.
@@ -35,17 +51,35 @@ KEY_SIGNS: tuple[tuple[str, str, str], ...] = (
     (r"(^|\.)encoder\.block\.\d+\.layer\.\d+\.SelfAttention\.", "a T5/UMT5 text encoder", "text_encoder"),
     (r"(^|\.)text_model\.encoder\.layers\.\d+\.", "a CLIP text encoder", "text_encoder"),
     (r"(^|\.)vision_model\.encoder\.layers\.\d+\.", "a CLIP vision (image) encoder", "image_encoder"),
-    (r"(^|\.)(language_model\.)?(model\.)?layers\.\d+\.self_attn\.(q_proj|qkv_proj)\.",
-     "a Qwen/Llama/Gemma-style language model (a text encoder)", "text_encoder"),
+    (
+        r"(^|\.)(language_model\.)?(model\.)?layers\.\d+\.self_attn\.(q_proj|qkv_proj)\.",
+        "a Qwen/Llama/Gemma-style language model (a text encoder)",
+        "text_encoder",
+    ),
     (r"(^|\.)decoder\.middle\.0\.residual\.0\.gamma$", "a Wan VAE", "vae"),
     (r"(^|\.)decoder\.(up_blocks|up)\.\d+\..*(conv|resnets)", "a VAE", "vae"),
 )
 DENOISER_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers model type prefix -> family
-    ("wan", "wan"), ("flux-2", "flux2"), ("flux-3", "flux3"), ("flux", "flux"), ("chroma", "chroma"),
-    ("ltx2", "ltx2"), ("ltx-video", "ltx-video"), ("minimax-h3", "minimax_h3"), ("hunyuan-video", "hunyuan-video"),
-    ("mochi", "mochi"), ("sd3", "sd3"), ("sd35", "sd3"), ("auraflow", "auraflow"), ("lumina2", "lumina2"),
-    ("sana", "sana"), ("hidream", "hidream"), ("cosmos", "cosmos"), ("z-image", "z-image"),
-    ("qwen-image", "qwen-image"), ("krea2", "krea2"),
+    ("wan", "wan"),
+    ("flux-2", "flux2"),
+    ("flux-3", "flux3"),
+    ("flux", "flux"),
+    ("chroma", "chroma"),
+    ("ltx2", "ltx2"),
+    ("ltx-video", "ltx-video"),
+    ("minimax-h3", "minimax_h3"),
+    ("hunyuan-video", "hunyuan-video"),
+    ("mochi", "mochi"),
+    ("sd3", "sd3"),
+    ("sd35", "sd3"),
+    ("auraflow", "auraflow"),
+    ("lumina2", "lumina2"),
+    ("sana", "sana"),
+    ("hidream", "hidream"),
+    ("cosmos", "cosmos"),
+    ("z-image", "z-image"),
+    ("qwen-image", "qwen-image"),
+    ("krea2", "krea2"),
 )
 
 
@@ -79,8 +113,10 @@ class SingleFileInfo:
         """The fp8 dtype of the file's weights (one only), or None when it holds none."""
         found = {d for k, d in self.dtypes.items() if d in FP8_NAMES.values() and k != self.marker}
         if len(found) > 1:
-            raise SingleFileError(f"{self.path}: mixes fp8 formats {sorted(map(str, found))}; one fp8 dtype per "
-                                  "file is supported")
+            raise SingleFileError(
+                f"{self.path}: mixes fp8 formats {sorted(map(str, found))}; one fp8 dtype per "
+                "file is supported"
+            )
         return found.pop() if found else None
 
     @property
@@ -112,27 +148,37 @@ def read_header(path: Path) -> tuple[dict, dict[str, str]]:
             end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
             for key, v in header.items():
                 if v["dtype"] not in ST_DTYPES:
-                    raise SingleFileError(f"{path}: tensor {key} has dtype {v['dtype']}, which this pack cannot "
-                                          f"load (known: {', '.join(ST_DTYPES)})")
+                    raise SingleFileError(
+                        f"{path}: tensor {key} has dtype {v['dtype']}, which this pack cannot "
+                        f"load (known: {', '.join(ST_DTYPES)})"
+                    )
         except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
             if isinstance(exc, SingleFileError):
                 raise
             raise SingleFileError(_damaged(path, f"its header is not valid ({exc})")) from exc
     if 8 + length + end != size:
-        raise SingleFileError(_damaged(path, f"its header describes {8 + length + end} bytes, the file has {size}"))
+        raise SingleFileError(
+            _damaged(path, f"its header describes {8 + length + end} bytes, the file has {size}")
+        )
     return header, dict(metadata)
 
 
 def _damaged(path: Path, why: str) -> str:
-    return f"{path} is not a readable safetensors file (truncated or corrupt): {why}; download this file again"
+    return (
+        f"{path} is not a readable safetensors file (truncated or corrupt): {why}; download this file again"
+    )
 
 
 def inspect_safetensors(path: Path) -> SingleFileInfo:
     """A safetensors single file described from its header (tensor data is not read, except the
     few bytes of ComfyUI's ``comfy_quant`` entries)."""
     header, metadata = read_header(path)
-    info = SingleFileInfo(Path(path), {k: tuple(v["shape"]) for k, v in header.items()},
-                          {k: ST_DTYPES[v["dtype"]] for k, v in header.items()}, metadata)
+    info = SingleFileInfo(
+        Path(path),
+        {k: tuple(v["shape"]) for k, v in header.items()},
+        {k: ST_DTYPES[v["dtype"]] for k, v in header.items()},
+        metadata,
+    )
     for key in header:
         if key == "scaled_fp8" or key.endswith(".scaled_fp8"):
             info.marker = key
@@ -185,29 +231,74 @@ def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
             parsed = json.loads(raw)
             layers.update(parsed["layers"])
         except (ValueError, TypeError, KeyError) as exc:
-            raise SingleFileError(f"{info.path}: its {QUANT_METADATA} header entry is not valid ({exc})") from exc
+            raise SingleFileError(
+                f"{info.path}: its {QUANT_METADATA} header entry is not valid ({exc})"
+            ) from exc
     if info.quant_keys:
         with safe_open(str(info.path), framework="pt") as f:
             for key in info.quant_keys:
                 try:
                     layers[key.removesuffix(QUANT_SUFFIX)] = json.loads(bytes(f.get_tensor(key).tolist()))
                 except (ValueError, TypeError) as exc:
-                    raise SingleFileError(f"{info.path}: {key} is not a valid comfy_quant entry ({exc})") from exc
+                    raise SingleFileError(
+                        f"{info.path}: {key} is not a valid comfy_quant entry ({exc})"
+                    ) from exc
     return layers
 
 
 def check_quant_layers(info: SingleFileInfo) -> None:
-    """Refuse, by name, a ComfyUI quant format this engine cannot run; per-tensor fp8 passes (it is
-    fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight)."""
+    """Refuse, by name, a ComfyUI quant format this engine cannot run. Per-tensor fp8 passes (it is
+    fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
+    ``int8_tensorwise`` without convrot: an int8 weight and its ``weight_scale``; an int8 weight
+    no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess)."""
     layers = read_quant_layers(info)
     formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
     unknown = sorted(formats - LOADABLE_QUANT)
     if unknown:
         raise SingleFileError(
             f"{info.path} is a ComfyUI quantized file ({len(layers)} layers, formats {', '.join(sorted(formats))}): "
-            f"this pack does not run comfy-kitchen layouts ({', '.join(unknown)}) yet; use an fp8, fp8_scaled, "
-            "GGUF or bf16 file of the model, or ComfyUI's own loader")
+            f"this pack does not run comfy-kitchen layouts ({', '.join(unknown)}) yet; it runs {ACCEPTED_QUANT}. "
+            "Use such a file, an fp8, fp8_scaled, GGUF or bf16 file of the model, or ComfyUI's own loader"
+        )
+    convrot = [k for k, conf in layers.items() if conf.get("format") == INT8_QUANT and _convrot(conf)]
+    if convrot:
+        raise SingleFileError(
+            f"{info.path}: layers {convrot[:3]} are int8_tensorwise with convrot (Hadamard-rotated weights), which "
+            f"this pack does not run yet; it runs {ACCEPTED_QUANT}. Use such a file, an fp8, fp8_scaled, GGUF or "
+            "bf16 file of the model, or ComfyUI's own loader"
+        )
     full = [k for k, conf in layers.items() if isinstance(conf, dict) and conf.get("group_size")]
     if full:
-        raise SingleFileError(f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales "
-                              "are supported")
+        raise SingleFileError(
+            f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
+        )
+    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT})
+
+
+def _convrot(conf: dict) -> bool:
+    """ComfyUI reads ``convrot`` from the entry or from its ``params`` (ops.py)."""
+    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+    return bool(conf.get("convrot", params.get("convrot", False)))
+
+
+def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
+    """Each ``int8_tensorwise`` layer has an int8 weight and a scale; each int8 weight is declared."""
+    for layer in sorted(declared):
+        dtype = info.dtypes.get(f"{layer}.weight")
+        if dtype != torch.int8 or layer not in info.scales:
+            stored = "no weight" if dtype is None else f"a {str(dtype).removeprefix('torch.')} weight"
+            scale = "" if layer in info.scales else " and no weight_scale"
+            raise SingleFileError(
+                f"{info.path}: layer {layer} is declared int8_tensorwise but the file holds "
+                f"{stored}{scale} for it; the file is inconsistent, download it again"
+            )
+    stray = sorted(
+        k
+        for k, d in info.dtypes.items()
+        if d == torch.int8 and k.endswith(".weight") and k.removesuffix(".weight") not in declared
+    )
+    if stray:
+        raise SingleFileError(
+            f"{info.path}: {len(stray)} int8 weights ({', '.join(stray[:3])}) have no int8_tensorwise "
+            "comfy_quant entry; this pack runs ComfyUI's self-describing int8 files only"
+        )

@@ -1,12 +1,12 @@
-"""Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8, GGUF) into
-the diffusers class of a config folder of the same family.
+"""Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8 and
+int8_tensorwise, GGUF) into the diffusers class of a config folder of the same family.
 
 Keys are converted by diffusers' own single-file conversion (the mapping function
 `from_single_file` uses). GGUF files go through `from_single_file` itself (its GGUF quantizer).
 safetensors files do not: diffusers 0.42.1 casts fp8 values to the compute dtype and drops every
 ``scale_weight`` (silently wrong weights, twice the bytes), and casts every module, its fp32
 ones included, to the compute dtype (unlike its folder loader). Here the converted tensors are
-assigned into an empty model: fp8 ones as they are (`fp8.mark_fp8` records their per-tensor
+assigned into an empty model: fp8 and int8 ones as they are (`fp8.mark_fp8` records their
 scales), the rest in the compute dtype except diffusers' ``_keep_in_fp32_modules``, as
 `from_pretrained` keeps them.
 """
@@ -23,7 +23,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from ..log import get_logger
-from .fp8 import dequantize, is_fp8, mark_fp8, scale_value
+from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
 from .inspect import (
     INPUT_SCALE_SUFFIXES,
     QUANT_SUFFIX,
@@ -66,7 +66,7 @@ def model_class(folder: Path, what: str) -> type:
 
 def load_denoiser(path: Path, config_folder: Path, compute: torch.dtype, subfolder: str = "transformer") -> Any:
     """The denoiser of single file ``path`` as the class of ``config_folder/subfolder``, computing in
-    ``compute``; fp8 files keep their fp8 storage (with their scales), GGUF files their packed bytes."""
+    ``compute``; fp8 and int8 files keep their storage (with their scales), GGUF files their packed bytes."""
     path, config_folder = Path(path), Path(config_folder)
     if not path.is_file():
         raise SingleFileError(f"{path} does not exist: pick a file from models/diffusion_models")
@@ -75,8 +75,7 @@ def load_denoiser(path: Path, config_folder: Path, compute: torch.dtype, subfold
         return _load_gguf(path, config_folder, subfolder, cls, compute)
     info = inspect_safetensors(path)
     _check_denoiser(info, cls, config_folder)
-    if info.quant_keys or "_quantization_metadata" in info.metadata:
-        check_quant_layers(info)
+    check_quant_layers(info)  # (a file without comfy_quant entries is read for stray int8 weights only)
     return _load_converted(path, info, config_folder, subfolder, cls, compute)
 
 
@@ -149,6 +148,9 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
                               f"{len(info.scales)} weight scales; this pack cannot map them for this family yet")
     _check_keys(path, converted, expected, cls, config_folder / subfolder)
     state = _compute_state(converted, scales, cls, compute)
+    params = dict(model.named_parameters())
+    for key in [k for k, t in state.items() if t.dtype == INT8 and k in params]:  # no gradient on integers
+        params[key].requires_grad_(False)
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
     if info.fp8 is None and not scales:
@@ -156,11 +158,12 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
                  cls.__name__, _short(compute))
         return model
     try:
-        mark_fp8(model, compute, scales, source=str(path))
+        table = mark_fp8(model, compute, scales, source=str(path))
     except ValueError as exc:
         raise SingleFileError(str(exc)) from exc
-    log.info("%s: %s denoiser in %s (%d per-tensor scales) loaded as %s, fp8 storage kept", path.name,
-             info.family, info.format, len(scales), cls.__name__)
+    kind, storage = ("int8_tensorwise", "int8") if table.int8 else ("per-tensor", "fp8")
+    log.info("%s: %s denoiser in %s (%d %s scales) loaded as %s, %s storage kept", path.name, info.family,
+             info.format, len(scales), kind, cls.__name__, storage)
     return model
 
 
@@ -202,13 +205,20 @@ def _check_keys(path: Path, converted: dict, expected: dict, cls: type, config: 
 def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], cls: type,
                    compute: torch.dtype) -> dict[str, torch.Tensor]:
     """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (half compute) in fp32, an fp8
-    weight among them dequantised as ComfyUI does (in the compute dtype, then held in fp32); fp8
-    tensors otherwise as stored."""
+    or int8 weight among them dequantised as ComfyUI does (to the compute dtype, then held in fp32);
+    fp8 and int8 tensors otherwise as stored."""
     keep32 = list(cls._keep_in_fp32_modules or []) if compute in (torch.float16, torch.bfloat16) else []
     state = {}
     for key, t in converted.items():
         fp32 = any(m in key.split(".") for m in keep32)
-        if is_fp8(t) and fp32:
+        if t.dtype == INT8 and fp32 and key.endswith(".weight"):
+            layer = key.removesuffix(".weight")
+            try:
+                scale = check_int8_scale(scales.pop(layer, None), layer, t, cls.__name__)
+            except ValueError as exc:
+                raise SingleFileError(str(exc)) from exc
+            t = dequantize_int8(t, scale, compute).float()
+        elif is_fp8(t) and fp32:
             scale = scales.pop(key.removesuffix(".weight"), None)
             if scale is not None and scale.numel() != 1:
                 raise SingleFileError(f"the scale of {key} has shape {tuple(scale.shape)} for a weight of shape "

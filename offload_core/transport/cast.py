@@ -8,6 +8,9 @@ casting, ComfyUI's cast per op): the per-layer launches cost more than the bytes
 streamed image step (bench/README.md, formats). The storage bytes (a ring buffer, a kept piece)
 are what moves and stays; the compute buffer lives only while the unit runs, from a small pool
 on the compute stream, so reusing one is ordered after the unit that last read it.
+int8 units (ComfyUI's int8_tensorwise) never reach the kernel: each weight is cast by torch,
+`fp8.dequantize_int8` (``(q.float() * scale).to(compute)``, per-tensor or per-row scales), element
+for byte as well (int8 is one byte).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats.fp8 import Fp8Table
+from ..formats.fp8 import Fp8Table, dequantize_int8
 from . import fp8_kernel
 
 
@@ -30,8 +33,12 @@ class UnitCast:
     shapes: list[torch.Size]  # and its shape
     scaled: list[int] = field(default_factory=list)  # positions (among the fp8 slots) with a scale
     scales: list[float] = field(default_factory=list)
+    int8_scales: list[torch.Tensor] | None = (
+        None  # an int8 unit: each slot's scale (the torch cast, no kernel)
+    )
 
     _table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (starts, scales), on the device
+    _int8_on: list[torch.Tensor] | None = None  # int8_scales on the device
 
     @property
     def compute_bytes(self) -> int:
@@ -44,12 +51,22 @@ class UnitCast:
         if self._table is None or self._table[0].device.index != device.index:
             by_slot = dict(zip(self.scaled, self.scales, strict=True))
             scales = [by_slot.get(i, 1.0) for i in range(self.count)]
-            self._table = (torch.tensor(self.offsets, dtype=torch.int64, device=device),
-                           torch.tensor(scales, dtype=torch.float32, device=device))
+            self._table = (
+                torch.tensor(self.offsets, dtype=torch.int64, device=device),
+                torch.tensor(scales, dtype=torch.float32, device=device),
+            )
         return self._table
 
+    def int8_table(self, device: torch.device) -> list[torch.Tensor]:
+        """Each int8 weight's scale on the device (copied there once)."""
+        if self._int8_on is None or self._int8_on[0].device != device:
+            self._int8_on = [s.to(device) for s in self.int8_scales]
+        return self._int8_on
 
-def unit_cast(table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list[int], end: int) -> UnitCast | None:
+
+def unit_cast(
+    table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list[int], end: int
+) -> UnitCast | None:
     """The cast of a unit whose tensors (fp8 ones first) lie at ``offsets`` from its start;
     ``end``: where its fp8 region ends. None when none is fp8."""
     if table is None:
@@ -58,10 +75,27 @@ def unit_cast(table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list
     if not fp8:
         return None
     assert fp8 == list(range(len(fp8))), "fp8 tensors must lead the unit's layout"
+    if table.int8:
+        return UnitCast(
+            table.storage,
+            table.compute,
+            len(fp8),
+            end,
+            offsets[: len(fp8)],
+            [tensors[i].shape for i in fp8],
+            int8_scales=[table.int8_scales[id(tensors[i])] for i in fp8],
+        )
     scaled = [i for i in fp8 if table.scale_of(tensors[i]) is not None]
-    return UnitCast(table.storage, table.compute, len(fp8), end, offsets[:len(fp8)],
-                    [tensors[i].shape for i in fp8], scaled,
-                    [table.scale_of(tensors[i]) for i in scaled])
+    return UnitCast(
+        table.storage,
+        table.compute,
+        len(fp8),
+        end,
+        offsets[: len(fp8)],
+        [tensors[i].shape for i in fp8],
+        scaled,
+        [table.scale_of(tensors[i]) for i in scaled],
+    )
 
 
 class CastPool:
@@ -75,15 +109,23 @@ class CastPool:
         self.held = 0  # bytes of compute buffers alive (free and bound)
         self.nbytes = 0  # the size buffers are made at: the largest unit's compute bytes
 
-    def cast(self, index: int, cast: UnitCast, region: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def cast(
+        self, index: int, cast: UnitCast, region: torch.Tensor
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Cast ``region`` (the unit's storage bytes, from its start) into a compute buffer;
         returns the buffer (give it back with `release`) and the fp8 slots' compute views."""
         buf = self._take(cast)
         key = (id(buf), index)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = [buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, cast.shapes, strict=True)]
+            views = self._views[key] = [
+                buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, cast.shapes, strict=True)
+            ]
         src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
+        if cast.int8_scales is not None:
+            for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
+                dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)
+            return buf, views
         if not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):
             dst.copy_(src)
             for i, scale in zip(cast.scaled, cast.scales, strict=True):  # (a foreach rounds the scale first)

@@ -4,6 +4,7 @@ compute value for its forward and the stored fp8 tensor back after it.
 Registered before a transport is applied, so that it sits inside the transport's own hooks (a
 leaf group's onload runs first, then the dequantisation on the device); the block streamer casts
 its units itself (one cast per unit, `cast.py`) and takes these hooks off the layers it streams.
+int8 weights (ComfyUI's int8_tensorwise) take the torch cast here too, never the fp8 kernel.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from diffusers.hooks import ModelHook
 
-from ..formats.fp8 import Fp8Table, dequantize, table_of
+from ..formats.fp8 import Fp8Table, dequantize, dequantize_int8, table_of
 from ..state import DEQUANT_HOOK, REGISTRY, is_ours
 from . import fp8_kernel
 from .base import add_hook, remove_hook
@@ -34,7 +35,11 @@ class DequantHook(ModelHook):
         weight = module.weight
         if self.stored is not None:  # a forward that raised never reached post_forward
             weight.data = self.stored
-        if weight.dtype == self.table.storage:
+        if weight.dtype == self.table.storage and self.table.int8:
+            self.stored = weight.data
+            scale = self.table.int8_scale(weight, weight.device)
+            weight.data = dequantize_int8(weight.data, scale, self.table.compute)
+        elif weight.dtype == self.table.storage:
             self.stored = weight.data
             scale, compute = self.table.scale_of(weight), self.table.compute
             fast = fp8_kernel.dequantized(weight.data, scale, compute)
@@ -70,8 +75,10 @@ def refuse_layerwise_casting(components) -> None:
         for path, layer in model.named_modules():
             hook = getattr(vars(layer).get(REGISTRY), "hooks", {}).get(DEQUANT_HOOK)
             if id(layer) in held and hook is not None and not is_ours(DEQUANT_HOOK, hook):
-                raise ValueError(f"{name}.{path} carries diffusers' layerwise casting (enable_layerwise_casting): "
-                                 "the pack stores and casts fp8 weights itself; reload the model without it")
+                raise ValueError(
+                    f"{name}.{path} carries diffusers' layerwise casting (enable_layerwise_casting): "
+                    "the pack stores and casts fp8 weights itself; reload the model without it"
+                )
 
 
 def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -1,7 +1,8 @@
 """Load diffusion model file (diffusers) in a real ComfyUI: it lists denoiser files from ComfyUI's
 folders (an extra path too, as extra_model_paths.yaml adds), loads the tiny Wan fp8_scaled file
-into a configs-only folder with text-encoder and VAE files, and a bad file comes back as a prompt
-error naming it, the file unchanged, the next prompt running."""
+into a configs-only folder with text-encoder and VAE files (a ComfyUI int8_tensorwise file too, run
+through Generate), and a bad file comes back as a prompt error naming it, the file unchanged, the
+next prompt running."""
 
 from __future__ import annotations
 
@@ -15,31 +16,52 @@ from comfyhost import harness
 from fixtures import comfy_files, gguf_files
 
 pytest_plugins = ["comfyhost.fixtures"]
-_comfy_wan, _configs_only, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
-                                                          comfy_files.wan_component_files, gguf_files.wan_gguf_fixture)
+_comfy_wan, _configs_only, _component_files, _wan_gguf = (
+    comfy_files.comfy_wan,
+    comfy_files.wan_configs_only,
+    comfy_files.wan_component_files,
+    gguf_files.wan_gguf_fixture,
+)
+_comfy_int8_wan = comfy_files.comfy_int8_wan
 LOADER = "DiffusersOffloadLoadDiffusionModelFile"
 
 
 @pytest.fixture(scope="module")
-def placed(comfy: harness.ComfyHost, comfy_wan, wan_configs_only, wan_component_files, tmp_path_factory) -> dict:
+def placed(
+    comfy: harness.ComfyHost, comfy_wan, wan_configs_only, wan_component_files, tmp_path_factory
+) -> dict:
     """The files in ComfyUI's folders: the denoiser in an extra diffusion_models path."""
     fp = comfy.folder_paths
     extra = tmp_path_factory.mktemp("extra-diffusion-models")
     shutil.copyfile(comfy_wan("fp8_scaled"), extra / "wan-tiny-fp8_scaled.safetensors")
     fp.add_model_folder_path("diffusion_models", str(extra))
-    shutil.copyfile(wan_component_files["text_encoder"], Path(fp.get_folder_paths("text_encoders")[0]) / "umt5-tiny.safetensors")
-    shutil.copyfile(wan_component_files["vae"], Path(fp.get_folder_paths("vae")[0]) / "wan-vae-tiny.safetensors")
+    shutil.copyfile(
+        wan_component_files["text_encoder"],
+        Path(fp.get_folder_paths("text_encoders")[0]) / "umt5-tiny.safetensors",
+    )
+    shutil.copyfile(
+        wan_component_files["vae"], Path(fp.get_folder_paths("vae")[0]) / "wan-vae-tiny.safetensors"
+    )
     target = Path(fp.get_folder_paths("diffusers")[0]) / "tiny" / "wan-configs"
     if not target.is_dir():
         shutil.copytree(wan_configs_only, target)
-    return {"config": "tiny/wan-configs", "denoiser": "wan-tiny-fp8_scaled.safetensors", "extra": extra,
-            "text_encoder": "umt5-tiny.safetensors", "vae": "wan-vae-tiny.safetensors"}
+    return {
+        "config": "tiny/wan-configs",
+        "denoiser": "wan-tiny-fp8_scaled.safetensors",
+        "extra": extra,
+        "text_encoder": "umt5-tiny.safetensors",
+        "vae": "wan-vae-tiny.safetensors",
+    }
 
 
 def prompt(placed: dict, **change: Any) -> dict[str, Any]:
-    inputs = {k: placed[k] for k in ("config", "denoiser", "text_encoder", "vae")} | {"dtype": "bf16"} | change
-    return {"1": {"class_type": LOADER, "inputs": inputs},
-            "2": {"class_type": "DiffusersOffloadReport", "inputs": {"pipe": ["1", 0]}}}
+    inputs = (
+        {k: placed[k] for k in ("config", "denoiser", "text_encoder", "vae")} | {"dtype": "bf16"} | change
+    )
+    return {
+        "1": {"class_type": LOADER, "inputs": inputs},
+        "2": {"class_type": "DiffusersOffloadReport", "inputs": {"pipe": ["1", 0]}},
+    }
 
 
 def options(comfy: harness.ComfyHost, name: str) -> list[str]:
@@ -53,8 +75,9 @@ def test_lists_files_from_comfy_folders_and_loads_fp8_scaled(comfy: harness.Comf
     comfy.run_prompt(prompt(placed)).raise_for_error()
 
 
-def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(comfy: harness.ComfyHost,
-                                                                         placed: dict) -> None:
+def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(
+    comfy: harness.ComfyHost, placed: dict
+) -> None:
     bad = placed["extra"] / "wan-truncated.safetensors"
     bad.write_bytes((placed["extra"] / placed["denoiser"]).read_bytes()[:5000])
     before = hashlib.sha256(bad.read_bytes()).hexdigest()
@@ -66,8 +89,9 @@ def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(comfy: 
     comfy.run_prompt(prompt(placed)).raise_for_error()
 
 
-def test_a_gguf_file_in_diffusion_models_is_listed_and_loads_without_a_gguf_pack(comfy: harness.ComfyHost,
-                                                                                placed: dict, wan_gguf) -> None:
+def test_a_gguf_file_in_diffusion_models_is_listed_and_loads_without_a_gguf_pack(
+    comfy: harness.ComfyHost, placed: dict, wan_gguf
+) -> None:
     """Plain ComfyUI lists no .gguf file (only ComfyUI-GGUF registers them): the loader lists and
     resolves the ones in diffusion_models itself, and leaves ComfyUI's folder table as it was."""
     table = comfy.folder_paths.folder_names_and_paths
@@ -77,3 +101,31 @@ def test_a_gguf_file_in_diffusion_models_is_listed_and_loads_without_a_gguf_pack
     assert "wan-tiny-Q8_0.gguf" in options(comfy, "denoiser")
     comfy.run_prompt(prompt(placed, denoiser="wan-tiny-Q8_0.gguf")).raise_for_error()
     assert {k: (list(v[0]), set(v[1])) for k, v in table.items()} == before
+
+
+def test_an_int8_tensorwise_file_loads_and_generates(
+    comfy: harness.ComfyHost, placed: dict, comfy_int8_wan
+) -> None:
+    """A ComfyUI int8_tensorwise file (per-row scales) through the loader, the report and Generate."""
+    name = "wan-tiny-int8-row.safetensors"
+    shutil.copyfile(comfy_int8_wan(per_row=True), placed["extra"] / name)
+    before = hashlib.sha256((placed["extra"] / name).read_bytes()).hexdigest()
+    assert name in options(comfy, "denoiser")
+    gen = {
+        "pipe": ["1", 0],
+        "prompt": "a cat",
+        "negative_prompt": "",
+        "seed": 0,
+        "steps": 1,
+        "guidance": 1.0,
+        "width": 16,
+        "height": 16,
+        "frames": 5,
+        "fps": 0.0,
+    }
+    run = prompt(placed, denoiser=name) | {
+        "3": {"class_type": "DiffusersOffloadGenerateVideo", "inputs": gen},
+        "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 3]}},
+    }
+    comfy.run_prompt(run).raise_for_error()
+    assert hashlib.sha256((placed["extra"] / name).read_bytes()).hexdigest() == before

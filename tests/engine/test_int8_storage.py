@@ -1,0 +1,229 @@
+"""ComfyUI int8_tensorwise single files (comfy-kitchen's TensorWiseINT8Layout, no convrot): loaded
+with their weights kept int8 and run, in every placement, bit for bit like a bf16 model holding
+``(q.float() * scale).to(bf16)`` computed here from the file (comfy-kitchen's
+``dequantize_int8_simple_dtype``, written out), with per-tensor and per-row scales; what the
+streamer moves and keeps is int8 bytes; a release leaves the int8 weights as they were; convrot
+int8, W4A8 and unknown formats are refused by name; no file changes."""
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import table_of
+from diffusers_offload.offload_core.formats.inspect import SingleFileError
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.state import leftovers
+from diffusers_offload.offload_core.transport.prefetch import Prefetcher
+from fixtures import comfy_files
+from fixtures.comfy_files import (
+    INT8_FORMAT,
+    comfy_int8_wan_tensors,
+    write_comfy_int8_wan,
+    write_comfy_w4a8_wan,
+)
+from fixtures.placements import PLACEMENTS
+from fixtures.tiny_models import run_wan
+from safetensors.torch import load_file, save_file
+
+_comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
+BF16 = torch.bfloat16
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+VARIANTS = {
+    "per-tensor": dict(per_row=False),
+    "per-row": dict(per_row=True),
+    "per-row-metadata": dict(per_row=True, metadata=True),
+}
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _reference_transformer(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
+    """The file's weights as comfy-kitchen dequantises them, ``(q.float() * scale).to(bf16)``,
+    keys converted by diffusers' Wan conversion, saved as a diffusers folder and loaded by
+    diffusers' folder loader in bf16 (its fp32 modules upcast from those bf16 values)."""
+    tensors = load_file(str(path))
+    out = {}
+    for key, t in tensors.items():
+        if key.endswith((".weight_scale", ".comfy_quant")):
+            continue
+        scale = tensors.get(key.removesuffix(".weight") + ".weight_scale")
+        out[key] = t.to(BF16) if scale is None else (t.float() * scale).to(BF16)
+    ref = tmp / f"reference-{path.stem}" / "transformer"
+    ref.mkdir(parents=True)
+    shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
+    save_file(convert_wan_transformer_to_diffusers(out), str(ref / "diffusion_pytorch_model.safetensors"))
+    return WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
+
+
+def _pipe(tiny_wan_dir: Path, transformer) -> object:
+    """The tiny folder loaded by diffusers in bf16, with ``transformer`` in place of its own."""
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_wan_dir), dtype=BF16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.register_modules(transformer=transformer)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def references(tiny_wan_dir, comfy_int8_wan, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """variant -> the reference pipeline's output (one per file)."""
+    tmp = tmp_path_factory.mktemp("int8-reference")
+    return {
+        name: run_wan(_pipe(tiny_wan_dir, _reference_transformer(comfy_int8_wan(**kw), tiny_wan_dir, tmp)))
+        for name, kw in VARIANTS.items()
+    }
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_int8_file_runs_as_the_dequantised_model_in_every_placement(
+    variant, placement, tiny_wan_dir, comfy_int8_wan, references
+):
+    path = comfy_int8_wan(**VARIANTS[variant])
+    before = _digest(path)
+    pipe = _pipe(tiny_wan_dir, load_denoiser(path, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    table = table_of(model)
+    int8 = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.int8}
+    assert table.int8 and len(int8) == len(table.weights) > 0  # stored as int8, not upcast
+    assert all((s.ndim == 2) == VARIANTS[variant]["per_row"] for s in table.int8_scales.values())
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+    first = run_wan(pipe)
+    engine.after_run(pipe)
+    second = run_wan(pipe)
+    engine.after_run(pipe)
+    engine.release(pipe)
+    assert torch.equal(first, references[variant]) and torch.equal(second, references[variant])
+    assert leftovers(model) == []
+    for name, p in model.named_parameters():
+        if name in int8:
+            assert p.dtype == torch.int8 and p.device.type == "cpu" and torch.equal(p, int8[name]), name
+    assert _digest(path) == before
+
+
+def test_scales_are_applied_per_row(tiny_wan_dir, comfy_int8_wan, references):
+    """A per-row file read with one scale per tensor (its first row's) gives another output: a pack
+    that broadcast the scale wrongly or dropped rows fails here."""
+    pipe = _pipe(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, BF16))
+    table = table_of(pipe.transformer)
+    for key, scale in table.int8_scales.items():
+        table.int8_scales[key] = scale[0, 0].clone()
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="none", **BASE))
+    try:
+        assert not torch.allclose(run_wan(pipe), references["per-row"], atol=1e-3)
+    finally:
+        engine.release(pipe)
+
+
+def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monkeypatch):
+    pipe = _pipe(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, BF16))
+    model = pipe.transformer
+    blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    int8_bytes = sum(p.numel() for b in model.blocks for p in b.parameters() if p.dtype == torch.int8)
+    assert int8_bytes > 0.7 * blocks  # the blocks' bytes are mostly int8 weights
+    moved, dtypes = [], set()
+    real_copy = Prefetcher.copy
+    ours: list[Prefetcher] = []
+
+    def counting(self, pairs, pinned, after):
+        pairs = list(pairs)
+        if self in ours:
+            moved.append(sum(src.numel() * src.element_size() for _dst, src in pairs))
+            dtypes.update(src.dtype for _dst, src in pairs)
+            assert all(dst.dtype == src.dtype for dst, src in pairs), "copies move storage dtypes only"
+        return real_copy(self, pairs, pinned, after)
+
+    monkeypatch.setattr(Prefetcher, "copy", counting)
+    engine = Engine()
+    report = engine.place(pipe, OffloadConfig(mode="auto", stream_parts=False, **BASE))
+    ours.append(engine.states(pipe)["transformer"].transport.prefetch)
+    run_wan(pipe, num_inference_steps=1)
+    engine.after_run(pipe)
+    assert sum(moved) == 2 * blocks and torch.int8 in dtypes  # one step, two forwards (CFG)
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    engine.release(pipe)
+
+
+# -- refused by name, files untouched ---------------------------------------------------------------
+def _refused(match: str, path: Path, tiny_wan_dir: Path) -> SingleFileError:
+    before = _digest(path)
+    with pytest.raises(SingleFileError, match=match) as err:
+        load_denoiser(path, tiny_wan_dir, BF16)
+    assert path.name in str(err.value)
+    assert _digest(path) == before
+    return err.value
+
+
+@pytest.mark.parametrize("metadata", [False, True])
+def test_int8_with_convrot_is_refused_by_name(tiny_wan_dir, tmp_path, metadata):
+    conf = {"format": INT8_FORMAT, "convrot": True, "convrot_groupsize": 256}
+    path = write_comfy_int8_wan(
+        tiny_wan_dir, tmp_path / "wan-int8-convrot.safetensors", layer_conf=conf, metadata=metadata
+    )
+    err = _refused("int8_tensorwise with convrot", path, tiny_wan_dir)
+    assert "int8_tensorwise without convrot" in str(err)  # says what runs
+
+
+def test_w4a8_and_unknown_formats_are_refused_by_name(tiny_wan_dir, tmp_path):
+    w4a8 = write_comfy_w4a8_wan(tiny_wan_dir, tmp_path / "wan-w4a8.safetensors")
+    err = _refused(r"comfy-kitchen layouts \(asym_w4a8_int8\)", w4a8, tiny_wan_dir)
+    assert "float8_e4m3fn / float8_e5m2" in str(err) and "int8_tensorwise without convrot" in str(err)
+    for fmt in ("nvfp4", "mxfp8", "convrot_w4a4", "int4_magic"):
+        path = write_comfy_int8_wan(
+            tiny_wan_dir, tmp_path / f"wan-{fmt}.safetensors", layer_conf={"format": fmt}
+        )
+        _refused(rf"comfy-kitchen layouts \({fmt}\)", path, tiny_wan_dir)
+
+
+def test_inconsistent_int8_files_are_refused(tiny_wan_dir, tmp_path):
+    """An int8 weight without its entry or scale, or one whose scale is per column, is refused."""
+    tensors, header = comfy_int8_wan_tensors(tiny_wan_dir)
+    stray = dict(tensors)
+    stray.pop("blocks.0.self_attn.q.comfy_quant")
+    path = tmp_path / "wan-int8-stray.safetensors"
+    save_file(stray, str(path), metadata=header)
+    _refused(r"int8 weights \(blocks\.0\.self_attn\.q\.weight\) have no int8_tensorwise", path, tiny_wan_dir)
+    unscaled = dict(tensors)
+    unscaled.pop("blocks.0.self_attn.q.weight_scale")
+    path = tmp_path / "wan-int8-unscaled.safetensors"
+    save_file(unscaled, str(path), metadata=header)
+    _refused(r"blocks\.0\.self_attn\.q is declared int8_tensorwise .* no weight_scale", path, tiny_wan_dir)
+    columns = dict(tensors)
+    columns["blocks.0.self_attn.q.weight_scale"] = torch.ones(
+        1, tensors["blocks.0.self_attn.q.weight"].shape[1]
+    )
+    path = tmp_path / "wan-int8-columns.safetensors"
+    save_file(columns, str(path), metadata=header)
+    _refused(r"blocks\.0\.attn1\.to_q has shape \(1, \d+\).*per row", path, tiny_wan_dir)
+    mixed = {k: v for k, v in tensors.items() if not k.startswith("blocks.1.")}
+    mixed |= {
+        k: v
+        for k, v in comfy_files.comfy_quant_wan_tensors(tiny_wan_dir).items()
+        if k.startswith("blocks.1.")
+    }
+    path = tmp_path / "wan-int8-fp8.safetensors"
+    save_file(mixed, str(path), metadata=header)
+    _refused("mixes int8 and fp8 weights", path, tiny_wan_dir)
+
+
+def test_metadata_lists_the_layers_as_comfyui_reads_them(comfy_int8_wan):
+    """The header variant carries ComfyUI's ``_quantization_metadata`` and no per-layer entry."""
+    from safetensors import safe_open
+
+    with safe_open(str(comfy_int8_wan(per_row=True, metadata=True)), framework="pt") as f:
+        meta = json.loads(f.metadata()["_quantization_metadata"])
+        keys = list(f.keys())
+    assert meta["format_version"] == "1.0" and meta["layers"]["blocks.0.self_attn.q"] == {
+        "format": INT8_FORMAT
+    }
+    assert not any(k.endswith(".comfy_quant") for k in keys)
