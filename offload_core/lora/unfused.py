@@ -109,7 +109,7 @@ def unfused_reason(component: torch.nn.Module, layer: torch.nn.Module) -> str | 
     weight = layer.weight
     table = table_of(component)
     if table is not None and table.holds(weight):
-        return "fp8"
+        return "int8" if table.storage == torch.int8 else "fp8"
     if isinstance(weight, GGUFParameter):
         return "gguf"
     method = _quant_method(component)
