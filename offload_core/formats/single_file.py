@@ -32,6 +32,7 @@ from .inspect import (
     check_quant_layers,
     inspect_safetensors,
 )
+from .scale_trace import trace_scales
 
 log = get_logger("single_file")
 
@@ -140,12 +141,17 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     with init_empty_weights():
         model = cls.from_config(config)
     expected = model.state_dict()
-    converted = checkpoint if set(expected) <= set(checkpoint) else mapping["checkpoint_mapping_fn"](
-        config=config, checkpoint=checkpoint)
+    shapes = {k: tuple(t.shape) for k, t in checkpoint.items() if not k.endswith(SCALE_KEY)}
+    file_scales = {k.removesuffix(SCALE_KEY): t for k, t in checkpoint.items() if k.endswith(SCALE_KEY)}
+    convert = mapping["checkpoint_mapping_fn"]
+    try:
+        converted = checkpoint if set(expected) <= set(checkpoint) else convert(config=config, checkpoint=checkpoint)
+    except Exception as exc:  # diffusers' own conversion error, named with the file
+        raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion failed on it "
+                              f"({type(exc).__name__}: {exc}); is it a complete {cls.__name__} file?") from exc
     scales = {k.removesuffix(SCALE_KEY): converted.pop(k) for k in [k for k in converted if k.endswith(SCALE_KEY)]}
-    if len(scales) != len(info.scales):
-        raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion kept {len(scales)} of the file's "
-                              f"{len(info.scales)} weight scales; this pack cannot map them for this family yet")
+    if len(scales) != len(info.scales):  # the conversion dropped them (Flux): traced through it
+        scales = trace_scales(path, cls, convert, config, shapes, file_scales)
     _check_keys(path, converted, expected, cls, config_folder / subfolder)
     state = _compute_state(converted, scales, cls, compute)
     params = dict(model.named_parameters())

@@ -97,10 +97,5 @@ def test_a_flux_file_loads_and_generates(comfy: harness.ComfyHost, placed: dict,
     _run_file(comfy, placed, fmt)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=harness.PromptExecutionError,
-    reason="the loader drops the fused scales of a Flux fp8_scaled file and refuses it",
-)
 def test_a_flux_fp8_scaled_file_loads_and_generates(comfy: harness.ComfyHost, placed: dict) -> None:
     _run_file(comfy, placed, "fp8_scaled")

@@ -1,0 +1,55 @@
+"""Weight scales through a diffusers single-file conversion that drops them.
+
+diffusers' Flux conversion builds a new dict (a file's ``<layer>.scale_weight`` keys are not in it)
+and splits fused weights (BFL's ``qkv``, ``linear1``) that carry one scale. Why not a table of
+renames per family: the conversion already knows them; running it once more on a probe, one
+float64 value per row that names its file layer and row, tells where every converted weight came
+from, so a per-tensor scale goes to each split part and a per-row scale follows its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .inspect import SingleFileError
+
+PROBE_ROWS = 2**24  # a probe value's row part (a weight has fewer rows); its layer number above it
+
+
+def trace_scales(path: Path, cls: type, convert: Callable[..., dict], config: dict,
+                 shapes: dict[str, tuple[int, ...]], file_scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Converted layer -> its scale, for the file layers ``file_scales`` (by layer name) of a file
+    whose tensors have ``shapes`` (scale keys left out), through ``convert(config=, checkpoint=)``.
+    Refused by name when a converted weight mixes layers or a scale reaches no layer."""
+    layers = sorted(file_scales)
+    number = {layer + ".weight": i for i, layer in enumerate(layers)}
+    probe = {}
+    for key, shape in shapes.items():
+        rows = torch.arange(shape[0], dtype=torch.float64) if shape else torch.zeros((), dtype=torch.float64)
+        probe[key] = rows + (number[key] + 1) * PROBE_ROWS if key in number else torch.full_like(rows, -1.0)
+    cannot = (f"{path}: diffusers' {cls.__name__} conversion does not keep the file's {len(layers)} weight scales "
+              "and they cannot be traced through it")
+    try:
+        converted = convert(config=config, checkpoint=probe)
+    except Exception as exc:  # the conversion's own error, named with the file
+        raise SingleFileError(f"{cannot} ({type(exc).__name__}: {exc})") from exc
+    scales: dict[str, torch.Tensor] = {}
+    reached: set[str] = set()
+    for key, values in converted.items():
+        if not key.endswith(".weight") or values.ndim != 1 or bool((values < 0).all()):
+            continue
+        ids = torch.div(values, PROBE_ROWS, rounding_mode="floor").long() - 1
+        if bool((ids != ids[0]).any()) or int(ids[0]) < 0:
+            raise SingleFileError(f"{cannot}: {key} mixes weights of different scales")
+        layer = layers[int(ids[0])]
+        rows = (values - (int(ids[0]) + 1) * PROBE_ROWS).long()
+        scale = file_scales[layer]
+        scales[key.removesuffix(".weight")] = scale if scale.numel() == 1 else scale.reshape(-1, *scale.shape[1:])[rows]
+        reached.add(layer)
+    missing = sorted(set(layers) - reached)
+    if missing:
+        raise SingleFileError(f"{cannot}: {missing[:3]} reach no layer")
+    return scales
