@@ -192,6 +192,14 @@ def inspect_safetensors(path: Path) -> SingleFileInfo:
     return info
 
 
+def describe_keys(path: Path, shapes: dict[str, tuple[int, ...]]) -> SingleFileInfo:
+    """What a file holding tensors of ``shapes`` looks like (role, family) from its key names and
+    shapes alone: a GGUF file, whose header the GGUF reader gives."""
+    info = SingleFileInfo(path, dict(shapes), {k: torch.bfloat16 for k in shapes})
+    _identify(info)
+    return info
+
+
 def _identify(info: SingleFileInfo) -> None:
     keys = [k for k in info.shapes if k != info.marker]
     for pattern, looks_like, role in KEY_SIGNS:

@@ -30,6 +30,7 @@ from .inspect import (
     SingleFileError,
     SingleFileInfo,
     check_quant_layers,
+    describe_keys,
     inspect_safetensors,
 )
 from .scale_trace import trace_scales
@@ -114,17 +115,11 @@ def _load_gguf(path: Path, config_folder: Path, subfolder: str, cls: type, compu
 
 
 def _check_gguf(path: Path, cls: type, config_folder: Path) -> None:
-    """The GGUF helper's header reader, when present, refuses bad files and unknown types by name."""
-    try:
-        from . import gguf as gguf_format
-    except ImportError:
-        return
-    info = gguf_format.inspect_gguf(path)
-    family = getattr(info, "family", None)
-    expected = class_family(cls.__name__)
-    if family and expected and family != expected:
-        raise SingleFileError(f"{path} is a {family} GGUF file, but the config folder {config_folder} is a "
-                              f"{expected} model ({cls.__name__}): pick a config folder of the file's family")
+    """The GGUF header reader refuses bad files and unknown types by name; the key names, a text
+    encoder, VAE or a denoiser of another family, as for a safetensors file."""
+    from .gguf import inspect_gguf
+
+    _check_denoiser(describe_keys(path, inspect_gguf(path).shapes), cls, config_folder)
 
 
 def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: str, cls: type,

@@ -21,7 +21,7 @@ from diffusers import DiffusionPipeline, FluxTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
-from diffusers_offload.offload_core.formats.inspect import inspect_safetensors
+from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser, load_pipeline_with_denoiser
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import flux_files
@@ -193,3 +193,13 @@ def test_gguf_file_runs_as_the_resident_gguf_model(placement, bfl_flux, flux_no_
     bf16 = _once("bf16", lambda: run_flux(_folder_pipe(tiny_flux_dir)))
     assert ((got.float() - bf16.float()).norm() / bf16.float().norm()).item() < Q8_0_BOUND
     assert _digest(path) == before
+
+
+def test_a_gguf_file_of_another_family_is_refused_by_name(bfl_flux, tiny_wan_dir):
+    """A Flux GGUF file given with a Wan config folder: refused before diffusers reads it, saying
+    what the file is (its key names, as for a safetensors file); the file is unchanged."""
+    path = bfl_flux("Q8_0")
+    before = _digest(path)
+    with pytest.raises(SingleFileError, match=r"is a flux denoiser, but the config folder .* is a wan model") as err:
+        load_denoiser(path, tiny_wan_dir, BF16)
+    assert path.name in str(err.value) and _digest(path) == before
