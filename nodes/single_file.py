@@ -98,18 +98,23 @@ class LoadDiffusionModelFile(io.ComfyNode):
                 io.Combo.Input("dtype", options=list(DTYPES), default="auto",
                                tooltip="Compute dtype; the denoiser's storage stays the file's (fp8, GGUF)."),
                 OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
+                io.Combo.Input("text_encoder_2", options=[NONE, *folder_paths.get_filename_list("text_encoders")],
+                               default=NONE, optional=True,
+                               tooltip="Flux's second text encoder (T5-XXL, e.g. t5xxl_fp8_e4m3fn.safetensors; "
+                                       "CLIP-L goes in text_encoder); 'none' uses the config folder's."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
     def execute(cls, config: str, denoiser: str, text_encoder: str, vae: str, dtype: str,
-                offload: OffloadConfig | None = None) -> io.NodeOutput:
+                offload: OffloadConfig | None = None, text_encoder_2: str = NONE) -> io.NodeOutput:
         settings = offload or OffloadConfig()
         folder = resolve_model(config)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
         pipe = load_pipeline_with_denoiser(folder, _full_path(DENOISER_FOLDERS, denoiser), compute,
-                                           _optional("text_encoders", text_encoder), _optional("vae", vae))
+                                           _optional("text_encoders", text_encoder), _optional("vae", vae),
+                                           _optional("text_encoders", text_encoder_2))
         return _handle(pipe, folder, compute, settings)
 
 

@@ -237,22 +237,28 @@ def _short(dtype: torch.dtype) -> str:
 
 # -- the pipeline around a single-file denoiser ---------------------------------------------------
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
-FILE_KINDS = {"text_encoder": "text-encoder file", "vae": "VAE file"}
+FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file"}
 
 
 def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
-                                text_encoder_file: Path | None = None, vae_file: Path | None = None) -> Any:
+                                text_encoder_file: Path | None = None, vae_file: Path | None = None,
+                                text_encoder_2_file: Path | None = None) -> Any:
     """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
-    one is enough when the text-encoder and VAE files are given) with the denoiser from
-    ``denoiser_file``, computing in ``dtype``."""
+    one is enough when the text-encoder and VAE files are given: Flux's T5 is ``text_encoder_2``)
+    with the denoiser from ``denoiser_file``, computing in ``dtype``."""
     folder = Path(config_folder)
     index = _read_index(folder)
     if "transformer" not in index:
         raise SingleFileError(f"{folder} has no transformer component: single-file denoisers load into "
                               "transformer pipelines (Wan, Flux, LTX-2, ...); pick such a config folder")
-    files = {"text_encoder": text_encoder_file, "vae": vae_file}
+    files = {"text_encoder": text_encoder_file, "text_encoder_2": text_encoder_2_file, "vae": vae_file}
+    components = dict(_model_components(folder, index))
+    extra = [n for n, f in files.items() if f is not None and n not in components]
+    if extra:
+        raise SingleFileError(f"{index['_class_name']} ({folder}) has no {extra[0]}: leave its "
+                              f"{FILE_KINDS[extra[0]]} at 'none'")
     parts: dict[str, Any] = {}
-    for name, cls_name in _model_components(folder, index):
+    for name, cls_name in components.items():
         if name == "transformer":
             continue
         chosen = files.get(name)

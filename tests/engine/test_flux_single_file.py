@@ -25,6 +25,7 @@ from diffusers_offload.offload_core.formats.inspect import SingleFileError, insp
 from diffusers_offload.offload_core.formats.single_file import load_denoiser, load_pipeline_with_denoiser
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import flux_files
+from fixtures.comfy_files import configs_only_copy, write_component_file
 from fixtures.flux_files import bfl_flux_state_dict, tiny_width_conversion
 from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import run_flux
@@ -203,3 +204,19 @@ def test_a_gguf_file_of_another_family_is_refused_by_name(bfl_flux, tiny_wan_dir
     with pytest.raises(SingleFileError, match=r"is a flux denoiser, but the config folder .* is a wan model") as err:
         load_denoiser(path, tiny_wan_dir, BF16)
     assert path.name in str(err.value) and _digest(path) == before
+
+
+def test_a_configs_only_flux_folder_takes_both_text_encoder_files_and_the_vae(bfl_flux, tiny_flux_dir, tmp_path):
+    """What a Flux user holds: the denoiser, clip_l, t5xxl and ae files beside a configs-only
+    folder. CLIP-L goes in as text_encoder, T5 as text_encoder_2; the run is the tiny Flux's."""
+    configs = configs_only_copy(tiny_flux_dir, tmp_path / "flux-configs")
+    parts = {name: write_component_file(tiny_flux_dir, name, tmp_path / f"{name}.safetensors")
+             for name in ("text_encoder", "text_encoder_2", "vae")}
+    with pytest.raises(SingleFileError, match="no weights for text_encoder_2 .*pick a second text-encoder file"):
+        load_pipeline_with_denoiser(configs, bfl_flux("bf16"), BF16, text_encoder_file=parts["text_encoder"],
+                                    vae_file=parts["vae"])
+    pipe = load_pipeline_with_denoiser(configs, bfl_flux("bf16"), BF16, text_encoder_file=parts["text_encoder"],
+                                       vae_file=parts["vae"], text_encoder_2_file=parts["text_encoder_2"])
+    expected = _once("bf16", lambda: run_flux(_folder_pipe(tiny_flux_dir)))
+    assert torch.equal(_run_placed(pipe, "auto"), expected)
+

@@ -213,3 +213,11 @@ def test_a_configs_only_folder_names_the_file_to_pick(comfy_wan, wan_configs_onl
     with pytest.raises(SingleFileError, match="looks like a wan denoiser, not a text-encoder file"):
         load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8_scaled"), BF16,
                                     text_encoder_file=comfy_wan("fp8"), vae_file=wan_component_files["vae"])
+
+
+def test_a_second_text_encoder_file_for_a_pipeline_without_one_is_refused(comfy_wan, wan_configs_only,
+                                                                          wan_component_files):
+    with pytest.raises(SingleFileError, match="WanPipeline .* has no text_encoder_2: leave its second text-encoder"):
+        load_pipeline_with_denoiser(wan_configs_only, comfy_wan("bf16"), BF16, **{
+            "text_encoder_file": wan_component_files["text_encoder"], "vae_file": wan_component_files["vae"],
+            "text_encoder_2_file": wan_component_files["text_encoder"]})
