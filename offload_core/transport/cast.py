@@ -75,27 +75,11 @@ def unit_cast(
     if not fp8:
         return None
     assert fp8 == list(range(len(fp8))), "fp8 tensors must lead the unit's layout"
+    head = (table.storage, table.compute, len(fp8), end, offsets[: len(fp8)], [tensors[i].shape for i in fp8])
     if table.int8:
-        return UnitCast(
-            table.storage,
-            table.compute,
-            len(fp8),
-            end,
-            offsets[: len(fp8)],
-            [tensors[i].shape for i in fp8],
-            int8_scales=[table.int8_scales[id(tensors[i])] for i in fp8],
-        )
+        return UnitCast(*head, int8_scales=[table.int8_scales[id(tensors[i])] for i in fp8])
     scaled = [i for i in fp8 if table.scale_of(tensors[i]) is not None]
-    return UnitCast(
-        table.storage,
-        table.compute,
-        len(fp8),
-        end,
-        offsets[: len(fp8)],
-        [tensors[i].shape for i in fp8],
-        scaled,
-        [table.scale_of(tensors[i]) for i in scaled],
-    )
+    return UnitCast(*head, scaled, [table.scale_of(tensors[i]) for i in scaled])
 
 
 class CastPool:

@@ -32,6 +32,7 @@ from ..components import module_bytes
 from ..log import get_logger
 from .base import MarkerHook, Masters
 from .blocks import StreamBlock, modules_outside
+from .moves import put, rebind
 from .streamer import BlockStreamer
 from .towers import find_towers
 
@@ -109,11 +110,7 @@ class EncoderStreamer(BlockStreamer):
             self._ask_room(need - available, "to move its non-layer part in")
         blocking = not (self.ctx.pin and self.cuda)
         for sub, name, is_param, host in self._head.values():
-            moved = host.to(self.device, non_blocking=not blocking)
-            if is_param:
-                sub._parameters[name].data = moved
-            else:
-                sub._buffers[name] = moved
+            put(sub, name, is_param, host.to(self.device, non_blocking=not blocking))
         self.head_loaded = True
         self.head_moves += 1
         log.debug("%s: non-layer part moved in (%.2f GiB)", type(self.module).__name__, self.head_bytes() / 2**30)
@@ -122,11 +119,7 @@ class EncoderStreamer(BlockStreamer):
         """Back to the resting tensors (no copy out: inference never writes them)."""
         if not self.head_loaded:
             return
-        for sub, name, is_param, host in self._head.values():
-            if is_param:
-                sub._parameters[name].data = host
-            else:
-                sub._buffers[name] = host
+        rebind(self._head.values())
         self.head_loaded = False
 
     def after_run(self) -> None:

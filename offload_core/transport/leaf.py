@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from diffusers.hooks import apply_group_offloading
 
-from ..formats.torchao import inner_tensors, is_wrapper, map_inner, storage_bytes, swap_into
+from ..formats.torchao import inner_tensors, is_wrapper, map_inner, storage_bytes
 from ..memory import flush_host_cache
 from ..state import REGISTRY
 from .base import (
@@ -27,7 +27,7 @@ from .base import (
     own_registries,
     strip_hooks,
 )
-from .moves import bytes_on, module_bytes, move_module
+from .moves import bytes_on, host_tensors, module_bytes, move_module, put
 
 
 class LeafGroupTransport(TransportBase):
@@ -99,35 +99,17 @@ def unpin(module: torch.nn.Module) -> int:
     Parameter objects; a subclass weight rebuilt from pageable copies of its pinned inner tensors and
     swapped in whole); the pinned buffers go back to PyTorch's host cache. Returns the bytes moved."""
     moved = 0
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, t in table.items():
-                if t is None:
-                    continue
-                if is_wrapper(t):
-                    copy = map_inner(t, _pageable)
-                    if copy is not t:
-                        moved += storage_bytes(copy)
-                        _put(table, name, t, copy)
-                elif _pinned(t):
-                    copy = _pageable(t.data)
-                    moved += copy.numel() * copy.element_size()
-                    _put(table, name, t, copy)
+    for owner, name, is_param, t in host_tensors(module):
+        copy = map_inner(t, _pageable) if is_wrapper(t) else _pageable(t)
+        if copy is not t:
+            moved += storage_bytes(copy)
+            put(owner, name, is_param, copy)
     return moved
 
 
 def _pageable(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when pageable, else a pageable copy."""
     return torch.empty_like(t, device="cpu", pin_memory=False).copy_(t) if _pinned(t) else t
-
-
-def _put(table: dict[str, torch.Tensor | None], name: str, old: torch.Tensor, new: torch.Tensor) -> None:
-    if isinstance(old, torch.nn.Parameter) and is_wrapper(old):
-        swap_into(old, new)
-    elif isinstance(old, torch.nn.Parameter):
-        old.data = new
-    else:
-        table[name] = new
 
 
 def _pinned(t: torch.Tensor) -> bool:

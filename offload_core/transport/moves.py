@@ -7,6 +7,8 @@ the resting tensor back into the same Parameter object (`formats.torchao`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from ..components import module_bytes
@@ -36,17 +38,23 @@ def _resting(param: torch.Tensor) -> torch.Tensor:
     return alias(param) if is_wrapper(param) else param.data
 
 
-def rebind(saved: HostTensors) -> None:
+def rebind(saved: Iterable[tuple[torch.nn.Module, str, bool, torch.Tensor]]) -> None:
     """Point a module back at the tensors ``host_tensors`` recorded (same Parameter objects):
     a module that visited the device goes back without copying its weights out, since inference
     never writes them. A subclass weight is swapped back whole (each recorded tensor once)."""
     for sub, name, is_param, tensor in saved:
-        if is_param and is_wrapper(tensor):
-            swap_into(sub._parameters[name], tensor)
-        elif is_param:
-            sub._parameters[name].data = tensor
-        else:
-            sub._buffers[name] = tensor
+        put(sub, name, is_param, tensor)
+
+
+def put(owner: torch.nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
+    """``owner``'s parameter (same Parameter object) or buffer ``name`` holds ``tensor`` now; a
+    subclass weight is swapped in whole."""
+    if is_param and is_wrapper(tensor):
+        swap_into(owner._parameters[name], tensor)
+    elif is_param:
+        owner._parameters[name].data = tensor
+    else:
+        owner._buffers[name] = tensor
 
 
 def bytes_on(module: torch.nn.Module, device: torch.device) -> int:

@@ -20,11 +20,11 @@ from collections.abc import Callable
 import torch
 
 from .. import state
-from ..formats.torchao import is_wrapper, map_inner, swap_into
+from ..formats.torchao import is_wrapper, map_inner
 from ..log import get_logger
 from ..pinning import PinSet
 from .base import MARKER, MarkerHook, Masters, TransportBase, TransportContext, add_hook, remove_hook
-from .moves import HostTensors, bytes_on, host_tensors, module_bytes, move_module, rebind
+from .moves import HostTensors, bytes_on, host_tensors, module_bytes, move_module, put, rebind
 
 log = get_logger("on_demand")
 # Working memory a module needs beside its weights while entered, as a fraction of them (a video
@@ -94,14 +94,8 @@ class OnDemandTransport(TransportBase):
         cannot be registered; a subclass weight's inner tensors one by one, swapped in whole)."""
         for owner, name, is_param, t in host_tensors(module):
             pinned = map_inner(t, self.pins.pin) if is_wrapper(t) else self.pins.pin(t)
-            if pinned is t:
-                continue
-            if is_param and is_wrapper(t):
-                swap_into(owner._parameters[name], pinned)
-            elif is_param:
-                owner._parameters[name].data = pinned
-            else:
-                owner._buffers[name] = pinned
+            if pinned is not t:
+                put(owner, name, is_param, pinned)
 
     def _wrap(self, method: Callable) -> Callable:
         def entered(*args, **kwargs):
