@@ -5,14 +5,13 @@ its own file (test_fp8_h3.py); the Wan 2.1 T2V one is test_fp8_storage.py."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from diffusers import DiffusionPipeline
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import is_fp8, store_denoisers_fp8
+from diffusers_offload.offload_core.formats.fp8 import store_denoisers_fp8
 from diffusers_offload.offload_core.state import leftovers
+from fixtures.quantized import dequantised_twin
 from fixtures.tiny_models import run_flux, run_ltx2, run_wan_family
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -32,15 +31,6 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
     return outs
 
 
-def _dequantised(model: torch.nn.Module) -> torch.nn.Module:
-    twin = copy.deepcopy(model)
-    for layer in twin.modules():
-        if isinstance(layer, torch.nn.Linear) and is_fp8(layer.weight):
-            layer.weight.data = layer.weight.data.to(torch.bfloat16)
-    vars(twin).pop("_diffusers_offload_fp8", None)
-    return twin
-
-
 @pytest.fixture(params=list(FAMILIES))
 def fp8_family(request, tiny_wan_family):
     """(pipeline in bf16 with its denoisers in fp8, its runner, the dequantised twin's outputs)"""
@@ -51,7 +41,7 @@ def fp8_family(request, tiny_wan_family):
     names = store_denoisers_fp8(pipe, torch.float8_e4m3fn, torch.bfloat16)
     assert names, "the pipeline has a denoiser"
     stored = {name: getattr(pipe, name) for name in names}
-    pipe.register_modules(**{name: _dequantised(m) for name, m in stored.items()})
+    pipe.register_modules(**{name: dequantised_twin(m) for name, m in stored.items()})
     expected = _outputs(run(pipe))
     pipe.register_modules(**stored)
     return pipe, run, expected

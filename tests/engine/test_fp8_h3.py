@@ -6,8 +6,6 @@ stay out of fp8, as diffusers' layerwise casting leaves them; and it casts input
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from diffusers.models.modeling_utils import get_parameter_dtype
@@ -15,6 +13,7 @@ from diffusers.modular_pipelines import ModularPipeline
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import is_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
+from fixtures.quantized import dequantised_twin
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 
@@ -33,23 +32,13 @@ def _run(pipe: ModularPipeline) -> tuple[torch.Tensor, torch.Tensor]:
     return out.video, out.audio
 
 
-def _dequantised_twin(transformer: torch.nn.Module) -> torch.nn.Module:
-    """The transformer with each fp8 weight replaced by its bf16 value (no engine code)."""
-    twin = copy.deepcopy(transformer)
-    for layer in twin.modules():
-        if isinstance(layer, torch.nn.Linear) and is_fp8(layer.weight):
-            layer.weight.data = layer.weight.data.to(torch.bfloat16)
-    vars(twin).pop("_diffusers_offload_fp8", None)
-    return twin
-
-
 @pytest.fixture(scope="module")
 def fp8_h3(tiny_h3_dir):
     """(the tiny H3 in bf16 with its transformer stored in fp8, the bf16 outputs of its twin)"""
     pipe = _load_bf16(tiny_h3_dir)
     store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
     fp8_transformer = pipe.transformer
-    pipe.update_components(transformer=_dequantised_twin(fp8_transformer))
+    pipe.update_components(transformer=dequantised_twin(fp8_transformer))
     expected = _run(pipe)
     pipe.update_components(transformer=fp8_transformer)
     return pipe, expected

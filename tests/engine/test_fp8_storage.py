@@ -9,8 +9,8 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
-from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures.placements import PLACEMENTS
+from fixtures.quantized import streamed_in_one_step
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -105,24 +105,7 @@ def test_streamer_moves_and_keeps_fp8_bytes(tiny_wan_dir, monkeypatch):
     store_fp8(model, torch.float8_e4m3fn, torch.bfloat16)
     fp8_blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
     assert fp8_blocks < 0.6 * bf16_blocks
-    moved = []
-    real_copy = Prefetcher.copy
-    ours: list[Prefetcher] = []  # the transformer's (a text encoder streamed from pinned memory copies too)
-
-    def counting(self, pairs, pinned, after):
-        pairs = list(pairs)
-        if self not in ours:
-            return real_copy(self, pairs, pinned, after)
-        moved.append(sum(src.numel() * src.element_size() for _dst, src in pairs))
-        assert all(dst.dtype == src.dtype for dst, src in pairs), "copies move storage dtypes only"
-        return real_copy(self, pairs, pinned, after)
-
-    monkeypatch.setattr(Prefetcher, "copy", counting)
-    engine = Engine()
-    report = engine.place(pipe, OffloadConfig(mode="auto", stream_parts=False, **BASE))
-    ours.append(engine.states(pipe)["transformer"].transport.prefetch)
-    run_wan(pipe, num_inference_steps=1)
-    engine.after_run(pipe)
+    moved, _dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
     forwards = 2  # one step, classifier-free guidance: two transformer forwards
     assert sum(moved) == forwards * fp8_blocks
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()

@@ -19,7 +19,6 @@ from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.state import leftovers
-from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures import comfy_files
 from fixtures.comfy_files import (
     INT8_FORMAT,
@@ -28,6 +27,7 @@ from fixtures.comfy_files import (
     write_comfy_w4a8_wan,
 )
 from fixtures.placements import PLACEMENTS
+from fixtures.quantized import streamed_in_one_step
 from fixtures.tiny_models import run_wan
 from safetensors.torch import load_file, save_file
 
@@ -130,24 +130,7 @@ def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monke
     blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
     int8_bytes = sum(p.numel() for b in model.blocks for p in b.parameters() if p.dtype == torch.int8)
     assert int8_bytes > 0.7 * blocks  # the blocks' bytes are mostly int8 weights
-    moved, dtypes = [], set()
-    real_copy = Prefetcher.copy
-    ours: list[Prefetcher] = []
-
-    def counting(self, pairs, pinned, after):
-        pairs = list(pairs)
-        if self in ours:
-            moved.append(sum(src.numel() * src.element_size() for _dst, src in pairs))
-            dtypes.update(src.dtype for _dst, src in pairs)
-            assert all(dst.dtype == src.dtype for dst, src in pairs), "copies move storage dtypes only"
-        return real_copy(self, pairs, pinned, after)
-
-    monkeypatch.setattr(Prefetcher, "copy", counting)
-    engine = Engine()
-    report = engine.place(pipe, OffloadConfig(mode="auto", stream_parts=False, **BASE))
-    ours.append(engine.states(pipe)["transformer"].transport.prefetch)
-    run_wan(pipe, num_inference_steps=1)
-    engine.after_run(pipe)
+    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
     assert sum(moved) == 2 * blocks and torch.int8 in dtypes  # one step, two forwards (CFG)
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
