@@ -37,7 +37,7 @@ from typing import Any
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
 from benchkit import ROOT, GiB, gib
-from benchkit.comfy_run import comfy_tree, queue, require_nodes
+from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
 
 PIPE_NAME = "wan_coexist"
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -160,8 +160,7 @@ def native_prompt(a: argparse.Namespace, p: SimpleNamespace, seed: int) -> dict[
 # -- a run ---------------------------------------------------------------------------------------
 def main() -> int:
     a = parse_args()
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONDONTWRITEBYTECODE"):
-        os.environ.setdefault(k, "1")
+    offline()
     if a.build_only:
         return build_only(a)
     p, comfy_dir = paths(a), comfy_tree(a.comfy_dir)

@@ -46,7 +46,7 @@ from typing import Any
 import benchkit.comfy as bc
 import comfy_coexist as coexist
 from benchkit import ROOT, GiB, gib, open_output, output_args
-from benchkit.comfy_run import comfy_tree, queue, require_nodes
+from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
 from benchkit.single_file import gbs, host_rss, native_facts, ours_facts, print_table, summarize, unload_all
 
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -172,8 +172,7 @@ def workflow(a: argparse.Namespace, p: SimpleNamespace, workload: str, seed: int
 # -- a run ------------------------------------------------------------------------------------------
 def main() -> int:
     a = parse_args()
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONDONTWRITEBYTECODE"):
-        os.environ.setdefault(k, "1")
+    offline()
     if a.build_only:
         return build_only(a)
     p, comfy_dir = paths(a), comfy_tree(a.comfy_dir)

@@ -37,7 +37,7 @@ from typing import Any
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
 from benchkit import ROOT, GiB, gib
-from benchkit.comfy_run import comfy_tree, queue, require_nodes
+from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
 from benchkit.wan22 import DENOISERS, latent_shape
 
 PIPE_NAME = "wan22_a14b_bench"
@@ -189,8 +189,7 @@ def prompt(a: argparse.Namespace, p: SimpleNamespace, seed: int) -> dict[str, An
 
 def main() -> int:
     a = parse_args()
-    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONDONTWRITEBYTECODE"):
-        os.environ.setdefault(k, "1")
+    offline()
     if a.build_only:
         return build_only(a)
     if a.resident_only:

@@ -4,9 +4,16 @@ error. No torch import here (ComfyUI's start-up must import it first)."""
 
 from __future__ import annotations
 
+import os
 import traceback
 from pathlib import Path
 from typing import Any
+
+
+def offline() -> None:
+    """No hub access and no bytecode files, unless the caller's environment says otherwise."""
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONDONTWRITEBYTECODE"):
+        os.environ.setdefault(key, "1")
 
 
 def comfy_tree(path: str) -> Path:
