@@ -18,15 +18,7 @@ GGUF=${4-"gguf_q8_0"}
 OUT=${OUT:-/tmp/fp8_native_out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/fp8_native.log") 2>&1
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$SECONDS
-BUDGET_S=${BUDGET_S:-570}
-left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .gpu/whl/*.whl .whl/*.whl || exit 3
-tar -xJf .gpu/whl/comfy_kitchen-0.2.31-cp312-nohip.tar.xz -C /tmp/site || exit 3
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/gpu_env.sh 570
 
 python3 bench/cast_probe.py | tee "$OUT/cast_probe.json"
 echo "== [$((SECONDS-T0))s] ours: wan_bench --storage fp8_e4m3fn --caps ${CAPS// /,}"

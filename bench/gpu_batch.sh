@@ -14,15 +14,7 @@ OUT=${OUT:-/tmp/gpu_batch_out}
 ROWS_DIR=/tmp/rows
 mkdir -p "$OUT" "$ROWS_DIR"
 exec > >(tee -a "$OUT/batch.log") 2>&1
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-T0=$SECONDS
-BUDGET_S=${BUDGET_S:-560}
-left() { echo $(( BUDGET_S - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .gpu/whl/*.whl .whl/*.whl || exit 3
-tar -xJf .gpu/whl/comfy_kitchen-0.2.31-cp312-nohip.tar.xz -C /tmp/site || exit 3
-export PYTHONPATH=/tmp/site
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/gpu_env.sh 560
 
 run() {  # run NAME MIN_SECONDS COMMAND...: skipped when fewer than MIN_SECONDS are left
   local name=$1 need=$2
