@@ -269,7 +269,9 @@ class DiffusersPatcher(ModelPatcher):
         """Where ``detach(unpatch_all=True)`` puts weights back: release the whole placement."""
         super().unpatch_model(device_to, unpatch_weights)
         if unpatch_weights and self._placed():
-            ENGINE.release(self.pipe)
+            # inside ComfyUI's free_memory loop: a gc here runs ComfyUI's finalizers of other dead
+            # models, which pop entries of current_loaded_models under the loop (IndexError on 0.3.75)
+            ENGINE.release(self.pipe, collect=False)
         self._sync()
 
     # -- internals ---------------------------------------------------------------------------

@@ -185,8 +185,10 @@ class Engine:
         strip_hooks(module, (*OUR_HOOKS, *DIFFUSERS_GROUP_HOOKS, MARKER))
         APPLYING.pop(module)
 
-    def release(self, pipe: object) -> None:
-        """Take everything back: hooks off, weights in system memory, pinned pages released."""
+    def release(self, pipe: object, collect: bool = True) -> None:
+        """Take everything back: hooks off, weights in system memory, pinned pages released.
+        ``collect`` off: no garbage collection here (a host iterating its own list of models, whose
+        finalizers a collection would run, collects later itself)."""
         for name, module in iter_modules(pipe):
             try:
                 self._teardown(module)
@@ -196,7 +198,7 @@ class Engine:
         prompt_cache.remove(pipe)
         clear_state(pipe)
         self._pipelines.discard(pipe)
-        sweep_cleanup()
+        sweep_cleanup(collect)
         log.info("released %s", type(pipe).__name__)
 
     def sweep(self, pipes: list[object] | None = None) -> SweepResult:

@@ -183,9 +183,11 @@ def flush_host_cache() -> None:
         torch._C._host_emptyCache()
 
 
-def sweep_cleanup() -> None:
-    """Once per sweep, not per module: gc, then give cached device and pinned memory back."""
-    gc.collect()
+def sweep_cleanup(collect: bool = True) -> None:
+    """Once per sweep, not per module: gc (unless ``collect`` is off), then give cached device and
+    pinned memory back."""
+    if collect:
+        gc.collect()
     flush_host_cache()
     if accelerator_available():
         torch.cuda.empty_cache()

@@ -341,3 +341,28 @@ def _spy(monkeypatch: pytest.MonkeyPatch, cls: type, *names: str) -> dict[str, l
 
         monkeypatch.setattr(cls, name, spy)
     return calls
+
+
+def test_comfyui_unloading_beside_a_dying_model_keeps_its_list_whole(clean: harness.ComfyHost,
+                                                                    pack: SimpleNamespace, model: str) -> None:
+    """ComfyUI's free_memory unloads by index, then pops those indices; another model held only by a
+    reference cycle dies at the next garbage collection, and its finalizer pops its own entry. A
+    collection inside our unload (the engine's release used to run one) shrank the list under the
+    loop: an IndexError in CI, a crash in the other model's unload here. Ours is released, the other
+    unloaded."""
+    mm = clean.model_management
+    clean.run_prompt(prompt(model, STREAMED)).raise_for_error()
+    (entry,) = ours(mm, pack)
+    pipe = entry.model.pipe
+    gc.disable()  # the cycle below must outlive this set-up: only a collection inside the unload frees it
+    try:
+        other = importlib.import_module("comfy.model_patcher").ModelPatcher(torch.nn.Linear(4, 4), torch.device("cpu"), torch.device("cpu"))
+        other.cycle = other
+        mm.load_models_gpu([other])
+        assert len(mm.current_loaded_models) == 2
+        del other
+        mm.unload_all_models()
+    finally:
+        gc.enable()
+    assert hooks_left(pipe) == [] and pack.pinning.pinned_bytes() == 0
+    assert ours(mm, pack) == []
