@@ -9,6 +9,7 @@ process at its first placement, so a resident row measured first ran under anoth
 setting than every engine row (the last row separates the allocator from the hooks).
 
     python3 bench/host_profile.py --caps 0,24 --out $OUT        # GPU, Wan-14B geometry, ~2 min
+    python3 bench/host_profile.py --storage gguf_q4_k --caps 0,12 --out $OUT   # GGUF layers
     .venv/bin/python bench/host_profile.py --tiny --device cpu   # CPU smoke (flow only)
 """
 
@@ -19,8 +20,10 @@ import cProfile
 import pstats
 
 from benchkit import open_output, output_args, pack
+from benchkit.gguf import QTYPES as GGUF_TYPES
+from benchkit.gguf import to_gguf
 from benchkit.measure import Ballast, launch_and_step, sync
-from benchkit.models import build_wan, wan_forward, wan_inputs
+from benchkit.models import blocks_of, build_wan, wan_forward, wan_inputs
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
@@ -58,10 +61,14 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--forwards", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--storage", default="bf16", choices=("bf16", *GGUF_TYPES),
+                    help="gguf_*: the blocks' Linear layers as diffusers' GGUF layers (benchkit/gguf.py)")
     output_args(ap)
     args = ap.parse_args()
     row = open_output(args, "host_profile", lines=True)
     m = build_wan(4 if args.tiny else 40, device=args.device, tiny=args.tiny)
+    if args.storage != "bf16":
+        row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
     feeds = wan_inputs("small", 1 if args.tiny else 21, device=args.device)
     launch, step, _loop = launch_and_step(lambda: wan_forward(m, *feeds), args.forwards)
     base, calls = profile(m, feeds, args.forwards)
