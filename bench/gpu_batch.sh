@@ -2,7 +2,8 @@
 # Several bench rows in one GPU call, in order, while time is left; every output in one archive
 # (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
-# Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
+# Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
+# trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
 # wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB), gguf (Q8_0 and Q4_K at
@@ -34,6 +35,7 @@ for row in "$@"; do
     host) run host 150 python3 bench/host_profile.py --caps 0,24 --out "$ROWS_DIR" ;;
     hostq4) run hostq4 150 python3 bench/host_profile.py --storage gguf_q4_k --caps 0,12 --forwards 4 \
               --out "$ROWS_DIR" ;;
+    trace) run trace 120 python3 bench/step_profile.py --caps 24 --trace "$ROWS_DIR/trace.json" --out "$ROWS_DIR" ;;
     fresh) for i in 1 2 3; do
              run "fresh$i" 70 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small \
                --json "$ROWS_DIR/fresh$i.json"

@@ -69,18 +69,39 @@ def reading_costs(repeats: int = 200) -> None:
 
 
 def trace_summary(path: str) -> None:
-    """Copy-engine and kernel busy time over the traced forward, and the copy engine's idle
-    time from the forward's first GPU work to its first copy."""
+    """Copy-engine and kernel busy time over the traced forward, how much of it overlapped, and
+    the idle gaps of each (over 0.3 ms, with where they start): whether copies wait for buffers
+    (copy gaps while kernels run) or compute waits for copies (kernel gaps while a copy runs)."""
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
-    copies = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"]
+    kernels = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"])
+    copies = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"])
     if not kernels or not copies:
         return row(section="trace", path=path, error="no kernels or copies recorded")
-    start = min(a for a, _ in kernels + copies)
-    end = max(b for _, b in kernels + copies)
-    row(section="trace", span_ms=(end - start) / 1e3, kernels_ms=sum(b - a for a, b in kernels) / 1e3,
-        copies_ms=sum(b - a for a, b in copies) / 1e3, first_copy_at_ms=(min(a for a, _ in copies) - start) / 1e3,
-        last_kernel_end_ms=(max(b for _, b in kernels) - start) / 1e3)
+    start = min(kernels[0][0], copies[0][0])
+    end = max(kernels[-1][1], copies[-1][1])
+    busy = lambda spans: sum(b - a for a, b in spans)  # noqa: E731
+    overlap = busy(kernels) + busy(copies) - busy(merged(kernels + copies))
+    row(section="trace", span_ms=(end - start) / 1e3, kernels_ms=busy(kernels) / 1e3, copies_ms=busy(copies) / 1e3,
+        overlap_ms=overlap / 1e3, first_copy_at_ms=(copies[0][0] - start) / 1e3,
+        last_kernel_end_ms=(kernels[-1][1] - start) / 1e3,
+        kernel_gaps=gaps(kernels, start), copy_gaps=gaps(copies, start))
+
+
+def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlapping (start, end) spans joined, in time order."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def gaps(spans: list[tuple[float, float]], start: float, least_us: float = 300.0) -> list[list[float]]:
+    """[at ms, length ms] of each idle gap between ``spans`` longer than ``least_us``."""
+    return [[round((b0 - start) / 1e3, 2), round((a1 - b0) / 1e3, 2)]
+            for (_a0, b0), (a1, _b1) in zip(spans, spans[1:], strict=False) if a1 - b0 > least_us]
 
 
 def trace(m, feeds, path: str, with_host: bool) -> None:
