@@ -10,7 +10,7 @@ rank-64 LoRA on every attention projection (issue 21.3): apply and remove time, 
 before, with and after it, and the RAM backup store (empty when every base value comes back from
 the files; the bf16 in-memory model of lora_bench.py held 15.6 GiB of backups).
 
-    python3 bench/mapped_check.py --write            # once: writes ~28.6 GB to --folder (2-4 min)
+    python3 bench/mapped_check.py --write            # once: writes ~28.6 GB to --folder (~70 s on the H200)
     python3 bench/mapped_check.py --free-gb 16       # the rows (about 3-6 min, most of it disk reads)
 
 Needs ~30 GB of free disk at --folder (default /tmp/wan14b_mapped) and 128 GiB of host RAM.
