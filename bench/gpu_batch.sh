@@ -32,7 +32,7 @@ run() {  # run NAME MIN_SECONDS COMMAND...: skipped when fewer than MIN_SECONDS 
 
 for row in "$@"; do
   case $row in
-    host) run host 150 python3 bench/host_profile.py --caps 0,24 --out "$ROWS_DIR" ;;
+    host) run host 180 python3 bench/host_profile.py --caps 0,24,0 --out "$ROWS_DIR" ;;  # all kept again after streaming
     hostq4) run hostq4 150 python3 bench/host_profile.py --storage gguf_q4_k --caps 0,12 --forwards 4 \
               --out "$ROWS_DIR" ;;
     trace) run trace 120 python3 bench/step_profile.py --caps 24 --trace "$ROWS_DIR/trace.json" --out "$ROWS_DIR" ;;
