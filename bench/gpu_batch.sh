@@ -3,6 +3,7 @@
 # (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
 # Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
+# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
@@ -52,6 +53,8 @@ for row in "$@"; do
             run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps 12 --workloads small \
               --out "$ROWS_DIR"
           done ;;
+    w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
+            --out "$ROWS_DIR" ;;
     noexp) for st in bf16 gguf_q4_k; do  # the engine leaves expandable segments off: allocator vs hooks
              run "noexp_$st" 70 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python3 bench/wan_bench.py \
                --storage "$st" --sections preload --caps "$([ "$st" = bf16 ] && echo 24 || echo 12)" --workloads small \

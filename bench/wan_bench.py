@@ -44,6 +44,8 @@ from benchkit.anchors import section_anchors, section_mmgp
 from benchkit.gguf import QTYPES as GGUF_TYPES
 from benchkit.gguf import to_gguf
 from benchkit.table import self_check, side_by_side
+from benchkit.w4a8 import STORAGE as W4A8
+from benchkit.w4a8 import to_w4a8
 
 if "--self-check" in sys.argv:  # no torch, no GPU
     sys.exit(self_check())
@@ -103,6 +105,8 @@ def build(args):
         store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
     elif args.storage in GGUF_TYPES:
         row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
+    elif args.storage == W4A8:
+        row(section="w4a8", storage=args.storage, layers=to_w4a8(m, blocks_of(m)))
     return m
 
 
@@ -315,9 +319,10 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
-    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES, *GGUF_TYPES), default="bf16",
+    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES, *GGUF_TYPES, W4A8), default="bf16",
                     help="weight storage (main model only): fp8 stores the Linear weights in fp8, computing in "
-                    "bf16; gguf_* makes the blocks' Linear layers diffusers' GGUF layers (benchkit/gguf.py)")
+                    "bf16; gguf_* makes the blocks' Linear layers diffusers' GGUF layers (benchkit/gguf.py), w4a8 the "
+                    "pack's W4A8 layers over comfy-kitchen's quantization (benchkit/w4a8.py)")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")

@@ -1,5 +1,5 @@
 """Load diffusion model file (diffusers): a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled,
-int8_tensorwise, GGUF) in the pipeline of a diffusers config folder of the same family.
+int8_tensorwise, W4A8, GGUF) in the pipeline of a diffusers config folder of the same family.
 
 Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not bf16 diffusers
 folders. Files are listed through ``folder_paths`` (so ``extra_model_paths.yaml`` works); the
@@ -17,7 +17,7 @@ from comfy_api.latest import io
 
 from ..offload_core import OffloadConfig
 from ..offload_core.formats.inspect import SingleFileError
-from ..offload_core.formats.single_file import load_pipeline_with_denoiser
+from ..offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from . import host
 from .folders import list_models, resolve_model
 from .loaders import _handle
@@ -81,7 +81,7 @@ class LoadDiffusionModelFile(io.ComfyNode):
             **search_aliases("offload", "block swap", "wan", "fp8", "gguf", "single file"),
             display_name="Load diffusion model file (diffusers)",
             category=CATEGORY,
-            description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise or GGUF) into the "
+            description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8 or GGUF) into the "
                         "pipeline of a diffusers folder of the same family; a configs-only folder is enough when "
                         "the text-encoder and VAE files are picked. The file's storage (fp8, GGUF) is kept.",
             inputs=[

@@ -13,6 +13,7 @@ import torch
 
 from .formats.gguf import gguf_quant_types
 from .formats.torchao import storage_bytes
+from .formats.w4a8 import holds_w4a8
 from .log import get_logger
 
 log = get_logger("components")
@@ -148,6 +149,8 @@ def _quantization(module: torch.nn.Module) -> str | None:
     if odd is not None:  # a tensor subclass without a config (torchao's quantize_, bitsandbytes, quanto)
         lib = "optimum.quanto" if odd.__module__.startswith("optimum.quanto") else odd.__module__.split(".")[0]
         return f"{lib} {odd.__name__}"
+    if holds_w4a8(module):
+        return "comfy asym_w4a8_int8"
     fp8 = {t.dtype for t in module.parameters() if "float8" in str(t.dtype)}
     return "fp8-weights" if fp8 else None
 

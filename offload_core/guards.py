@@ -75,10 +75,11 @@ def refuse_foreign_offload(components: Iterable[tuple[str, torch.nn.Module]]) ->
 
 # Quantizations verified to ride every transport (their weights are plain tensors, or diffusers'
 # `GGUFParameter` whose quant type rides along with the Parameter): the pack's fp8 table, BFL fp8r
-# (fp8 weights, per-row scales as plain buffers), GGUF. Another method whose weights are all plain
+# (fp8 weights, per-row scales as plain buffers), GGUF, ComfyUI's W4A8 layers (`formats/w4a8.py`:
+# packed weights and scales as plain parameters). Another method whose weights are all plain
 # tensors is moved by its bytes too (logged as not verified); the families below never are, except
 # torchao (SWAPPED) on the transports that move whole tensors.
-MOVABLE_QUANT = ("gguf", "bfl", "fp8-weights")
+MOVABLE_QUANT = ("gguf", "bfl", "fp8-weights", "comfy")
 _WRAPPER = (
     "a tensor subclass holding its quantized data in inner tensors: the engine's transports "
     "rebind param.data, which replaces only the wrapper and leaves the inner tensors behind "

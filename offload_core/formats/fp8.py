@@ -23,6 +23,7 @@ from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 from ..components import denoisers
 from ..log import get_logger
 from ..state import FP8
+from .w4a8 import W4A8Linear
 
 log = get_logger("fp8")
 
@@ -183,9 +184,11 @@ def _dequantize_others(
     model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor], what: str
 ) -> None:
     """fp8 tensors outside Linear weights (a conv, a norm, a bias) become compute-dtype values, and
-    so do int8 weights there (they need their scale)."""
+    so do int8 weights there (they need their scale); W4A8 layers keep theirs (fp8 group scales)."""
     stored = {id(layer) for _name, layer in _linears(model)}
     for name, module in model.named_modules():
+        if isinstance(module, W4A8Linear):
+            continue
         for pname, t in (*module._parameters.items(), *module._buffers.items()):
             if t is None or (pname == "weight" and id(module) in stored):
                 continue

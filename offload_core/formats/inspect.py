@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import w4a8
+
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 FP8_NAMES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 ST_DTYPES = {
@@ -36,12 +38,13 @@ SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")
 QUANT_SUFFIX = ".comfy_quant"
 QUANT_METADATA = "_quantization_metadata"
-LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise"}  # per-tensor fp8 (fp8_scaled by another
+LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8"}  # per-tensor fp8 (fp8_scaled by another
 # name); int8 with a per-tensor or per-row scale, without convrot (Hadamard-rotated weights)
 INT8_QUANT = "int8_tensorwise"
+W4A8_FORMAT = w4a8.FORMAT
 ACCEPTED_QUANT = (
-    "float8_e4m3fn / float8_e5m2 with per-tensor scales and int8_tensorwise without convrot "
-    "(per-tensor or per-row scales)"
+    "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise without convrot "
+    "(per-tensor or per-row scales) and asym_w4a8_int8 (W4A8, through comfy-kitchen)"
 )
 
 # (pattern on any key, what the file looks like, its role): first match wins; before the denoiser
@@ -275,18 +278,41 @@ def check_quant_layers(info: SingleFileInfo) -> None:
             f"this pack does not run yet; it runs {ACCEPTED_QUANT}. Use such a file, an fp8, fp8_scaled, GGUF or "
             "bf16 file of the model, or ComfyUI's own loader"
         )
-    full = [k for k, conf in layers.items() if isinstance(conf, dict) and conf.get("group_size")]
+    full = [k for k, conf in layers.items()
+            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") != W4A8_FORMAT]
     if full:
         raise SingleFileError(
             f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
         )
     _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT})
+    _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
 
 
 def _convrot(conf: dict) -> bool:
     """ComfyUI reads ``convrot`` from the entry or from its ``params`` (ops.py)."""
     params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
     return bool(conf.get("convrot", params.get("convrot", False)))
+
+
+def _check_w4a8(info: SingleFileInfo, layers: dict[str, dict]) -> None:
+    """W4A8 layers need comfy-kitchen, one group geometry, and each its int8 weight and scales."""
+    if not layers:
+        return
+    try:
+        w4a8.kitchen()
+    except ImportError as exc:
+        raise SingleFileError(f"{info.path} is a W4A8 (asym_w4a8_int8) file: {exc}") from exc
+    confs = {w4a8.W4A8Conf.of(conf) for conf in layers.values()}
+    if len(confs) > 1:
+        raise SingleFileError(f"{info.path}: its W4A8 layers use {len(confs)} group geometries "
+                              f"({sorted((c.group_size, c.convrot_groupsize) for c in confs)}); one per file is supported")
+    for layer in sorted(layers):
+        held = {s: info.dtypes.get(f"{layer}.{s}") for s in ("weight", "weight_s_rel", "weight_s_channel")}
+        if held["weight"] != torch.int8 or None in held.values():
+            missing = [s for s, d in held.items() if d is None]
+            raise SingleFileError(f"{info.path}: layer {layer} is declared asym_w4a8_int8 but the file lacks "
+                                  f"{', '.join(missing) or 'an int8 weight'} for it; the file is inconsistent, "
+                                  "download it again")
 
 
 def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
@@ -304,6 +330,7 @@ def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
         k
         for k, d in info.dtypes.items()
         if d == torch.int8 and k.endswith(".weight") and k.removesuffix(".weight") not in declared
+        and k.removesuffix(".weight") + ".weight_s_rel" not in info.dtypes
     )
     if stray:
         raise SingleFileError(

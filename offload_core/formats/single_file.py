@@ -1,5 +1,5 @@
-"""Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8 and
-int8_tensorwise, GGUF) into the diffusers class of a config folder of the same family.
+"""Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8,
+int8_tensorwise and W4A8, GGUF) into the diffusers class of a config folder of the same family.
 
 Keys are converted by diffusers' own single-file conversion (the mapping function
 `from_single_file` uses). GGUF files go through `from_single_file` itself (its GGUF quantizer).
@@ -7,7 +7,7 @@ safetensors files do not: diffusers 0.42.1 casts fp8 values to the compute dtype
 ``scale_weight`` (silently wrong weights, twice the bytes), and casts every module, its fp32
 ones included, to the compute dtype (unlike its folder loader). Here the converted tensors are
 assigned into an empty model: fp8 and int8 ones as they are (`fp8.mark_fp8` records their
-scales), the rest in the compute dtype except diffusers' ``_keep_in_fp32_modules``, as
+scales), W4A8 layers as `w4a8.W4A8Linear` layers over their stored tensors, the rest in the compute dtype except diffusers' ``_keep_in_fp32_modules``, as
 `from_pretrained` keeps them.
 """
 
@@ -23,6 +23,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from ..log import get_logger
+from . import w4a8
 from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
 from .inspect import (
     INPUT_SCALE_SUFFIXES,
@@ -32,6 +33,7 @@ from .inspect import (
     check_quant_layers,
     describe_keys,
     inspect_safetensors,
+    read_quant_layers,
 )
 from .scale_trace import trace_scales
 
@@ -94,7 +96,7 @@ def _check_denoiser(info: SingleFileInfo, cls: type, config_folder: Path) -> Non
             f"model ({cls.__name__}): pick a config folder of the file's family, or a {expected} file")
 
 
-def _from_single_file(path: Path, config_folder: Path, subfolder: str, cls: type, **kwargs: Any) -> Any:
+def from_single_file(path: Path, config_folder: Path, subfolder: str, cls: type, **kwargs: Any) -> Any:
     try:
         return cls.from_single_file(str(path), config=str(config_folder), subfolder=subfolder,
                                     local_files_only=True, **kwargs)
@@ -107,10 +109,10 @@ def _load_gguf(path: Path, config_folder: Path, subfolder: str, cls: type, compu
     from diffusers import GGUFQuantizationConfig
 
     _check_gguf(path, cls, config_folder)
-    model = _from_single_file(path, config_folder, subfolder, cls, torch_dtype=compute,
+    model = from_single_file(path, config_folder, subfolder, cls, torch_dtype=compute,
                               quantization_config=GGUFQuantizationConfig(compute_dtype=compute))
     log.info("%s: GGUF denoiser loaded as %s (packed weights, dequantised to %s at compute)", path.name,
-             cls.__name__, _short(compute))
+             cls.__name__, short_dtype(compute))
     return model
 
 
@@ -131,7 +133,7 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     mapping = SINGLE_FILE_LOADABLE_CLASSES.get(cls.__name__)
     if mapping is None:
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
-    checkpoint = _read_checkpoint(path, info)
+    checkpoint = read_checkpoint(path, info)
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
         model = cls.from_config(config)
@@ -147,16 +149,17 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     scales = {k.removesuffix(SCALE_KEY): converted.pop(k) for k in [k for k in converted if k.endswith(SCALE_KEY)]}
     if len(scales) != len(info.scales):  # the conversion dropped them (Flux): traced through it
         scales = trace_scales(path, cls, convert, config, shapes, file_scales)
-    _check_keys(path, converted, expected, cls, config_folder / subfolder)
-    state = _compute_state(converted, scales, cls, compute)
+    as_stored = _swap_w4a8(path, info, model, converted, cls, compute)
+    _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)
+    state = _compute_state(converted, scales, cls, compute, as_stored)
     params = dict(model.named_parameters())
     for key in [k for k, t in state.items() if t.dtype == INT8 and k in params]:  # no gradient on integers
         params[key].requires_grad_(False)
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()
-    if info.fp8 is None and not scales:
+    if not scales and not any(is_fp8(t) or t.dtype == INT8 for k, t in state.items() if k not in as_stored):
         log.info("%s: %s denoiser in %s loaded as %s, computing in %s", path.name, info.family, info.format,
-                 cls.__name__, _short(compute))
+                 cls.__name__, short_dtype(compute))
         return model
     try:
         table = mark_fp8(model, compute, scales, source=str(path))
@@ -168,7 +171,7 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     return model
 
 
-def _read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
+def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
     """The file's tensors less the marker, input scales and quant entries; weight scales under one
     spelling (``<layer>.scale_weight``) so the conversion renames their layer part like the weight's."""
     try:
@@ -204,15 +207,17 @@ def _check_keys(path: Path, converted: dict, expected: dict, cls: type, config: 
 
 
 def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], cls: type,
-                   compute: torch.dtype) -> dict[str, torch.Tensor]:
+                   compute: torch.dtype, as_stored: set[str]) -> dict[str, torch.Tensor]:
     """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (half compute) in fp32, an fp8
     or int8 weight among them dequantised as ComfyUI does (to the compute dtype, then held in fp32);
-    fp8 and int8 tensors otherwise as stored."""
-    keep32 = list(cls._keep_in_fp32_modules or []) if compute in (torch.float16, torch.bfloat16) else []
+    fp8 and int8 tensors otherwise as stored, and so are the keys ``as_stored`` (W4A8 layers')."""
+    keep32 = _keep32(cls, compute)
     state = {}
     for key, t in converted.items():
         fp32 = any(m in key.split(".") for m in keep32)
-        if t.dtype == INT8 and fp32 and key.endswith(".weight"):
+        if key in as_stored:
+            pass
+        elif t.dtype == INT8 and fp32 and key.endswith(".weight"):
             layer = key.removesuffix(".weight")
             try:
                 scale = check_int8_scale(scales.pop(layer, None), layer, t, cls.__name__)
@@ -231,150 +236,40 @@ def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.T
     return state
 
 
-def _short(dtype: torch.dtype) -> str:
+def _keep32(cls: type, compute: torch.dtype) -> list[str]:
+    """diffusers' ``_keep_in_fp32_modules`` where the compute dtype is half (else none)."""
+    return list(cls._keep_in_fp32_modules or []) if compute in (torch.float16, torch.bfloat16) else []
+
+
+def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
+               cls: type, compute: torch.dtype) -> set[str]:
+    """The file's W4A8 layers become `w4a8.W4A8Linear` layers of ``model`` (those in diffusers'
+    fp32 modules are decoded to a float32 weight instead); returns the converted keys to keep as
+    stored. Refused by name when the conversion lost some of them."""
+    layers = w4a8.w4a8_layers(converted)
+    declared = sum(k.endswith(".weight_s_rel") for k in info.dtypes)
+    if len(layers) != declared:
+        raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion keeps {len(layers)} of the file's "
+                              f"{declared} W4A8 layers; W4A8 files of this family are not supported yet")
+    if not layers:
+        return set()
+    conf = next((w4a8.W4A8Conf.of(c) for c in read_quant_layers(info).values()
+                 if isinstance(c, dict) and c.get("format") == w4a8.FORMAT), w4a8.W4A8Conf())
+    w4a8.load_state(converted, layers)
+    keep32 = _keep32(cls, compute)
+    decoded = [n for n in layers if any(m in n.split(".") for m in keep32)]
+    for name in decoded:
+        w4a8.dequantize_into(converted, name, conf, compute)
+    swapped = [n for n in layers if n not in decoded]
+    try:
+        w4a8.swap_in(model, swapped, converted, conf, compute)
+    except ValueError as exc:
+        raise SingleFileError(f"{path}: {exc}") from exc
+    log.info("%s: %d W4A8 layers (group %d, convrot %d) run by comfy-kitchen's w4a8_int8_linear, %d decoded to "
+             "float32 (diffusers keeps them in fp32)", path.name, len(swapped), conf.group_size,
+             conf.convrot_groupsize, len(decoded))
+    return {f"{n}.{t}" for n in swapped for t in ("weight", *w4a8.TENSORS)}
+
+
+def short_dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-# -- the pipeline around a single-file denoiser ---------------------------------------------------
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
-FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file"}
-
-
-def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
-                                text_encoder_file: Path | None = None, vae_file: Path | None = None,
-                                text_encoder_2_file: Path | None = None) -> Any:
-    """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
-    one is enough when the text-encoder and VAE files are given: Flux's T5 is ``text_encoder_2``)
-    with the denoiser from ``denoiser_file``, computing in ``dtype``."""
-    folder = Path(config_folder)
-    index = _read_index(folder)
-    if "transformer" not in index:
-        raise SingleFileError(f"{folder} has no transformer component: single-file denoisers load into "
-                              "transformer pipelines (Wan, Flux, LTX-2, ...); pick such a config folder")
-    files = {"text_encoder": text_encoder_file, "text_encoder_2": text_encoder_2_file, "vae": vae_file}
-    components = dict(_model_components(folder, index))
-    extra = [n for n, f in files.items() if f is not None and n not in components]
-    if extra:
-        raise SingleFileError(f"{index['_class_name']} ({folder}) has no {extra[0]}: leave its "
-                              f"{FILE_KINDS[extra[0]]} at 'none'")
-    parts: dict[str, Any] = {}
-    for name, cls_name in components.items():
-        if name == "transformer":
-            continue
-        chosen = files.get(name)
-        if chosen is not None:
-            parts[name] = _load_part(name, Path(chosen), folder, cls_name, dtype)
-        elif not _has_weights(folder / name):
-            kind = FILE_KINDS.get(name)
-            pick = f"pick a {kind} for it" if kind else "use a diffusers folder that has them"
-            raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
-    parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
-    try:
-        pipe = _assemble(folder, index, parts, dtype)
-    except Exception as exc:
-        raise SingleFileError(f"diffusers could not build the pipeline of {folder} around {denoiser_file}: "
-                              f"{type(exc).__name__}: {exc}") from exc
-    log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
-             "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
-    return pipe
-
-
-def _assemble(folder: Path, index: dict, parts: dict[str, Any], dtype: torch.dtype) -> Any:
-    """The index's pipeline class built from ``parts`` and the folder's other components, each
-    loaded as `DiffusionPipeline.from_pretrained` would. Why not that call itself: diffusers 0.42.1
-    reloads a passed component the pipeline declares optional (Wan's ``transformer``) from the
-    folder and drops the passed one."""
-    import importlib
-
-    pipeline_class = getattr(diffusers, index["_class_name"], None)
-    if not isinstance(pipeline_class, type):
-        raise SingleFileError(f"{folder}: pipeline class {index['_class_name']!r} is not in this diffusers version")
-    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(pipeline_class)
-    kwargs: dict[str, Any] = {}
-    for name, spec in index.items():
-        if name.startswith("_") or name not in (*expected, *optional):
-            continue
-        if name in parts:
-            kwargs[name] = parts[name]
-        elif isinstance(spec, list) and len(spec) == 2:
-            if not all(spec):
-                kwargs[name] = None
-                continue
-            cls = getattr(importlib.import_module(str(spec[0])), str(spec[1]))
-            weights = issubclass(cls, torch.nn.Module)
-            dtype_kw = {} if not weights else {"torch_dtype" if spec[0] == "diffusers" else "dtype": dtype}
-            kwargs[name] = cls.from_pretrained(str(folder / name), local_files_only=True, **dtype_kw)
-        else:
-            kwargs[name] = spec
-    pipe = pipeline_class(**kwargs)
-    pipe.register_to_config(_name_or_path=str(folder))
-    return pipe
-
-
-def _read_index(folder: Path) -> dict:
-    path = folder / "model_index.json"
-    try:
-        index = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SingleFileError(f"{folder} is not a diffusers config folder: {path} cannot be read ({exc})") from exc
-    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
-        raise SingleFileError(f"{path} is not a diffusers pipeline index (no _class_name)")
-    return index
-
-
-def _model_components(folder: Path, index: dict) -> list[tuple[str, str]]:
-    """(name, class) of the index's components that hold weights (a folder with a config.json)."""
-    return [(name, str(spec[1])) for name, spec in index.items()
-            if not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and all(spec)
-            and (folder / name / "config.json").is_file()]
-
-
-def _has_weights(folder: Path) -> bool:
-    return folder.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
-
-
-def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.dtype) -> Any:
-    """A text encoder or VAE from its single file, into the class and config of ``folder/name``."""
-    if not path.is_file():
-        raise SingleFileError(f"{path} does not exist: pick a {FILE_KINDS.get(name, 'file')} from ComfyUI's folders")
-    info = inspect_safetensors(path)
-    role = "vae" if name == "vae" else "text_encoder"
-    if info.role != role and not (role == "vae" and info.role == "unknown"):
-        raise SingleFileError(f"{path} looks like {info.looks_like}, not a {FILE_KINDS.get(name, name)} for {name} "
-                              f"({cls_name})")
-    if role == "vae":
-        return _from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
-    return _load_text_encoder(path, info, folder / name, cls_name, dtype)
-
-
-def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
-    """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
-    not) are dequantised to ``dtype`` here (text encoders run once per prompt)."""
-    import transformers
-
-    cls = getattr(transformers, cls_name, None)
-    if not isinstance(cls, type):
-        raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
-    state = _read_checkpoint(path, info) if (info.fp8 is not None or info.scales) else load_file(str(path))
-    for key in [k for k in state if k.endswith(SCALE_KEY)]:
-        layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
-        if layer + ".weight" in state and scale.numel() == 1:
-            state[layer + ".weight"] = dequantize(state[layer + ".weight"], scale_value(scale, dtype), dtype)
-    state = {k: dequantize(v, None, dtype) if is_fp8(v) else v for k, v in state.items()}
-    try:
-        model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
-                                            state_dict=state, dtype=dtype, output_loading_info=True)
-    except Exception as exc:
-        raise SingleFileError(f"transformers could not load {path} as {cls_name}: {type(exc).__name__}: {exc}") from exc
-    missing = [k for k in report.get("missing_keys", ()) if k not in _tied(model)]
-    if missing or report.get("mismatched_keys"):
-        raise SingleFileError(f"{path} does not match the {cls_name} config in {config}: missing {sorted(missing)[:3]},"
-                              f" other shapes {list(report.get('mismatched_keys') or [])[:3]}: pick the text encoder "
-                              "this model uses")
-    log.info("%s: %s text encoder (%s) loaded as %s", path.name, cls_name, info.format, _short(dtype))
-    return model
-
-
-def _tied(model: Any) -> set[str]:
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    return set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()

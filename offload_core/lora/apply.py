@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..components import iter_modules
+from ..formats.w4a8 import W4A8Linear
 from ..log import get_logger
 from ..state import COMPONENT, LORA, LORA_REPORT, PIPELINE
 from ..transport.base import Masters
@@ -33,6 +34,7 @@ from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
 from .restore import FileSource, WeightFiles, check_unchanged
 
 log = get_logger("lora")
+LINEAR = (torch.nn.Linear, W4A8Linear)  # layers an unfused LoRA adds its product to
 
 __all__ = ["LoraError", "LoraSpec", "activate", "check", "set_signature"]
 
@@ -159,7 +161,7 @@ def _plan(pipe: object, components: dict[str, torch.nn.Module],
                 plan = plans.setdefault(comp, _Plan())
                 reason = hooks.unfused_reason(module, target)
                 if reason is not None:
-                    if not isinstance(target, torch.nn.Linear):
+                    if not isinstance(target, LINEAR):
                         log.warning("LoRA %s: %s.%s is a quantized %s: only linear layers take an unfused "
                                     "LoRA; layer skipped", lora.path, comp, path, type(target).__name__)
                         continue
@@ -198,7 +200,7 @@ def _check_shape(lora: LoraFile, comp: str, path: str, target: torch.nn.Module, 
     weight = target.weight
     if layer.up is None:
         return
-    if isinstance(target, torch.nn.Linear):  # a GGUF weight's shape is its packed bytes'
+    if isinstance(target, LINEAR):  # a GGUF or W4A8 weight's shape is its packed bytes'
         want = (target.out_features, target.in_features)
     else:
         want = (weight.shape[0], weight[0].numel())

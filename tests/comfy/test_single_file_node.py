@@ -1,6 +1,6 @@
 """Load diffusion model file (diffusers) in a real ComfyUI: it lists denoiser files from ComfyUI's
 folders (an extra path too, as extra_model_paths.yaml adds), loads the tiny Wan fp8_scaled file
-into a configs-only folder with text-encoder and VAE files (a ComfyUI int8_tensorwise file too, run
+into a configs-only folder with text-encoder and VAE files (ComfyUI int8_tensorwise and W4A8 files too, run
 through Generate), and a bad file comes back as a prompt error naming it, the file unchanged, the
 next prompt running."""
 
@@ -107,8 +107,21 @@ def test_an_int8_tensorwise_file_loads_and_generates(
     comfy: harness.ComfyHost, placed: dict, comfy_int8_wan
 ) -> None:
     """A ComfyUI int8_tensorwise file (per-row scales) through the loader, the report and Generate."""
-    name = "wan-tiny-int8-row.safetensors"
-    shutil.copyfile(comfy_int8_wan(per_row=True), placed["extra"] / name)
+    generates(comfy, placed, "wan-tiny-int8-row.safetensors", comfy_int8_wan(per_row=True))
+
+
+def test_a_w4a8_file_loads_and_generates(
+    comfy: harness.ComfyHost, placed: dict, tiny_wan_dir: Path, tmp_path: Path
+) -> None:
+    """A ComfyUI W4A8 file (comfy-kitchen's asym_w4a8_int8) through the loader, the report and Generate."""
+    generates(comfy, placed, "wan-tiny-w4a8.safetensors",
+              comfy_files.write_comfy_w4a8_wan(tiny_wan_dir, tmp_path / "w4a8.safetensors"))
+
+
+def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path) -> None:
+    """``source`` copied into the extra diffusion_models folder as ``name``, listed, loaded and
+    run through Generate (one step); the file unchanged."""
+    shutil.copyfile(source, placed["extra"] / name)
     before = hashlib.sha256((placed["extra"] / name).read_bytes()).hexdigest()
     assert name in options(comfy, "denoiser")
     gen = {

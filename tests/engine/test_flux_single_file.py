@@ -22,7 +22,8 @@ from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpo
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
-from diffusers_offload.offload_core.formats.single_file import load_denoiser, load_pipeline_with_denoiser
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import flux_files
 from fixtures.comfy_files import configs_only_copy, write_component_file

@@ -15,7 +15,8 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
-from diffusers_offload.offload_core.formats.single_file import load_denoiser, load_pipeline_with_denoiser
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files, gguf_files
 from fixtures.comfy_files import comfy_quant_wan_tensors, comfy_wan_tensors
 from fixtures.tiny_models import run_wan

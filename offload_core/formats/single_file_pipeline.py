@@ -1,0 +1,164 @@
+"""The pipeline around a ComfyUI single-file denoiser: a diffusers config folder of its family
+supplies the pipeline class and the other components, which come from the folder or from the
+user's text-encoder and VAE files (fp8 text encoders dequantised at load: they run once a prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+from safetensors.torch import load_file
+
+from ..log import get_logger
+from .fp8 import dequantize, is_fp8, scale_value
+from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
+from .single_file import SCALE_KEY, from_single_file, load_denoiser, model_class, read_checkpoint, short_dtype
+
+log = get_logger("single_file")
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
+FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file"}
+
+
+def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
+                                text_encoder_file: Path | None = None, vae_file: Path | None = None,
+                                text_encoder_2_file: Path | None = None) -> Any:
+    """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
+    one is enough when the text-encoder and VAE files are given: Flux's T5 is ``text_encoder_2``)
+    with the denoiser from ``denoiser_file``, computing in ``dtype``."""
+    folder = Path(config_folder)
+    index = _read_index(folder)
+    if "transformer" not in index:
+        raise SingleFileError(f"{folder} has no transformer component: single-file denoisers load into "
+                              "transformer pipelines (Wan, Flux, LTX-2, ...); pick such a config folder")
+    files = {"text_encoder": text_encoder_file, "text_encoder_2": text_encoder_2_file, "vae": vae_file}
+    components = dict(_model_components(folder, index))
+    extra = [n for n, f in files.items() if f is not None and n not in components]
+    if extra:
+        raise SingleFileError(f"{index['_class_name']} ({folder}) has no {extra[0]}: leave its "
+                              f"{FILE_KINDS[extra[0]]} at 'none'")
+    parts: dict[str, Any] = {}
+    for name, cls_name in components.items():
+        if name == "transformer":
+            continue
+        chosen = files.get(name)
+        if chosen is not None:
+            parts[name] = _load_part(name, Path(chosen), folder, cls_name, dtype)
+        elif not _has_weights(folder / name):
+            kind = FILE_KINDS.get(name)
+            pick = f"pick a {kind} for it" if kind else "use a diffusers folder that has them"
+            raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
+    parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
+    try:
+        pipe = _assemble(folder, index, parts, dtype)
+    except Exception as exc:
+        raise SingleFileError(f"diffusers could not build the pipeline of {folder} around {denoiser_file}: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
+             "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
+    return pipe
+
+
+def _assemble(folder: Path, index: dict, parts: dict[str, Any], dtype: torch.dtype) -> Any:
+    """The index's pipeline class built from ``parts`` and the folder's other components, each
+    loaded as `DiffusionPipeline.from_pretrained` would. Why not that call itself: diffusers 0.42.1
+    reloads a passed component the pipeline declares optional (Wan's ``transformer``) from the
+    folder and drops the passed one."""
+    import importlib
+
+    pipeline_class = getattr(diffusers, index["_class_name"], None)
+    if not isinstance(pipeline_class, type):
+        raise SingleFileError(f"{folder}: pipeline class {index['_class_name']!r} is not in this diffusers version")
+    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(pipeline_class)
+    kwargs: dict[str, Any] = {}
+    for name, spec in index.items():
+        if name.startswith("_") or name not in (*expected, *optional):
+            continue
+        if name in parts:
+            kwargs[name] = parts[name]
+        elif isinstance(spec, list) and len(spec) == 2:
+            if not all(spec):
+                kwargs[name] = None
+                continue
+            cls = getattr(importlib.import_module(str(spec[0])), str(spec[1]))
+            weights = issubclass(cls, torch.nn.Module)
+            dtype_kw = {} if not weights else {"torch_dtype" if spec[0] == "diffusers" else "dtype": dtype}
+            kwargs[name] = cls.from_pretrained(str(folder / name), local_files_only=True, **dtype_kw)
+        else:
+            kwargs[name] = spec
+    pipe = pipeline_class(**kwargs)
+    pipe.register_to_config(_name_or_path=str(folder))
+    return pipe
+
+
+def _read_index(folder: Path) -> dict:
+    path = folder / "model_index.json"
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SingleFileError(f"{folder} is not a diffusers config folder: {path} cannot be read ({exc})") from exc
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise SingleFileError(f"{path} is not a diffusers pipeline index (no _class_name)")
+    return index
+
+
+def _model_components(folder: Path, index: dict) -> list[tuple[str, str]]:
+    """(name, class) of the index's components that hold weights (a folder with a config.json)."""
+    return [(name, str(spec[1])) for name, spec in index.items()
+            if not name.startswith("_") and isinstance(spec, list) and len(spec) == 2 and all(spec)
+            and (folder / name / "config.json").is_file()]
+
+
+def _has_weights(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
+
+
+def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.dtype) -> Any:
+    """A text encoder or VAE from its single file, into the class and config of ``folder/name``."""
+    if not path.is_file():
+        raise SingleFileError(f"{path} does not exist: pick a {FILE_KINDS.get(name, 'file')} from ComfyUI's folders")
+    info = inspect_safetensors(path)
+    role = "vae" if name == "vae" else "text_encoder"
+    if info.role != role and not (role == "vae" and info.role == "unknown"):
+        raise SingleFileError(f"{path} looks like {info.looks_like}, not a {FILE_KINDS.get(name, name)} for {name} "
+                              f"({cls_name})")
+    if role == "vae":
+        return from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
+    return _load_text_encoder(path, info, folder / name, cls_name, dtype)
+
+
+def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
+    """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
+    not) are dequantised to ``dtype`` here (text encoders run once per prompt)."""
+    import transformers
+
+    cls = getattr(transformers, cls_name, None)
+    if not isinstance(cls, type):
+        raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
+    state = read_checkpoint(path, info) if (info.fp8 is not None or info.scales) else load_file(str(path))
+    for key in [k for k in state if k.endswith(SCALE_KEY)]:
+        layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
+        if layer + ".weight" in state and scale.numel() == 1:
+            state[layer + ".weight"] = dequantize(state[layer + ".weight"], scale_value(scale, dtype), dtype)
+    state = {k: dequantize(v, None, dtype) if is_fp8(v) else v for k, v in state.items()}
+    try:
+        model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
+                                            state_dict=state, dtype=dtype, output_loading_info=True)
+    except Exception as exc:
+        raise SingleFileError(f"transformers could not load {path} as {cls_name}: {type(exc).__name__}: {exc}") from exc
+    missing = [k for k in report.get("missing_keys", ()) if k not in _tied(model)]
+    if missing or report.get("mismatched_keys"):
+        raise SingleFileError(f"{path} does not match the {cls_name} config in {config}: missing {sorted(missing)[:3]},"
+                              f" other shapes {list(report.get('mismatched_keys') or [])[:3]}: pick the text encoder "
+                              "this model uses")
+    log.info("%s: %s text encoder (%s) loaded as %s", path.name, cls_name, info.format, short_dtype(dtype))
+    return model
+
+
+def _tied(model: Any) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    return set(tied) if isinstance(tied, (dict, list, tuple, set)) else set()

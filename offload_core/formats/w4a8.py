@@ -1,0 +1,128 @@
+"""ComfyUI's W4A8 layers (comfy-kitchen's ``asym_w4a8_int8``, the form MiniMax-H3 circulates in):
+int4 weights packed two per int8 byte ``[out, in / 2]``, fp8 group scales ``weight_s_rel``,
+float32 channel scales ``weight_s_channel`` and an optional 16-level ``weight_codebook``, run by
+comfy-kitchen's own ``w4a8_int8_linear`` (its kernels on a GPU, its eager ops elsewhere): the call
+ComfyUI's quantized Linear makes, so the outputs are ComfyUI's.
+
+Why a layer of our own rather than comfy-kitchen's ``QuantizedTensor``: a tensor subclass is what
+the transports cannot move (SPEC §11); plain parameters are pinned, streamed and kept as storage
+bytes by every transport with no special case. comfy-kitchen comes with ComfyUI (2026 tree); where
+it is missing, a W4A8 file is refused by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMAT = "asym_w4a8_int8"
+TENSORS = ("weight_s_rel", "weight_s_channel", "weight_codebook")  # beside ``<layer>.weight``
+
+
+@dataclass(frozen=True)
+class W4A8Conf:
+    """A layer's ``comfy_quant`` entry as ComfyUI reads it (entry first, then its ``params``)."""
+
+    group_size: int = 16
+    convrot_groupsize: int = 256
+
+    @classmethod
+    def of(cls, entry: dict) -> W4A8Conf:
+        params = entry.get("params") if isinstance(entry.get("params"), dict) else {}
+        return cls(int(entry.get("group_size", params.get("group_size", 16))),
+                   int(entry.get("convrot_groupsize", params.get("convrot_groupsize", 256))))
+
+
+def kitchen():
+    """comfy-kitchen's W4A8 module, or an ImportError saying what to install."""
+    try:
+        from comfy_kitchen.tensor import w4a8_int8
+    except ImportError as exc:
+        raise ImportError("W4A8 (asym_w4a8_int8) files run through comfy-kitchen, which this Python does not have: "
+                          "update ComfyUI (its requirements install comfy-kitchen) or pip install comfy-kitchen") from exc
+    return w4a8_int8
+
+
+class W4A8Linear(torch.nn.Module):
+    """``nn.Linear``'s interface over W4A8 storage; ``compute`` is the output dtype (ComfyUI's
+    ``orig_dtype``, the model's compute dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, conf: W4A8Conf, codebook: bool,
+                 compute: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.conf, self.compute = in_features, out_features, conf, compute
+
+        def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.weight = param(out_features, in_features // 2, dtype=torch.int8)
+        self.weight_s_rel = param(out_features, in_features // conf.group_size, dtype=torch.float8_e4m3fn)
+        self.weight_s_channel = param(out_features, dtype=torch.float32)
+        self.weight_codebook = param(16, dtype=torch.float32) if codebook else None
+        self.bias = param(out_features, dtype=compute) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kitchen().w4a8_int8_linear(
+            x, self.weight, self.weight_s_rel, self.weight_s_channel, codebook=self.weight_codebook,
+            correction=None, bias=self.bias, group_size=self.conf.group_size,
+            convrot_groupsize=self.conf.convrot_groupsize, out_dtype=self.compute)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in ``compute``, as comfy-kitchen decodes it (for a layer kept in fp32)."""
+        return kitchen().dequantize_w4a8_int8_weight(
+            self.weight, self.weight_s_rel, self.weight_s_channel, codebook=self.weight_codebook,
+            group_size=self.conf.group_size, convrot_groupsize=self.conf.convrot_groupsize, output_dtype=self.compute)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"group_size={self.conf.group_size}, convrot_groupsize={self.conf.convrot_groupsize}")
+
+
+def w4a8_layers(state: dict[str, torch.Tensor]) -> list[str]:
+    """The layers of a (converted) state dict stored as W4A8: those with a ``weight_s_rel``."""
+    return sorted(k.removesuffix(".weight_s_rel") for k in state if k.endswith(".weight_s_rel"))
+
+
+def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], conf: W4A8Conf,
+            compute: torch.dtype) -> None:
+    """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by a `W4A8Linear` the
+    state's tensors fit; a layer that is no Linear raises ValueError naming it."""
+    for name in layers:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child, None)
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(f"{name} is stored as W4A8 but is a {type(linear).__name__} in "
+                             f"{type(model).__name__}, not a Linear layer")
+        layer = W4A8Linear(linear.in_features, linear.out_features, linear.bias is not None, conf,
+                           codebook=f"{name}.weight_codebook" in state, compute=compute, device="meta")
+        setattr(parent, child, layer)
+
+
+def load_state(state: dict[str, torch.Tensor], layers: list[str]) -> None:
+    """The layers' tensors in the dtypes the layer holds, in place: group scales stored as uint8
+    are fp8 bytes (ComfyUI views them so); a channel scale stored ``[out, 1]`` is ``[out]``."""
+    for name in layers:
+        s_rel = state[f"{name}.weight_s_rel"]
+        if s_rel.dtype == torch.uint8:
+            state[f"{name}.weight_s_rel"] = s_rel.view(torch.float8_e4m3fn)
+        key = f"{name}.weight_s_channel"
+        if key in state:
+            state[key] = state[key].float().reshape(-1)
+        if f"{name}.weight_codebook" in state:
+            state[f"{name}.weight_codebook"] = state[f"{name}.weight_codebook"].float()
+
+
+def holds_w4a8(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, W4A8Linear) for m in model.modules())
+
+
+def dequantize_into(state: dict[str, torch.Tensor], name: str, conf: W4A8Conf, compute: torch.dtype) -> None:
+    """A W4A8 layer the model keeps in float32 (diffusers' ``_keep_in_fp32_modules``): its tensors
+    in ``state`` replaced by the weight comfy-kitchen decodes in ``compute``, held in float32."""
+    codebook = state.pop(f"{name}.weight_codebook", None)
+    weight = kitchen().dequantize_w4a8_int8_weight(
+        state.pop(f"{name}.weight"), state.pop(f"{name}.weight_s_rel"), state.pop(f"{name}.weight_s_channel"),
+        codebook=codebook, group_size=conf.group_size, convrot_groupsize=conf.convrot_groupsize, output_dtype=compute)
+    state[f"{name}.weight"] = weight.float()

@@ -1,0 +1,220 @@
+"""ComfyUI W4A8 single files (comfy-kitchen's ``asym_w4a8_int8``, quantized here by comfy-kitchen's
+own quantizer): loaded with their packed int4 weights and scales kept as stored, and run, in every
+placement, bit for bit like ComfyUI's layer — the same model with each such weight a comfy-kitchen
+``QuantizedTensor`` (``AsymW4A8Int8Layout``) under a plain ``nn.Linear``, as ComfyUI's mixed
+precision ops hold it; what the streamer moves is storage bytes; a release leaves the stored
+tensors as they were; bad files and a missing comfy-kitchen are refused by name; no file changes."""
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.inspect import SingleFileError
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.w4a8 import W4A8Linear
+from diffusers_offload.offload_core.lora import LoraSpec, activate
+from diffusers_offload.offload_core.state import leftovers
+from fixtures.comfy_files import W4A8_CONF, comfy_w4a8_wan_tensors, write_comfy_w4a8_wan
+from fixtures.placements import PLACEMENTS
+from fixtures.quantized import streamed_in_one_step
+from fixtures.tiny_loras import wan_lora
+from fixtures.tiny_models import load_wan, run_wan
+from safetensors.torch import load_file, save_file
+
+BF16 = torch.bfloat16
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+EXTRA = (".weight_s_rel", ".weight_s_channel", ".weight_codebook", ".comfy_quant")
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def w4a8_file(tiny_wan_dir, tmp_path_factory) -> Path:
+    return write_comfy_w4a8_wan(tiny_wan_dir, tmp_path_factory.mktemp("w4a8") / "wan-tiny-w4a8.safetensors")
+
+
+def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
+    """The file as ComfyUI holds it: the plain tensors (and each W4A8 weight decoded, to give
+    diffusers' folder loader its shapes) converted by diffusers and loaded in bf16; then each W4A8
+    layer outside diffusers' fp32 modules gets the file's packed weight as comfy-kitchen's
+    ``QuantizedTensor``, which ``nn.Linear``'s ``F.linear`` dispatches to comfy-kitchen."""
+    from comfy_kitchen.tensor.base import QuantizedTensor
+    from comfy_kitchen.tensor.w4a8_int8 import AsymW4A8Int8Layout, dequantize_w4a8_int8_weight
+
+    tensors = load_file(str(path))
+    layers = [k.removesuffix(".weight_s_rel") for k in tensors if k.endswith(".weight_s_rel")]
+    geometry = dict(group_size=W4A8_CONF["group_size"], convrot_groupsize=W4A8_CONF["convrot_groupsize"])
+    plain = {k: t for k, t in tensors.items() if not k.endswith(EXTRA)}
+    for layer in layers:
+        plain[f"{layer}.weight"] = dequantize_w4a8_int8_weight(
+            tensors[f"{layer}.weight"], tensors[f"{layer}.weight_s_rel"], tensors[f"{layer}.weight_s_channel"],
+            codebook=tensors.get(f"{layer}.weight_codebook"), output_dtype=BF16, **geometry)
+    ref = tmp / "comfyui-twin" / "transformer"
+    ref.mkdir(parents=True)
+    shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
+    save_file(convert_wan_transformer_to_diffusers(plain), str(ref / "diffusion_pytorch_model.safetensors"))
+    model = WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
+    names = convert_wan_transformer_to_diffusers({f"{layer}.weight": torch.tensor(i) for i, layer in enumerate(layers)})
+    for key, index in names.items():
+        linear = model.get_submodule(key.removesuffix(".weight"))
+        if linear.weight.dtype == torch.float32:  # diffusers' fp32 modules: the decoded weight, upcast
+            continue
+        layer = layers[int(index)]
+        params = AsymW4A8Int8Layout.Params(
+            scale=tensors[f"{layer}.weight_s_rel"], s_channel=tensors[f"{layer}.weight_s_channel"],
+            codebook=tensors.get(f"{layer}.weight_codebook"), orig_dtype=BF16,
+            orig_shape=(linear.out_features, linear.in_features), **geometry)
+        linear.weight = torch.nn.Parameter(
+            QuantizedTensor(tensors[f"{layer}.weight"], "AsymW4A8Int8Layout", params), requires_grad=False)
+    return model
+
+
+def _pipe(tiny_wan_dir: Path, transformer) -> object:
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_wan_dir), dtype=BF16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.register_modules(transformer=transformer)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_wan_dir, w4a8_file, tmp_path_factory) -> torch.Tensor:
+    return run_wan(_pipe(tiny_wan_dir, _comfyui_twin(w4a8_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
+
+
+def test_the_file_is_comfy_kitchens_w4a8(w4a8_file):
+    """The fixture holds what ComfyUI's loader reads: packed int8 weights, fp8 group scales,
+    float32 channel scales and codebooks, on the blocks (streamed) and outside them."""
+    tensors = load_file(str(w4a8_file))
+    layers = [k.removesuffix(".weight_s_rel") for k in tensors if k.endswith(".weight_s_rel")]
+    assert any(k.startswith("blocks.") for k in layers) and any(not k.startswith("blocks.") for k in layers)
+    for layer in layers:
+        q, s_rel = tensors[f"{layer}.weight"], tensors[f"{layer}.weight_s_rel"]
+        assert q.dtype == torch.int8 and s_rel.dtype == torch.float8_e4m3fn
+        assert s_rel.shape == (q.shape[0], q.shape[1] * 2 // W4A8_CONF["group_size"])
+        assert tensors[f"{layer}.weight_s_channel"].shape == (q.shape[0],)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w4a8_file, reference):
+    before = _digest(w4a8_file)
+    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
+    assert layers and any(isinstance(m, W4A8Linear) for m in model.blocks.modules())
+    assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # decoded, fp32 module
+    stored = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype in (torch.int8, torch.float8_e4m3fn)}
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+    first = run_wan(pipe)
+    engine.after_run(pipe)
+    second = run_wan(pipe)
+    engine.release(pipe)
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    assert leftovers(model) == []
+    for name, p in model.named_parameters():
+        if name in stored:
+            assert p.dtype == stored[name].dtype and p.device.type == "cpu" and torch.equal(p, stored[name]), name
+    assert _digest(w4a8_file) == before
+
+
+def test_a_wrong_codebook_changes_the_output(tiny_wan_dir, w4a8_file, reference):
+    """The codebooks are read from the file: the uniform int4 grid in their place gives another
+    output (a pack that dropped them would pass the placement test only by luck)."""
+    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    for layer in pipe.transformer.modules():
+        if isinstance(layer, W4A8Linear) and layer.weight_codebook is not None:
+            layer.weight_codebook.data = torch.linspace(-1, 1, 16)
+    assert not torch.allclose(run_wan(pipe), reference, atol=1e-3)
+
+
+def test_streamer_moves_w4a8_storage_bytes(tiny_wan_dir, w4a8_file, monkeypatch):
+    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
+    assert sum(moved) == 2 * blocks  # one step, two forwards (CFG): the blocks' stored bytes, no more
+    assert {torch.int8, torch.float8_e4m3fn} <= dtypes
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    assert report.component("transformer").quantization == "comfy asym_w4a8_int8"
+    engine.release(pipe)
+
+
+LORA_TARGETS = ("to_q", "to_k", "ffn.net.2")  # attention is bf16 in the file (fused), ffn.net.2 W4A8 (unfused)
+
+
+@pytest.fixture(scope="module")
+def w4a8_lora(tiny_wan_dir, tmp_path_factory) -> Path:
+    return wan_lora(load_wan(tiny_wan_dir).transformer, tmp_path_factory.mktemp("w4a8-lora"), seed=5,
+                    targets=LORA_TARGETS)
+
+
+@pytest.fixture(scope="module")
+def with_lora(tiny_wan_dir, w4a8_file, w4a8_lora) -> torch.Tensor:
+    """Mode none's output with the LoRA."""
+    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="none", **BASE))
+    activate(pipe, [LoraSpec(str(w4a8_lora))])
+    out = run_wan(pipe)
+    activate(pipe, [])
+    engine.release(pipe)
+    return out
+
+
+@pytest.mark.parametrize("placement", ["auto", "auto-keep-some", "leaf"])
+def test_lora_on_w4a8_layers_is_unfused_and_comes_off_bit_exactly(
+        placement, tiny_wan_dir, w4a8_file, w4a8_lora, with_lora, reference):
+    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    w4a8 = {n for n, m in model.named_modules() if isinstance(m, W4A8Linear) and n.startswith("blocks.")}
+    stored = {n: p.detach().clone() for n, p in model.named_parameters() if n.rpartition(".")[0] in w4a8}
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+    activate(pipe, [LoraSpec(str(w4a8_lora))])
+    assert torch.equal(run_wan(pipe), with_lora) and not torch.equal(with_lora, reference)
+    lora = engine.report(pipe).component("transformer").details["lora"]
+    assert lora["path"] == "fused+unfused" and lora["unfused"] == dict.fromkeys(sorted(w4a8), "w4a8")
+    assert all(torch.equal(model.get_parameter(n), t) for n, t in stored.items()), "a W4A8 tensor was written"
+    activate(pipe, [])
+    assert torch.equal(run_wan(pipe), reference)
+    engine.release(pipe)
+    assert leftovers(model) == []
+
+
+# -- refused by name, files untouched ---------------------------------------------------------------
+def _refused(match: str, path: Path, tiny_wan_dir: Path) -> SingleFileError:
+    before = _digest(path)
+    with pytest.raises(SingleFileError, match=match) as err:
+        load_denoiser(path, tiny_wan_dir, BF16)
+    assert path.name in str(err.value)
+    assert _digest(path) == before
+    return err.value
+
+
+def test_inconsistent_w4a8_files_are_refused(tiny_wan_dir, tmp_path):
+    tensors = comfy_w4a8_wan_tensors(tiny_wan_dir)
+    layer = next(k.removesuffix(".weight_s_rel") for k in tensors if k.endswith(".weight_s_rel"))
+    lacking = {k: v for k, v in tensors.items() if k != f"{layer}.weight_s_channel"}
+    path = tmp_path / "wan-w4a8-lacking.safetensors"
+    save_file(lacking, str(path))
+    _refused(rf"{layer} is declared asym_w4a8_int8 but the file lacks weight_s_channel", path, tiny_wan_dir)
+    other = comfy_w4a8_wan_tensors(tiny_wan_dir, dict(W4A8_CONF, group_size=32))
+    mixed = {k: (other if k.startswith("blocks.0.") else tensors)[k] for k in tensors}
+    path = tmp_path / "wan-w4a8-mixed.safetensors"
+    save_file(mixed, str(path))
+    _refused(r"W4A8 layers use 2 group geometries", path, tiny_wan_dir)
+
+
+def test_without_comfy_kitchen_a_w4a8_file_is_refused_naming_it(tiny_wan_dir, w4a8_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor", None)  # import fails as if not installed
+    err = _refused(r"W4A8 \(asym_w4a8_int8\) file: .*comfy-kitchen", w4a8_file, tiny_wan_dir)
+    assert "pip install comfy-kitchen" in str(err)
