@@ -5,18 +5,16 @@ with their weights kept int8 and run, in every placement, bit for bit like a bf1
 streamer moves and keeps is int8 bytes; a release leaves the int8 weights as they were; convrot
 int8 and unknown formats are refused by name; no file changes."""
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
-from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import comfy_files
@@ -26,7 +24,7 @@ from fixtures.comfy_files import (
     write_comfy_int8_wan,
 )
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import streamed_in_one_step
+from fixtures.quantized import digest, refused, streamed_in_one_step, wan_pipe
 from fixtures.tiny_models import run_wan
 from safetensors.torch import load_file, save_file
 
@@ -39,9 +37,6 @@ VARIANTS = {
     "per-row-metadata": dict(per_row=True, metadata=True),
 }
 
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _reference_transformer(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
@@ -62,20 +57,13 @@ def _reference_transformer(path: Path, folder: Path, tmp: Path) -> WanTransforme
     return WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
 
 
-def _pipe(tiny_wan_dir: Path, transformer) -> object:
-    """The tiny folder loaded by diffusers in bf16, with ``transformer`` in place of its own."""
-    pipe = DiffusionPipeline.from_pretrained(str(tiny_wan_dir), dtype=BF16)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.register_modules(transformer=transformer)
-    return pipe
-
 
 @pytest.fixture(scope="module")
 def references(tiny_wan_dir, comfy_int8_wan, tmp_path_factory) -> dict[str, torch.Tensor]:
     """variant -> the reference pipeline's output (one per file)."""
     tmp = tmp_path_factory.mktemp("int8-reference")
     return {
-        name: run_wan(_pipe(tiny_wan_dir, _reference_transformer(comfy_int8_wan(**kw), tiny_wan_dir, tmp)))
+        name: run_wan(wan_pipe(tiny_wan_dir, _reference_transformer(comfy_int8_wan(**kw), tiny_wan_dir, tmp)))
         for name, kw in VARIANTS.items()
     }
 
@@ -86,8 +74,8 @@ def test_int8_file_runs_as_the_dequantised_model_in_every_placement(
     variant, placement, tiny_wan_dir, comfy_int8_wan, references
 ):
     path = comfy_int8_wan(**VARIANTS[variant])
-    before = _digest(path)
-    pipe = _pipe(tiny_wan_dir, load_denoiser(path, tiny_wan_dir, BF16))
+    before = digest(path)
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(path, tiny_wan_dir, BF16))
     model = pipe.transformer
     table = table_of(model)
     int8 = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.int8}
@@ -105,13 +93,13 @@ def test_int8_file_runs_as_the_dequantised_model_in_every_placement(
     for name, p in model.named_parameters():
         if name in int8:
             assert p.dtype == torch.int8 and p.device.type == "cpu" and torch.equal(p, int8[name]), name
-    assert _digest(path) == before
+    assert digest(path) == before
 
 
 def test_scales_are_applied_per_row(tiny_wan_dir, comfy_int8_wan, references):
     """A per-row file read with one scale per tensor (its first row's) gives another output: a pack
     that broadcast the scale wrongly or dropped rows fails here."""
-    pipe = _pipe(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, BF16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, BF16))
     table = table_of(pipe.transformer)
     for key, scale in table.int8_scales.items():
         table.int8_scales[key] = scale[0, 0].clone()
@@ -124,7 +112,7 @@ def test_scales_are_applied_per_row(tiny_wan_dir, comfy_int8_wan, references):
 
 
 def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monkeypatch):
-    pipe = _pipe(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, BF16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, BF16))
     model = pipe.transformer
     blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
     int8_bytes = sum(p.numel() for b in model.blocks for p in b.parameters() if p.dtype == torch.int8)
@@ -137,14 +125,6 @@ def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monke
 
 
 # -- refused by name, files untouched ---------------------------------------------------------------
-def _refused(match: str, path: Path, tiny_wan_dir: Path) -> SingleFileError:
-    before = _digest(path)
-    with pytest.raises(SingleFileError, match=match) as err:
-        load_denoiser(path, tiny_wan_dir, BF16)
-    assert path.name in str(err.value)
-    assert _digest(path) == before
-    return err.value
-
 
 @pytest.mark.parametrize("metadata", [False, True])
 def test_int8_with_convrot_is_refused_by_name(tiny_wan_dir, tmp_path, metadata):
@@ -152,7 +132,7 @@ def test_int8_with_convrot_is_refused_by_name(tiny_wan_dir, tmp_path, metadata):
     path = write_comfy_int8_wan(
         tiny_wan_dir, tmp_path / "wan-int8-convrot.safetensors", layer_conf=conf, metadata=metadata
     )
-    err = _refused("int8_tensorwise with convrot", path, tiny_wan_dir)
+    err = refused("int8_tensorwise with convrot", path, tiny_wan_dir)
     assert "int8_tensorwise without convrot" in str(err)  # says what runs
 
 
@@ -161,30 +141,30 @@ def test_unknown_formats_are_refused_by_name(tiny_wan_dir, tmp_path):
         path = write_comfy_int8_wan(
             tiny_wan_dir, tmp_path / f"wan-{fmt}.safetensors", layer_conf={"format": fmt}
         )
-        err = _refused(rf"comfy-kitchen layouts \({fmt}\)", path, tiny_wan_dir)
+        err = refused(rf"comfy-kitchen layouts \({fmt}\)", path, tiny_wan_dir)
         assert "int8_tensorwise without convrot" in str(err) and "asym_w4a8_int8" in str(err)  # says what runs
 
 
-def test_inconsistent_int8_files_are_refused(tiny_wan_dir, tmp_path):
+def test_inconsistent_int8_files_arerefused(tiny_wan_dir, tmp_path):
     """An int8 weight without its entry or scale, or one whose scale is per column, is refused."""
     tensors, header = comfy_int8_wan_tensors(tiny_wan_dir)
     stray = dict(tensors)
     stray.pop("blocks.0.self_attn.q.comfy_quant")
     path = tmp_path / "wan-int8-stray.safetensors"
     save_file(stray, str(path), metadata=header)
-    _refused(r"int8 weights \(blocks\.0\.self_attn\.q\.weight\) have no int8_tensorwise", path, tiny_wan_dir)
+    refused(r"int8 weights \(blocks\.0\.self_attn\.q\.weight\) have no int8_tensorwise", path, tiny_wan_dir)
     unscaled = dict(tensors)
     unscaled.pop("blocks.0.self_attn.q.weight_scale")
     path = tmp_path / "wan-int8-unscaled.safetensors"
     save_file(unscaled, str(path), metadata=header)
-    _refused(r"blocks\.0\.self_attn\.q is declared int8_tensorwise .* no weight_scale", path, tiny_wan_dir)
+    refused(r"blocks\.0\.self_attn\.q is declared int8_tensorwise .* no weight_scale", path, tiny_wan_dir)
     columns = dict(tensors)
     columns["blocks.0.self_attn.q.weight_scale"] = torch.ones(
         1, tensors["blocks.0.self_attn.q.weight"].shape[1]
     )
     path = tmp_path / "wan-int8-columns.safetensors"
     save_file(columns, str(path), metadata=header)
-    _refused(r"blocks\.0\.attn1\.to_q has shape \(1, \d+\).*per row", path, tiny_wan_dir)
+    refused(r"blocks\.0\.attn1\.to_q has shape \(1, \d+\).*per row", path, tiny_wan_dir)
     mixed = {k: v for k, v in tensors.items() if not k.startswith("blocks.1.")}
     mixed |= {
         k: v
@@ -193,7 +173,7 @@ def test_inconsistent_int8_files_are_refused(tiny_wan_dir, tmp_path):
     }
     path = tmp_path / "wan-int8-fp8.safetensors"
     save_file(mixed, str(path), metadata=header)
-    _refused("mixes int8 and fp8 weights", path, tiny_wan_dir)
+    refused("mixes int8 and fp8 weights", path, tiny_wan_dir)
 
 
 def test_metadata_lists_the_layers_as_comfyui_reads_them(comfy_int8_wan):

@@ -5,24 +5,22 @@ placement, bit for bit like ComfyUI's layer — the same model with each such we
 precision ops hold it; what the streamer moves is storage bytes; a release leaves the stored
 tensors as they were; bad files and a missing comfy-kitchen are refused by name; no file changes."""
 
-import hashlib
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.w4a8 import W4A8Linear
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.comfy_files import W4A8_CONF, comfy_w4a8_wan_tensors, write_comfy_w4a8_wan
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import streamed_in_one_step
+from fixtures.quantized import digest, refused, streamed_in_one_step, wan_pipe
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import load_file, save_file
@@ -31,9 +29,6 @@ BF16 = torch.bfloat16
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 EXTRA = (".weight_s_rel", ".weight_s_channel", ".weight_codebook", ".comfy_quant")
 
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +72,10 @@ def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
     return model
 
 
-def _pipe(tiny_wan_dir: Path, transformer) -> object:
-    pipe = DiffusionPipeline.from_pretrained(str(tiny_wan_dir), dtype=BF16)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.register_modules(transformer=transformer)
-    return pipe
-
 
 @pytest.fixture(scope="module")
 def reference(tiny_wan_dir, w4a8_file, tmp_path_factory) -> torch.Tensor:
-    return run_wan(_pipe(tiny_wan_dir, _comfyui_twin(w4a8_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
+    return run_wan(wan_pipe(tiny_wan_dir, _comfyui_twin(w4a8_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
 
 
 def test_the_file_is_comfy_kitchens_w4a8(w4a8_file):
@@ -104,8 +93,8 @@ def test_the_file_is_comfy_kitchens_w4a8(w4a8_file):
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w4a8_file, reference):
-    before = _digest(w4a8_file)
-    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    before = digest(w4a8_file)
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     model = pipe.transformer
     layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
     assert layers and any(isinstance(m, W4A8Linear) for m in model.blocks.modules())
@@ -122,13 +111,13 @@ def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w
     for name, p in model.named_parameters():
         if name in stored:
             assert p.dtype == stored[name].dtype and p.device.type == "cpu" and torch.equal(p, stored[name]), name
-    assert _digest(w4a8_file) == before
+    assert digest(w4a8_file) == before
 
 
 def test_a_wrong_codebook_changes_the_output(tiny_wan_dir, w4a8_file, reference):
     """The codebooks are read from the file: the uniform int4 grid in their place gives another
     output (a pack that dropped them would pass the placement test only by luck)."""
-    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     for layer in pipe.transformer.modules():
         if isinstance(layer, W4A8Linear) and layer.weight_codebook is not None:
             layer.weight_codebook.data = torch.linspace(-1, 1, 16)
@@ -136,7 +125,7 @@ def test_a_wrong_codebook_changes_the_output(tiny_wan_dir, w4a8_file, reference)
 
 
 def test_streamer_moves_w4a8_storage_bytes(tiny_wan_dir, w4a8_file, monkeypatch):
-    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     model = pipe.transformer
     blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
     moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
@@ -160,7 +149,7 @@ def w4a8_lora(tiny_wan_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def with_lora(tiny_wan_dir, w4a8_file, w4a8_lora) -> torch.Tensor:
     """Mode none's output with the LoRA."""
-    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     engine = Engine()
     engine.place(pipe, OffloadConfig(mode="none", **BASE))
     activate(pipe, [LoraSpec(str(w4a8_lora))])
@@ -173,7 +162,7 @@ def with_lora(tiny_wan_dir, w4a8_file, w4a8_lora) -> torch.Tensor:
 @pytest.mark.parametrize("placement", ["auto", "auto-keep-some", "leaf"])
 def test_lora_on_w4a8_layers_is_unfused_and_comes_off_bit_exactly(
         placement, tiny_wan_dir, w4a8_file, w4a8_lora, with_lora, reference):
-    pipe = _pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     model = pipe.transformer
     w4a8 = {n for n, m in model.named_modules() if isinstance(m, W4A8Linear) and n.startswith("blocks.")}
     stored = {n: p.detach().clone() for n, p in model.named_parameters() if n.rpartition(".")[0] in w4a8}
@@ -191,30 +180,22 @@ def test_lora_on_w4a8_layers_is_unfused_and_comes_off_bit_exactly(
 
 
 # -- refused by name, files untouched ---------------------------------------------------------------
-def _refused(match: str, path: Path, tiny_wan_dir: Path) -> SingleFileError:
-    before = _digest(path)
-    with pytest.raises(SingleFileError, match=match) as err:
-        load_denoiser(path, tiny_wan_dir, BF16)
-    assert path.name in str(err.value)
-    assert _digest(path) == before
-    return err.value
 
-
-def test_inconsistent_w4a8_files_are_refused(tiny_wan_dir, tmp_path):
+def test_inconsistent_w4a8_files_arerefused(tiny_wan_dir, tmp_path):
     tensors = comfy_w4a8_wan_tensors(tiny_wan_dir)
     layer = next(k.removesuffix(".weight_s_rel") for k in tensors if k.endswith(".weight_s_rel"))
     lacking = {k: v for k, v in tensors.items() if k != f"{layer}.weight_s_channel"}
     path = tmp_path / "wan-w4a8-lacking.safetensors"
     save_file(lacking, str(path))
-    _refused(rf"{layer} is declared asym_w4a8_int8 but the file lacks weight_s_channel", path, tiny_wan_dir)
+    refused(rf"{layer} is declared asym_w4a8_int8 but the file lacks weight_s_channel", path, tiny_wan_dir)
     other = comfy_w4a8_wan_tensors(tiny_wan_dir, dict(W4A8_CONF, group_size=32))
     mixed = {k: (other if k.startswith("blocks.0.") else tensors)[k] for k in tensors}
     path = tmp_path / "wan-w4a8-mixed.safetensors"
     save_file(mixed, str(path))
-    _refused(r"W4A8 layers use 2 group geometries", path, tiny_wan_dir)
+    refused(r"W4A8 layers use 2 group geometries", path, tiny_wan_dir)
 
 
 def test_without_comfy_kitchen_a_w4a8_file_is_refused_naming_it(tiny_wan_dir, w4a8_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor", None)  # import fails as if not installed
-    err = _refused(r"W4A8 \(asym_w4a8_int8\) file: .*comfy-kitchen", w4a8_file, tiny_wan_dir)
+    err = refused(r"W4A8 \(asym_w4a8_int8\) file: .*comfy-kitchen", w4a8_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
