@@ -7,8 +7,8 @@ safetensors files do not: diffusers 0.42.1 casts fp8 values to the compute dtype
 ``scale_weight`` (silently wrong weights, twice the bytes), and casts every module, its fp32
 ones included, to the compute dtype (unlike its folder loader). Here the converted tensors are
 assigned into an empty model: fp8 and int8 ones as they are (`fp8.mark_fp8` records their
-scales), W4A8 layers as `w4a8.W4A8Linear` layers over their stored tensors, the rest in the compute dtype except diffusers' ``_keep_in_fp32_modules``, as
-`from_pretrained` keeps them.
+scales), W4A8 layers as `w4a8.W4A8Linear` layers over their stored tensors, the rest in the
+compute dtype except diffusers' ``_keep_in_fp32_modules``, as `from_pretrained` keeps them.
 """
 
 from __future__ import annotations
