@@ -294,6 +294,12 @@ def _convrot(conf: dict) -> bool:
     return bool(conf.get("convrot", params.get("convrot", False)))
 
 
+def w4a8_conf(info: SingleFileInfo) -> w4a8.W4A8Conf:
+    """The group geometry of the file's W4A8 layers (`check_quant_layers` allows one per file)."""
+    return next((w4a8.W4A8Conf.of(c) for c in read_quant_layers(info).values()
+                 if isinstance(c, dict) and c.get("format") == W4A8_FORMAT), w4a8.W4A8Conf())
+
+
 def _check_w4a8(info: SingleFileInfo, layers: dict[str, dict]) -> None:
     """W4A8 layers need comfy-kitchen, one group geometry, and each its int8 weight and scales."""
     if not layers:

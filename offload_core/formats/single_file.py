@@ -33,7 +33,7 @@ from .inspect import (
     check_quant_layers,
     describe_keys,
     inspect_safetensors,
-    read_quant_layers,
+    w4a8_conf,
 )
 from .scale_trace import trace_scales
 
@@ -253,8 +253,7 @@ def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, convert
                               f"{declared} W4A8 layers; W4A8 files of this family are not supported yet")
     if not layers:
         return set()
-    conf = next((w4a8.W4A8Conf.of(c) for c in read_quant_layers(info).values()
-                 if isinstance(c, dict) and c.get("format") == w4a8.FORMAT), w4a8.W4A8Conf())
+    conf = w4a8_conf(info)
     w4a8.load_state(converted, layers)
     keep32 = _keep32(cls, compute)
     decoded = [n for n in layers if any(m in n.split(".") for m in keep32)]

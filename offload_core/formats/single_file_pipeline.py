@@ -14,8 +14,16 @@ import torch
 from safetensors.torch import load_file
 
 from ..log import get_logger
-from .fp8 import dequantize, is_fp8, scale_value
-from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
+from . import w4a8
+from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, scale_value
+from .inspect import (
+    QUANT_METADATA,
+    SingleFileError,
+    SingleFileInfo,
+    check_quant_layers,
+    inspect_safetensors,
+    w4a8_conf,
+)
 from .single_file import SCALE_KEY, from_single_file, load_denoiser, model_class, read_checkpoint, short_dtype
 
 log = get_logger("single_file")
@@ -133,17 +141,24 @@ def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.
 
 def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
     """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
-    not) are dequantised to ``dtype`` here (text encoders run once per prompt)."""
+    not), ComfyUI int8_tensorwise and W4A8 layers are dequantised to ``dtype`` here, as comfy-kitchen
+    decodes them (text encoders run once per prompt); other quant formats are refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)
     if not isinstance(cls, type):
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
-    state = read_checkpoint(path, info) if (info.fp8 is not None or info.scales) else load_file(str(path))
+    check_quant_layers(info)
+    quantized = info.fp8 is not None or info.scales or info.quant_keys or QUANT_METADATA in info.metadata
+    state = read_checkpoint(path, info) if quantized else load_file(str(path))
+    layers = w4a8.w4a8_layers(state)
+    if layers:
+        w4a8.load_state(state, layers)
+        for name in layers:
+            w4a8.dequantize_into(state, name, w4a8_conf(info), dtype)
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
-        if layer + ".weight" in state and scale.numel() == 1:
-            state[layer + ".weight"] = dequantize(state[layer + ".weight"], scale_value(scale, dtype), dtype)
+        state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
     state = {k: dequantize(v, None, dtype) if is_fp8(v) else v for k, v in state.items()}
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
@@ -157,6 +172,20 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
                               "this model uses")
     log.info("%s: %s text encoder (%s) loaded as %s", path.name, cls_name, info.format, short_dtype(dtype))
     return model
+
+
+def _dequantized(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A text encoder's scaled weight in ``dtype``: int8 as ``(q.float() * scale).to(dtype)`` (per
+    tensor or per row), fp8 as ``w.to(dtype) * scale`` (per tensor only)."""
+    try:
+        if weight.dtype == INT8:
+            return dequantize_int8(weight, check_int8_scale(scale, layer, weight, str(path)), dtype)
+        if scale.numel() != 1:
+            raise ValueError(f"{path}: the scale of {layer} has shape {tuple(scale.shape)}; fp8 text-encoder weights "
+                             "take per-tensor scales only")
+        return dequantize(weight, scale_value(scale, dtype), dtype)
+    except ValueError as exc:
+        raise SingleFileError(str(exc)) from exc
 
 
 def _tied(model: Any) -> set[str]:

@@ -5,6 +5,7 @@ placement, bit for bit like ComfyUI's layer — the same model with each such we
 precision ops hold it; what the streamer moves is storage bytes; a release leaves the stored
 tensors as they were; bad files and a missing comfy-kitchen are refused by name; no file changes."""
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -14,10 +15,13 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from diffusers_offload.offload_core.formats.w4a8 import W4A8Linear
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
+from fixtures import comfy_files
 from fixtures.comfy_files import W4A8_CONF, comfy_w4a8_wan_tensors, write_comfy_w4a8_wan
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import digest, refused, streamed_in_one_step, wan_pipe
@@ -25,6 +29,9 @@ from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import load_file, save_file
 
+# session fixtures, registered under their own names (comfy_wan, wan_configs_only, wan_component_files)
+_comfy_wan, _configs_only, _component_files = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
+                                               comfy_files.wan_component_files)
 BF16 = torch.bfloat16
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 EXTRA = (".weight_s_rel", ".weight_s_channel", ".weight_codebook", ".comfy_quant")
@@ -199,3 +206,60 @@ def test_without_comfy_kitchen_a_w4a8_file_is_refused_naming_it(tiny_wan_dir, w4
     monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor", None)  # import fails as if not installed
     err = refused(r"W4A8 \(asym_w4a8_int8\) file: .*comfy-kitchen", w4a8_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
+
+
+# -- text-encoder files: decoded at load ------------------------------------------------------------
+def _text_encoder_file(source: Path, out: Path, fmt: str) -> Path:
+    """The tiny UMT5 file with its matrices of input width 32 stored as ComfyUI ``fmt`` layers:
+    W4A8 quantized by comfy-kitchen, or int8_tensorwise with per-row scales (or ``fmt`` declared
+    as is, for a format the pack refuses)."""
+    from comfy_kitchen.tensor.w4a8_int8 import quantize_w4a8_int8_weight
+
+    tensors = {}
+    for name, t in load_file(str(source)).items():
+        if not (name.endswith(".weight") and t.ndim == 2 and t.shape[1] == 32 and "relative" not in name):
+            tensors[name] = t
+            continue
+        layer = name.removesuffix(".weight")
+        if fmt == "asym_w4a8_int8":
+            q, s_rel, s_channel, _c, codebook = quantize_w4a8_int8_weight(t.to(BF16), group_size=16, convrot_groupsize=16)
+            tensors |= {name: q, f"{layer}.weight_s_rel": s_rel, f"{layer}.weight_s_channel": s_channel,
+                        f"{layer}.weight_codebook": codebook}
+            conf = dict(W4A8_CONF)
+        else:
+            scale = t.abs().amax(dim=1, keepdim=True) / 127.0
+            tensors |= {name: (t / scale).round().clamp(-127, 127).to(torch.int8), f"{layer}.weight_scale": scale}
+            conf = {"format": fmt}
+        tensors[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+    save_file(tensors, str(out))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["asym_w4a8_int8", "int8_tensorwise"])
+def test_quantized_text_encoder_files_are_decoded_as_comfy_kitchen_decodes_them(
+        fmt, comfy_wan, wan_configs_only, wan_component_files, tmp_path):
+    from comfy_kitchen.tensor.w4a8_int8 import dequantize_w4a8_int8_weight
+
+    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / f"umt5-{fmt}.safetensors", fmt)
+    before = digest(path)
+    pipe = load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
+    tensors = load_file(str(path))
+    layers = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
+    assert layers
+    for layer in layers:
+        q = tensors[f"{layer}.weight"]
+        if fmt == "asym_w4a8_int8":
+            expected = dequantize_w4a8_int8_weight(
+                q, tensors[f"{layer}.weight_s_rel"], tensors[f"{layer}.weight_s_channel"],
+                codebook=tensors[f"{layer}.weight_codebook"], group_size=16, convrot_groupsize=16, output_dtype=BF16)
+        else:
+            expected = (q.float() * tensors[f"{layer}.weight_scale"]).to(BF16)
+        assert torch.equal(pipe.text_encoder.get_parameter(f"{layer}.weight"), expected), layer
+    assert digest(path) == before
+
+
+def test_a_text_encoder_file_in_a_format_the_pack_cannot_run_is_refused(
+        comfy_wan, wan_configs_only, wan_component_files, tmp_path):
+    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-nvfp4.safetensors", "nvfp4")
+    with pytest.raises(SingleFileError, match=r"umt5-nvfp4\.safetensors .*comfy-kitchen layouts \(nvfp4\)"):
+        load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
