@@ -35,7 +35,7 @@ from .inspect import (
     inspect_safetensors,
     w4a8_conf,
 )
-from .scale_trace import trace_scales
+from .scale_trace import trace_rows, trace_scales
 
 log = get_logger("single_file")
 
@@ -134,6 +134,7 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     if mapping is None:
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
     checkpoint = read_checkpoint(path, info)
+    extras = w4a8.pop_extras(checkpoint)
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
         model = cls.from_config(config)
@@ -146,6 +147,10 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     except Exception as exc:  # diffusers' own conversion error, named with the file
         raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion failed on it "
                               f"({type(exc).__name__}: {exc}); is it a complete {cls.__name__} file?") from exc
+    if extras:  # W4A8 layers' row tensors follow their weights' rows through the conversion
+        traced = ({layer: (layer, slice(None)) for layer in extras} if converted is checkpoint
+                  else trace_rows(path, cls, convert, config, shapes, sorted(extras), "W4A8 layers"))
+        w4a8.attach(converted, extras, traced)
     scales = {k.removesuffix(SCALE_KEY): converted.pop(k) for k in [k for k in converted if k.endswith(SCALE_KEY)]}
     if len(scales) != len(info.scales):  # the conversion dropped them (Flux): traced through it
         scales = trace_scales(path, cls, convert, config, shapes, file_scales)
@@ -243,14 +248,10 @@ def _keep32(cls: type, compute: torch.dtype) -> list[str]:
 
 def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
                cls: type, compute: torch.dtype) -> set[str]:
-    """The file's W4A8 layers become `w4a8.W4A8Linear` layers of ``model`` (those in diffusers'
+    """The converted W4A8 layers become `w4a8.W4A8Linear` layers of ``model`` (those in diffusers'
     fp32 modules are decoded to a float32 weight instead); returns the converted keys to keep as
-    stored. Refused by name when the conversion lost some of them."""
+    stored."""
     layers = w4a8.w4a8_layers(converted)
-    declared = sum(k.endswith(".weight_s_rel") for k in info.dtypes)
-    if len(layers) != declared:
-        raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion keeps {len(layers)} of the file's "
-                              f"{declared} W4A8 layers; W4A8 files of this family are not supported yet")
     if not layers:
         return set()
     conf = w4a8_conf(info)

@@ -126,3 +126,26 @@ def dequantize_into(state: dict[str, torch.Tensor], name: str, conf: W4A8Conf, c
         state.pop(f"{name}.weight"), state.pop(f"{name}.weight_s_rel"), state.pop(f"{name}.weight_s_channel"),
         codebook=codebook, group_size=conf.group_size, convrot_groupsize=conf.convrot_groupsize, output_dtype=compute)
     state[f"{name}.weight"] = weight.float()
+
+
+def pop_extras(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The W4A8 layers' tensors other than the weight, taken out of a file's state dict (so that a
+    key conversion sees weights only): file layer -> {"weight_s_rel": ..., ...}."""
+    extras: dict[str, dict[str, torch.Tensor]] = {}
+    for key in [k for k in state if k.endswith(tuple("." + t for t in TENSORS))]:
+        layer, _, name = key.rpartition(".")
+        extras.setdefault(layer, {})[name] = state.pop(key)
+    return extras
+
+
+def attach(state: dict[str, torch.Tensor], extras: dict[str, dict[str, torch.Tensor]],
+           traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
+    """Put the extras back beside the converted weights: ``traced`` maps each converted layer to
+    its file layer and rows (a fused weight split by the conversion takes its rows' scales; the
+    codebook is the layer's, whole)."""
+    for layer, (source, rows) in traced.items():
+        held = extras[source]
+        state[f"{layer}.weight_s_rel"] = held["weight_s_rel"][rows]
+        state[f"{layer}.weight_s_channel"] = held["weight_s_channel"].reshape(-1)[rows]
+        if "weight_codebook" in held:
+            state[f"{layer}.weight_codebook"] = held["weight_codebook"]

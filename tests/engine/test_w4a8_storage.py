@@ -263,3 +263,31 @@ def test_a_text_encoder_file_in_a_format_the_pack_cannot_run_is_refused(
     path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-nvfp4.safetensors", "nvfp4")
     with pytest.raises(SingleFileError, match=r"umt5-nvfp4\.safetensors .*comfy-kitchen layouts \(nvfp4\)"):
         load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
+
+
+def test_an_h3_w4a8_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path):
+    """MiniMax-H3 circulates as ComfyUI W4A8 files in the Comfy-Org layout, whose attention is one
+    fused ``[q; k; v]`` layer and whose feed-forward input is ``[gate; value]``: diffusers'
+    conversion splits and reorders those rows, and each part must take its own rows' scales.
+    W4A8 quantizes row by row (one codebook per layer: the fixed one for these weights), so each
+    loaded layer equals comfy-kitchen's quantization of the model's own layer."""
+    from comfy_kitchen.tensor.w4a8_int8 import quantize_w4a8_int8_weight
+    from diffusers import MiniMaxH3Transformer3DModel
+    from fixtures.h3_files import build_wide_h3, comfy_h3_state_dict, w4a8_layers, write
+
+    folder = build_wide_h3(tmp_path / "h3")
+    original = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=BF16)
+    state = original.state_dict()
+    path = write(w4a8_layers(comfy_h3_state_dict(state, dict(original.config))), tmp_path / "h3-w4a8.safetensors")
+    before = digest(path)
+    model = load_denoiser(path, folder, BF16)
+    got = {n: m for n, m in model.named_modules() if isinstance(m, W4A8Linear)}
+    split = {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")} | {"transformer_blocks.0.ff.net.0.proj"}
+    assert split <= set(got)
+    for name, layer in got.items():
+        q, s_rel, s_channel, _correction, codebook = quantize_w4a8_int8_weight(
+            state[f"{name}.weight"].to(BF16), group_size=16, convrot_groupsize=16)
+        assert torch.equal(layer.weight, q), name
+        assert torch.equal(layer.weight_s_rel.view(torch.uint8), s_rel.view(torch.uint8)), name
+        assert torch.equal(layer.weight_s_channel, s_channel) and torch.equal(layer.weight_codebook, codebook), name
+    assert digest(path) == before
