@@ -30,10 +30,9 @@ def to_w4a8(model: torch.nn.Module, blocks: list[torch.nn.Module]) -> int:
                 layer = W4A8Linear(child.in_features, child.out_features, child.bias is not None, conf,
                                    codebook=codebook is not None, compute=child.weight.dtype, device="meta")
                 layer.weight = torch.nn.Parameter(qdata, requires_grad=False)
-                layer.weight_s_rel = torch.nn.Parameter(s_rel, requires_grad=False)
-                layer.weight_s_channel = torch.nn.Parameter(s_channel, requires_grad=False)
+                layer.weight_s_rel, layer.weight_s_channel = s_rel, s_channel  # buffers
                 if codebook is not None:
-                    layer.weight_codebook = torch.nn.Parameter(codebook, requires_grad=False)
+                    layer.weight_codebook = codebook
                 if child.bias is not None:
                     layer.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
                 parent._modules[name] = layer

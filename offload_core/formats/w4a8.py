@@ -53,14 +53,18 @@ class W4A8Linear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.conf, self.compute = in_features, out_features, conf, compute
 
-        def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+        def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
 
-        self.weight = param(out_features, in_features // 2, dtype=torch.int8)
-        self.weight_s_rel = param(out_features, in_features // conf.group_size, dtype=torch.float8_e4m3fn)
-        self.weight_s_channel = param(out_features, dtype=torch.float32)
-        self.weight_codebook = param(16, dtype=torch.float32) if codebook else None
-        self.bias = param(out_features, dtype=compute) if bias else None
+        # The scales are buffers: a model's dtype is read from its first float parameter
+        # (diffusers' get_parameter_dtype; MiniMax-H3 casts its inputs to it), which must not be
+        # an fp8 group scale or a float32 channel scale.
+        self.weight = torch.nn.Parameter(empty(out_features, in_features // 2, dtype=torch.int8), requires_grad=False)
+        self.register_buffer("weight_s_rel", empty(out_features, in_features // conf.group_size,
+                                                   dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_s_channel", empty(out_features, dtype=torch.float32))
+        self.register_buffer("weight_codebook", empty(16, dtype=torch.float32) if codebook else None)
+        self.bias = torch.nn.Parameter(empty(out_features, dtype=compute), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kitchen().w4a8_int8_linear(

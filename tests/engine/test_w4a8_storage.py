@@ -38,6 +38,11 @@ EXTRA = (".weight_s_rel", ".weight_s_channel", ".weight_codebook", ".comfy_quant
 
 
 
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, detached (a W4A8 layer's scales are buffers)."""
+    return {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())}
+
+
 @pytest.fixture(scope="module")
 def w4a8_file(tiny_wan_dir, tmp_path_factory) -> Path:
     return write_comfy_w4a8_wan(tiny_wan_dir, tmp_path_factory.mktemp("w4a8") / "wan-tiny-w4a8.safetensors")
@@ -106,7 +111,7 @@ def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w
     layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
     assert layers and any(isinstance(m, W4A8Linear) for m in model.blocks.modules())
     assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # decoded, fp32 module
-    stored = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype in (torch.int8, torch.float8_e4m3fn)}
+    stored = {n: t.clone() for n, t in _tensors(model).items() if t.dtype in (torch.int8, torch.float8_e4m3fn)}
     engine = Engine()
     engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
     first = run_wan(pipe)
@@ -115,7 +120,7 @@ def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w
     engine.release(pipe)
     assert torch.equal(first, reference) and torch.equal(second, reference)
     assert leftovers(model) == []
-    for name, p in model.named_parameters():
+    for name, p in _tensors(model).items():
         if name in stored:
             assert p.dtype == stored[name].dtype and p.device.type == "cpu" and torch.equal(p, stored[name]), name
     assert digest(w4a8_file) == before
@@ -134,7 +139,7 @@ def test_a_wrong_codebook_changes_the_output(tiny_wan_dir, w4a8_file, reference)
 def test_streamer_moves_w4a8_storage_bytes(tiny_wan_dir, w4a8_file, monkeypatch):
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     model = pipe.transformer
-    blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    blocks = sum(t.numel() * t.element_size() for b in model.blocks for t in _tensors(b).values())
     moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
     assert sum(moved) == 2 * blocks  # one step, two forwards (CFG): the blocks' stored bytes, no more
     assert {torch.int8, torch.float8_e4m3fn} <= dtypes
@@ -172,14 +177,14 @@ def test_lora_on_w4a8_layers_is_unfused_and_comes_off_bit_exactly(
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
     model = pipe.transformer
     w4a8 = {n for n, m in model.named_modules() if isinstance(m, W4A8Linear) and n.startswith("blocks.")}
-    stored = {n: p.detach().clone() for n, p in model.named_parameters() if n.rpartition(".")[0] in w4a8}
+    stored = {n: t.clone() for n, t in _tensors(model).items() if n.rpartition(".")[0] in w4a8}
     engine = Engine()
     engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
     activate(pipe, [LoraSpec(str(w4a8_lora))])
     assert torch.equal(run_wan(pipe), with_lora) and not torch.equal(with_lora, reference)
     lora = engine.report(pipe).component("transformer").details["lora"]
     assert lora["path"] == "fused+unfused" and lora["unfused"] == dict.fromkeys(sorted(w4a8), "w4a8")
-    assert all(torch.equal(model.get_parameter(n), t) for n, t in stored.items()), "a W4A8 tensor was written"
+    assert all(torch.equal(_tensors(model)[n], t) for n, t in stored.items()), "a W4A8 tensor was written"
     activate(pipe, [])
     assert torch.equal(run_wan(pipe), reference)
     engine.release(pipe)
@@ -281,6 +286,7 @@ def test_an_h3_w4a8_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path
     path = write(w4a8_layers(comfy_h3_state_dict(state, dict(original.config))), tmp_path / "h3-w4a8.safetensors")
     before = digest(path)
     model = load_denoiser(path, folder, BF16)
+    assert isinstance(model.context_embedder, W4A8Linear) and model.dtype == BF16  # H3 casts its inputs to it
     got = {n: m for n, m in model.named_modules() if isinstance(m, W4A8Linear)}
     split = {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")} | {"transformer_blocks.0.ff.net.0.proj"}
     assert split <= set(got)
