@@ -21,6 +21,7 @@ from ..offload_core import OffloadConfig
 from ..offload_core.components import iter_modules
 from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
 from ..offload_core.formats.mapped import MappedFileError, map_from_files
+from ..offload_core.formats.single_file import load_denoiser
 from . import host
 from .folders import (
     MODULAR_INDEX,
@@ -32,6 +33,7 @@ from .folders import (
     read_json,
     resolve_model,
 )
+from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle, family_of
 from .web_api import search_aliases
 
@@ -58,8 +60,11 @@ def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
     return pipe
 
 
-def load_modular(folder: Path, workflow: str, dtype: torch.dtype) -> ModularPipeline:
-    """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded."""
+def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_file: Path | None = None
+                 ) -> ModularPipeline:
+    """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded;
+    with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, GGUF), the transformer comes
+    from it, into the folder's transformer config (the folder's transformer weights are not read)."""
     if not (folder / MODULAR_INDEX).is_file():
         raise PipelineFolderError(f"{folder} has no {MODULAR_INDEX}: it is not a modular pipeline; load a classic "
                                   "one (model_index.json) with 'Load diffusers pipeline'")
@@ -74,8 +79,12 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype) -> ModularPipe
                                   f"{type(exc).__name__}: {exc}") from exc
     for name, spec in pipe._component_specs.items():
         source = getattr(spec, "pretrained_model_name_or_path", None)
+        if name == "transformer" and transformer_file is not None:
+            continue
         if spec.default_creation_method == "from_pretrained" and source and Path(source).is_dir():
             check_component(Path(source) / (spec.subfolder or ""), name, getattr(spec.type_hint, "__name__", "?"))
+    if transformer_file is not None:  # set first: load_components then loads only what is missing
+        pipe.update_components(transformer=load_denoiser(transformer_file, folder, dtype))
     try:
         pipe.load_components(dtype=dtype)
     except Exception as exc:
@@ -179,16 +188,22 @@ class LoadModularPipeline(io.ComfyNode):
                                        "ref2va: needs the transformer_ref folder."),
                 _dtype_input(),
                 OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
+                io.Combo.Input("transformer_file", options=[NONE, *denoiser_files()], default=NONE, optional=True,
+                               tooltip="A transformer file from models/diffusion_models (ComfyUI's bf16, fp8, "
+                                       "fp8_scaled, W4A8 or GGUF files of the model); 'none' uses the folder's. "
+                                       "The folder then needs only the transformer's config."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
-    def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None) -> io.NodeOutput:
+    def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None,
+                transformer_file: str = NONE) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
         torch_dtype, storage = _dtypes(dtype, config)
-        pipe = map_weights(_store(load_modular(folder, workflow, torch_dtype), storage, torch_dtype))
+        file = None if transformer_file == NONE else Path(full_path(DENOISER_FOLDERS, transformer_file))
+        pipe = map_weights(_store(load_modular(folder, workflow, torch_dtype, file), storage, torch_dtype))
         return _handle(pipe, folder, torch_dtype, config)
 
 

@@ -9,66 +9,21 @@ scheduler, and the optional text-encoder / VAE files its other weights.
 
 from __future__ import annotations
 
-import os
-
 import folder_paths
 import torch
 from comfy_api.latest import io
 
 from ..offload_core import OffloadConfig
-from ..offload_core.formats.inspect import SingleFileError
 from ..offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from . import host
 from .folders import list_models, resolve_model
 from .loaders import _handle
+from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path, optional
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType
 from .web_api import search_aliases
 
-NONE = "none"
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = ("auto", *COMPUTE)
-DENOISER_FOLDERS = ("diffusion_models", "unet_gguf")
-
-
-def _registered(name: str) -> bool:
-    return name in getattr(folder_paths, "folder_names_and_paths", {})
-
-
-def denoiser_files() -> list[str]:
-    """Files in diffusion_models (which covers unet) and unet_gguf where a GGUF pack registered it,
-    plus the ``.gguf`` files of diffusion_models, which plain ComfyUI does not list."""
-    names: set[str] = set(_gguf_files())
-    for folder in DENOISER_FOLDERS:
-        if _registered(folder):
-            names.update(folder_paths.get_filename_list(folder))
-    return sorted(names)
-
-
-def _gguf_files() -> dict[str, str]:
-    """name -> path of the ``.gguf`` files under the diffusion_models folders (read-only listing:
-    ComfyUI's own folder table is left as it is)."""
-    found: dict[str, str] = {}
-    for root in folder_paths.get_folder_paths("diffusion_models") if _registered("diffusion_models") else ():
-        files, _dirs = folder_paths.recursive_search(root, excluded_dir_names=[".git"])
-        for name in folder_paths.filter_files_extensions(files, {".gguf"}):
-            found.setdefault(name, os.path.join(root, name))
-    return found
-
-
-def _full_path(folders: tuple[str, ...], name: str) -> str:
-    for folder in folders:
-        if _registered(folder):
-            path = folder_paths.get_full_path(folder, name)
-            if path:
-                return path
-    if "diffusion_models" in folders and name in _gguf_files():
-        return _gguf_files()[name]
-    raise SingleFileError(f"no file {name!r} in ComfyUI's {' / '.join(folders)} folders: put it there (or in an "
-                          "extra_model_paths.yaml location) and refresh")
-
-
-def _optional(folder: str, name: str) -> str | None:
-    return None if name == NONE else _full_path((folder,), name)
 
 
 class LoadDiffusionModelFile(io.ComfyNode):
@@ -112,9 +67,9 @@ class LoadDiffusionModelFile(io.ComfyNode):
         settings = offload or OffloadConfig()
         folder = resolve_model(config)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
-        pipe = load_pipeline_with_denoiser(folder, _full_path(DENOISER_FOLDERS, denoiser), compute,
-                                           _optional("text_encoders", text_encoder), _optional("vae", vae),
-                                           _optional("text_encoders", text_encoder_2))
+        pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
+                                           optional("text_encoders", text_encoder), optional("vae", vae),
+                                           optional("text_encoders", text_encoder_2))
         return _handle(pipe, folder, compute, settings)
 
 

@@ -360,3 +360,31 @@ def test_a_ref2va_still(comfy: harness.ComfyHost, ref_model: str, captured: list
     out = outputs(captured)
     assert_frames(out[1], 1)
     assert out[3] == "a still has no soundtrack: audio off for this run"
+
+
+def test_a_w4a8_transformer_file_runs_in_the_modular_pipeline(
+    comfy: harness.ComfyHost, model: str, captured: list, tiny_h3_dir: Path
+) -> None:
+    """MiniMax-H3 as it circulates: a ComfyUI W4A8 transformer file in the Comfy-Org layout, picked
+    in Load modular pipeline beside the folder, loads as W4A8 layers and generates; the file unchanged."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from fixtures.h3_files import comfy_h3_state_dict, w4a8_layers, write
+    from fixtures.quantized import digest
+
+    original = MiniMaxH3Transformer3DModel.from_pretrained(str(tiny_h3_dir / "transformer"), torch_dtype=torch.bfloat16)
+    name = "h3-tiny-w4a8.safetensors"
+    path = write(w4a8_layers(comfy_h3_state_dict(original.state_dict(), dict(original.config))),
+                 Path(comfy.folder_paths.get_folder_paths("diffusion_models")[0]) / name)
+    before = digest(path)
+    prompt = graph(model, outputs=(1,), steps=2)
+    prompt[LOAD]["inputs"] |= {"transformer_file": name, "dtype": "bf16"}
+    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    out = outputs(captured)
+    assert_frames(out[1], 124)
+    # by name: ComfyUI imports the pack under its own module path
+    layers = [n for n, m in out[9].pipe.transformer.named_modules() if type(m).__name__ == "W4A8Linear"]
+    assert "context_embedder" in layers and any(n.startswith("transformer_blocks.") for n in layers)
+    assert digest(path) == before
