@@ -268,7 +268,7 @@ def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, convert
     log.info("%s: %d W4A8 layers (group %d, convrot %d) run by comfy-kitchen's w4a8_int8_linear, %d decoded to "
              "float32 (diffusers keeps them in fp32)", path.name, len(swapped), conf.group_size,
              conf.convrot_groupsize, len(decoded))
-    return {f"{n}.{t}" for n in swapped for t in ("weight", *w4a8.TENSORS)}
+    return w4a8.stored_keys(swapped)
 
 
 def short_dtype(dtype: torch.dtype) -> str:

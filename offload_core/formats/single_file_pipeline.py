@@ -141,8 +141,10 @@ def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.
 
 def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
     """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
-    not), ComfyUI int8_tensorwise and W4A8 layers are dequantised to ``dtype`` here, as comfy-kitchen
-    decodes them (text encoders run once per prompt); other quant formats are refused by name."""
+    not) and ComfyUI int8_tensorwise layers are dequantised to ``dtype`` here, as comfy-kitchen
+    decodes them (text encoders run once per prompt); W4A8 layers stay W4A8 (`w4a8.W4A8Linear`:
+    decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant
+    formats are refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)
@@ -152,14 +154,14 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     quantized = info.fp8 is not None or info.scales or info.quant_keys or QUANT_METADATA in info.metadata
     state = read_checkpoint(path, info) if quantized else load_file(str(path))
     layers = w4a8.w4a8_layers(state)
-    if layers:
-        w4a8.load_state(state, layers)
-        for name in layers:
-            w4a8.dequantize_into(state, name, w4a8_conf(info), dtype)
+    w4a8.load_state(state, layers)
+    stored = w4a8.stored_keys(layers)  # as the file holds them
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
         state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
-    state = {k: dequantize(v, None, dtype) if is_fp8(v) else v for k, v in state.items()}
+    state = {k: dequantize(v, None, dtype) if is_fp8(v) and k not in stored else v for k, v in state.items()}
+    if layers:
+        return _with_w4a8_layers(path, info, cls, config, state, layers, dtype)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -172,6 +174,35 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
                               "this model uses")
     log.info("%s: %s text encoder (%s) loaded as %s", path.name, cls_name, info.format, short_dtype(dtype))
     return model
+
+
+def _with_w4a8_layers(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
+                      layers: list[str], dtype: torch.dtype) -> Any:
+    """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, and the
+    file's tensors assigned: transformers' own loader would allocate every layer in ``dtype``."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():  # buffers (rotary tables) are made for real
+        model = cls(cls.config_class.from_pretrained(str(config)))
+    try:
+        w4a8.swap_in(model, layers, state, w4a8_conf(info), dtype)
+    except ValueError as exc:
+        raise SingleFileError(f"{path}: {exc}") from exc
+    # transformers' rule: the strict list stays float32 always, the other one under fp16 only
+    keep32 = [*(getattr(cls, "_keep_in_fp32_modules_strict", None) or []),
+              *((getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
+    stored = w4a8.stored_keys(layers)
+    state = {k: v.to(dtype) if v.is_floating_point() and k not in stored and not any(m in k.split(".") for m in keep32)
+             else v for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if empty or result.unexpected_keys:
+        raise SingleFileError(f"{path} does not match the {cls.__name__} config in {config}: missing {empty[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")
+    log.info("%s: %s text encoder (%s) loaded with %d W4A8 layers, the rest in %s", path.name, cls.__name__,
+             info.format, len(layers), short_dtype(dtype))
+    return model.eval()
 
 
 def _dequantized(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -88,6 +88,11 @@ def w4a8_layers(state: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k.removesuffix(".weight_s_rel") for k in state if k.endswith(".weight_s_rel"))
 
 
+def stored_keys(layers: list[str]) -> set[str]:
+    """The state-dict keys W4A8 ``layers`` hold as stored (never cast to the compute dtype)."""
+    return {f"{n}.{t}" for n in layers for t in ("weight", *TENSORS)}
+
+
 def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], conf: W4A8Conf,
             compute: torch.dtype) -> None:
     """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by a `W4A8Linear` the

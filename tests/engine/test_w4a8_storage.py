@@ -222,7 +222,7 @@ def _text_encoder_file(source: Path, out: Path, fmt: str) -> Path:
 
     tensors = {}
     for name, t in load_file(str(source)).items():
-        if not (name.endswith(".weight") and t.ndim == 2 and t.shape[1] == 32 and "relative" not in name):
+        if not (name.endswith(".weight") and t.ndim == 2 and t.shape[1] == 32 and ".layer." in name):  # Linears only
             tensors[name] = t
             continue
         layer = name.removesuffix(".weight")
@@ -240,26 +240,49 @@ def _text_encoder_file(source: Path, out: Path, fmt: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize("fmt", ["asym_w4a8_int8", "int8_tensorwise"])
-def test_quantized_text_encoder_files_are_decoded_as_comfy_kitchen_decodes_them(
-        fmt, comfy_wan, wan_configs_only, wan_component_files, tmp_path):
-    from comfy_kitchen.tensor.w4a8_int8 import dequantize_w4a8_int8_weight
-
-    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / f"umt5-{fmt}.safetensors", fmt)
+def test_an_int8_text_encoder_file_is_decoded_as_comfy_kitchen_decodes_it(
+        comfy_wan, wan_configs_only, wan_component_files, tmp_path):
+    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-int8.safetensors", "int8_tensorwise")
     before = digest(path)
     pipe = load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
     tensors = load_file(str(path))
     layers = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
     assert layers
     for layer in layers:
-        q = tensors[f"{layer}.weight"]
-        if fmt == "asym_w4a8_int8":
-            expected = dequantize_w4a8_int8_weight(
-                q, tensors[f"{layer}.weight_s_rel"], tensors[f"{layer}.weight_s_channel"],
-                codebook=tensors[f"{layer}.weight_codebook"], group_size=16, convrot_groupsize=16, output_dtype=BF16)
-        else:
-            expected = (q.float() * tensors[f"{layer}.weight_scale"]).to(BF16)
+        expected = (tensors[f"{layer}.weight"].float() * tensors[f"{layer}.weight_scale"]).to(BF16)
         assert torch.equal(pipe.text_encoder.get_parameter(f"{layer}.weight"), expected), layer
+    assert digest(path) == before
+
+
+def test_a_w4a8_text_encoder_file_keeps_its_layers_and_encodes_as_comfyui(
+        tiny_wan_dir, comfy_wan, wan_configs_only, wan_component_files, tmp_path):
+    """A W4A8 text encoder stays W4A8 (its decoded bf16 is what the file was chosen to avoid): the
+    layers hold the file's tensors, nothing else of the model is left empty, and it encodes like the
+    same encoder holding each W4A8 layer as ComfyUI does (comfy-kitchen's QuantizedTensor)."""
+    from comfy_kitchen.tensor.base import QuantizedTensor
+    from comfy_kitchen.tensor.w4a8_int8 import AsymW4A8Int8Layout
+    from transformers import UMT5EncoderModel
+
+    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-w4a8.safetensors", "asym_w4a8_int8")
+    before = digest(path)
+    pipe = load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
+    encoder = pipe.text_encoder
+    tensors = load_file(str(path))
+    layers = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
+    assert layers and all(isinstance(encoder.get_submodule(n), W4A8Linear) for n in layers)
+    assert not any(t.is_meta for t in _tensors(encoder).values()) and encoder.dtype == BF16
+    twin = UMT5EncoderModel.from_pretrained(str(tiny_wan_dir / "text_encoder"), dtype=BF16)
+    for layer in layers:
+        linear = twin.get_submodule(layer)
+        params = AsymW4A8Int8Layout.Params(
+            scale=tensors[f"{layer}.weight_s_rel"], s_channel=tensors[f"{layer}.weight_s_channel"],
+            codebook=tensors[f"{layer}.weight_codebook"], orig_dtype=BF16,
+            orig_shape=tuple(linear.weight.shape), group_size=16, convrot_groupsize=16)
+        linear.weight = torch.nn.Parameter(
+            QuantizedTensor(tensors[f"{layer}.weight"], "AsymW4A8Int8Layout", params), requires_grad=False)
+    ids = torch.tensor([[3, 7, 11, 2, 9, 1]])
+    with torch.inference_mode():
+        assert torch.equal(encoder(ids).last_hidden_state, twin(ids).last_hidden_state)
     assert digest(path) == before
 
 
