@@ -320,3 +320,30 @@ def test_an_h3_w4a8_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path
         assert torch.equal(layer.weight_s_rel.view(torch.uint8), s_rel.view(torch.uint8)), name
         assert torch.equal(layer.weight_s_channel, s_channel) and torch.equal(layer.weight_codebook, codebook), name
     assert digest(path) == before
+
+
+@pytest.fixture(scope="module")
+def w4a8_te_pipe(comfy_wan, wan_configs_only, wan_component_files, tmp_path_factory):
+    """The tiny Wan with a W4A8 text encoder file, and its output resident (mode none)."""
+    path = _text_encoder_file(wan_component_files["text_encoder"],
+                              tmp_path_factory.mktemp("te") / "umt5-w4a8.safetensors", "asym_w4a8_int8")
+    pipe = load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
+    pipe.set_progress_bar_config(disable=True)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="none", **BASE))
+    out = run_wan(pipe)
+    engine.release(pipe)
+    return pipe, out
+
+
+@pytest.mark.parametrize("placement", ["auto", "auto-keep-none", "model", "leaf"])
+def test_a_w4a8_text_encoder_runs_alike_in_every_placement(placement, w4a8_te_pipe):
+    pipe, expected = w4a8_te_pipe
+    stored = {n: t.clone() for n, t in _tensors(pipe.text_encoder).items() if t.dtype in (torch.int8, torch.float8_e4m3fn)}
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+    out = run_wan(pipe)
+    engine.release(pipe)
+    assert torch.equal(out, expected)
+    assert leftovers(pipe.text_encoder) == []
+    assert all(torch.equal(_tensors(pipe.text_encoder)[n], t) for n, t in stored.items())
