@@ -45,8 +45,8 @@ def kitchen():
 
 
 class W4A8Linear(torch.nn.Module):
-    """``nn.Linear``'s interface over W4A8 storage; ``compute`` is the bias's dtype and the decoded
-    weight's (`dequantized`); the output takes the input's dtype, as ComfyUI's layer gives it."""
+    """``nn.Linear``'s interface over W4A8 storage; ``compute`` is the bias's dtype; the output takes
+    the input's dtype, as ComfyUI's layer gives it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, conf: W4A8Conf, codebook: bool,
                  compute: torch.dtype, device: torch.device | str | None = None) -> None:
@@ -71,12 +71,6 @@ class W4A8Linear(torch.nn.Module):
             x, self.weight, self.weight_s_rel, self.weight_s_channel, codebook=self.weight_codebook,
             correction=None, bias=self.bias, group_size=self.conf.group_size,
             convrot_groupsize=self.conf.convrot_groupsize, out_dtype=x.dtype)  # ComfyUI: the input's dtype
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight in ``compute``, as comfy-kitchen decodes it (for a layer kept in fp32)."""
-        return kitchen().dequantize_w4a8_int8_weight(
-            self.weight, self.weight_s_rel, self.weight_s_channel, codebook=self.weight_codebook,
-            group_size=self.conf.group_size, convrot_groupsize=self.conf.convrot_groupsize, output_dtype=self.compute)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
