@@ -12,6 +12,7 @@ it is missing, a W4A8 file is refused by name.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class W4A8Conf:
                    int(entry.get("convrot_groupsize", params.get("convrot_groupsize", 256))))
 
 
+@functools.cache  # looked up by every layer's forward; a failed import is not cached
 def kitchen():
     """comfy-kitchen's W4A8 module, or an ImportError saying what to install."""
     try:

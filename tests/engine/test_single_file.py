@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 # session fixtures, registered under their own names (comfy_wan, wan_configs_only, wan_component_files, wan_gguf)
 _FIXTURES = (comfy_files.comfy_wan, comfy_files.wan_configs_only, comfy_files.wan_component_files)
 _comfy_wan, _configs_only, _component_files = _FIXTURES
-_wan_gguf = getattr(gguf_files, "wan_gguf_fixture", None) or gguf_files.wan_gguf
+_wan_gguf = gguf_files.wan_gguf_fixture
 BF16 = torch.bfloat16
 CONFIG = OffloadConfig(mode="auto", on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 
