@@ -127,10 +127,10 @@ class Engine:
             self._teardown(module)
         APPLYING.set(module, True)
         try:
-            ctx = self._context(config, pstate, verdict, info, decision)
-            granted = decision.pinned_stream and ctx.pin and ctx.pin_bytes is None
-            streamed = granted and streamable(module)
-            decision = with_stream_verdict(decision, granted, streamed)
+            layered = decision.pinned_stream and streamable(module)
+            ctx = self._context(config, pstate, verdict, info, decision, layered)
+            streamed = layered and ctx.pin
+            decision = with_stream_verdict(decision, ctx.pin, streamed, ctx.pin_bytes)
             transport = EncoderStreamer(ctx) if streamed else _make_transport(decision.role, ctx, info)
             COMPONENT.set(module, ComponentState(signature, transport, decision, info))
             fp8 = register_dequant(module)  # before the transport's hooks: the onload runs first
@@ -152,8 +152,9 @@ class Engine:
         return pin_verdict(module, info, decision, config, self.memory, own)
 
     def _context(self, config: OffloadConfig, pstate: PipelineState, verdict: PinVerdict | None,
-                 info: ComponentInfo, decision: RoleDecision) -> TransportContext:
-        return transport_context(info, decision, config, pstate.device, verdict, self.memory, pstate.on_demand)
+                 info: ComponentInfo, decision: RoleDecision, layered: bool = False) -> TransportContext:
+        return transport_context(info, decision, config, pstate.device, verdict, self.memory, pstate.on_demand,
+                                 layered)
 
     def _link_parking(self, pipe: object, pstate: PipelineState) -> None:
         """A streamed denoiser's forward sends idle components home first (a VAE between its
@@ -323,7 +324,7 @@ def _signature(decision: RoleDecision, config: OffloadConfig, device: torch.devi
 
 def _make_transport(role: Role, ctx: TransportContext, info: ComponentInfo) -> Transport:
     if role is Role.RESIDENT:
-        return ResidentTransport(ctx)
+        return ResidentTransport(ctx, info.bridged_entries)
     if role is Role.ON_DEMAND:
         return OnDemandTransport(ctx, info.bridged_entries)
     if role is Role.PER_STEP:

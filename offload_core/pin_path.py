@@ -2,9 +2,9 @@
 
 - **pinned**: the pin budget grants the component's bytes; its streamed weights are page-locked
   in place and copied on the side stream;
-- **partly pinned**: the budget grants part (`memory.pin_budget`); the block streamer pins blocks
-  until the grant is used and copies the rest through a small ring of pinned staging buffers
-  (`transport/staging.py`), on the same side stream;
+- **partly pinned**: the budget grants part (`memory.pin_budget`); the block streamer (a denoiser's,
+  or a text encoder's layers) pins blocks until the grant is used and copies the rest through a
+  small ring of pinned staging buffers (`transport/staging.py`), on the same side stream;
 - **staged**: nothing pinned (``pin_memory`` off, ComfyUI's ``--disable-pinned-memory``, a denied
   budget): the block streamer still keeps its side stream, through the staging buffers;
 - **synchronous**: no side stream (``use_stream`` off, a device without streams), or a
@@ -94,12 +94,15 @@ def note_disk_reads(module: torch.nn.Module, info: ComponentInfo, decision: Role
 
 
 def transport_context(info: ComponentInfo, decision: RoleDecision, config: OffloadConfig, device: torch.device,
-                      verdict: PinVerdict | None, memory: MemoryReader, owner: object) -> TransportContext:
+                      verdict: PinVerdict | None, memory: MemoryReader, owner: object,
+                      layered: bool = False) -> TransportContext:
     """The transport's settings from the verdict (see the module docstring), and the one log line
-    that says which path the component's copies take."""
-    streamer = decision.role is Role.PER_STEP
+    that says which path the component's copies take. ``layered``: a text encoder whose layers the
+    block streamer can take (`encoder_stream.streamable`): with any grant it streams like a
+    denoiser, partly pinned when the grant is part of it."""
     full = verdict is not None and verdict.granted
     grant = verdict.grant if verdict is not None else 0
+    streamer = decision.role is Role.PER_STEP or (layered and grant > 0)
     streams = device.type == "cuda" and config.use_stream and (streamer or full)
     pin = grant > 0 if streamer else full
     ctx = TransportContext(onload_device=device, config=config, streams=streams, pin=pin,

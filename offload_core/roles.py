@@ -34,17 +34,25 @@ class RoleDecision:
     reason: str
     lists: tuple[str, ...] = ()  # list entries that touched the component (part of its signature)
     # A leaf-role text encoder whose layers stream from pinned memory when the pin budget grants
-    # the whole of it (SPEC §2, §13); when it denies, it stays on leaf groups from pageable memory.
+    # it (partly pinned under a partial grant; SPEC §2, §12, §13); when it denies, it stays on leaf
+    # groups from pageable memory.
     pinned_stream: bool = False
 
 
-def with_stream_verdict(decision: RoleDecision, granted: bool, streamed: bool) -> RoleDecision:
+def with_stream_verdict(decision: RoleDecision, pinned: bool, streamed: bool,
+                        grant: int | None = None) -> RoleDecision:
     """A ``pinned_stream`` decision's reason once the budget has spoken (for the report): the
-    layers stream when the whole encoder is granted and its layers are most of it
-    (`encoder_stream.streamable`); a denial leaves the reason as it was (leaf groups)."""
-    if not (decision.pinned_stream and granted):
+    layers stream when the budget grants any of the encoder and its layers are most of it
+    (`encoder_stream.streamable`), pinned up to a partial ``grant`` and the rest through staging
+    buffers; a denial leaves the reason as it was (leaf groups)."""
+    if not (decision.pinned_stream and pinned):
         return decision
-    how = "layers streamed from pinned memory" if streamed else "pin granted, its layers under half of it: leaf groups"
+    if not streamed:
+        how = "pin granted, its layers under half of it: leaf groups"
+    elif grant is None:
+        how = "layers streamed from pinned memory"
+    else:
+        how = f"layers streamed, {grant / 2**30:.2f} GiB pinned, the rest through pinned staging buffers"
     return dataclasses.replace(decision, reason=f"{decision.reason}: {how}")
 
 

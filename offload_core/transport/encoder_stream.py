@@ -2,8 +2,10 @@
 
 Why: from pageable memory a text encoder's leaf groups move at ~1 GB/s (H3's 62 GiB Qwen3-VL took
 62 s a run); streamed from page-locked memory its layers move at the copy engine's speed on the
-side stream. Used only where the pin budget grants the whole encoder (else it stays on diffusers'
-leaf groups). Two differences from a denoiser's streamer: no preload planner (the encoder runs
+side stream. Used wherever the pin budget grants some of it: under a partial grant (a host short of
+RAM) the non-layer part and the first layers are pinned and the rest go through the streamer's
+pinned staging buffers, still on the side stream; a denial leaves diffusers' leaf groups. Two
+differences from a denoiser's streamer: no preload planner (the encoder runs
 once per run; no measures are taken or kept under any identity), and the non-layer part (the
 embeddings, final norm, a VLM's vision tower and head) is not resident for the whole placement:
 it rests in (pinned) host memory, moves in when one of its modules is entered, and goes home at
@@ -31,7 +33,7 @@ import torch
 from ..components import module_bytes
 from ..log import get_logger
 from .base import MarkerHook, Masters
-from .blocks import StreamBlock, modules_outside
+from .blocks import StreamBlock, modules_outside, nbytes
 from .moves import put, rebind
 from .streamer import BlockStreamer
 from .towers import find_towers
@@ -61,6 +63,12 @@ class EncoderStreamer(BlockStreamer):
         self.head_loaded = False
         self.head_moves = 0
         self._asking = False  # asking the pipeline for room: its give_back must not take this part
+        self._head_pinned = False  # under a partial grant, the part is pinned first where it fits
+
+    def block_grant(self) -> int | None:
+        """A partial grant less what the non-layer part pinned first (it moves in every run too)."""
+        grant = self.ctx.pin_bytes
+        return None if grant is None else max(grant - self.pins.nbytes, 0)
 
     def _move_head(self, module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> None:
         """At apply: note (and pin) the non-layer tensors where they rest, hook their modules;
@@ -69,19 +77,21 @@ class EncoderStreamer(BlockStreamer):
             self._head_out()
             self._head = {}
             return
-        for sub in modules_outside(module, tower_ids):
-            own = [(n, True, p) for n, p in sub._parameters.items() if p is not None]
-            own += [(n, False, b) for n, b in sub._buffers.items() if b is not None]
-            for name, is_param, t in own:
-                if id(t) in self._head:
-                    continue
-                host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
-                host = self.pins.pin(host) if self.ctx.pin else host
-                if is_param:
-                    t.data = host
-                else:
-                    sub._buffers[name] = host
-                self._head[id(t)] = (sub, name, is_param, host)
+        own = [(sub, n, True, p) for sub in modules_outside(module, tower_ids) for n, p in sub._parameters.items()
+               if p is not None]
+        own += [(sub, n, False, b) for sub in modules_outside(module, tower_ids) for n, b in sub._buffers.items()
+                if b is not None]
+        own = list({id(t): (sub, n, is_param, t) for sub, n, is_param, t in own}.values())
+        grant = self.ctx.pin_bytes
+        self._head_pinned = self.ctx.pin and (grant is None or sum(nbytes(t) for *_, t in own) <= grant)
+        for sub, name, is_param, t in own:
+            host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
+            host = self.pins.pin(host) if self._head_pinned else host
+            if is_param:
+                t.data = host
+            else:
+                sub._buffers[name] = host
+            self._head[id(t)] = (sub, name, is_param, host)
         owners = {id(sub) for sub, _name, _is_param, _host in self._head.values()}
         for sub in modules_outside(module, tower_ids):
             # Containers too (``text_encoder.model``): the part is in before their forward reads any of it.
@@ -108,7 +118,7 @@ class EncoderStreamer(BlockStreamer):
         need = self.head_bytes() + super().run_bytes()
         if available is not None and available < need:
             self._ask_room(need - available, "to move its non-layer part in")
-        blocking = not (self.ctx.pin and self.cuda)
+        blocking = not (self._head_pinned and self.cuda)
         for sub, name, is_param, host in self._head.values():
             put(sub, name, is_param, host.to(self.device, non_blocking=not blocking))
         self.head_loaded = True

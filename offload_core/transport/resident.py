@@ -1,27 +1,37 @@
 """Resident: the whole component lives on the onload device until released (nothing to give
-back: all or nothing, the host detaches the component instead)."""
+back: all or nothing, the host detaches the component instead). Its ``encode``/``decode`` calls
+ask the pipeline's other components for their working memory first (`workspace.py`)."""
 
 from __future__ import annotations
 
 import torch
 
+from .. import state
 from .base import MARKER, MarkerHook, TransportBase, TransportContext, add_hook, remove_hook
 from .moves import bytes_on, move_module
+from .workspace import Workspace
 
 
 class ResidentTransport(TransportBase):
     name = "resident"
 
-    def __init__(self, ctx: TransportContext) -> None:
+    def __init__(self, ctx: TransportContext, entries: tuple[str, ...] = ()) -> None:
         self.ctx = ctx
+        self.entries = entries
         self._module: torch.nn.Module | None = None
+        make_room = getattr(ctx.owner, "make_room", None)
+        self.workspace = Workspace(ctx.memory, ctx.onload_device, make_room) if make_room and entries else None
 
     def apply(self, module: torch.nn.Module) -> None:
         self._module = module
         move_module(module, self.ctx.onload_device)
         add_hook(module, MarkerHook(self.ctx.onload_device), MARKER)
+        if self.workspace is not None:
+            for entry in self.entries:
+                state.wrap_entry(module, entry, lambda method, entry=entry: self.workspace.wrap(entry, method))
 
     def remove(self, module: torch.nn.Module) -> None:
+        state.unwrap_entries(module)
         remove_hook(module, MARKER)
         move_module(module, self.ctx.offload_device)
         self._module = None

@@ -17,15 +17,7 @@ import torch
 from ..formats.fp8 import table_of
 from ..log import get_logger
 from ..pinning import PinGrant, PinSet
-from .base import (
-    MARKER,
-    STREAM_HOOK,
-    Masters,
-    TransportBase,
-    TransportContext,
-    add_hook,
-    remove_hook,
-)
+from .base import MARKER, STREAM_HOOK, Masters, TransportBase, TransportContext, add_hook, remove_hook
 from .blocks import (
     StreamBlock,
     StreamPiece,
@@ -79,7 +71,7 @@ class BlockStreamer(TransportBase):
         tower_ids = {id(b) for t in towers for b in t.blocks}
         shared = shared_tensors(module, towers, tower_ids)
         self._move_head(module, tower_ids, self.device)
-        grant = PinGrant(self.ctx.pin and self.cuda, self.ctx.pin_bytes)
+        grant = PinGrant(self.ctx.pin and self.cuda, self.block_grant())
         for tower in towers:
             for depth, block in enumerate(tower.blocks):
                 pin = grant.claim(sum(nbytes(t) for t in block_tensors(block) if id(t) not in shared))
@@ -111,6 +103,9 @@ class BlockStreamer(TransportBase):
             self.prefetch.host_note(self.blocks), self.head_bytes() / 2**30,
         )
 
+    def block_grant(self) -> int | None:  # the bytes its blocks may page-lock (None: all of them)
+        return self.ctx.pin_bytes
+
     def remove(self, module: torch.nn.Module) -> None:
         remove_hook(module, MARKER)
         while self._hooked:
@@ -124,9 +119,8 @@ class BlockStreamer(TransportBase):
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.pins.release()
-        self.blocks.clear()
-        self.units.clear()
-        self.pieces.clear()
+        for table in (self.blocks, self.units, self.pieces):
+            table.clear()
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
 
@@ -158,9 +152,8 @@ class BlockStreamer(TransportBase):
     # -- the per-forward path (graph breaks under torch.compile: they rebind weights) -----------
     @torch.compiler.disable
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
-        """A block is entered: the model's first block entered in a forward begins a cycle (one
-        per forward, whatever order the towers run in and however often); a whole block is
-        made ready."""
+        """A block is entered: the model's first block entered in a forward begins a cycle (one per
+        forward, whatever order the towers run in and however often); a whole block is made ready."""
         if self._forward_open or (not self._via_model and (block is self.units[self.order.first()].block
                                                            or not self._seen)):
             self._forward_open = False

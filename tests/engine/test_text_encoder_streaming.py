@@ -99,6 +99,28 @@ def test_granted_streams_the_layers_and_denied_keeps_leaf_groups(pipe_name, requ
     engine.release(pipe)
 
 
+def test_a_partial_grant_streams_the_layers_partly_pinned_and_runs_like_mode_none(wan_pipe) -> None:
+    """A host short of RAM grants part of the encoder (found on the H200: H3's 62 GiB Qwen3-VL
+    granted 38 GiB fell back to leaf groups from pageable memory, 55 s a run): its layers still
+    go through the streamer, pinned up to the grant, the rest through the staging buffers."""
+    engine = Engine()
+    engine.place(wan_pipe, CFG.replace(mode="none"))
+    reference = run_wan(wan_pipe)
+    engine.release(wan_pipe)
+    half = wan_pipe.text_encoder.get_memory_footprint() // 2
+    report = engine.place(wan_pipe, CFG.replace(host_ram_gb=half / 2**30))
+    streamer = _streamers(engine, wan_pipe, ("text_encoder",))["text_encoder"]
+    assert streamer.ctx.pin_bytes is not None and 0 < streamer.ctx.pin_bytes <= half + 1
+    assert "layers streamed, " in report.component("text_encoder").reason
+    assert "the rest through pinned staging buffers" in report.component("text_encoder").reason
+    try:
+        _same(run_wan(wan_pipe), reference)
+    finally:
+        engine.after_run(wan_pipe)
+    engine.release(wan_pipe)
+    assert leftovers(wan_pipe.text_encoder) == []
+
+
 def test_a_lowered_share_streams_clip_and_gemma_too(flux_pipe, ltx2_pipe, every_layer_stack_streams) -> None:
     for pipe, names in ((flux_pipe, ("text_encoder", "text_encoder_2")), (ltx2_pipe, ("text_encoder",))):
         engine = Engine()
