@@ -16,8 +16,9 @@ The marker is empty, so a 2026 ComfyUI on a GPU with fp8 compute (the H200) may 
 fp8 matmuls, where ours dequantises to bf16 (the native rows record ``native_fp8_matmul``);
 ``--full-precision-mm`` writes a 2-element marker, with which ComfyUI dequantises too.
 
-Order: first ours on the whole card (the fp8-resident step: the plan keeps every block), then a
-ballast makes the card ``--cap`` GiB, then per workload the phases of ``--sequence``; before each
+Order: a ballast makes the card ``--cap`` GiB, then per workload the phases of ``--sequence``; then,
+the ballast gone, ours on the whole card (the fp8-resident step: the plan keeps every block) and
+what the card still holds once everything is unloaded (``after_release``); before each
 capped phase every model is unloaded (ComfyUI's ``unload_all_models``: each side gets the whole card;
 ``--coexist`` leaves them to take memory from each other). Rows (JSON lines to --json / --out):
 per-forward median after the first, ours / native, our bound = max(fp8-resident step, streamed
@@ -217,10 +218,6 @@ def main() -> int:
     print(f"== ComfyUI {host.version} up in {boot_s:.1f} s; pinned H2D {gbs(h2d)}", flush=True)
     ctx = SimpleNamespace(a=a, p=p, host=host, mm=mm, rec=rec, alloc_counts=alloc_counts, phases=[])
     ctx.poller, ctx.ballast_used, ctx.seed = None, 0, 0
-    if not a.no_resident:
-        for w in a.workload_list:
-            run_phase(ctx, "resident", w, rows)
-        unload_all(mm)
     ballast = Ballast(a.cap, card=True) if cuda and a.cap > 0 else None
     if ballast is not None:
         ctx.ballast_used = ballast.used
@@ -240,14 +237,35 @@ def main() -> int:
             ctx.poller.stop()
         if ballast is not None:
             ballast.close()
+    if not a.no_resident:  # after the capped phases: what a release leaves on the card is read, not capped
+        for w in a.workload_list:
+            run_phase(ctx, "resident", w, rows)
+        unload_all(mm)
+        rows(section="after_release", **device_left(rec.torch))
     results = summarize(ctx, h2d, rows)
     print_table(ctx, results, h2d, time.perf_counter() - t_start)
     rows.save()
     return 0 if not any(r["error"] for r in ctx.phases) else 1
 
 
+def device_left(torch) -> dict[str, float]:
+    """What this process still holds on the card once every model is unloaded (GiB): live tensors,
+    the allocator's cache, and the card's used memory (the CUDA context and anything outside torch)."""
+    import gc
+
+    if not torch.cuda.is_available():
+        return {}
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    left = dict(allocated=torch.cuda.memory_allocated() / GiB, reserved=torch.cuda.memory_reserved() / GiB,
+                card_used=(total - free) / GiB)
+    print(f"== after release: {left}", flush=True)
+    return left
+
+
 def run_phase(c: SimpleNamespace, phase: str, workload: str, rows) -> dict[str, Any]:
-    """One branch of the workflow; ``resident`` is ours before the ballast (the whole card)."""
+    """One branch of the workflow; ``resident`` is ours after the ballast (the whole card)."""
     rec, torch, ours = c.rec, c.rec.torch, phase != "native"
     c.seed += 1
     rec.begin_phase()

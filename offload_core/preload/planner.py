@@ -105,6 +105,12 @@ class PreloadPlanner:
         self.policy = parse_policy(policy)
         self._set_window(prefetch_window)
 
+    def unbind(self) -> None:
+        """The transport is gone: drop its reading (its driver's method, which holds the streamer
+        and with it the kept blocks and buffers on the device), so that the planner the model keeps
+        holds its measures only and a release frees the device without a garbage collection."""
+        self._reader = _unplaced
+
     def _set_window(self, prefetch_window: int) -> None:
         """The streaming buffers: ``window + 1`` always, up to a whole block ahead of the unit
         running when there is room (``_ring_for``)."""
@@ -365,3 +371,7 @@ def plan_line(
 
 def _gb(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB"
+
+
+def _unplaced() -> MemoryReading:
+    raise RuntimeError("the preload planner was asked for a reading with no placement (rebind it first)")

@@ -134,7 +134,15 @@ class StreamPiece:
         """The piece is no longer kept: its units back to their host masters."""
         for unit in self.units:
             unit.bind_host()
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every reference to its device buffer. At a release the units and the hooks form
+        cycles that only a garbage collection breaks (ComfyUI's unload runs none): a buffer one
+        of them still held would stay on the device after the release."""
+        for unit in self.units:
             unit.kept = unit.kept_views = None
+        self.resident = None
 
 
 def make_pieces(block: StreamBlock, first_index: int) -> list[StreamPiece]:

@@ -43,6 +43,8 @@ class PreloadingStreamer(BlockStreamer):
             if driver is not None:
                 driver.unload()
         finally:
+            if driver is not None:
+                driver.planner.unbind()
             self.events.unsubscribe(PreloadDriver.NAME)
             super().remove(module)
 

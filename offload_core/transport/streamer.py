@@ -114,7 +114,7 @@ class BlockStreamer(TransportBase):
         for block in self.blocks:
             block.release(self.ctx.offload_device)
         for piece in self.pieces:
-            piece.resident = None
+            piece.forget()
         self.drop_prefetched()
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -255,7 +255,6 @@ class BlockStreamer(TransportBase):
         for piece in self.pieces:
             if piece.index not in indices and piece.resident is not None:
                 piece.bind_host()
-                piece.resident = None
         for piece in self.pieces:
             if piece.index in indices and piece.resident is None:
                 for unit in piece.units:
