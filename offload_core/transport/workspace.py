@@ -7,7 +7,8 @@ pipeline's other components (`Engine.give_back`) for its working memory beyond w
 its peak above the call's start, measured on an earlier call with the same inputs (SPEC §13: the
 measure is this component's, never a denoiser's). An unmeasured call runs as it is; if it runs out
 of memory, everything the others can give back goes and the call runs once more (diffusers' VAE
-calls clear their caches on entry, so a repeated call computes the same result).
+calls clear their caches on entry, so a repeated call computes the same result). A measured call
+that still ran out (a fragmented pool: cudaMallocAsync) asks for everything from then on.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Workspace:
     def __init__(self, memory: MemoryReader, device: torch.device, make_room: Callable[[int], int]) -> None:
         self.memory, self.device, self.make_room = memory, device, make_room
         self.peaks: dict[tuple, int] = {}
+        self.short: set[tuple] = set()  # calls that ran out of memory with their measured room (fragmentation)
         self.depth = 0
 
     def wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,7 +50,8 @@ class Workspace:
             self.depth += 1
             try:
                 self._ask(key)
-                return retry_on_oom(lambda: self._measured(key, method, args, kwargs), self._relieve)
+                return retry_on_oom(lambda: self._measured(key, method, args, kwargs),
+                                    lambda attempt: self._relieve(key, attempt))
             finally:
                 self.depth -= 1
 
@@ -57,9 +60,9 @@ class Workspace:
     def _ask(self, key: tuple) -> None:
         need = self.peaks.get(key)
         available = self.memory.device_available(self.device)
-        if need is None or available is None or available >= need + MARGIN_BASE:
+        if need is None or available is None or (key not in self.short and available >= need + MARGIN_BASE):
             return
-        freed = self.make_room(need + MARGIN_BASE - available)
+        freed = self.make_room(EVERYTHING if key in self.short else need + MARGIN_BASE - available)
         log.info("%s needs %.2f GiB of working memory, %.2f GiB free: the pipeline's other components gave back "
                  "%.2f GiB", key[0], need / 2**30, available / 2**30, freed / 2**30)
 
@@ -72,10 +75,13 @@ class Workspace:
             self.peaks[key] = max(self.peaks.get(key, 0), peak - start)
         return out
 
-    def _relieve(self, attempt: int) -> bool:
-        """After an out-of-memory error: once, everything the others keep on the device."""
+    def _relieve(self, key: tuple, attempt: int) -> bool:
+        """After an out-of-memory error: once, everything the others keep on the device; a call
+        that failed although its measured room was free asks for everything from then on."""
         if attempt:
             return False
+        if key in self.peaks:
+            self.short.add(key)
         freed = self.make_room(EVERYTHING)
         log.info("out of memory in an encode/decode call: the pipeline's other components gave back %.2f GiB; "
                  "running it again", freed / 2**30)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.memory import MemoryReader
+from diffusers_offload.offload_core.transport import workspace
 from fixtures.tiny_pipes import load_wan_family, run_wan_family
 
 DENOISERS = ("transformer", "transformer_2")
@@ -105,3 +106,28 @@ def test_release_puts_the_vae_decode_back(a14b):
     assert "decode" in vars(a14b.vae)
     engine.release(a14b)
     assert "decode" not in vars(a14b.vae) and "encode" not in vars(a14b.vae)
+
+
+def test_a_measured_decode_that_still_ran_out_asks_for_everything_next_time(a14b, monkeypatch):
+    """Found on the H200 under cudaMallocAsync: the measured room was given back and the decode
+    still ran out (a fragmented pool); it ran again, and from then on that call takes everything."""
+    monkeypatch.setattr(workspace, "MARGIN_BASE", 0)  # the tiny blocks: a 512 MiB margin would take them all
+    ref = run_wan_family(a14b)
+    engine, streamers = _placed(a14b, _Card(free=0, peak=1))
+    seen: dict[int, list[int]] = {1: [], 2: [], 3: []}  # per run: kept bytes at each decoder entry
+    run = [0]
+
+    def hook(module, args):
+        kept = sum(s.kept_bytes() for s in streamers)
+        seen[run[0]].append(kept)
+        if run[0] == 2 and kept and len(seen[2]) == 1:  # run 2's decode: its measured room was not enough
+            raise torch.OutOfMemoryError("scripted: fragmented")
+
+    a14b.vae.decoder.register_forward_pre_hook(hook)
+    for i in (1, 2, 3):
+        run[0] = i
+        torch.testing.assert_close(_run(engine, a14b), ref, rtol=0, atol=0)
+    full = seen[1][0]
+    assert full > 0 and 0 < seen[2][0] < full, seen  # run 2 gave back its measured need only, then failed
+    assert seen[2][1] == 0 and seen[3][0] == 0, seen  # its repeat, and run 3 from the start: everything
+    engine.release(a14b)
