@@ -9,6 +9,8 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.memory import MemoryReader
+from diffusers_offload.offload_core.preload import planner as planner_module
+from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.transport import workspace
 from fixtures.tiny_pipes import load_wan_family, run_wan_family
 
@@ -32,7 +34,8 @@ class _Card(MemoryReader):
 
 
 @pytest.fixture
-def a14b(tiny_wan_family):
+def a14b(tiny_wan_family, monkeypatch):
+    monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # keep no measures for later tests
     return load_wan_family(tiny_wan_family("wan22_a14b"))
 
 
