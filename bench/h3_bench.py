@@ -127,7 +127,8 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
     for s in clock.stages():
         out(section="stage", run=label, stage=s["stage"], seconds=s["seconds"], units=s["units"],
             segments=s["segments"], peak_alloc_gib=s["peak_alloc"] / GiB, peak_reserved_gib=s["peak_reserved"] / GiB,
-            alloc_start_gib=s["alloc_start"] / GiB, alloc_end_gib=s["alloc_end"] / GiB, cap_gib=args.cap)
+            alloc_start_gib=s["alloc_start"] / GiB, alloc_end_gib=s["alloc_end"] / GiB, cap_gib=args.cap,
+            **{k: v for k, v in s.items() if k.endswith("_s")})
     for s in clock.steps:
         out(section="step", run=label, **s)
     for m in clock.moves:
@@ -222,6 +223,10 @@ def summary(rows: list[dict]) -> None:
         for st in [x for x in by("stage") if x["run"] == label]:
             print(f"   {st['stage']:<14}{st['seconds']:>9.3f}{st['units']:>7}{st['peak_alloc_gib']:>12.2f}"
                   f"{st['peak_reserved_gib']:>11.2f}{st['alloc_start_gib']:>12.2f} -> {st['alloc_end_gib']:.2f}")
+            if "before_layers_s" in st:  # GPU time: head and vision, then the layers
+                print(f"      before the first layer {st['before_layers_s']:.3f} s, layers {st['layers_s']:.3f} s "
+                      f"(median {st['layer_median_s'] * 1e3:.1f} ms, max {st['layer_max_s'] * 1e3:.1f} ms), "
+                      f"after the last {st['after_last_layer_s']:.3f} s")
         for st in [x for x in by("step") if x["run"] == label]:
             print(f"   denoise step {st['step']}/{st['of']}: {st['seconds']:.3f} s, peak {st['peak_alloc_gib']:.2f} GiB, "
                   f"kept {st['kept']}/{st['blocks']}, streamed {st['streamed_gib']:.2f} GiB/step  [{st['plan']}]")

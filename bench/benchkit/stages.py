@@ -10,6 +10,7 @@ first and answers the planner from its own window, so neither reading disturbs t
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from typing import Any
@@ -104,13 +105,15 @@ class StageClock:
         self.stage = stage
         self.tracker.mark("stage")
         log.info("stage: %s", stage)
-        self._seg = dict(stage=stage, t0=now, units=0, alloc_start=self._alloc())
+        self._seg = dict(stage=stage, t0=now, units=0, alloc_start=self._alloc(), marks=[self._mark()])
 
     def on_stage(self, stage: str, i: int, n: int) -> None:
         """The stage hooks' publish: one unit (layer, step, chunk...) of ``stage``."""
         self.enter(stage)
         self._seg["units"] += 1
         self._seg["of"] = n
+        if stage == TEXT:  # each layer's start on the compute stream: head and vision against layers
+            self._seg["marks"].append(self._mark())
         if stage == DENOISE:
             sync()
             now = time.perf_counter()
@@ -133,8 +136,17 @@ class StageClock:
             return
         seg, self._seg = self._seg, None
         alloc, reserved = self.tracker.peak("stage")
-        seg.update(seconds=now - seg.pop("t0"), peak_alloc=alloc, peak_reserved=reserved, alloc_end=self._alloc())
+        marks = [*seg.pop("marks"), self._mark()]
+        seg.update(seconds=now - seg.pop("t0"), peak_alloc=alloc, peak_reserved=reserved, alloc_end=self._alloc(),
+                   **(layer_timeline(marks) if seg["stage"] == TEXT else {}))
         self.segments.append(seg)
+
+    def _mark(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def finish(self) -> None:
         sync()
@@ -155,7 +167,21 @@ class StageClock:
             s["peak_alloc"] = max(s["peak_alloc"], seg["peak_alloc"])
             s["peak_reserved"] = max(s["peak_reserved"], seg["peak_reserved"])
             s["alloc_end"] = seg["alloc_end"]
+            s.update({k: v for k, v in seg.items() if k.endswith("_s")})  # the text encode's layer timeline
         return sorted(out.values(), key=lambda s: STAGE_ORDER.index(s["stage"]) if s["stage"] in STAGE_ORDER else 99)
+
+
+def layer_timeline(marks: list) -> dict[str, float]:
+    """From GPU events at the stage's start, each layer's start and the stage's end (synchronised
+    by the caller): the time before the first layer (the non-layer part moving in, embeddings, a
+    VLM's vision tower), per layer (median, max, sum) and after the last layer's start."""
+    if len(marks) < 3 or marks[0] is None:
+        return {}
+    marks[-1].synchronize()
+    gaps = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
+    layers = sorted(gaps[1:-1])
+    return dict(before_layers_s=gaps[0], layer_median_s=layers[len(layers) // 2] if layers else 0.0,
+                layer_max_s=max(layers, default=0.0), layers_s=sum(layers), after_last_layer_s=gaps[-1])
 
 
 class Instruments:
