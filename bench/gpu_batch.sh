@@ -9,7 +9,8 @@
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
 # wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB), gguf (Q8_0 and Q4_K at
 # 12 GiB), noexp (the fresh 24 GiB bf16 row and the GGUF Q4_K row with expandable segments left off:
-# is the engine's slower image-like step the allocator setting or its hooks?). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
+# processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -55,6 +56,9 @@ for row in "$@"; do
           done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
+    h2d) for i in 1 2 3; do  # three fresh processes: is a slow one a slow copy source (registered pages)?
+           run "h2d$i" 60 python3 bench/h2d_probe.py --json "$ROWS_DIR/h2d$i.json"
+         done ;;
     noexp) for st in bf16 gguf_q4_k; do  # the engine leaves expandable segments off: allocator vs hooks
              run "noexp_$st" 70 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False python3 bench/wan_bench.py \
                --storage "$st" --sections preload --caps "$([ "$st" = bf16 ] && echo 24 || echo 12)" --workloads small \
