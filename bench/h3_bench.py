@@ -52,6 +52,7 @@ pack()
 from diffusers_offload.offload_core import Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, table_of  # noqa: E402
 from diffusers_offload.offload_core.models.minimax_h3 import grid as grid_rules  # noqa: E402
+from diffusers_offload.offload_core.models.minimax_h3.conditioner import trim_conditioner  # noqa: E402
 from diffusers_offload.offload_core.models.minimax_h3.run_view import pad_short_latents, run_view  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 from diffusers_offload.offload_core.run.stages import (  # noqa: E402
@@ -264,6 +265,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=None, help="H3 grid points: steps-1 forwards; default 4 (tiny 3)")
     ap.add_argument("--preload", default="auto")
     ap.add_argument("--whole-blocks", action="store_true", help="the transformer's blocks stream whole")
+    ap.add_argument("--whole-conditioner", action="store_true",
+                    help="keep the text encoder's layers after the one H3 reads (the loader drops them)")
     ap.add_argument("--runs", default="plain,room", help="plain: engine alone; room: bench frees room first")
     ap.add_argument("--headroom", type=float, default=1.0, help="GiB asked beside an on-demand module (room runs)")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype")
@@ -309,9 +312,10 @@ def main(argv: list[str] | None = None) -> None:
     storage = FP8_DTYPES.get(args.storage)
     other = fp8_builder(device, dtype, storage) if storage is not None else None
     pipe = build_h3(args.tiny, args.blocks, args.te_layers, device, dtype, built, other)
+    dropped = 0 if args.whole_conditioner else trim_conditioner(pipe)  # as Load modular pipeline does
     args.storage_bytes = sum(nbytes(getattr(pipe, name)) for name in ROLES)
     out(section="pipeline", cls=type(pipe).__name__, workflow="fl2va", text_encoder_layer=pipe.text_encoder_layer,
-        total_gib=args.storage_bytes / GiB, storage=args.storage)
+        text_layers_dropped=dropped, total_gib=args.storage_bytes / GiB, storage=args.storage)
     out(section="built", seconds=time.perf_counter() - t0, **host(args.storage_bytes))
 
     ballast = Ballast(args.cap) if device.type == "cuda" else None

@@ -22,6 +22,7 @@ from ..offload_core.components import iter_modules
 from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
 from ..offload_core.formats.mapped import MappedFileError, map_from_files
 from ..offload_core.formats.single_file import load_denoiser
+from ..offload_core.models.minimax_h3.conditioner import trim_conditioner
 from . import host
 from .folders import (
     MODULAR_INDEX,
@@ -90,6 +91,7 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     except Exception as exc:
         raise PipelineFolderError(f"diffusers could not load the {workflow} components of {folder}: "
                                   f"{type(exc).__name__}: {exc}") from exc
+    trim_conditioner(pipe)
     log.info("loaded %s (%s) from %s (%s)", type(pipe).__name__, workflow, folder, str(dtype).removeprefix("torch."))
     return pipe
 
