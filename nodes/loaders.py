@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import folder_paths
 import torch
 from comfy_api.latest import io
 from diffusers import DiffusionPipeline
@@ -22,7 +23,7 @@ from ..offload_core.components import iter_modules
 from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
 from ..offload_core.formats.mapped import MappedFileError, map_from_files
 from ..offload_core.formats.single_file import load_denoiser
-from ..offload_core.models.minimax_h3.conditioner import trim_conditioner
+from ..offload_core.models.minimax_h3.conditioner import load_conditioner_file, trim_conditioner
 from . import host
 from .folders import (
     MODULAR_INDEX,
@@ -34,7 +35,7 @@ from .folders import (
     read_json,
     resolve_model,
 )
-from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path
+from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path, optional
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle, family_of
 from .web_api import search_aliases
 
@@ -61,11 +62,13 @@ def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
     return pipe
 
 
-def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_file: Path | None = None
-                 ) -> ModularPipeline:
+def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_file: Path | None = None,
+                 text_encoder_file: Path | None = None) -> ModularPipeline:
     """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded;
     with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, GGUF), the transformer comes
-    from it, into the folder's transformer config (the folder's transformer weights are not read)."""
+    from it, into the folder's transformer config (the folder's transformer weights are not read);
+    with ``text_encoder_file`` (MiniMax-H3's conditioner in ComfyUI's layout or transformers'), the
+    text encoder likewise. H3's conditioner keeps the layers it is read at (`trim_conditioner`)."""
     if not (folder / MODULAR_INDEX).is_file():
         raise PipelineFolderError(f"{folder} has no {MODULAR_INDEX}: it is not a modular pipeline; load a classic "
                                   "one (model_index.json) with 'Load diffusers pipeline'")
@@ -78,14 +81,17 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     except Exception as exc:  # unknown workflow, unreadable index: name the folder
         raise PipelineFolderError(f"diffusers could not read {folder} for workflow {workflow!r}: "
                                   f"{type(exc).__name__}: {exc}") from exc
+    files = {"transformer": transformer_file, "text_encoder": text_encoder_file}
     for name, spec in pipe._component_specs.items():
         source = getattr(spec, "pretrained_model_name_or_path", None)
-        if name == "transformer" and transformer_file is not None:
+        if files.get(name) is not None:
             continue
         if spec.default_creation_method == "from_pretrained" and source and Path(source).is_dir():
             check_component(Path(source) / (spec.subfolder or ""), name, getattr(spec.type_hint, "__name__", "?"))
     if transformer_file is not None:  # set first: load_components then loads only what is missing
         pipe.update_components(transformer=load_denoiser(transformer_file, folder, dtype))
+    if text_encoder_file is not None:
+        pipe.update_components(text_encoder=_conditioner(pipe, folder, text_encoder_file, dtype))
     try:
         pipe.load_components(dtype=dtype)
     except Exception as exc:
@@ -94,6 +100,14 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     trim_conditioner(pipe)
     log.info("loaded %s (%s) from %s (%s)", type(pipe).__name__, workflow, folder, str(dtype).removeprefix("torch."))
     return pipe
+
+
+def _conditioner(pipe: ModularPipeline, folder: Path, file: Path, dtype: torch.dtype) -> Any:
+    layer = getattr(pipe, "text_encoder_layer", None)
+    if not isinstance(layer, int) or "text_encoder" not in pipe._component_specs:
+        raise PipelineFolderError(f"{folder} is not a MiniMax-H3 pipeline: a text_encoder_file loads H3's "
+                                  "conditioner only; leave it at 'none'")
+    return load_conditioner_file(file, folder / "text_encoder", dtype, layer)
 
 
 def map_weights(pipe: Any) -> Any:
@@ -194,18 +208,25 @@ class LoadModularPipeline(io.ComfyNode):
                                tooltip="A transformer file from models/diffusion_models (ComfyUI's bf16, fp8, "
                                        "fp8_scaled, W4A8 or GGUF files of the model); 'none' uses the folder's. "
                                        "The folder then needs only the transformer's config."),
+                io.Combo.Input("text_encoder_file", options=[NONE, *folder_paths.get_filename_list("text_encoders")],
+                               default=NONE, optional=True,
+                               tooltip="MiniMax-H3's text encoder from models/text_encoders (ComfyUI's file, bf16, "
+                                       "fp8_scaled or W4A8); 'none' uses the folder's. The folder then needs only "
+                                       "the text encoder's config."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
     def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None,
-                transformer_file: str = NONE) -> io.NodeOutput:
+                transformer_file: str = NONE, text_encoder_file: str = NONE) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
         torch_dtype, storage = _dtypes(dtype, config)
         file = None if transformer_file == NONE else Path(full_path(DENOISER_FOLDERS, transformer_file))
-        pipe = map_weights(_store(load_modular(folder, workflow, torch_dtype, file), storage, torch_dtype))
+        text = optional("text_encoders", text_encoder_file)
+        pipe = load_modular(folder, workflow, torch_dtype, file, Path(text) if text else None)
+        pipe = map_weights(_store(pipe, storage, torch_dtype))
         return _handle(pipe, folder, torch_dtype, config)
 
 

@@ -6,6 +6,8 @@ user's text-encoder and VAE files (fp8 text encoders dequantised at load: they r
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,21 +127,44 @@ def _has_weights(folder: Path) -> bool:
     return folder.is_dir() and any(p.name.endswith(WEIGHT_SUFFIXES) for p in folder.iterdir())
 
 
+@dataclass(frozen=True)
+class Fit:
+    """How a text-encoder file meets a config it does not match as stored (MiniMax-H3's, in ComfyUI's
+    layout and fewer layers): its keys renamed, the config changed, and the modules it may lack
+    (``absent`` key prefixes, left empty for the caller to fill)."""
+
+    keys: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+    config: Callable[[Any], Any]
+    absent: tuple[str, ...] = ()
+
+
 def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.dtype) -> Any:
     """A text encoder or VAE from its single file, into the class and config of ``folder/name``."""
+    if name != "vae":
+        return load_text_encoder(path, folder / name, cls_name, dtype, kind=FILE_KINDS.get(name, name))
+    _inspected(path, "vae", FILE_KINDS["vae"], cls_name)
+    return from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
+
+
+def load_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtype, fit: Fit | None = None,
+                      kind: str = "text-encoder file") -> Any:
+    """A transformers text encoder of class ``cls_name`` from its single file, into the config in
+    ``config`` (see `_load_text_encoder`), the file first checked to be a text encoder."""
+    info = _inspected(path, "text_encoder", kind, cls_name)
+    return _load_text_encoder(path, info, config, cls_name, dtype, fit)
+
+
+def _inspected(path: Path, role: str, kind: str, cls_name: str) -> SingleFileInfo:
     if not path.is_file():
-        raise SingleFileError(f"{path} does not exist: pick a {FILE_KINDS.get(name, 'file')} from ComfyUI's folders")
+        raise SingleFileError(f"{path} does not exist: pick a {kind} from ComfyUI's folders")
     info = inspect_safetensors(path)
-    role = "vae" if name == "vae" else "text_encoder"
     if info.role != role and not (role == "vae" and info.role == "unknown"):
-        raise SingleFileError(f"{path} looks like {info.looks_like}, not a {FILE_KINDS.get(name, name)} for {name} "
-                              f"({cls_name})")
-    if role == "vae":
-        return from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
-    return _load_text_encoder(path, info, folder / name, cls_name, dtype)
+        raise SingleFileError(f"{path} looks like {info.looks_like}, not a {kind} ({cls_name})")
+    return info
 
 
-def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
+def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype,
+                       fit: Fit | None = None) -> Any:
     """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
     not) and ComfyUI int8_tensorwise layers are dequantised to ``dtype`` here, as comfy-kitchen
     decodes them (text encoders run once per prompt); W4A8 layers stay W4A8 (`w4a8.W4A8Linear`:
@@ -153,6 +178,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     check_quant_layers(info)
     quantized = info.fp8 is not None or info.scales or info.quant_keys or QUANT_METADATA in info.metadata
     state = read_checkpoint(path, info) if quantized else load_file(str(path))
+    if fit is not None:
+        state = fit.keys(state)
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
     stored = w4a8.stored_keys(layers)  # as the file holds them
@@ -160,8 +187,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
         state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
     state = {k: dequantize(v, None, dtype) if is_fp8(v) and k not in stored else v for k, v in state.items()}
-    if layers:
-        return _with_w4a8_layers(path, info, cls, config, state, layers, dtype)
+    if layers or fit is not None:
+        return _built_empty(path, info, cls, config, state, layers, dtype, fit)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -176,16 +203,19 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     return model
 
 
-def _with_w4a8_layers(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
-                      layers: list[str], dtype: torch.dtype) -> Any:
+def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
+                 layers: list[str], dtype: torch.dtype, fit: Fit | None) -> Any:
     """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, and the
-    file's tensors assigned: transformers' own loader would allocate every layer in ``dtype``."""
+    file's tensors assigned: transformers' own loader would allocate every layer in ``dtype``
+    (and fill what a fitted file lacks with weights no one reads)."""
     from accelerate import init_empty_weights
 
+    settings = cls.config_class.from_pretrained(str(config))
     with init_empty_weights():  # buffers (rotary tables) are made for real
-        model = cls(cls.config_class.from_pretrained(str(config)))
+        model = cls(fit.config(settings) if fit is not None else settings)
     try:
-        w4a8.swap_in(model, layers, state, w4a8_conf(info), dtype)
+        if layers:
+            w4a8.swap_in(model, layers, state, w4a8_conf(info), dtype)
     except ValueError as exc:
         raise SingleFileError(f"{path}: {exc}") from exc
     # transformers' rule: the strict list stays float32 always, the other one under fp16 only
@@ -196,7 +226,8 @@ def _with_w4a8_layers(path: Path, info: SingleFileInfo, cls: type, config: Path,
              else v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    absent = fit.absent if fit is not None else ()
+    empty = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta and not n.startswith(absent)]
     if empty or result.unexpected_keys:
         raise SingleFileError(f"{path} does not match the {cls.__name__} config in {config}: missing {empty[:3]}, "
                               f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")

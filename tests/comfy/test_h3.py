@@ -139,10 +139,10 @@ def test_t2va_gives_video_with_audio_frames_and_audio_with_a_label_per_stage(
     assert torch.equal(components.images, images) and torch.equal(components.audio["waveform"], audio["waveform"])
     assert components.frame_rate == Fraction(24)
     labels = texts(result)
-    for label in ("text encode layer 1/51", "text encode layer 51/51", "denoise step 2/2",
+    for label in ("text encode layer 1/50", "text encode layer 50/50", "denoise step 2/2",
                   "video decode chunk 7/7", "audio decode 1/1"):
         assert label in labels
-    assert labels.index("text encode layer 51/51") < labels.index("denoise step 1/2") < labels.index(
+    assert labels.index("text encode layer 50/50") < labels.index("denoise step 1/2") < labels.index(
         "video decode chunk 1/7") < labels.index("audio decode 1/1")
     assert (7, 7) in [(p.value, p.total) for p in result.progress if p.node_id == GEN]
     pipe = out[9].pipe  # the model's own scheduler pair is what ran
@@ -259,7 +259,7 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
     units_run.clear()
     comfy.run_prompt(prompt).raise_for_error()
     # a cancelled encode cached nothing: the next run encodes the prompt (every layer); a finished one was kept
-    assert units_run.count("text encode") == (51 if stage == "text encode" else 0)
+    assert units_run.count("text encode") == (50 if stage == "text encode" else 0)
 
 
 def test_replacing_with_unchanged_settings_changes_no_hook(comfy: harness.ComfyHost, model: str,
@@ -387,4 +387,36 @@ def test_a_w4a8_transformer_file_runs_in_the_modular_pipeline(
     # by name: ComfyUI imports the pack under its own module path
     layers = [n for n, m in out[9].pipe.transformer.named_modules() if type(m).__name__ == "W4A8Linear"]
     assert "context_embedder" in layers and any(n.startswith("transformer_blocks.") for n in layers)
+    assert digest(path) == before
+
+
+def test_a_comfyui_text_encoder_file_conditions_the_modular_pipeline(
+    comfy: harness.ComfyHost, model: str, captured: list, tiny_h3_dir: Path
+) -> None:
+    """MiniMax-H3's conditioner as ComfyUI's H3 text-encoder files hold it (its layout, 50 layers, no
+    head), picked from models/text_encoders: the run gives the frames the folder's encoder gives."""
+    from fixtures.h3_files import comfy_conditioner_state_dict
+    from fixtures.quantized import digest
+    from safetensors.torch import save_file
+    from transformers import Qwen3VLForConditionalGeneration
+
+    whole = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_h3_dir / "text_encoder"), dtype=torch.float32)
+    name = "h3-tiny-conditioner.safetensors"
+    path = Path(comfy.folder_paths.get_folder_paths("text_encoders")[0]) / name
+    save_file({k: v.contiguous() for k, v in comfy_conditioner_state_dict(whole.state_dict(), 50).items()}, str(path))
+    before = digest(path)
+    prompt = graph(model, outputs=(1,), steps=2)
+    comfy.run_prompt(prompt).raise_for_error()
+    reference = outputs(captured)[1]
+    captured.clear()
+    prompt = graph(model, outputs=(1,), steps=2)
+    prompt[LOAD]["inputs"] |= {"text_encoder_file": name}
+    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    out = outputs(captured)
+    torch.testing.assert_close(out[1], reference, rtol=0, atol=0)
+    layers = out[9].pipe.text_encoder.model.language_model.layers
+    assert len(layers) == 50 and type(out[9].pipe.text_encoder.lm_head).__name__ == "NoHead"
     assert digest(path) == before
