@@ -31,6 +31,7 @@ from diffusers_offload.offload_core.run.stages import (
 )
 from diffusers_offload.offload_core.state import PROMPT_CACHE
 from fixtures.hook_inventory import hook_inventory
+from fixtures.tiny_models import H3_TEXT_LAYERS
 from fixtures.tiny_pipes import load_h3, run_h3
 
 # Every role gets a real transport on the tiny model (leaf text encoder, per-step denoiser, on-demand VAEs).
@@ -114,7 +115,7 @@ def test_every_stage_publishes_each_unit_in_order(placed: tuple[Engine, object])
     staged_run(engine, pipe, host, "a robot, every stage")
 
     layers = len(layer_stack(pipe.text_encoder))
-    assert layers == 51
+    assert layers == H3_TEXT_LAYERS
     assert host.events == [
         *((TEXT, i, layers) for i in range(1, layers + 1)),
         (DENOISE, 1, 2), (DENOISE, 2, 2),
@@ -154,7 +155,7 @@ def test_interrupt_stops_before_the_next_unit_and_the_next_run_matches(
     assert not any(t.loaded for t in engine.states(pipe)["vae"].transport.group.members)
     host = Host()
     again = staged_run(engine, pipe, host, prompt)
-    assert encoded(host) == (51 if stage == TEXT else 0)  # a stopped encode is run again whole; a finished one cached
+    assert encoded(host) == (H3_TEXT_LAYERS if stage == TEXT else 0)  # a stopped encode is run again whole; a finished one cached
     torch.testing.assert_close(again, reference, rtol=0, atol=0)
 
 
@@ -171,7 +172,7 @@ def test_a_text_encode_stopped_half_way_caches_nothing(placed: tuple[Engine, obj
     assert (len(cache.entries), cache.misses) == (entries, misses)  # nothing kept, not even counted
     first, second = Host(), Host()
     encoded_once = staged_run(engine, pipe, first, prompt)
-    assert encoded(first) == 51 and len(cache.entries) == entries + 1
+    assert encoded(first) == H3_TEXT_LAYERS and len(cache.entries) == entries + 1
     hits = cache.hits
     from_cache = staged_run(engine, pipe, second, prompt)
     assert encoded(second) == 0 and cache.hits == hits + 1
@@ -184,7 +185,7 @@ def test_hooks_live_for_one_call_and_replacing_changes_no_offload_hook(placed: t
     assert before
 
     with StageHooks(pipe, Host().stage_host(), TOTALS) as hooks:
-        assert torch_hooks(pipe) - own_hooks == 51 + 1 + 2 + 1  # layers, denoiser, VAE encoder + decoder, audio decoder
+        assert torch_hooks(pipe) - own_hooks == H3_TEXT_LAYERS + 1 + 2 + 1  # layers, denoiser, VAE encoder + decoder, audio decoder
         with pytest.raises(RuntimeError, match="already installed"):
             hooks.install()
         engine.place(pipe, CFG.replace())  # same settings, placed while the stage hooks are on

@@ -255,7 +255,7 @@ def test_the_encoder_never_touches_the_denoisers_planner(wan_pipe) -> None:
 def test_an_interrupt_in_the_text_encode_stops_within_one_layer_and_the_next_run_is_right(
         pipe_name, stop_at, request, monkeypatch) -> None:
     """The host's flag is raised when layer ``stop_at`` is published: no layer is bound after it;
-    the partial forward (40 of H3's 51 layers: over half, so it is learnt from) drops no layer from
+    the partial forward (40 of H3's 53 layers: over half, so it is learnt from) drops no layer from
     the order; after the host's after_run nothing stays loaded and the next run equals the first."""
     pipe, run = request.getfixturevalue(pipe_name), RUN[pipe_name]
     engine = Engine()
@@ -322,7 +322,7 @@ def test_h3_calls_the_inner_model_and_each_call_is_one_cycle(h3_pipe) -> None:
         raise Interrupted
 
     handle = layer_stack(h3_pipe.text_encoder)[40].register_forward_pre_hook(stop)
-    with pytest.raises(Interrupted):  # stops after 40 of 51 layers; no after_run before the next call
+    with pytest.raises(Interrupted):  # stops after 40 of 53 layers; no after_run before the next call
         run_h3(h3_pipe)
     handle.remove()
     try:
