@@ -231,8 +231,8 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     if empty or result.unexpected_keys:
         raise SingleFileError(f"{path} does not match the {cls.__name__} config in {config}: missing {empty[:3]}, "
                               f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")
-    log.info("%s: %s text encoder (%s) loaded with %d W4A8 layers, the rest in %s", path.name, cls.__name__,
-             info.format, len(layers), short_dtype(dtype))
+    log.info("%s: %s text encoder (%s) loaded %s%s", path.name, cls.__name__, info.format,
+             f"with {len(layers)} W4A8 layers, the rest in " if layers else "as ", short_dtype(dtype))
     return model.eval()
 
 
