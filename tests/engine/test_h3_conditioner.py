@@ -74,3 +74,41 @@ def test_a_file_short_of_the_layer_read_is_refused(h3_pipe, tiny_h3_dir: Path, t
     with pytest.raises(SingleFileError, match="holds 40 language-model layers; MiniMax-H3 reads the output of the "
                                               "first 50"):
         load_conditioner_file(path, tiny_h3_dir / "text_encoder", torch.float32, 50)
+
+
+def test_a_w4a8_conditioner_file_keeps_its_layers_and_reads_like_comfyui(h3_pipe, tiny_h3_dir: Path, tmp_path: Path):
+    """MiniMax-H3 circulates as ComfyUI W4A8 files: the conditioner's layers stay W4A8, and the
+    hidden state H3 reads equals that of the folder's encoder holding each of those layers as
+    ComfyUI does (comfy-kitchen's QuantizedTensor)."""
+    from comfy_kitchen.tensor.base import QuantizedTensor
+    from comfy_kitchen.tensor.w4a8_int8 import AsymW4A8Int8Layout
+    from diffusers_offload.offload_core.formats.w4a8 import W4A8Linear
+    from fixtures.h3_files import w4a8_layers
+    from safetensors.torch import load_file
+    from transformers import Qwen3VLForConditionalGeneration
+
+    comfy = comfy_conditioner_state_dict(h3_pipe.text_encoder.to(torch.bfloat16).state_dict(), 50)
+    layers = {k: v for k, v in comfy.items() if k.startswith("model.layers.")}  # not the embedding table
+    path = tmp_path / "h3_conditioner_w4a8.safetensors"
+    save_file({k: v.contiguous() for k, v in {**comfy, **w4a8_layers(layers)}.items()}, str(path))
+    tensors = load_file(str(path))
+    quantized = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
+
+    encoder = load_conditioner_file(path, tiny_h3_dir / "text_encoder", torch.bfloat16, 50)
+    ours = ["model.language_model." + n.removeprefix("model.") for n in quantized]
+    assert quantized and all(isinstance(encoder.get_submodule(n), W4A8Linear) for n in ours)
+    assert not any(t.is_meta for t in (*encoder.parameters(), *encoder.buffers()))
+    twin = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_h3_dir / "text_encoder"), dtype=torch.bfloat16)
+    for name, layer in zip(quantized, ours, strict=True):
+        linear = twin.get_submodule(layer)
+        params = AsymW4A8Int8Layout.Params(
+            scale=tensors[f"{name}.weight_s_rel"], s_channel=tensors[f"{name}.weight_s_channel"],
+            codebook=tensors.get(f"{name}.weight_codebook"), orig_dtype=torch.bfloat16,
+            orig_shape=tuple(linear.weight.shape), group_size=16, convrot_groupsize=16)
+        linear.weight = torch.nn.Parameter(
+            QuantizedTensor(tensors[f"{name}.weight"], "AsymW4A8Int8Layout", params), requires_grad=False)
+    ids = torch.tensor([[3, 7, 11, 2, 9, 1]])
+    with torch.inference_mode():
+        ours_50 = encoder.model(input_ids=ids, output_hidden_states=True).hidden_states[50]
+        twin_50 = twin.model(input_ids=ids, output_hidden_states=True).hidden_states[50]
+    assert torch.equal(ours_50, twin_50)
