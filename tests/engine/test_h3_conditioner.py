@@ -50,7 +50,7 @@ def test_other_pipelines_are_left_alone(wan_pipe):
 @pytest.mark.parametrize("layout", ["comfy", "transformers"])
 def test_a_conditioner_file_generates_like_the_folder(h3_pipe, tiny_h3_dir: Path, tmp_path: Path, layout):
     """ComfyUI's layout (``model.layers.*``, ``visual.*``, 50 layers, no head) and transformers'
-    own (every layer, the head): the layers past the 50th are never read, the file never written."""
+    own (every layer, the head): the layers past the 50th are dropped, the file never written."""
     whole = h3_pipe.text_encoder.state_dict()
     state = comfy_conditioner_state_dict(whole, 50) if layout == "comfy" else whole
     path = tmp_path / f"h3_conditioner_{layout}.safetensors"

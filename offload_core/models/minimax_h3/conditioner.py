@@ -62,7 +62,7 @@ def fit_conditioner(encoder: torch.nn.Module, layer: int) -> int:
 def load_conditioner_file(path: Path, config: Path, dtype: torch.dtype, layer: int) -> torch.nn.Module:
     """H3's conditioner from a single file in ComfyUI's layout (``model.layers.*``, ``visual.*``;
     ComfyUI's H3 files stop at 50 layers and have no language-model head) or transformers', into the
-    config of ``config`` (the folder's ``text_encoder``); layers past ``layer`` are never read."""
+    config of ``config`` (the folder's ``text_encoder``); layers past ``layer`` are dropped as read."""
     fit = Fit(keys=lambda state: _transformers_keys(path, state, layer),
               config=lambda cfg: _with_layers(cfg, layer), absent=("lm_head.",))
     encoder = load_text_encoder(path, config, CLASS, dtype, fit)
