@@ -10,7 +10,7 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import streamed_in_one_step
+from fixtures.quantized import streamed_in_one_step, two_runs_placed
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -64,13 +64,7 @@ def test_fp8_output_equals_the_dequantised_bf16_model_in_every_mode(fp8_wan, con
     fp8_wan, scales = fp8_wan
     expected = run_wan(_dequantised_twin(fp8_wan, scales))
     stored = {n: p.detach().clone() for n, p in fp8_wan.transformer.named_parameters()}
-    engine = Engine()
-    engine.place(fp8_wan, OffloadConfig(**CONFIGS[config], **BASE))
-    first = run_wan(fp8_wan)
-    engine.after_run(fp8_wan)
-    second = run_wan(fp8_wan)
-    engine.after_run(fp8_wan)
-    engine.release(fp8_wan)
+    first, second = two_runs_placed(Engine(), fp8_wan, OffloadConfig(**CONFIGS[config], **BASE))
     assert torch.equal(first, expected) and torch.equal(second, expected)
     assert leftovers(fp8_wan.transformer) == []
     for name, p in fp8_wan.transformer.named_parameters():

@@ -41,6 +41,7 @@ from fixtures.gguf_files import (  # noqa: F401  (session fixtures)
     wan_gguf_fixture,
 )
 from fixtures.placements import PLACEMENTS
+from fixtures.quantized import two_runs_placed
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0)
@@ -136,13 +137,7 @@ def test_every_mode_equals_the_resident_gguf_model(tiny_wan_dir, wan_gguf, qtype
         assert torch.equal(run_wan(load_gguf_wan(tiny_wan_dir, file)), expected)
     pipe = load_gguf_wan(tiny_wan_dir, file)
     before = packed(pipe.transformer)
-    engine = Engine()
-    engine.place(pipe, OffloadConfig(**CONFIGS[config], device=device, **BASE))
-    first = run_wan(pipe)
-    engine.after_run(pipe)
-    second = run_wan(pipe)
-    engine.after_run(pipe)
-    engine.release(pipe)
+    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**CONFIGS[config], device=device, **BASE))
     assert torch.equal(first, expected) and torch.equal(second, expected)
     assert leftovers(pipe.transformer) == []
     after = dict(pipe.transformer.named_parameters())

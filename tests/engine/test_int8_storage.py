@@ -24,7 +24,7 @@ from fixtures.comfy_files import (
     write_comfy_int8_wan,
 )
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import digest, refused, streamed_in_one_step, wan_pipe
+from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
 from fixtures.tiny_models import run_wan
 from safetensors.torch import load_file, save_file
 
@@ -81,13 +81,7 @@ def test_int8_file_runs_as_the_dequantised_model_in_every_placement(
     int8 = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.int8}
     assert table.int8 and len(int8) == len(table.weights) > 0  # stored as int8, not upcast
     assert all((s.ndim == 2) == VARIANTS[variant]["per_row"] for s in table.int8_scales.values())
-    engine = Engine()
-    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
-    first = run_wan(pipe)
-    engine.after_run(pipe)
-    second = run_wan(pipe)
-    engine.after_run(pipe)
-    engine.release(pipe)
+    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
     assert torch.equal(first, references[variant]) and torch.equal(second, references[variant])
     assert leftovers(model) == []
     for name, p in model.named_parameters():

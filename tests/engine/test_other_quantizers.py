@@ -33,6 +33,7 @@ from diffusers_offload.offload_core.guards import unmovable_quantization
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.gguf_files import comfy_wan_state_dict
 from fixtures.placements import PLACEMENTS
+from fixtures.quantized import two_runs_placed
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import save_file
 
@@ -160,11 +161,7 @@ def test_bfl_fp8r_equals_resident_in_every_mode(bfl_wan, tiny_wan_dir, config):
     expected = run_wan(bfl_wan)
     engine.release(bfl_wan)
     stored = {n: t.detach().clone() for n, t in bfl_wan.transformer.state_dict().items()}
-    engine.place(bfl_wan, OffloadConfig(**BFL_CONFIGS[config], **BASE))
-    first = run_wan(bfl_wan)
-    engine.after_run(bfl_wan)
-    second = run_wan(bfl_wan)
-    engine.release(bfl_wan)
+    first, second = two_runs_placed(engine, bfl_wan, OffloadConfig(**BFL_CONFIGS[config], **BASE))
     assert torch.equal(first, expected) and torch.equal(second, expected)
     assert leftovers(bfl_wan.transformer) == []
     after = bfl_wan.transformer.state_dict()

@@ -24,7 +24,7 @@ from diffusers_offload.offload_core.state import leftovers
 from fixtures import comfy_files
 from fixtures.comfy_files import W4A8_CONF, comfy_w4a8_wan_tensors, write_comfy_w4a8_wan
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import digest, refused, streamed_in_one_step, wan_pipe
+from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import load_file, save_file
@@ -112,12 +112,7 @@ def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w
     assert layers and any(isinstance(m, W4A8Linear) for m in model.blocks.modules())
     assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # decoded, fp32 module
     stored = {n: t.clone() for n, t in _tensors(model).items() if t.dtype in (torch.int8, torch.float8_e4m3fn)}
-    engine = Engine()
-    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
-    first = run_wan(pipe)
-    engine.after_run(pipe)
-    second = run_wan(pipe)
-    engine.release(pipe)
+    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
     assert torch.equal(first, reference) and torch.equal(second, reference)
     assert leftovers(model) == []
     for name, p in _tensors(model).items():
