@@ -77,14 +77,15 @@ class EncoderStreamer(BlockStreamer):
             self._head_out()
             self._head = {}
             return
-        own = [(sub, n, True, p) for sub in modules_outside(module, tower_ids) for n, p in sub._parameters.items()
-               if p is not None]
-        own += [(sub, n, False, b) for sub in modules_outside(module, tower_ids) for n, b in sub._buffers.items()
-                if b is not None]
-        own = list({id(t): (sub, n, is_param, t) for sub, n, is_param, t in own}.values())
+        own: dict[int, tuple[torch.nn.Module, str, bool, torch.Tensor]] = {}  # a shared tensor: its first owner
+        for sub in modules_outside(module, tower_ids):
+            for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+                for name, t in table.items():
+                    if t is not None:
+                        own.setdefault(id(t), (sub, name, is_param, t))
         grant = self.ctx.pin_bytes
-        self._head_pinned = self.ctx.pin and (grant is None or sum(nbytes(t) for *_, t in own) <= grant)
-        for sub, name, is_param, t in own:
+        self._head_pinned = self.ctx.pin and (grant is None or sum(nbytes(t) for *_, t in own.values()) <= grant)
+        for sub, name, is_param, t in own.values():
             host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
             host = self.pins.pin(host) if self._head_pinned else host
             if is_param:

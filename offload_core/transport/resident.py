@@ -19,8 +19,7 @@ class ResidentTransport(TransportBase):
         self.ctx = ctx
         self.entries = entries
         self._module: torch.nn.Module | None = None
-        make_room = getattr(ctx.owner, "make_room", None)
-        self.workspace = Workspace(ctx.memory, ctx.onload_device, make_room) if make_room and entries else None
+        self.workspace = Workspace(ctx.memory, ctx.onload_device, ctx.owner) if ctx.owner and entries else None
 
     def apply(self, module: torch.nn.Module) -> None:
         self._module = module

@@ -36,8 +36,9 @@ def call_key(name: str, args: tuple, kwargs: dict) -> tuple:
 class Workspace:
     """The measured peaks of one component's calls and the room asked before each."""
 
-    def __init__(self, memory: MemoryReader, device: torch.device, make_room: Callable[[int], int]) -> None:
-        self.memory, self.device, self.make_room = memory, device, make_room
+    def __init__(self, memory: MemoryReader, device: torch.device, group: object) -> None:
+        """``group``: the pipeline's on-demand group, whose ``make_room`` the engine binds at each placement."""
+        self.memory, self.device, self.group = memory, device, group
         self.peaks: dict[tuple, int] = {}
         self.short: set[tuple] = set()  # calls that ran out of memory with their measured room (fragmentation)
         self.depth = 0
@@ -74,6 +75,10 @@ class Workspace:
         if peak is not None:
             self.peaks[key] = max(self.peaks.get(key, 0), peak - start)
         return out
+
+    def make_room(self, nbytes: int) -> int:
+        make_room = getattr(self.group, "make_room", None)
+        return make_room(nbytes) if make_room is not None else 0
 
     def _relieve(self, key: tuple, attempt: int) -> bool:
         """After an out-of-memory error: once, everything the others keep on the device; a call
