@@ -395,15 +395,14 @@ def test_a_comfyui_text_encoder_file_conditions_the_modular_pipeline(
 ) -> None:
     """MiniMax-H3's conditioner as ComfyUI's H3 text-encoder files hold it (its layout, 50 layers, no
     head), picked from models/text_encoders: the run gives the frames the folder's encoder gives."""
-    from fixtures.h3_files import comfy_conditioner_state_dict
+    from fixtures.h3_files import comfy_conditioner_state_dict, write
     from fixtures.quantized import digest
-    from safetensors.torch import save_file
     from transformers import Qwen3VLForConditionalGeneration
 
     whole = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_h3_dir / "text_encoder"), dtype=torch.float32)
     name = "h3-tiny-conditioner.safetensors"
     path = Path(comfy.folder_paths.get_folder_paths("text_encoders")[0]) / name
-    save_file({k: v.contiguous() for k, v in comfy_conditioner_state_dict(whole.state_dict(), 50).items()}, str(path))
+    write(comfy_conditioner_state_dict(whole.state_dict(), 50), path)
     before = digest(path)
     prompt = graph(model, outputs=(1,), steps=2)
     comfy.run_prompt(prompt).raise_for_error()

@@ -16,10 +16,9 @@ from diffusers_offload.offload_core.models.minimax_h3.conditioner import (
     load_conditioner_file,
     trim_conditioner,
 )
-from fixtures.h3_files import comfy_conditioner_state_dict
+from fixtures.h3_files import comfy_conditioner_state_dict, write
 from fixtures.quantized import digest
 from fixtures.tiny_pipes import run_h3
-from safetensors.torch import save_file
 
 
 def _same(out, reference) -> None:
@@ -54,7 +53,7 @@ def test_a_conditioner_file_generates_like_the_folder(h3_pipe, tiny_h3_dir: Path
     whole = h3_pipe.text_encoder.state_dict()
     state = comfy_conditioner_state_dict(whole, 50) if layout == "comfy" else whole
     path = tmp_path / f"h3_conditioner_{layout}.safetensors"
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    write(state, path)
     before = digest(path)
     reference = run_h3(h3_pipe)
 
@@ -69,8 +68,7 @@ def test_a_conditioner_file_generates_like_the_folder(h3_pipe, tiny_h3_dir: Path
 
 def test_a_file_short_of_the_layer_read_is_refused(h3_pipe, tiny_h3_dir: Path, tmp_path: Path):
     path = tmp_path / "short.safetensors"
-    save_file({k: v.contiguous() for k, v in comfy_conditioner_state_dict(h3_pipe.text_encoder.state_dict(),
-                                                                            40).items()}, str(path))
+    write(comfy_conditioner_state_dict(h3_pipe.text_encoder.state_dict(), 40), path)
     with pytest.raises(SingleFileError, match="holds 40 language-model layers; MiniMax-H3 reads the output of the "
                                               "first 50"):
         load_conditioner_file(path, tiny_h3_dir / "text_encoder", torch.float32, 50)
@@ -90,7 +88,7 @@ def test_a_w4a8_conditioner_file_keeps_its_layers_and_reads_like_comfyui(h3_pipe
     comfy = comfy_conditioner_state_dict(h3_pipe.text_encoder.to(torch.bfloat16).state_dict(), 50)
     layers = {k: v for k, v in comfy.items() if k.startswith("model.layers.")}  # not the embedding table
     path = tmp_path / "h3_conditioner_w4a8.safetensors"
-    save_file({k: v.contiguous() for k, v in {**comfy, **w4a8_layers(layers)}.items()}, str(path))
+    write({**comfy, **w4a8_layers(layers)}, path)
     tensors = load_file(str(path))
     quantized = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
 

@@ -49,10 +49,8 @@ def fit_conditioner(encoder: torch.nn.Module, layer: int) -> int:
     dropped = len(stack) - layer
     size = sum(t.numel() * t.element_size() for block in stack[layer:] for t in block.parameters())
     encoder.model.language_model.layers = stack[:layer]
-    config = encoder.config.text_config
-    config.num_hidden_layers, config.tie_last_hidden_states = layer + 1, False
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[: layer + 1]
+    _set_depth(encoder.config.text_config, layer + 1)
+    encoder.config.text_config.tie_last_hidden_states = False
     if dropped:
         log.info("%s: kept %d of %d layers (MiniMax-H3 reads hidden_states[%d]; %.2f GiB of later layers dropped)",
                  CLASS, layer, layer + dropped, layer, size / 2**30)
@@ -94,8 +92,11 @@ def _transformers_keys(path: Path, state: dict[str, torch.Tensor], layer: int) -
 
 
 def _with_layers(config: object, layer: int) -> object:
-    text = config.text_config
-    text.num_hidden_layers = layer
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:layer]
+    _set_depth(config.text_config, layer)
     return config
+
+
+def _set_depth(text_config: object, layers: int) -> None:
+    text_config.num_hidden_layers = layers
+    if getattr(text_config, "layer_types", None):
+        text_config.layer_types = text_config.layer_types[:layers]
