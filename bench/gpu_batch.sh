@@ -10,7 +10,8 @@
 # wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB), gguf (Q8_0 and Q4_K at
 # 12 GiB), noexp (the fresh 24 GiB bf16 row and the GGUF Q4_K row with expandable segments left off:
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
-# processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
+# release (release_probe.py: what a release leaves on the device before a garbage collection). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -64,6 +65,7 @@ for row in "$@"; do
                --storage "$st" --sections preload --caps "$([ "$st" = bf16 ] && echo 24 || echo 12)" --workloads small \
                --json "$ROWS_DIR/noexp_$st.json"
            done ;;
+    release) run release 60 python3 bench/release_probe.py ;;
     *) echo "== unknown row $row" ;;
   esac
 done
