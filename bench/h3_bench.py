@@ -18,7 +18,8 @@ caused it: the VAEs' ``encode``/``decode`` and the text encoder's inner ``model`
 their stage *before* the on-demand transport moves the module in, and hand back to ``other`` when
 they return. The on-demand transports' ``onload``/``offload`` are timed (move in/out rows).
 
-Runs (``--runs``, default ``plain,room``): ``plain`` is the engine alone; ``room`` is the same call with
+Runs (``--runs``, default ``plain,room``): ``plain`` is the engine alone; ``reprompt`` the same with a
+prompt of its own (the text encoder runs again, warm); ``room`` is the same call with
 the bench acting as a host memory manager: before an on-demand module moves in, if the device lacks its
 bytes plus ``--headroom``, it asks ``Engine.give_back`` for the difference (kept denoiser blocks go, as
 ComfyUI's ``partially_unload`` would make them). A run that fails (OOM or other) is recorded with the
@@ -32,7 +33,9 @@ stage it failed in, the engine's ``after_run`` is called, and the next run goes 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
+import pstats
 import resource
 import time
 import traceback
@@ -75,7 +78,8 @@ def keyframes(width: int, height: int) -> dict[str, Image.Image]:
 
 
 def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, out: Rows) -> bool:
-    """One generation; ``label`` is ``<n>-plain`` or ``<n>-room``."""
+    """One generation; ``label`` is ``<n>-plain``, ``<n>-room`` or ``<n>-reprompt`` (plain with a
+    prompt of its own: the text encoder runs again in a warm process)."""
     device = tracker.device
     grid = grid_rules.grid_of(pipe)
     width, height, notes = grid_rules.snap_canvas(grid, args.width, args.height)
@@ -90,7 +94,8 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
     clock = StageClock(device, tracker, streamer)
     tools = Instruments(pipe, engine, clock, room=label.endswith("-room"), headroom=int(args.headroom * GiB))
     view = run_view(pipe, audio=True)
-    kwargs = dict(prompt=args.prompt, height=height, width=width, num_frames=frames, num_inference_steps=args.steps,
+    prompt = f"{args.prompt}, take {label}" if label.endswith("-reprompt") else args.prompt
+    kwargs = dict(prompt=prompt, height=height, width=width, num_frames=frames, num_inference_steps=args.steps,
                   generator=torch.Generator("cpu").manual_seed(0), output_type="pt", **keyframes(width, height))
     stats0 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
     start = dict(memory_required_gib=engine.memory_required(pipe) / GiB, device_at_start_gib=device_bytes(engine, pipe) / GiB,
@@ -102,8 +107,11 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
     t0 = time.perf_counter()
     try:
         clock.enter(OTHER)
+        profile = cProfile.Profile() if label.split("-")[0] in args.profile.split(",") else None
         with StageHooks(pipe, StageHost(clock.on_stage, lambda: None), totals), pad_short_latents(vae):
-            state = view(**kwargs)
+            state = view(**kwargs) if profile is None else profile.runcall(view, **kwargs)
+        if profile is not None:  # where the host's time went (the text encode's wait before its first layer)
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
         clock.finish()
         total = time.perf_counter() - t0
     except Exception as exc:  # an OOM or a device mismatch: record where, then recover like a host would
@@ -268,6 +276,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--whole-conditioner", action="store_true",
                     help="keep the text encoder's layers after the one H3 reads (the loader drops them)")
     ap.add_argument("--runs", default="plain,room", help="plain: engine alone; room: bench frees room first")
+    ap.add_argument("--profile", default="", help="run numbers to profile with cProfile (e.g. 1,2)")
     ap.add_argument("--headroom", type=float, default=1.0, help="GiB asked beside an on-demand module (room runs)")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype")
     ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES), default="bf16",
@@ -339,8 +348,8 @@ def main(argv: list[str] | None = None) -> None:
                         for c in report.components})
         check_roles(report, out)
         for n, kind in enumerate([r.strip() for r in args.runs.split(",") if r.strip()], start=1):
-            if kind not in ("plain", "room"):
-                raise SystemExit(f"--runs takes plain and room, got {kind!r}")
+            if kind not in ("plain", "room", "reprompt"):
+                raise SystemExit(f"--runs takes plain, room and reprompt, got {kind!r}")
             run_once(f"{n}-{kind}", pipe, engine, tracker, args, out)
         print(engine.report(pipe).text())  # after the runs: kept blocks, moves per on-demand module
     finally:

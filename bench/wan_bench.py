@@ -53,6 +53,7 @@ if "--self-check" in sys.argv:  # no torch, no GPU
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from benchkit.measure import (  # noqa: E402
+    GC,
     Ballast,
     PeakWatch,
     SyncLoads,
@@ -123,7 +124,7 @@ def resident(m, feeds: dict, args) -> dict:
         med, runs, refs[w] = run(m, feed, 1, args.repeats)
         row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop(m, feed, args.repeats),
             weights_gib=nbytes(m) / GiB, peak_alloc_gib=peak_alloc_gib(), storage=args.storage,
-            kept_gib=eng.states(bag)["transformer"].transport.kept_bytes() / GiB if eng else None)
+            kept_gib=eng.states(bag)["transformer"].transport.kept_bytes() / GiB if eng else None, **GC.last)
     if eng is not None:
         eng.release(bag)
         layerwise(m, feeds, refs, args)
@@ -211,6 +212,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
         for w in workloads:
             loads = SyncLoads(streamer)
             med, runs, out = run(m, feeds[w], args.warmup, args.repeats, watch, loads.mark)
+            gc_timed = GC.last
             loop_s = loop(m, feeds[w], args.repeats)
             loads.mark()
             watch.sample()
@@ -225,7 +227,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 streamed_gib=streamer.streamed_bytes() / GiB, units=details.get("units"), alloc_retries=retries, ooms=ooms,
                 ooms_met_by_engine=streamer.ooms,
                 expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
-                **loads.fields(args.warmup, args.repeats))
+                **loads.fields(args.warmup, args.repeats), **gc_timed)
             del out
             if out_rows[w]["rel_err"] > 1e-3:
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")

@@ -8,6 +8,7 @@ after the warm-up ones. On the CPU (smoke runs) synchronizing and the CUDA readi
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import statistics
@@ -113,6 +114,33 @@ class PeakWatch:
         return out[0] / GiB, out[1] / GiB
 
 
+class GcWatch:
+    """Python's garbage collections per generation and the seconds they took, since ``reset``:
+    is a slow step on the host a full collection landing inside the timed forwards? Read by
+    ``timed`` for its timed forwards (``GC.last``)."""
+
+    def __init__(self) -> None:
+        self.counts, self.seconds, self._t0, self.last = [0, 0, 0], 0.0, 0.0, {}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.seconds += time.perf_counter() - self._t0
+
+    def reset(self) -> None:
+        self.counts, self.seconds = [0, 0, 0], 0.0
+
+    def snapshot(self) -> dict:
+        return dict(gc_gen0=self.counts[0], gc_gen1=self.counts[1], gc_gen2=self.counts[2],
+                    gc_ms=round(self.seconds * 1e3, 2))
+
+
+GC = GcWatch()
+
+
 def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: PeakWatch | None = None,
           after: Callable[[], object] | None = None) -> tuple[float, list[float], torch.Tensor]:
     """(median s, every timed run, last output) of ``fn``. The peak statistics are reset once,
@@ -130,6 +158,7 @@ def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: Peak
         if after is not None:
             after()
     runs = []
+    GC.reset()
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
@@ -139,6 +168,7 @@ def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: Peak
         watch.sample()
         if after is not None:
             after()
+    GC.last = GC.snapshot()  # includes the watch's and ``after``'s allocations between forwards
     return statistics.median(runs), runs, out
 
 
