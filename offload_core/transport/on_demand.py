@@ -6,8 +6,8 @@ hand before calling an inner model (MiniMax-H3's text encoder). Whole-module mov
 chunked calls find every weight loaded. After an ``encode``/``decode`` returns (its outputs are
 materialised) the module goes back, unless the group lets it ``stay`` (the engine sets that where a
 denoiser's start sends idle modules home): then consecutive calls of one run (fl2va encodes two
-keyframes) move it once, and it goes home at the run's end, when a denoiser starts, or when a peer
-needs the room. A ``forward`` entry stays until a peer needs the room or the run ends (a denoiser
+keyframes) move it once, and it goes home at the run's end, when a denoiser starts, when a peer
+needs the room, or when staying would leave less free than the working memory it asked for. A ``forward`` entry stays until a peer needs the room or the run ends (a denoiser
 would otherwise bounce every step). When the pin budget grants it, the resting tensors are
 page-locked in place (`pinning.PinSet`), so a move-in runs at the copy engine's speed.
 torchao weights (tensor subclasses) are moved and put back whole (`moves.rebind`).
@@ -105,10 +105,22 @@ class OnDemandTransport(TransportBase):
                 return method(*args, **kwargs)
             finally:
                 self.depth -= 1
-                if self.depth == 0 and not (self.group is not None and self.group.stay):
+                if self.depth == 0 and not (self.group is not None and self.group.stay and self._room_to_stay()):
                     self.offload()
 
         return entered
+
+    def _room_to_stay(self) -> bool:
+        """Staying loaded after a call must leave the pipeline the working memory the module asked
+        for on entry: the code after a decode (float post-processing of the whole video) allocates
+        outside any component, and a module kept beside it would run it out of memory."""
+        available = self.ctx.memory.device_available(self.ctx.onload_device)
+        room = int(module_bytes(self.module) * WORKSPACE_FRACTION)
+        if available is None or available >= room:
+            return True
+        log.info("%s goes home after its call: %.2f GiB free on %s, under the %.2f GiB it leaves the pipeline",
+                 type(self.module).__name__, available / 2**30, self.ctx.onload_device, room / 2**30)
+        return False
 
     def onload(self) -> None:
         if self.loaded or self.module is None:

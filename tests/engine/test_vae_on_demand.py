@@ -35,3 +35,29 @@ def test_fl2va_moves_the_vae_in_once_for_two_keyframes_and_once_for_the_decode(h
     assert not vae.loaded
     engine.release(pipe)
     assert pinned_bytes() == 0
+
+
+def test_the_vae_goes_home_after_a_call_that_leaves_too_little_free(h3_fl2va_pipe, monkeypatch, caplog):
+    """Staying loaded must leave the pipeline the working memory the VAE asked for on entry (the
+    float post-processing after a decode allocates outside any component): with less free than
+    that after each call, every encode and the decode move it in again."""
+    pipe = h3_fl2va_pipe
+    reference = run_h3_fl2va(pipe)
+    engine = Engine()
+    engine.place(pipe, AUTO)
+    vae = engine.states(pipe)["vae"].transport
+    room = int(on_demand.module_bytes(pipe.vae) * on_demand.WORKSPACE_FRACTION)
+    monkeypatch.setattr(vae.ctx.memory, "device_available", lambda device: room - 1)
+    moves: list[str] = []
+    real = on_demand.move_module
+    monkeypatch.setattr(on_demand, "move_module",
+                        lambda module, device, **kw: moves.append(type(module).__name__) or real(module, device, **kw))
+    with caplog.at_level("INFO", logger="diffusers_offload.on_demand"):
+        out = run_h3_fl2va(pipe)
+    engine.after_run(pipe)
+    assert torch.equal(out.video, reference.video) and torch.equal(out.audio, reference.audio)
+    assert moves.count(type(pipe.vae).__name__) == 3, moves  # each keyframe and the decode
+    assert "goes home after its call" in caplog.text
+    assert not vae.loaded
+    engine.release(pipe)
+    assert pinned_bytes() == 0
