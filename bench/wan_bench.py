@@ -60,8 +60,10 @@ from benchkit.measure import (  # noqa: E402
     alloc_counts,
     cuda_used,
     h2d_bandwidth,
+    launch_and_step,
     loop_time,
     peak_alloc_gib,
+    python_speed_ms,
     rel_err,
     sync,
     timed,
@@ -94,6 +96,12 @@ def run(m, feeds, warmup, repeats, watch=None, after=None):
     return timed(lambda: FORWARD(m, *feeds), warmup, repeats, watch, after)
 
 
+def launch(m, feeds, repeats: int) -> dict:
+    """The host's launch time of one synchronized forward against its step (host-bound when equal)."""
+    launch_s, step_s, _ = launch_and_step(lambda: FORWARD(m, *feeds), repeats)
+    return dict(launch_s=launch_s, launch_step_s=step_s)
+
+
 def loop(m, feeds, repeats: int) -> float:
     return loop_time(lambda: FORWARD(m, *feeds), repeats)
 
@@ -123,6 +131,7 @@ def resident(m, feeds: dict, args) -> dict:
     for w, feed in feeds.items():
         med, runs, refs[w] = run(m, feed, 1, args.repeats)
         row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop(m, feed, args.repeats),
+            **launch(m, feed, args.repeats),
             weights_gib=nbytes(m) / GiB, peak_alloc_gib=peak_alloc_gib(), storage=args.storage,
             kept_gib=eng.states(bag)["transformer"].transport.kept_bytes() / GiB if eng else None, **GC.last)
     if eng is not None:
@@ -214,6 +223,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
             med, runs, out = run(m, feeds[w], args.warmup, args.repeats, watch, loads.mark)
             gc_timed = GC.last
             loop_s = loop(m, feeds[w], args.repeats)
+            launched = launch(m, feeds[w], args.repeats)
             loads.mark()
             watch.sample()
             details = streamer.details()
@@ -227,7 +237,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 streamed_gib=streamer.streamed_bytes() / GiB, units=details.get("units"), alloc_retries=retries, ooms=ooms,
                 ooms_met_by_engine=streamer.ooms,
                 expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
-                **loads.fields(args.warmup, args.repeats), **gc_timed)
+                **loads.fields(args.warmup, args.repeats), **gc_timed, **launched)
             del out
             if out_rows[w]["rel_err"] > 1e-3:
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")
@@ -355,7 +365,7 @@ def main() -> None:
     cuda = DEV == "cuda"
     row(section="env", gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
         diffusers=diffusers.__version__, h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
-        host_total_gib=psutil.virtual_memory().total / GiB,
+        host_total_gib=psutil.virtual_memory().total / GiB, python_speed_ms=python_speed_ms(),
         allocator=torch.cuda.get_allocator_backend() if cuda else None, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         stream_parts=not args.whole_blocks, window=args.window, model=args.model, storage=args.storage,
         args=vars(args))

@@ -205,6 +205,28 @@ class SyncLoads:
                     sync_loads_total=self.marks[-1], sync_side_stream=self.side_stream)
 
 
+def python_speed_ms(repeats: int = 5) -> float:
+    """The median time of a fixed pure-Python workload (calls, attribute reads, small tuples): the
+    host's own speed in this process, to tell a slow host from slow engine code."""
+
+    class Box:
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def get(self) -> tuple[int, int]:
+            return self.v, self.v + 1
+
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            a, b = Box(i).get()
+            total += a + b
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def loop_time(fn: Callable[[], object], repeats: int) -> float:
     """The mean step of ``repeats`` calls queued back to back with one synchronize at the end, as
     a sampling loop runs them: the host's work at a forward's start then overlaps the last
