@@ -24,6 +24,7 @@ from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
 from ..offload_core.formats.mapped import MappedFileError, map_from_files
 from ..offload_core.formats.single_file import load_denoiser
 from ..offload_core.models.minimax_h3.conditioner import load_conditioner_file, trim_conditioner
+from ..offload_core.models.minimax_h3.vae_file import load_vae_file
 from . import host
 from .folders import (
     MODULAR_INDEX,
@@ -63,12 +64,13 @@ def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
 
 
 def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_file: Path | None = None,
-                 text_encoder_file: Path | None = None) -> ModularPipeline:
+                 text_encoder_file: Path | None = None, vae_file: Path | None = None) -> ModularPipeline:
     """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded;
     with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, GGUF), the transformer comes
     from it, into the folder's transformer config (the folder's transformer weights are not read);
     with ``text_encoder_file`` (MiniMax-H3's conditioner in ComfyUI's layout or transformers'), the
-    text encoder likewise. H3's conditioner keeps the layers it is read at (`trim_conditioner`)."""
+    text encoder likewise, and ``vae_file`` (H3's video VAE, ComfyUI's layout or diffusers') the VAE.
+    H3's conditioner keeps the layers it is read at (`trim_conditioner`)."""
     if not (folder / MODULAR_INDEX).is_file():
         raise PipelineFolderError(f"{folder} has no {MODULAR_INDEX}: it is not a modular pipeline; load a classic "
                                   "one (model_index.json) with 'Load diffusers pipeline'")
@@ -81,7 +83,7 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     except Exception as exc:  # unknown workflow, unreadable index: name the folder
         raise PipelineFolderError(f"diffusers could not read {folder} for workflow {workflow!r}: "
                                   f"{type(exc).__name__}: {exc}") from exc
-    files = {"transformer": transformer_file, "text_encoder": text_encoder_file}
+    files = {"transformer": transformer_file, "text_encoder": text_encoder_file, "vae": vae_file}
     for name, spec in pipe._component_specs.items():
         source = getattr(spec, "pretrained_model_name_or_path", None)
         if files.get(name) is not None:
@@ -92,6 +94,9 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
         pipe.update_components(transformer=load_denoiser(transformer_file, folder, dtype))
     if text_encoder_file is not None:
         pipe.update_components(text_encoder=_conditioner(pipe, folder, text_encoder_file, dtype))
+    if vae_file is not None:
+        _require_h3(pipe, folder, "vae", "video VAE")
+        pipe.update_components(vae=load_vae_file(vae_file, folder / "vae", dtype))
     try:
         pipe.load_components(dtype=dtype)
     except Exception as exc:
@@ -102,12 +107,16 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     return pipe
 
 
+def _require_h3(pipe: ModularPipeline, folder: Path, component: str, what: str) -> None:
+    """Component files of the modular loader are MiniMax-H3's (the pipeline names the layer it reads)."""
+    if not isinstance(getattr(pipe, "text_encoder_layer", None), int) or component not in pipe._component_specs:
+        raise PipelineFolderError(f"{folder} is not a MiniMax-H3 pipeline: a {component}_file loads H3's {what} "
+                                  "only; leave it at 'none'")
+
+
 def _conditioner(pipe: ModularPipeline, folder: Path, file: Path, dtype: torch.dtype) -> Any:
-    layer = getattr(pipe, "text_encoder_layer", None)
-    if not isinstance(layer, int) or "text_encoder" not in pipe._component_specs:
-        raise PipelineFolderError(f"{folder} is not a MiniMax-H3 pipeline: a text_encoder_file loads H3's "
-                                  "conditioner only; leave it at 'none'")
-    return load_conditioner_file(file, folder / "text_encoder", dtype, layer)
+    _require_h3(pipe, folder, "text_encoder", "conditioner")
+    return load_conditioner_file(file, folder / "text_encoder", dtype, pipe.text_encoder_layer)
 
 
 def map_weights(pipe: Any) -> Any:
@@ -213,19 +222,24 @@ class LoadModularPipeline(io.ComfyNode):
                                tooltip="MiniMax-H3's text encoder from models/text_encoders (ComfyUI's file, bf16, "
                                        "fp8_scaled or W4A8); 'none' uses the folder's. The folder then needs only "
                                        "the text encoder's config."),
+                io.Combo.Input("vae_file", options=[NONE, *folder_paths.get_filename_list("vae")], default=NONE,
+                               optional=True,
+                               tooltip="MiniMax-H3's video VAE from models/vae (ComfyUI's bf16 file); 'none' uses "
+                                       "the folder's. The folder then needs only the VAE's config."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
     def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None,
-                transformer_file: str = NONE, text_encoder_file: str = NONE) -> io.NodeOutput:
+                transformer_file: str = NONE, text_encoder_file: str = NONE, vae_file: str = NONE) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
         torch_dtype, storage = _dtypes(dtype, config)
         file = None if transformer_file == NONE else Path(full_path(DENOISER_FOLDERS, transformer_file))
-        text = optional("text_encoders", text_encoder_file)
-        pipe = load_modular(folder, workflow, torch_dtype, file, Path(text) if text else None)
+        text, vae = optional("text_encoders", text_encoder_file), optional("vae", vae_file)
+        pipe = load_modular(folder, workflow, torch_dtype, file, Path(text) if text else None,
+                            Path(vae) if vae else None)
         pipe = map_weights(_store(pipe, storage, torch_dtype))
         return _handle(pipe, folder, torch_dtype, config)
 

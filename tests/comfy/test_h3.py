@@ -419,3 +419,38 @@ def test_a_comfyui_text_encoder_file_conditions_the_modular_pipeline(
     layers = out[9].pipe.text_encoder.model.language_model.layers
     assert len(layers) == 50 and type(out[9].pipe.text_encoder.lm_head).__name__ == "NoHead"
     assert digest(path) == before
+
+
+def test_a_comfyui_vae_file_decodes_for_the_modular_pipeline(
+    comfy: harness.ComfyHost, model: str, captured: list, tiny_h3_dir: Path
+) -> None:
+    """MiniMax-H3's video VAE as ComfyUI's H3 VAE file holds it, picked from models/vae: the run gives
+    the frames the folder's VAE gives, and the file is left as it was; a file whose output bias is
+    moved moves the frames (the file is what decodes)."""
+    from diffusers import AutoencoderKLMiniMaxH3
+    from fixtures.h3_files import comfy_h3_vae_state_dict, write
+    from fixtures.quantized import digest
+
+    vae = AutoencoderKLMiniMaxH3.from_pretrained(str(tiny_h3_dir / "vae"))
+    name = "h3-tiny-vae.safetensors"
+    path = Path(comfy.folder_paths.get_folder_paths("vae")[0]) / name
+    write(comfy_h3_vae_state_dict(vae), path)
+    before = digest(path)
+    prompt = graph(model, outputs=(1,), steps=2)
+    comfy.run_prompt(prompt).raise_for_error()
+    reference = outputs(captured)[1]
+    captured.clear()
+    prompt = graph(model, outputs=(1,), steps=2)
+    prompt[LOAD]["inputs"] |= {"vae_file": name}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    torch.testing.assert_close(outputs(captured)[1], reference, rtol=0, atol=0)
+    assert digest(path) == before
+    moved = comfy_h3_vae_state_dict(vae)
+    moved["decoder.proj_out.bias"] = moved["decoder.proj_out.bias"] + 0.5
+    write(moved, path.with_name("h3-tiny-vae-moved.safetensors"))
+    captured.clear()
+    prompt[LOAD]["inputs"] |= {"vae_file": "h3-tiny-vae-moved.safetensors"}
+    comfy.run_prompt(prompt).raise_for_error()
+    assert not torch.equal(outputs(captured)[1], reference)

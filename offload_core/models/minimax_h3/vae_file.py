@@ -1,0 +1,86 @@
+"""MiniMax-H3's video VAE from a single file, in ComfyUI's layout (``comfy/ldm/minimax/vae.py``:
+``encoder.down.*.block.*``, a fused ``to_qkv`` per decoder block, ``ff.w1``/``ff.w2``) or diffusers'.
+
+Why our own: diffusers 0.42.1 has no single-file converter for ``AutoencoderKLMiniMaxH3``. The
+renames mirror ComfyUI's module tree; its ``to_qkv`` rows are per head ``[q | k | v]`` (it views
+the output as ``heads x 3·head_dim`` and chunks), and its gated FFN puts the gate first where
+diffusers' SwiGLU puts it second. ``latents_mean``/``latents_std`` are buffers in ComfyUI's file and
+config values in diffusers'; the file's values are the ones used.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from accelerate import init_empty_weights
+from diffusers import AutoencoderKLMiniMaxH3
+from safetensors.torch import load_file
+
+from ...formats.inspect import QUANT_SUFFIX, SingleFileError
+from ...log import get_logger
+
+log = get_logger("loaders")
+COMFY_SIGN = "decoder.transformer_blocks.0.attn.to_qkv.weight"
+LATENT_STATS = ("latents_mean", "latents_std")
+UNUSED = ("decoder.mask_token",)  # ComfyUI's decoder holds it; neither decode path reads it
+RENAMES = (
+    (re.compile(r"^encoder\.down\.(\d+)\.block\.(\d+)\."), r"encoder.down_blocks.\1.resnets.\2."),
+    (re.compile(r"^encoder\.down\.(\d+)\.downsample\."), r"encoder.down_blocks.\1.downsamplers.0."),
+    (re.compile(r"\.nin_shortcut\."), ".conv_shortcut."),
+    (re.compile(r"^decoder\.x_embedder\."), "decoder.proj_in."),
+    (re.compile(r"\.attn\.to_out\.(weight|bias)$"), r".attn.to_out.0.\1"),
+    (re.compile(r"\.ff\.w1\."), ".ff.net.0.proj."),
+    (re.compile(r"\.ff\.w2\."), ".ff.net.2."),
+)
+
+
+def load_vae_file(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKLMiniMaxH3:
+    """The VAE of ``config`` (the folder's ``vae``) with the weights of ``path``, either layout;
+    a file that does not fill the model exactly is refused, naming the keys."""
+    state = load_file(str(path))
+    quantized = [k for k in state if k.endswith(QUANT_SUFFIX)]
+    if quantized:
+        raise SingleFileError(f"{path} is a quantized VAE ({quantized[0]}: ComfyUI's int8 decoder); the engine runs "
+                              "H3's VAE in bf16 or fp32 only: pick the unquantized VAE file")
+    layout = "ComfyUI's" if COMFY_SIGN in state else "diffusers'"
+    cfg = dict(AutoencoderKLMiniMaxH3.load_config(str(config)))
+    if COMFY_SIGN in state:
+        state = diffusers_state(state, cfg["decoder_num_attention_heads"])
+    for name in LATENT_STATS:
+        if name in state:
+            cfg[name] = [float(v) for v in state.pop(name).float()]
+    with init_empty_weights():  # buffers (rotary tables) are made for real
+        vae = AutoencoderKLMiniMaxH3.from_config(cfg)
+    expected = vae.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise SingleFileError(
+            f"{path} is not a MiniMax-H3 video VAE of the folder's configuration: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, other shapes {wrong[:3]}; pick H3's VAE file or leave vae_file at 'none'"
+        )
+    vae.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, assign=True)
+    log.info("%s: MiniMax-H3 VAE in %s layout", path.name, layout)
+    return vae.eval()
+
+
+def diffusers_state(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """ComfyUI's H3 VAE keys and fused tensors as diffusers names and splits them."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key in UNUSED:
+            continue
+        if ".attn.to_qkv." in key:
+            q, k, v = value.unflatten(0, (heads, 3, -1)).unbind(1)
+            for name, part in (("to_q", q), ("to_k", k), ("to_v", v)):
+                out[key.replace("to_qkv", name)] = part.flatten(0, 1).contiguous()
+            continue
+        if ".ff.w1." in key:
+            gate, hidden = value.chunk(2, dim=0)
+            value = torch.cat([hidden, gate])
+        for pattern, new in RENAMES:
+            key = pattern.sub(new, key)
+        out[key] = value
+    return out
