@@ -61,7 +61,6 @@ from benchkit.measure import (  # noqa: E402
     cuda_used,
     h2d_bandwidth,
     launch_and_step,
-    loop_time,
     peak_alloc_gib,
     python_speed_ms,
     rel_err,
@@ -96,14 +95,10 @@ def run(m, feeds, warmup, repeats, watch=None, after=None):
     return timed(lambda: FORWARD(m, *feeds), warmup, repeats, watch, after)
 
 
-def launch(m, feeds, repeats: int) -> dict:
-    """The host's launch time of one synchronized forward against its step (host-bound when equal)."""
-    launch_s, step_s, _ = launch_and_step(lambda: FORWARD(m, *feeds), repeats)
-    return dict(launch_s=launch_s, launch_step_s=step_s)
-
-
-def loop(m, feeds, repeats: int) -> float:
-    return loop_time(lambda: FORWARD(m, *feeds), repeats)
+def host_times(m, feeds, repeats: int) -> dict:
+    """The back-to-back loop's step; one synchronized forward's launch and step (equal: host-bound)."""
+    launch_s, step_s, loop_s = launch_and_step(lambda: FORWARD(m, *feeds), repeats)
+    return dict(loop_s=loop_s, launch_s=launch_s, launch_step_s=step_s)
 
 
 def build(args):
@@ -130,8 +125,7 @@ def resident(m, feeds: dict, args) -> dict:
         eng.place(bag, config(args, preload="1000"))
     for w, feed in feeds.items():
         med, runs, refs[w] = run(m, feed, 1, args.repeats)
-        row(section="resident", workload=w, median_s=med, runs=runs, loop_s=loop(m, feed, args.repeats),
-            **launch(m, feed, args.repeats),
+        row(section="resident", workload=w, median_s=med, runs=runs, **host_times(m, feed, args.repeats),
             weights_gib=nbytes(m) / GiB, peak_alloc_gib=peak_alloc_gib(), storage=args.storage,
             kept_gib=eng.states(bag)["transformer"].transport.kept_bytes() / GiB if eng else None, **GC.last)
     if eng is not None:
@@ -221,15 +215,13 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
         for w in workloads:
             loads = SyncLoads(streamer)
             med, runs, out = run(m, feeds[w], args.warmup, args.repeats, watch, loads.mark)
-            gc_timed = GC.last
-            loop_s = loop(m, feeds[w], args.repeats)
-            launched = launch(m, feeds[w], args.repeats)
+            gc_timed, host = GC.last, host_times(m, feeds[w], args.repeats)
             loads.mark()
             watch.sample()
             details = streamer.details()
             ooms, retries = alloc_counts()
             out_rows[w] = row(
-                section=label, cap_gib=cap, workload=w, median_s=med, runs=runs, loop_s=loop_s,
+                section=label, cap_gib=cap, workload=w, median_s=med, runs=runs,
                 rel_err=rel_err(out, refs[w]), peak_alloc_gib=watch.alloc / GiB, peak_reserved_gib=watch.reserved / GiB,
                 free_at_start_gib=free0 / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
@@ -237,7 +229,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 streamed_gib=streamer.streamed_bytes() / GiB, units=details.get("units"), alloc_retries=retries, ooms=ooms,
                 ooms_met_by_engine=streamer.ooms,
                 expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
-                **loads.fields(args.warmup, args.repeats), **gc_timed, **launched)
+                **loads.fields(args.warmup, args.repeats), **gc_timed, **host)
             del out
             if out_rows[w]["rel_err"] > 1e-3:
                 raise SystemExit(f"{label} {w}: output differs from resident ({out_rows[w]['rel_err']:.3g})")
