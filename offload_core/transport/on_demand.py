@@ -7,8 +7,9 @@ chunked calls find every weight loaded. After an ``encode``/``decode`` returns (
 materialised) the module goes back, unless the group lets it ``stay`` (the engine sets that where a
 denoiser's start sends idle modules home): then consecutive calls of one run (fl2va encodes two
 keyframes) move it once, and it goes home at the run's end, when a denoiser starts, when a peer
-needs the room, or when staying would leave less free than the working memory it asked for. A ``forward`` entry stays until a peer needs the room or the run ends (a denoiser
-would otherwise bounce every step). When the pin budget grants it, the resting tensors are
+needs the room, or when staying would leave less free than the working memory it asked for. A
+``forward`` entry stays until a peer needs the room or the run ends (a denoiser would otherwise
+bounce every step). When the pin budget grants it, the resting tensors are
 page-locked in place (`pinning.PinSet`), so a move-in runs at the copy engine's speed.
 torchao weights (tensor subclasses) are moved and put back whole (`moves.rebind`).
 """

@@ -20,8 +20,9 @@ from typing import Any
 import av
 import pytest
 import torch
-from comfyhost import harness
+from comfyhost import h3, harness
 from comfyhost.capture import capture_class
+from comfyhost.h3 import GEN, assert_frames, capture_pipe, outputs
 from fixtures.hook_inventory import hook_inventory
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
@@ -29,12 +30,7 @@ import offload_examples as ex  # noqa: E402
 
 pytest_plugins = ["comfyhost.fixtures"]
 
-LOAD, GEN, CAPTURE = "1", "2", "DiffusersOffloadTest_CaptureH3"
-SETTINGS = {  # every role gets a transport on the tiny model
-    "mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
-    "on_demand_threshold_gb": 0.0, "resident_floor_mb": 0.0, "always": "", "never": "", "preload": "auto",
-    "prefetch_window": 1, "device": "", "measures_path": "",
-}
+CAPTURE = "DiffusersOffloadTest_CaptureH3"
 UNIT_CLASSES = {  # the module each stage repeats, by class name
     "text encode": "Qwen3VLTextDecoderLayer",
     "denoise": "MiniMaxH3Transformer3DModel",
@@ -77,19 +73,8 @@ def units_run() -> Iterator[list[str]]:
     handle.remove()
 
 
-def graph(model: str, workflow: str = "t2va", outputs: tuple[int, ...] = (0, 1, 2, 3), **inputs: Any) -> dict:
-    """Settings -> Load modular pipeline -> Generate (H3) -> one Capture per output slot (9: the pipe)."""
-    values = {"prompt": "a robot dancing", "seed": 0, "steps": 3, "width": 32, "height": 32, "frames": 124,
-              "duration": 0.0, "generate_audio": True, "vae_scale_factor": 0, **inputs}
-    prompt = {
-        "s": {"class_type": "DiffusersOffloadSettings", "inputs": SETTINGS},
-        LOAD: {"class_type": "DiffusersOffloadLoadModularPipeline",
-               "inputs": {"model": model, "workflow": workflow, "dtype": "fp32", "offload": ["s", 0]}},
-        GEN: {"class_type": "DiffusersOffloadGenerateH3", "inputs": {"pipe": [LOAD, 0], **values}},
-    }
-    for slot in outputs:
-        prompt[f"c{slot}"] = {"class_type": CAPTURE, "inputs": {"value": [GEN, slot], "slot": slot}}
-    return prompt
+def graph(model: str, workflow: str = "t2va", **kwargs: Any) -> dict:
+    return h3.graph(model, CAPTURE, workflow, **kwargs)
 
 
 def with_frames(prompt: dict, **colours: int) -> dict:
@@ -107,25 +92,15 @@ def saved(prompt: dict, prefix: str) -> dict:
     return prompt
 
 
-def outputs(seen: list[tuple[int, Any]]) -> dict[int, Any]:
-    return dict(seen)
-
-
 def texts(result: harness.RunResult) -> list[str]:
     return [text for node, text in result.progress_texts if node == GEN]
-
-
-def assert_frames(images: Any, count: int) -> None:
-    assert isinstance(images, torch.Tensor) and images.shape == (count, 32, 32, 3)
-    assert images.dtype == torch.float32 and images.device.type == "cpu"
-    assert 0.0 <= images.min() <= images.max() <= 1.0
 
 
 def test_t2va_gives_video_with_audio_frames_and_audio_with_a_label_per_stage(
     comfy: harness.ComfyHost, model: str, captured: list, every_update: None
 ) -> None:
     prompt = graph(model, outputs=(0, 1, 2, 3))  # not saved: AAC cannot encode the tiny audio VAE's 160 Hz
-    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+    capture_pipe(prompt, CAPTURE)
 
     result = comfy.run_prompt(prompt).raise_for_error()
 
@@ -265,7 +240,7 @@ def test_cancel_stops_each_stage_within_one_unit_and_the_next_run_works(
 def test_replacing_with_unchanged_settings_changes_no_hook(comfy: harness.ComfyHost, model: str,
                                                            captured: list) -> None:
     prompt = graph(model, outputs=(3,), seed=4)
-    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+    capture_pipe(prompt, CAPTURE)
     comfy.run_prompt(prompt).raise_for_error()
     handle = outputs(captured)[9]
     before = hooks(handle.pipe)
@@ -303,7 +278,7 @@ def test_ref2va_from_reference_images_gives_video_with_audio(
     comfy: harness.ComfyHost, ref_model: str, captured: list, units_run: list[str]
 ) -> None:
     prompt = with_refs(graph(ref_model, "ref2va", outputs=(0, 1, 2, 3)), ref_1=(48, 32, 1), ref_3=(32, 32, 2))
-    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
+    capture_pipe(prompt, CAPTURE)
 
     result = comfy.run_prompt(prompt).raise_for_error()
 
@@ -360,97 +335,3 @@ def test_a_ref2va_still(comfy: harness.ComfyHost, ref_model: str, captured: list
     out = outputs(captured)
     assert_frames(out[1], 1)
     assert out[3] == "a still has no soundtrack: audio off for this run"
-
-
-def test_a_w4a8_transformer_file_runs_in_the_modular_pipeline(
-    comfy: harness.ComfyHost, model: str, captured: list, tiny_h3_dir: Path
-) -> None:
-    """MiniMax-H3 as it circulates: a ComfyUI W4A8 transformer file in the Comfy-Org layout, picked
-    in Load modular pipeline beside the folder, loads as W4A8 layers and generates; the file unchanged."""
-    from diffusers import MiniMaxH3Transformer3DModel
-    from fixtures.h3_files import comfy_h3_state_dict, w4a8_layers, write
-    from fixtures.quantized import digest
-
-    original = MiniMaxH3Transformer3DModel.from_pretrained(str(tiny_h3_dir / "transformer"), torch_dtype=torch.bfloat16)
-    name = "h3-tiny-w4a8.safetensors"
-    path = write(w4a8_layers(comfy_h3_state_dict(original.state_dict(), dict(original.config))),
-                 Path(comfy.folder_paths.get_folder_paths("diffusion_models")[0]) / name)
-    before = digest(path)
-    prompt = graph(model, outputs=(1,), steps=2)
-    prompt[LOAD]["inputs"] |= {"transformer_file": name, "dtype": "bf16"}
-    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
-
-    comfy.run_prompt(prompt).raise_for_error()
-
-    out = outputs(captured)
-    assert_frames(out[1], 124)
-    # by name: ComfyUI imports the pack under its own module path
-    layers = [n for n, m in out[9].pipe.transformer.named_modules() if type(m).__name__ == "W4A8Linear"]
-    assert "context_embedder" in layers and any(n.startswith("transformer_blocks.") for n in layers)
-    assert digest(path) == before
-
-
-def test_a_comfyui_text_encoder_file_conditions_the_modular_pipeline(
-    comfy: harness.ComfyHost, model: str, captured: list, tiny_h3_dir: Path
-) -> None:
-    """MiniMax-H3's conditioner as ComfyUI's H3 text-encoder files hold it (its layout, 50 layers, no
-    head), picked from models/text_encoders: the run gives the frames the folder's encoder gives."""
-    from fixtures.h3_files import comfy_conditioner_state_dict, write
-    from fixtures.quantized import digest
-    from transformers import Qwen3VLForConditionalGeneration
-
-    whole = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_h3_dir / "text_encoder"), dtype=torch.float32)
-    name = "h3-tiny-conditioner.safetensors"
-    path = Path(comfy.folder_paths.get_folder_paths("text_encoders")[0]) / name
-    write(comfy_conditioner_state_dict(whole.state_dict(), 50), path)
-    before = digest(path)
-    prompt = graph(model, outputs=(1,), steps=2)
-    comfy.run_prompt(prompt).raise_for_error()
-    reference = outputs(captured)[1]
-    captured.clear()
-    prompt = graph(model, outputs=(1,), steps=2)
-    prompt[LOAD]["inputs"] |= {"text_encoder_file": name}
-    prompt["c9"] = {"class_type": CAPTURE, "inputs": {"value": [LOAD, 0], "slot": 9}}
-
-    comfy.run_prompt(prompt).raise_for_error()
-
-    out = outputs(captured)
-    torch.testing.assert_close(out[1], reference, rtol=0, atol=0)
-    layers = out[9].pipe.text_encoder.model.language_model.layers
-    assert len(layers) == 50 and type(out[9].pipe.text_encoder.lm_head).__name__ == "NoHead"
-    assert digest(path) == before
-
-
-def test_a_comfyui_vae_file_decodes_for_the_modular_pipeline(
-    comfy: harness.ComfyHost, model: str, captured: list, tiny_h3_dir: Path
-) -> None:
-    """MiniMax-H3's video VAE as ComfyUI's H3 VAE file holds it, picked from models/vae: the run gives
-    the frames the folder's VAE gives, and the file is left as it was; a file whose output bias is
-    moved moves the frames (the file is what decodes)."""
-    from diffusers import AutoencoderKLMiniMaxH3
-    from fixtures.h3_files import comfy_h3_vae_state_dict, write
-    from fixtures.quantized import digest
-
-    vae = AutoencoderKLMiniMaxH3.from_pretrained(str(tiny_h3_dir / "vae"))
-    name = "h3-tiny-vae.safetensors"
-    path = Path(comfy.folder_paths.get_folder_paths("vae")[0]) / name
-    write(comfy_h3_vae_state_dict(vae), path)
-    before = digest(path)
-    prompt = graph(model, outputs=(1,), steps=2)
-    comfy.run_prompt(prompt).raise_for_error()
-    reference = outputs(captured)[1]
-    captured.clear()
-    prompt = graph(model, outputs=(1,), steps=2)
-    prompt[LOAD]["inputs"] |= {"vae_file": name}
-
-    comfy.run_prompt(prompt).raise_for_error()
-
-    torch.testing.assert_close(outputs(captured)[1], reference, rtol=0, atol=0)
-    assert digest(path) == before
-    moved = comfy_h3_vae_state_dict(vae)
-    moved["decoder.proj_out.bias"] = moved["decoder.proj_out.bias"] + 0.5
-    write(moved, path.with_name("h3-tiny-vae-moved.safetensors"))
-    captured.clear()
-    prompt[LOAD]["inputs"] |= {"vae_file": "h3-tiny-vae-moved.safetensors"}
-    comfy.run_prompt(prompt).raise_for_error()
-    assert not torch.equal(outputs(captured)[1], reference)
