@@ -7,7 +7,8 @@ pins itself (`measure.h2d_bandwidth`). The streamer copies from the model's tens
 place (`pinning.PinSet`): their pages are the allocator's, 4 KiB or transparent huge pages as the
 kernel had them, and the copy engine walks them. This times the streamer's own copies (tensor by
 tensor into one device buffer, on a side stream) from the registered blocks and from the same
-bytes in a pinned buffer, and reports the transparent-huge-page state of the process.
+bytes in a pinned buffer, the host's cost of issuing one copy from each (is a slow process's extra
+launch time the driver finding a registered range?), and the transparent-huge-page state.
 
     python3 bench/h2d_probe.py --out $OUT        # GPU, Wan-14B geometry (40 blocks), ~1 min
 """
@@ -48,6 +49,24 @@ def copy_rate(sources: list[list[torch.Tensor]], repeats: int = 3) -> float:
     return sum(t.nbytes for block in sources for t in block) / statistics.median(times)
 
 
+def issue_us(sources: list[list[torch.Tensor]], repeats: int = 5) -> float:
+    """Host microseconds to issue one small asynchronous copy from each tensor (its first 4 KiB):
+    the driver's per-copy cost (finding the source's page-locked range), not the link's."""
+    flat = [t.reshape(-1)[: max(1, 4096 // t.element_size())] for block in sources for t in block]
+    dst = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for t in flat:
+                dst[: t.nbytes].view(t.dtype).copy_(t, non_blocking=True)
+        times.append(time.perf_counter() - t0)
+        stream.synchronize()
+    return statistics.median(times) / len(flat) * 1e6
+
+
 def huge_pages() -> dict[str, str]:
     """The kernel's transparent-huge-page setting and this process's anonymous huge pages."""
     out = {}
@@ -76,7 +95,8 @@ def main() -> None:
     copies = [[t.pin_memory() for t in block] for block in blocks[:4]]  # PyTorch's own pinned buffers
     row(section="h2d", buffer_gbs=h2d_bandwidth() / 1e9, registered_gbs=copy_rate(registered) / 1e9,
         registered_first4_gbs=copy_rate(registered[:4]) / 1e9, pinned_copy_first4_gbs=copy_rate(copies) / 1e9,
-        gib=sum(t.nbytes for b in blocks for t in b) / GiB, **huge_pages())
+        gib=sum(t.nbytes for b in blocks for t in b) / GiB, registrations=sum(len(b) for b in registered),
+        registered_issue_us=issue_us(registered[:4]), pinned_copy_issue_us=issue_us(copies), **huge_pages())
     pins.release()
 
 
