@@ -44,9 +44,7 @@ Capture = capture_class()
 
 @pytest.fixture(scope="module")
 def model(comfy: harness.ComfyHost, tiny_h3_dir: Path) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, CAPTURE, Capture)
-        yield ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_h3_dir)
+    yield from h3.linked(comfy, tiny_h3_dir, CAPTURE, Capture)
 
 
 @pytest.fixture

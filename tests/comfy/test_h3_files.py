@@ -4,7 +4,6 @@ folder; each run generates as the folder's component does, and no file is writte
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,6 @@ from comfyhost import h3, harness
 from comfyhost.capture import capture_class
 from comfyhost.h3 import LOAD, assert_frames, capture_pipe, outputs
 
-sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
-import offload_examples as ex  # noqa: E402
-
 pytest_plugins = ["comfyhost.fixtures"]
 
 CAPTURE = "DiffusersOffloadTest_CaptureH3Files"
@@ -26,9 +22,7 @@ Capture = capture_class()
 
 @pytest.fixture(scope="module")
 def model(comfy: harness.ComfyHost, tiny_h3_dir: Path) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, CAPTURE, Capture)
-        yield ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_h3_dir)
+    yield from h3.linked(comfy, tiny_h3_dir, CAPTURE, Capture)
 
 
 @pytest.fixture

@@ -4,9 +4,16 @@ capture class (see `capture`), whose name it passes here."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
+import offload_examples as ex  # noqa: E402
 
 LOAD, GEN = "1", "2"
 SETTINGS = {  # every role gets a transport on the tiny model
@@ -14,6 +21,14 @@ SETTINGS = {  # every role gets a transport on the tiny model
     "on_demand_threshold_gb": 0.0, "resident_floor_mb": 0.0, "always": "", "never": "", "preload": "auto",
     "prefetch_window": 1, "device": "", "measures_path": "",
 }
+
+
+def linked(comfy: Any, tiny_h3_dir: Path, capture: str, cls: type) -> Iterator[str]:
+    """For a module-scoped ``model`` fixture: the tiny H3 linked into models/diffusers (its name
+    yielded) with the module's capture class registered as ``capture`` meanwhile."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(comfy.nodes.NODE_CLASS_MAPPINGS, capture, cls)
+        yield ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_h3_dir)
 
 
 def graph(model: str, capture: str, workflow: str = "t2va", outputs: tuple[int, ...] = (0, 1, 2, 3),
