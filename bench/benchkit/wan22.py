@@ -40,7 +40,7 @@ def write_pipeline(pipe_dir: Path, layers: int, tiny: bool, device: str) -> dict
     if pipe_dir.exists():
         shutil.rmtree(pipe_dir)
     if tiny:
-        from fixtures.tiny_models import A14B_BOUNDARY, build_tiny_wan22_a14b
+        from fixtures.tiny_wan_families import A14B_BOUNDARY, build_tiny_wan22_a14b
 
         build_tiny_wan22_a14b(pipe_dir)
         return {

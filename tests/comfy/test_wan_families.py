@@ -21,7 +21,7 @@ import pytest
 import torch
 from comfyhost import harness
 from comfyhost.capture import capture_class, capture_fixtures
-from fixtures.tiny_models import wan_start_image
+from fixtures.tiny_wan_families import wan_start_image
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -187,7 +187,7 @@ def test_the_sibling_carries_the_folders_flags_and_shares_its_components(
     """``pipeline_for``: built from ``pipe.components`` alone, a TI2V-5B sibling would have
     ``expand_timesteps=False`` and feed 100 channels (48 noise + 4 mask + 48 image latents) to the
     48-channel transformer; it gets the loaded pipeline's flags instead."""
-    from fixtures.tiny_models import load_wan_family
+    from fixtures.tiny_wan_families import load_wan_family
 
     calls = comfy.pack_submodule("nodes.call")
     image = torch.zeros(1, SIZE, SIZE, 3)

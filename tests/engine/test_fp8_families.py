@@ -12,7 +12,8 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_denoisers_fp8
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.quantized import dequantised_twin
-from fixtures.tiny_models import run_flux, run_ltx2, run_wan_family
+from fixtures.tiny_models import run_flux, run_ltx2
+from fixtures.tiny_wan_families import run_wan_family
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 FAMILIES = {  # name: (how its folder is found, how it runs)
