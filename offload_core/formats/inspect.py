@@ -123,6 +123,11 @@ class SingleFileInfo:
         return found.pop() if found else None
 
     @property
+    def quantized(self) -> bool:
+        """fp8 weights (scaled or not) or ComfyUI's self-describing quant entries."""
+        return self.fp8 is not None or bool(self.scales or self.quant_keys) or QUANT_METADATA in self.metadata
+
+    @property
     def format(self) -> str:
         """bf16 / fp16 / fp32 / fp8_e4m3fn / fp8_e4m3fn_scaled / comfy_quant, for logs and errors."""
         if self.quant_keys or QUANT_METADATA in self.metadata:

@@ -19,7 +19,6 @@ from ..log import get_logger
 from . import w4a8
 from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, scale_value
 from .inspect import (
-    QUANT_METADATA,
     SingleFileError,
     SingleFileInfo,
     check_quant_layers,
@@ -176,8 +175,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     if not isinstance(cls, type):
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
     check_quant_layers(info)
-    quantized = info.fp8 is not None or info.scales or info.quant_keys or QUANT_METADATA in info.metadata
-    state = read_checkpoint(path, info) if quantized else load_file(str(path))
+    state = read_checkpoint(path, info) if info.quantized else load_file(str(path))
     if fit is not None:
         state = fit.keys(state)
     layers = w4a8.w4a8_layers(state)

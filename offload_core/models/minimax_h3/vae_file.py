@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import load_file
 
-from ...formats.inspect import QUANT_SUFFIX, SingleFileError
+from ...formats.inspect import SingleFileError, inspect_safetensors
 from ...log import get_logger
 
 log = get_logger("loaders")
@@ -39,11 +39,11 @@ RENAMES = (
 def load_vae_file(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKLMiniMaxH3:
     """The VAE of ``config`` (the folder's ``vae``) with the weights of ``path``, either layout;
     a file that does not fill the model exactly is refused, naming the keys."""
+    info = inspect_safetensors(path)
+    if info.quantized:
+        raise SingleFileError(f"{path} is a quantized VAE ({info.format}: ComfyUI's int8 decoder files are); the "
+                              "engine runs H3's VAE in bf16 or fp32 only: pick the unquantized VAE file")
     state = load_file(str(path))
-    quantized = [k for k in state if k.endswith(QUANT_SUFFIX)]
-    if quantized:
-        raise SingleFileError(f"{path} is a quantized VAE ({quantized[0]}: ComfyUI's int8 decoder); the engine runs "
-                              "H3's VAE in bf16 or fp32 only: pick the unquantized VAE file")
     layout = "ComfyUI's" if COMFY_SIGN in state else "diffusers'"
     cfg = dict(AutoencoderKLMiniMaxH3.load_config(str(config)))
     if COMFY_SIGN in state:
