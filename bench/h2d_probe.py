@@ -29,42 +29,38 @@ pack()
 from diffusers_offload.offload_core.pinning import PinSet  # noqa: E402
 
 
-def copy_rate(sources: list[list[torch.Tensor]], repeats: int = 3) -> float:
-    """Bytes/s of copying each block's tensors, one after another, into one device buffer."""
-    size = max(sum(t.nbytes for t in block) for block in sources)
-    dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+def timed_copies(sources: list[list[torch.Tensor]], head: int | None = None, repeats: int = 3) -> tuple[float, float]:
+    """(median s to issue, median s until done) of copying each block's tensors, one after another,
+    into one device buffer on a side stream, as the streamer does; ``head``: only each tensor's first
+    ``head`` bytes (the host's per-copy cost without the link's)."""
+    parts = [[t.reshape(-1)[: max(1, head // t.element_size())] if head else t for t in block] for block in sources]
+    dst = torch.empty(max(sum(t.nbytes for t in block) for block in parts), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
-    times = []
+    issued, done = [], []
     for _ in range(repeats):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
-            for block in sources:
+            for block in parts:
                 at = 0
                 for t in block:
                     dst[at:at + t.nbytes].view(t.dtype).view(t.shape).copy_(t, non_blocking=True)
                     at += t.nbytes
+        issued.append(time.perf_counter() - t0)
         stream.synchronize()
-        times.append(time.perf_counter() - t0)
-    return sum(t.nbytes for block in sources for t in block) / statistics.median(times)
+        done.append(time.perf_counter() - t0)
+    return statistics.median(issued), statistics.median(done)
 
 
-def issue_us(sources: list[list[torch.Tensor]], repeats: int = 5) -> float:
+def copy_rate(sources: list[list[torch.Tensor]]) -> float:
+    """Bytes/s of the streamer's copies from ``sources``."""
+    return sum(t.nbytes for block in sources for t in block) / timed_copies(sources)[1]
+
+
+def issue_us(sources: list[list[torch.Tensor]]) -> float:
     """Host microseconds to issue one small asynchronous copy from each tensor (its first 4 KiB):
     the driver's per-copy cost (finding the source's page-locked range), not the link's."""
-    flat = [t.reshape(-1)[: max(1, 4096 // t.element_size())] for block in sources for t in block]
-    dst = torch.empty(4096, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.cuda.stream(stream):
-            for t in flat:
-                dst[: t.nbytes].view(t.dtype).copy_(t, non_blocking=True)
-        times.append(time.perf_counter() - t0)
-        stream.synchronize()
-    return statistics.median(times) / len(flat) * 1e6
+    return timed_copies(sources, head=4096, repeats=5)[0] / sum(len(block) for block in sources) * 1e6
 
 
 def huge_pages() -> dict[str, str]:
