@@ -31,8 +31,14 @@ def captured(model: str) -> list:
     return Capture.seen
 
 
-def graph(model: str, workflow: str = "t2va", **kwargs: Any) -> dict:
-    return h3.graph(model, CAPTURE, workflow, **kwargs)
+def generate(comfy: harness.ComfyHost, model: str, captured: list, **load: Any) -> dict[int, Any]:
+    """One 2-step run with Load modular pipeline's inputs updated by ``load``: the frames (slot 1)
+    and the loaded pipe (slot 9)."""
+    captured.clear()
+    prompt = capture_pipe(h3.graph(model, CAPTURE, outputs=(1,), steps=2), CAPTURE)
+    prompt[LOAD]["inputs"] |= load
+    comfy.run_prompt(prompt).raise_for_error()
+    return outputs(captured)
 
 
 def test_a_w4a8_transformer_file_runs_in_the_modular_pipeline(
@@ -49,13 +55,9 @@ def test_a_w4a8_transformer_file_runs_in_the_modular_pipeline(
     path = write(w4a8_layers(comfy_h3_state_dict(original.state_dict(), dict(original.config))),
                  Path(comfy.folder_paths.get_folder_paths("diffusion_models")[0]) / name)
     before = digest(path)
-    prompt = graph(model, outputs=(1,), steps=2)
-    prompt[LOAD]["inputs"] |= {"transformer_file": name, "dtype": "bf16"}
-    capture_pipe(prompt, CAPTURE)
 
-    comfy.run_prompt(prompt).raise_for_error()
+    out = generate(comfy, model, captured, transformer_file=name, dtype="bf16")
 
-    out = outputs(captured)
     assert_frames(out[1], 124)
     # by name: ComfyUI imports the pack under its own module path
     layers = [n for n, m in out[9].pipe.transformer.named_modules() if type(m).__name__ == "W4A8Linear"]
@@ -77,17 +79,10 @@ def test_a_comfyui_text_encoder_file_conditions_the_modular_pipeline(
     path = Path(comfy.folder_paths.get_folder_paths("text_encoders")[0]) / name
     write(comfy_conditioner_state_dict(whole.state_dict(), 50), path)
     before = digest(path)
-    prompt = graph(model, outputs=(1,), steps=2)
-    comfy.run_prompt(prompt).raise_for_error()
-    reference = outputs(captured)[1]
-    captured.clear()
-    prompt = graph(model, outputs=(1,), steps=2)
-    prompt[LOAD]["inputs"] |= {"text_encoder_file": name}
-    capture_pipe(prompt, CAPTURE)
+    reference = generate(comfy, model, captured)[1]
 
-    comfy.run_prompt(prompt).raise_for_error()
+    out = generate(comfy, model, captured, text_encoder_file=name)
 
-    out = outputs(captured)
     torch.testing.assert_close(out[1], reference, rtol=0, atol=0)
     layers = out[9].pipe.text_encoder.model.language_model.layers
     assert len(layers) == 50 and type(out[9].pipe.text_encoder.lm_head).__name__ == "NoHead"
@@ -109,21 +104,13 @@ def test_a_comfyui_vae_file_decodes_for_the_modular_pipeline(
     path = Path(comfy.folder_paths.get_folder_paths("vae")[0]) / name
     write(comfy_h3_vae_state_dict(vae), path)
     before = digest(path)
-    prompt = graph(model, outputs=(1,), steps=2)
-    comfy.run_prompt(prompt).raise_for_error()
-    reference = outputs(captured)[1]
-    captured.clear()
-    prompt = graph(model, outputs=(1,), steps=2)
-    prompt[LOAD]["inputs"] |= {"vae_file": name}
+    reference = generate(comfy, model, captured)[1]
 
-    comfy.run_prompt(prompt).raise_for_error()
+    out = generate(comfy, model, captured, vae_file=name)
 
-    torch.testing.assert_close(outputs(captured)[1], reference, rtol=0, atol=0)
+    torch.testing.assert_close(out[1], reference, rtol=0, atol=0)
     assert digest(path) == before
     moved = comfy_h3_vae_state_dict(vae)
     moved["decoder.proj_out.bias"] = moved["decoder.proj_out.bias"] + 0.5
     write(moved, path.with_name("h3-tiny-vae-moved.safetensors"))
-    captured.clear()
-    prompt[LOAD]["inputs"] |= {"vae_file": "h3-tiny-vae-moved.safetensors"}
-    comfy.run_prompt(prompt).raise_for_error()
-    assert not torch.equal(outputs(captured)[1], reference)
+    assert not torch.equal(generate(comfy, model, captured, vae_file="h3-tiny-vae-moved.safetensors")[1], reference)
