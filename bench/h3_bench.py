@@ -137,7 +137,7 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
         out(section="stage", run=label, stage=s["stage"], seconds=s["seconds"], units=s["units"],
             segments=s["segments"], peak_alloc_gib=s["peak_alloc"] / GiB, peak_reserved_gib=s["peak_reserved"] / GiB,
             alloc_start_gib=s["alloc_start"] / GiB, alloc_end_gib=s["alloc_end"] / GiB, cap_gib=args.cap,
-            **{k: v for k, v in s.items() if k.endswith("_s")})
+            alloc_retries=s["alloc_retries"], **{k: v for k, v in s.items() if k.endswith("_s") or k == "slowest_layers"})
     for s in clock.steps:
         out(section="step", run=label, **s)
     for m in clock.moves:
@@ -235,7 +235,8 @@ def summary(rows: list[dict]) -> None:
             if "before_layers_s" in st:  # GPU time: head and vision, then the layers
                 print(f"      before the first layer {st['before_layers_s']:.3f} s, layers {st['layers_s']:.3f} s "
                       f"(median {st['layer_median_s'] * 1e3:.1f} ms, max {st['layer_max_s'] * 1e3:.1f} ms), "
-                      f"after the last {st['after_last_layer_s']:.3f} s")
+                      f"after the last {st['after_last_layer_s']:.3f} s; slowest layers {st.get('slowest_layers')}, "
+                      f"allocator retries {st.get('alloc_retries')}")
         for st in [x for x in by("step") if x["run"] == label]:
             print(f"   denoise step {st['step']}/{st['of']}: {st['seconds']:.3f} s, peak {st['peak_alloc_gib']:.2f} GiB, "
                   f"kept {st['kept']}/{st['blocks']}, streamed {st['streamed_gib']:.2f} GiB/step  [{st['plan']}]")

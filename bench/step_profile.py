@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 from benchkit import Rows, open_output, output_args, pack
+from benchkit.cpuwatch import CpuWatch
 from benchkit.measure import Ballast, launch_and_step, sync, to_host
-from benchkit.models import build_wan, wan_forward, wan_inputs
+from benchkit.models import blocks_of, build_wan, wan_forward, wan_inputs
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
@@ -76,7 +77,7 @@ def trace_summary(path: str) -> None:
     kernels = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"])
     copies = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"])
     if not kernels or not copies:
-        return row(section="trace", path=path, error="no kernels or copies recorded")
+        return row(section="trace", path=path, kernels_ms=sum(b - a for a, b in kernels) / 1e3, host_api=api_time(events))
     start = min(kernels[0][0], copies[0][0])
     end = max(kernels[-1][1], copies[-1][1])
     busy = lambda spans: sum(b - a for a, b in spans)  # noqa: E731
@@ -84,7 +85,53 @@ def trace_summary(path: str) -> None:
     row(section="trace", span_ms=(end - start) / 1e3, kernels_ms=busy(kernels) / 1e3, copies_ms=busy(copies) / 1e3,
         overlap_ms=overlap / 1e3, first_copy_at_ms=(copies[0][0] - start) / 1e3,
         last_kernel_end_ms=(kernels[-1][1] - start) / 1e3,
-        kernel_gaps=gaps(kernels, start), copy_gaps=gaps(copies, start))
+        kernel_gaps=gaps(kernels, start), copy_gaps=gaps(copies, start), host_api=api_time(events))
+
+
+def api_time(events: list[dict]) -> dict[str, list[float]]:
+    """The host's CUDA runtime and driver calls in the trace: name -> [calls, total ms, longest
+    ms]. Whether a slow launch is spent in the driver (copies issued from registered pages,
+    event waits) or in Python between the calls."""
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
+            n, total, longest = out.get(e["name"], [0, 0.0, 0.0])
+            out[e["name"]] = [n + 1, round(total + e["dur"] / 1e3, 3), round(max(longest, e["dur"] / 1e3), 3)]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+
+
+def block_clock(m) -> tuple[list[int], list]:
+    """Host time stamps (ns) at each block's call, before any hook of the engine: one forward's
+    launch laid out block by block (``gaps_ms``), to tell a uniform slowdown from stalls."""
+    stamps: list[int] = []
+    handles = [b.register_forward_pre_hook(lambda *_: stamps.append(time.perf_counter_ns())) for b in blocks_of(m)]
+    return stamps, handles
+
+
+def gaps_ms(stamps: list[int], start: int) -> list[float]:
+    """The host time from ``start`` to the first block, then from each block to the next."""
+    return [round((b - a) / 1e6, 3) for a, b in zip([start, *stamps], stamps, strict=False)]
+
+
+def clocked(m, feeds, forwards: int = 10) -> dict:
+    """One synchronized forward with the block clock on (the launch's time to each block), then
+    ``forwards`` more under `CpuWatch` (who used the CPU meanwhile)."""
+    stamps, handles = block_clock(m)
+    try:
+        sync()
+        t0 = time.perf_counter_ns()
+        wan_forward(m, *feeds)
+        t1 = time.perf_counter_ns()
+        sync()
+    finally:
+        for h in handles:
+            h.remove()
+    with CpuWatch() as watch:
+        for _ in range(forwards):
+            wan_forward(m, *feeds)
+            sync()
+    return {"block_gaps_ms": gaps_ms(stamps, t0), "after_last_ms": round((t1 - stamps[-1]) / 1e6, 3),
+            "cpu": watch.result}
 
 
 def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -163,7 +210,10 @@ def main() -> None:
     m = build_wan(40)
     feeds = wan_inputs(args.workload, 21)
     reading_costs()
-    row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1], loop_s=r[2])
+    row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1], loop_s=r[2],
+        **clocked(m, feeds))
+    if args.trace:
+        trace(m, feeds, args.trace.replace(".json", "_resident.json"), args.with_host)
     to_host(m)
     first = float(args.caps.split(",")[0])
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
@@ -186,7 +236,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
         row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step, loop_s=loop,
             in_hooks_s=spent[0], in_driver_s=driver[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
             streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],
-            streamed_gib=streamer.streamed_bytes() / 2**30)
+            streamed_gib=streamer.streamed_bytes() / 2**30, **clocked(m, feeds))
         if extras and cap:
             if args.trace:
                 trace(m, feeds, args.trace.replace(".json", f"_w{window}.json"), args.with_host)

@@ -94,6 +94,10 @@ class StageClock:
     def _alloc(self) -> int:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
+    def _retries(self) -> int:
+        """The allocator's flush-and-retries so far (a stall: every cached segment freed)."""
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)) if self.device.type == "cuda" else 0
+
     def enter(self, stage: str) -> None:
         """A stage boundary (announced by the bench or by a stage hook)."""
         if stage == self.stage:
@@ -105,7 +109,8 @@ class StageClock:
         self.stage = stage
         self.tracker.mark("stage")
         log.info("stage: %s", stage)
-        self._seg = dict(stage=stage, t0=now, units=0, alloc_start=self._alloc(), marks=[self._mark()])
+        self._seg = dict(stage=stage, t0=now, units=0, alloc_start=self._alloc(), retries0=self._retries(),
+                         marks=[self._mark()])
 
     def on_stage(self, stage: str, i: int, n: int) -> None:
         """The stage hooks' publish: one unit (layer, step, chunk...) of ``stage``."""
@@ -138,6 +143,7 @@ class StageClock:
         alloc, reserved = self.tracker.peak("stage")
         marks = [*seg.pop("marks"), self._mark()]
         seg.update(seconds=now - seg.pop("t0"), peak_alloc=alloc, peak_reserved=reserved, alloc_end=self._alloc(),
+                   alloc_retries=self._retries() - seg.pop("retries0"),
                    **(layer_timeline(marks) if seg["stage"] == TEXT else {}))
         self.segments.append(seg)
 
@@ -167,6 +173,7 @@ class StageClock:
             s["peak_alloc"] = max(s["peak_alloc"], seg["peak_alloc"])
             s["peak_reserved"] = max(s["peak_reserved"], seg["peak_reserved"])
             s["alloc_end"] = seg["alloc_end"]
+            s["alloc_retries"] = s.get("alloc_retries", 0) + seg["alloc_retries"]
             s.update({k: v for k, v in seg.items() if k.endswith("_s")})  # the text encode's layer timeline
         return sorted(out.values(), key=lambda s: STAGE_ORDER.index(s["stage"]) if s["stage"] in STAGE_ORDER else 99)
 
@@ -179,9 +186,11 @@ def layer_timeline(marks: list) -> dict[str, float]:
         return {}
     marks[-1].synchronize()
     gaps = [a.elapsed_time(b) / 1e3 for a, b in itertools.pairwise(marks)]
-    layers = sorted(gaps[1:-1])
+    per_layer = gaps[1:-1]
+    layers = sorted(per_layer)
     return dict(before_layers_s=gaps[0], layer_median_s=layers[len(layers) // 2] if layers else 0.0,
-                layer_max_s=max(layers, default=0.0), layers_s=sum(layers), after_last_layer_s=gaps[-1])
+                layer_max_s=max(layers, default=0.0), layers_s=sum(layers), after_last_layer_s=gaps[-1],
+                slowest_layers=sorted(range(len(per_layer)), key=lambda i: -per_layer[i])[:3])
 
 
 class Instruments:
