@@ -40,7 +40,7 @@ for row in "$@"; do
     hostq4) run hostq4 150 python3 bench/host_profile.py --storage gguf_q4_k --caps 0,12 --forwards 4 \
               --out "$ROWS_DIR" ;;
     trace) run trace 120 python3 bench/step_profile.py --caps 24 --trace "$ROWS_DIR/trace.json" --out "$ROWS_DIR" ;;
-    stepprof) for i in 1 2 3 4; do  # four fresh processes: the launch block by block and the driver calls' time
+    stepprof) for i in $(seq "${STEPPROF_N:-4}"); do  # four fresh processes: the launch block by block and the driver calls' time
                 run "stepprof$i" 100 python3 bench/step_profile.py --caps 24 --trace "$ROWS_DIR/trace$i.json" \
                   --json "$ROWS_DIR/stepprof$i.jsonl"
                 rm -f "$ROWS_DIR"/trace"$i"*.json  # summarised in the rows; the traces are large

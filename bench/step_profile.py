@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from benchkit import Rows, open_output, output_args, pack
 from benchkit.cpuwatch import CpuWatch
-from benchkit.measure import Ballast, launch_and_step, sync, to_host
+from benchkit.measure import Ballast, launch_and_step, python_speed_ms, sync, to_host
 from benchkit.models import blocks_of, build_wan, wan_forward, wan_inputs
 
 pack()
@@ -113,6 +114,34 @@ def gaps_ms(stamps: list[int], start: int) -> list[float]:
     return [round((b - a) / 1e6, 3) for a, b in zip([start, *stamps], stamps, strict=False)]
 
 
+def host_probe(m) -> dict:
+    """Host microseconds per call, in this process now: pure Python (`python_speed_ms`), a small
+    CUDA op (dispatch and launch), and ``F.linear`` with block 0's first weight as the model holds
+    it (under the engine, a view into a kept buffer) against a plain copy. Whether a slow launch is
+    the interpreter, the dispatcher, or the tensors the engine binds."""
+    weight = next(p for p in blocks_of(m)[0].parameters() if p.dim() == 2)
+    x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
+    a = torch.ones(1, device=weight.device)
+    plain = weight.detach().clone()
+
+    def per_call_us(fn, n: int = 2000) -> float:
+        for _ in range(50):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        us = (time.perf_counter() - t0) / n * 1e6
+        sync()
+        return round(us, 2)
+
+    with torch.inference_mode():
+        return dict(python_ms=round(python_speed_ms(), 1), add_us=per_call_us(lambda: torch.add(a, a)),
+                    linear_bound_us=per_call_us(lambda: F.linear(x, weight)),
+                    linear_plain_us=per_call_us(lambda: F.linear(x, plain)),
+                    weight_offset=weight.storage_offset(), weight_base=weight._base is not None)
+
+
 def clocked(m, feeds, forwards: int = 10) -> dict:
     """One synchronized forward with the block clock on (the launch's time to each block), then
     ``forwards`` more under `CpuWatch` (who used the CPU meanwhile)."""
@@ -131,7 +160,7 @@ def clocked(m, feeds, forwards: int = 10) -> dict:
             wan_forward(m, *feeds)
             sync()
     return {"block_gaps_ms": gaps_ms(stamps, t0), "after_last_ms": round((t1 - stamps[-1]) / 1e6, 3),
-            "cpu": watch.result}
+            "cpu": watch.result, "probe": host_probe(m)}
 
 
 def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
