@@ -50,8 +50,8 @@ for row in "$@"; do
                --json "$ROWS_DIR/fresh$i.json"
            done ;;
     h3te) run h3te 240 python3 bench/h3_bench.py --runs plain,plain,plain,reprompt --te-layers 64 --out "$ROWS_DIR" ;;
-    h3fp8) run h3fp8 300 python3 bench/h3_bench.py --blocks 50 --te-layers 64 --cap 24 --storage fp8_e4m3fn --profile 1 \
-             --runs plain,reprompt --out "$ROWS_DIR" ;;
+    h3fp8) run h3fp8 300 python3 bench/h3_bench.py --blocks 50 --te-layers 64 --cap 24 --storage fp8_e4m3fn \
+             --runs plain,reprompt,reprompt --out "$ROWS_DIR" ;;
     mapped) run mapped_write 200 python3 bench/mapped_check.py --write
             run mapped 240 python3 bench/mapped_check.py --free-gb 16 ;;
     wan22) run wan22 300 python3 bench/wan22_node.py --comfy-dir .gpu/comfyui --cap 12 --json "$ROWS_DIR/wan22.jsonl" ;;

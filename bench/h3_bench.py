@@ -19,7 +19,8 @@ their stage *before* the on-demand transport moves the module in, and hand back 
 they return. The on-demand transports' ``onload``/``offload`` are timed (move in/out rows).
 
 Runs (``--runs``, default ``plain,room``): ``plain`` is the engine alone; ``reprompt`` the same with a
-prompt of its own (the text encoder runs again, warm); ``room`` is the same call with
+prompt of its own (the text encoder runs again, warm; a second ``reprompt`` has a prompt of the
+same length, so its kernels are warm for that shape too); ``room`` is the same call with
 the bench acting as a host memory manager: before an on-demand module moves in, if the device lacks its
 bytes plus ``--headroom``, it asks ``Engine.give_back`` for the difference (kept denoiser blocks go, as
 ComfyUI's ``partially_unload`` would make them). A run that fails (OOM or other) is recorded with the
@@ -94,7 +95,8 @@ def run_once(label: str, pipe: Any, engine: Engine, tracker: PeakTracker, args, 
     clock = StageClock(device, tracker, streamer)
     tools = Instruments(pipe, engine, clock, room=label.endswith("-room"), headroom=int(args.headroom * GiB))
     view = run_view(pipe, audio=True)
-    prompt = f"{args.prompt}, take {label}" if label.endswith("-reprompt") else args.prompt
+    # "take <run number>": two reprompt runs have prompts of one length (the second's kernels warm for it)
+    prompt = f"{args.prompt}, take {label.split('-')[0]}" if label.endswith("-reprompt") else args.prompt
     kwargs = dict(prompt=prompt, height=height, width=width, num_frames=frames, num_inference_steps=args.steps,
                   generator=torch.Generator("cpu").manual_seed(0), output_type="pt", **keyframes(width, height))
     stats0 = torch.cuda.memory_stats(device) if device.type == "cuda" else {}

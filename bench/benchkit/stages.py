@@ -174,7 +174,7 @@ class StageClock:
             s["peak_reserved"] = max(s["peak_reserved"], seg["peak_reserved"])
             s["alloc_end"] = seg["alloc_end"]
             s["alloc_retries"] = s.get("alloc_retries", 0) + seg["alloc_retries"]
-            s.update({k: v for k, v in seg.items() if k.endswith("_s")})  # the text encode's layer timeline
+            s.update({k: v for k, v in seg.items() if k.endswith("_s") or k == "slowest_layers"})  # the text layers' timeline
         return sorted(out.values(), key=lambda s: STAGE_ORDER.index(s["stage"]) if s["stage"] in STAGE_ORDER else 99)
 
 
