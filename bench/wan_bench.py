@@ -97,8 +97,7 @@ def run(m, feeds, warmup, repeats, watch=None, after=None):
 
 def host_times(m, feeds, repeats: int) -> dict:
     """The back-to-back loop's step; one synchronized forward's launch and step (equal: host-bound);
-    the host's pure-Python speed right after (`python_speed_ms`): the GPU machine's CPU speed
-    drifts by up to 2.8 x within a process (bench/README.md, run 28), so each row carries its own."""
+    the host's pure-Python speed right after: it drifts within a process (bench/README.md, run 28)."""
     launch_s, step_s, loop_s = launch_and_step(lambda: FORWARD(m, *feeds), repeats)
     return dict(loop_s=loop_s, launch_s=launch_s, launch_step_s=step_s, python_ms=round(python_speed_ms(), 1))
 

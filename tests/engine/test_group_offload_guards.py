@@ -28,14 +28,12 @@ from engine.group_cases import (
     DummyModelWithTowerTwice,
     DummyPipeline,
     F,
-    changed_weights,
-    leftovers,
     make,
     quick_release,  # noqa: F401  (autouse: releases without a full collection)
-    snapshot,
     tiny_vae,
     twin,
 )
+from engine.release_check import changed_weights, leftovers, snapshot
 
 COMPS = ("transformer", "vae")
 
