@@ -160,7 +160,22 @@ def clocked(m, feeds, forwards: int = 10) -> dict:
             wan_forward(m, *feeds)
             sync()
     return {"block_gaps_ms": gaps_ms(stamps, t0), "after_last_ms": round((t1 - stamps[-1]) / 1e6, 3),
-            "cpu": watch.result, "probe": host_probe(m)}
+            "cpu": watch.result, "probe": host_probe(m), "paired": paired(m, feeds)}
+
+
+def paired(m, feeds, forwards: int = 12) -> list[list[float]]:
+    """[pure-Python probe ms, launch ms, step ms] of ``forwards`` synchronized forwards, each right
+    after its own probe: a step compared with the host's speed at that moment, not the process's."""
+    out = []
+    for _ in range(forwards):
+        probe = python_speed_ms(repeats=1)
+        sync()
+        t0 = time.perf_counter()
+        wan_forward(m, *feeds)
+        t1 = time.perf_counter()
+        sync()
+        out.append([round(probe, 1), round((t1 - t0) * 1e3, 2), round((time.perf_counter() - t0) * 1e3, 2)])
+    return out
 
 
 def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
