@@ -8,6 +8,11 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# MKL's strict reproducibility, read when MKL first runs: without it, a CPU matmul can round
+# differently for a weight at an 8-byte file offset (safetensors' zero-copy load) than for the same
+# bytes in the engine's aligned buffers, and "bit-exact against unplaced" would test the CPU's
+# kernels, not the engine (seen on an AMD EPYC runner: Flux's norm linears, 2.4e-7).
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "diffusers_offload"

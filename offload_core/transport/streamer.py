@@ -12,6 +12,8 @@ Any set of pieces can be kept resident between steps (``set_resident``), without
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from ..formats.fp8 import table_of
@@ -37,6 +39,7 @@ from .stream_hooks import BlockHook, ModelEntryHook, OutsideHook, PartHook, retr
 from .towers import find_towers
 
 log = get_logger("streamer")
+_DTYPE = attrgetter("dtype")
 
 
 class BlockStreamer(TransportBase):
@@ -56,6 +59,7 @@ class BlockStreamer(TransportBase):
         self.ring = self.prefetch.ring
         self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
         self._seen: list[int] = []
+        self._stored: tuple[list[torch.Tensor], list[torch.dtype]] = ([], [])  # streamed tensors, stored dtypes
         self._forward_open = False  # the model was entered and its first block not yet
         self._via_model = False  # forwards come through the model's hook (else a cycle starts at the first block)
         self._hooked: list[torch.nn.Module] = []  # modules carrying STREAM_HOOK
@@ -89,7 +93,9 @@ class BlockStreamer(TransportBase):
             for child in () if block.in_parts else children_streamed(block):
                 self._hook(child, OutsideHook(self, block.units[0]))
         add_hook(module, ModelEntryHook(self), MARKER)
-        streamed = {id(slot.tensor) for block in self.blocks for slot in block.slots}
+        slots = [slot for block in self.blocks for slot in block.slots]
+        self._stored = ([slot.tensor for slot in slots], [slot.host.dtype for slot in slots])
+        streamed = {id(slot.tensor) for slot in slots}
         self._head_bytes = sum(nbytes(t) for t in block_tensors(module) if id(t) not in streamed)
         self.order.set([u.index for u in self.units])
         self._guessed = {b.tower for b in self.blocks if b.in_parts}
@@ -119,7 +125,7 @@ class BlockStreamer(TransportBase):
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.pins.release()
-        for table in (self.blocks, self.units, self.pieces):
+        for table in (self.blocks, self.units, self.pieces, *self._stored):
             table.clear()
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
@@ -133,9 +139,11 @@ class BlockStreamer(TransportBase):
 
     def _refuse_cast(self) -> None:
         """A weight cast after placement (``model.to(dtype)``, layerwise casting) would be
-        overwritten by the next copy from its master: refused, naming what to do."""
-        cast = next((s for b in self.blocks for s in b.slots if s.tensor.dtype != s.host.dtype), None)
-        if cast is not None:
+        overwritten by the next copy from its master: refused, naming what to do. Read at every
+        forward's entry, so in one C-level pass over the tensors."""
+        tensors, dtypes = self._stored
+        if list(map(_DTYPE, tensors)) != dtypes:
+            cast = next(s for b in self.blocks for s in b.slots if s.tensor.dtype != s.host.dtype)
             raise RuntimeError(
                 f"{type(self.module).__name__}: streamed weights were cast after placement ({cast.host.dtype} -> "
                 f"{cast.tensor.dtype}): cast the model before placing it, or release it and place it again")
