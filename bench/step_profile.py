@@ -3,6 +3,9 @@ trace of one forward (Wan-14B geometry, ballast cap; benchkit).
 
 Why: it tells a host-bound step (launch time ≈ step time) from exposed copies (the compute stream
 idle while a copy runs); it traced the 24 GiB image-sized step to its bound (bench/README.md).
+Each row also lays one launch out block by block, sums the CUDA API calls' host time, watches the
+CPU (`benchkit/cpuwatch.py`) and pairs forwards with a pure-Python probe of the host's speed: the
+GPU machine's CPU speed drifts within a process (run 28).
 
     python bench/step_profile.py --caps 24 --trace $OUT/trace.json
 """
@@ -117,7 +120,7 @@ def gaps_ms(stamps: list[int], start: int) -> list[float]:
 def host_probe(m) -> dict:
     """Host microseconds per call, in this process now: pure Python (`python_speed_ms`), a small
     CUDA op (dispatch and launch), and ``F.linear`` with block 0's first weight as the model holds
-    it (under the engine, a view into a kept buffer) against a plain copy. Whether a slow launch is
+    it (under the engine, bound into the engine's buffer) against a plain copy. Whether a slow launch is
     the interpreter, the dispatcher, or the tensors the engine binds."""
     weight = next(p for p in blocks_of(m)[0].parameters() if p.dim() == 2)
     x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
@@ -138,8 +141,7 @@ def host_probe(m) -> dict:
     with torch.inference_mode():
         return dict(python_ms=round(python_speed_ms(), 1), add_us=per_call_us(lambda: torch.add(a, a)),
                     linear_bound_us=per_call_us(lambda: F.linear(x, weight)),
-                    linear_plain_us=per_call_us(lambda: F.linear(x, plain)),
-                    weight_offset=weight.storage_offset(), weight_base=weight._base is not None)
+                    linear_plain_us=per_call_us(lambda: F.linear(x, plain)))
 
 
 def clocked(m, feeds, forwards: int = 10) -> dict:
