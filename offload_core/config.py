@@ -74,6 +74,10 @@ class OffloadConfig:
     pinned staging buffers the rest is copied through): ``"auto"`` grants what is free at
     placement less ``pin_reserve_gb``; a number of GiB (``24``, ``"24 GB"``) caps it further, never
     above what is free less the reserve. What it does not grant streams through staging buffers.
+
+    cuda_graphs: a streamed denoiser's kept blocks launch as CUDA graphs once they have run twice
+    with small inputs of one shape (``transport/graphs.py``), so an image-sized step is not bound by
+    the host launching kernels; each graph is checked bit for bit against the eager forward.
     """
 
     mode: Mode = field(default="auto", metadata={"rehook": True})
@@ -92,6 +96,7 @@ class OffloadConfig:
     measures_path: str | None = None
     prompt_cache_gb: float = 1.0
     host_ram_gb: float | str = "auto"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "always", _parse_list(self.always))

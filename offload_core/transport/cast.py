@@ -82,6 +82,24 @@ def unit_cast(
     return UnitCast(*head, scaled, [table.scale_of(tensors[i]) for i in scaled])
 
 
+def compute_views(buf: torch.Tensor, cast: UnitCast) -> list[torch.Tensor]:
+    """The fp8 slots' compute values in ``buf``, element for byte."""
+    return [buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, cast.shapes, strict=True)]
+
+
+def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: list[torch.Tensor]) -> None:
+    """Cast ``region`` (a unit's storage bytes, from its start) into ``buf`` (``views``: its
+    `compute_views`)."""
+    src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
+    if cast.int8_scales is not None:
+        for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
+            dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)
+    elif not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):
+        dst.copy_(src)
+        for i, scale in zip(cast.scaled, cast.scales, strict=True):  # (a foreach rounds the scale first)
+            views[i].mul_(scale)
+
+
 class CastPool:
     """Compute buffers for the fp8 units bound now, with each buffer's views per unit cached
     (building views is most of the host time a unit costs)."""
@@ -102,18 +120,8 @@ class CastPool:
         key = (id(buf), index)
         views = self._views.get(key)
         if views is None:
-            views = self._views[key] = [
-                buf[o : o + s.numel()].view(s) for o, s in zip(cast.offsets, cast.shapes, strict=True)
-            ]
-        src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
-        if cast.int8_scales is not None:
-            for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
-                dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)
-            return buf, views
-        if not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):
-            dst.copy_(src)
-            for i, scale in zip(cast.scaled, cast.scales, strict=True):  # (a foreach rounds the scale first)
-                views[i].mul_(scale)
+            views = self._views[key] = compute_views(buf, cast)
+        cast_into(cast, region, buf, views)
         return buf, views
 
     def release(self, buf: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ the model's entry: MiniMax-H3 calls the inner ``text_encoder.model`` (the marker
 never fires), and a VLM's order differs with and without images: a layer entered at or below a
 depth its stack already ran in this forward begins the next forward. A forward that stops early
 (an interrupt between layers) learns no order that drops the layers it did not reach
-(`BlockStreamer._learn_order`).
+(`OrderLearner.learn`).
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class EncoderStreamer(BlockStreamer):
     """Layers streamed per forward; the rest moves in on entry and goes home when idle."""
 
     name = "encoder-stream"
+    graphed = False  # a prompt runs it once: nothing to replay
 
     def __init__(self, ctx) -> None:
         # Whole layers (see the module docstring: a T5 block's one large child has no forward).
@@ -108,9 +109,9 @@ class EncoderStreamer(BlockStreamer):
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         """A layer entered at or below a depth its stack already ran in this forward: a new forward."""
         if not self._forward_open and any(self.units[i].block.tower == block.tower
-                                          and self.units[i].block.depth >= block.depth for i in self._seen):
+                                          and self.units[i].block.depth >= block.depth for i in self.learner.seen):
             self._forward_open = True
-        super().enter_block(block, args, kwargs)
+        return super().enter_block(block, args, kwargs)
 
     def _head_in(self) -> None:
         if self.head_loaded or self.device == self.ctx.offload_device:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from .blocks import StreamBlock, StreamPiece, StreamUnit
-from .cast import CastPool
+from .cast import CastPool, cast_into, compute_views
 from .order import ExecutionOrder
 from .ring import BufferRing, RingSlot
 from .staging import StagingRing
@@ -39,6 +39,8 @@ class Prefetcher:
         self.cast_bound: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer
         # unpinned units reach the device through pinned staging buffers, on the side stream
         self.staging = StagingRing(self.copy_stream) if self.copy_stream is not None else None
+        self.capturing = False  # a kept block's forward is being captured as a CUDA graph
+        self._captured: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer, made in the capture
 
     def bind(self, unit: StreamUnit) -> None:
         """Make a unit's weights ready on the device (a kept one already is, but for its fp8
@@ -71,6 +73,30 @@ class Prefetcher:
         buf, computed = self.casts.cast(unit.index, cast, region)
         self.cast_bound[unit.index] = buf
         unit.bind([*computed, *views[cast.count :]])
+
+    def bind_captured(self, unit: StreamUnit) -> None:
+        """In a capture (`kept_graphs.py`): a kept fp8 unit's weights bound to values cast into a
+        buffer allocated inside it, from the graph's own pool (a pool buffer of ours would be
+        baked into the graph and handed to other units later)."""
+        cast = unit.cast
+        if cast is None or unit.kept is None:
+            return
+        buf = torch.empty(cast.nbytes, dtype=cast.compute, device=self.device)
+        views = compute_views(buf, cast)
+        cast_into(cast, unit.kept, buf, views)
+        self._captured[unit.index] = buf
+        unit.bind([*views, *unit.kept_views[cast.count :]])
+
+    def unbind_captured(self, unit: StreamUnit) -> None:
+        """In a capture, a unit's forward ended: its stored bytes bound again, its buffer free for
+        the next unit's cast in the same graph."""
+        if self._captured.pop(unit.index, None) is not None:
+            unit.bind(unit.kept_views)
+
+    def end_capture(self) -> None:
+        self.capturing = False
+        for index in list(self._captured):
+            self.unbind_captured(self.units[index])
 
     def release(self, unit: StreamUnit) -> bool:
         """A unit's forward ended: back to its host copy (a kept one to its stored bytes), its

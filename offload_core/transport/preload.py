@@ -32,7 +32,7 @@ class PreloadingStreamer(BlockStreamer):
 
     def retune(self, config: OffloadConfig) -> None:
         """A new preload policy on a placed model: re-planned in place, no re-hooking."""
-        self.ctx.config = config
+        super().retune(config)
         if self.driver is not None and config.preload != self.driver.planner.policy:
             self.driver.planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window)
             self.driver.load()
@@ -102,9 +102,11 @@ class PreloadDriver:
     def reading(self) -> MemoryReading:
         """The room a plan may use: the device's free and cached memory plus this model's kept
         blocks and streaming buffers, which a plan reuses; not the non-block part, which stays
-        (counting it would over-commit by its size)."""
+        (counting it would over-commit by its size), nor the cached memory of the kept blocks'
+        CUDA graphs, which only they use."""
         free, cached = self.memory.device_free(self.streamer.device)
         reusable = self.streamer.device_bytes() - self.streamer.head_bytes()
+        cached = max(cached - self.streamer.graphs.cache.pool_bytes, 0)
         return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0), opening=self._opening())
 
     def _opening(self) -> int:

@@ -12,6 +12,7 @@ from diffusers.hooks import ModelHook
 
 from .base import MarkerHook
 from .blocks import StreamBlock, StreamUnit
+from .graphs import CallGraph
 
 
 class Streamer(Protocol):
@@ -23,7 +24,9 @@ class Streamer(Protocol):
 
     def end_forward(self) -> None: ...
 
-    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None: ...
+    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> CallGraph | None: ...
+
+    def exit_block(self, block: StreamBlock, output: object, forward: Callable[..., object]) -> None: ...
 
     def enter(self, unit: StreamUnit) -> None: ...
 
@@ -53,23 +56,30 @@ def retry_on_oom(run: Callable[[], T], relieve: Callable[[int], bool]) -> T:
 
 
 class BlockHook(ModelHook):
+    """On each block: its units made ready and released; a kept block's CUDA graph replayed in
+    place of its forward (its units are then bound already, or cast inside the graph)."""
+
     def __init__(self, streamer: Streamer, block: StreamBlock) -> None:
         super().__init__()
         self.streamer, self.block = streamer, block
+        self.graph: CallGraph | None = None
 
     def pre_forward(self, module, *args, **kwargs):
-        self.streamer.enter_block(self.block, args, kwargs)
+        self.graph = self.streamer.enter_block(self.block, args, kwargs)
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
         """On an OOM inside the block the planner gives kept blocks up and the block runs again:
         the step continues while there is anything left to give up."""
+        if self.graph is not None:
+            return self.graph.replay()
         return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
                             lambda _attempt: self.streamer.relieve_in(self.block))
 
     def post_forward(self, module, output):
-        if not self.block.in_parts:
-            self.streamer.exit(self.block.units[0])
+        graph, self.graph = self.graph, None
+        if graph is None:
+            self.streamer.exit_block(self.block, output, self.fn_ref.original_forward)
         return output
 
 

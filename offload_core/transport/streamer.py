@@ -33,7 +33,9 @@ from .blocks import (
     shared_tensors,
 )
 from .events import Events
-from .order import ExecutionOrder
+from .graphs import CallGraph
+from .kept_graphs import KeptGraphs
+from .order import ExecutionOrder, OrderLearner
 from .prefetch import Prefetcher
 from .stream_hooks import BlockHook, ModelEntryHook, OutsideHook, PartHook, retry_on_oom
 from .towers import find_towers
@@ -44,6 +46,7 @@ _DTYPE = attrgetter("dtype")
 
 class BlockStreamer(TransportBase):
     name = "per-step"
+    graphed = True  # its kept blocks may launch as CUDA graphs (`kept_graphs.py`)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -57,8 +60,7 @@ class BlockStreamer(TransportBase):
         self.order = ExecutionOrder([], lambda u: self.units[u].piece.resident is None)  # as the last cycle ran
         self.prefetch = Prefetcher(self.device, self.units, self.order, ctx.prefetch_window + 1, ctx.streams)
         self.ring = self.prefetch.ring
-        self._guessed: set[str] = set()  # towers whose parts' order is still the registration order
-        self._seen: list[int] = []
+        self.learner = OrderLearner(self.order)  # ``learner.seen``: the units this forward has run
         self._stored: tuple[list[torch.Tensor], list[torch.dtype]] = ([], [])  # streamed tensors, stored dtypes
         self._forward_open = False  # the model was entered and its first block not yet
         self._via_model = False  # forwards come through the model's hook (else a cycle starts at the first block)
@@ -67,6 +69,7 @@ class BlockStreamer(TransportBase):
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
         self.events = Events()  # forward, cycle, oom, end: see events.py
+        self.graphs = KeptGraphs(self.device, ctx.config.cuda_graphs and self.graphed, self.prefetch)
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
@@ -98,7 +101,7 @@ class BlockStreamer(TransportBase):
         streamed = {id(slot.tensor) for slot in slots}
         self._head_bytes = sum(nbytes(t) for t in block_tensors(module) if id(t) not in streamed)
         self.order.set([u.index for u in self.units])
-        self._guessed = {b.tower for b in self.blocks if b.in_parts}
+        self.learner.guessed = {b.tower for b in self.blocks if b.in_parts}
         self.ring.resize(self._largest_streamed())
         self.prefetch.casts.resize(max((u.cast.compute_bytes for u in self.units if u.cast), default=0))
         log.info(
@@ -109,10 +112,16 @@ class BlockStreamer(TransportBase):
             self.prefetch.host_note(self.blocks), self.head_bytes() / 2**30,
         )
 
+    def retune(self, config) -> None:
+        """Options that need no re-hooking: whether kept blocks launch as graphs."""
+        self.ctx.config = config
+        self.graphs.enable(config.cuda_graphs and self.graphed)
+
     def block_grant(self) -> int | None:  # the bytes its blocks may page-lock (None: all of them)
         return self.ctx.pin_bytes
 
     def remove(self, module: torch.nn.Module) -> None:
+        self.graphs.clear()
         remove_hook(module, MARKER)
         while self._hooked:
             remove_hook(self._hooked.pop(), STREAM_HOOK)
@@ -159,21 +168,37 @@ class BlockStreamer(TransportBase):
 
     # -- the per-forward path (graph breaks under torch.compile: they rebind weights) -----------
     @torch.compiler.disable
-    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
+    def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> CallGraph | None:
         """A block is entered: the model's first block entered in a forward begins a cycle (one per
-        forward, whatever order the towers run in and however often); a whole block is made ready."""
+        forward, whatever order the towers run in and however often); a whole block is made ready.
+        A kept block's trusted CUDA graph is returned to be replayed instead of its forward."""
         if self._forward_open or (not self._via_model and (block is self.units[self.order.first()].block
-                                                           or not self._seen)):
+                                                           or not self.learner.seen)):
             self._forward_open = False
             self._begin_cycle(block, args, kwargs)
-        elif self._guessed:
-            self._learn_part_order()
+        elif self.learner.guessed and self.learner.learn_parts(self.units):
+            self.prefetch.prefetch_after(self.units[self.learner.seen[-1]])
+        graph = self.graphs.enter(block, args, kwargs, self.learner.seen)
+        if graph is not None:
+            return graph
         if not block.in_parts:
             self.enter(block.units[0])
+        return None
+
+    @torch.compiler.disable
+    def exit_block(self, block: StreamBlock, output: object, forward) -> None:
+        """A block's eager forward returned (``forward``: its forward under our hook): a whole
+        block is released, and a kept block on its second call with these inputs is captured."""
+        if not block.in_parts:
+            self.exit(block.units[0])
+        self.graphs.exit(block, output, forward, self.learner.seen, type(self.module).__name__)
 
     @torch.compiler.disable
     def enter(self, unit: StreamUnit) -> None:
-        self._seen.append(unit.index)
+        if self.prefetch.capturing:  # a part of a block being captured
+            self.prefetch.bind_captured(unit)
+            return
+        self.learner.seen.append(unit.index)
         retry_on_oom(lambda: self.prefetch.bind(unit), lambda _attempt: self.relieve_in(unit.block))
         self._transit_peak = max(self._transit_peak, self.ring.nbytes)
 
@@ -181,10 +206,14 @@ class BlockStreamer(TransportBase):
         """An allocation inside ``block`` failed: the listeners (the planner) give kept pieces
         up, never ``block``'s; False when nothing could go."""
         self.ooms += 1
+        self.graphs.clear()
         return self.notify("oom", block=block)
 
     @torch.compiler.disable
     def exit(self, unit: StreamUnit) -> None:
+        if self.prefetch.capturing:
+            self.prefetch.unbind_captured(unit)
+            return
         if self.prefetch.release(unit):
             self.ooms += 1
 
@@ -192,49 +221,21 @@ class BlockStreamer(TransportBase):
     def borrow(self, unit: StreamUnit) -> bool:
         """A layer of a whole block runs outside the block's forward: bind the block for it (True)
         unless it is bound or kept already (False)."""
-        if self.prefetch.ready(unit):
+        if self.prefetch.capturing or self.prefetch.ready(unit):
             return False
         retry_on_oom(lambda: self.prefetch.bind(unit), lambda _attempt: self.relieve_in(unit.block))
         return True
-
-    def _learn_part_order(self) -> None:
-        """First forward, a block entered after one that ran in parts: guess its tower's other
-        blocks' parts in the order that one ran them, and refill the prefetch by it. Parts are
-        registered in one order and may run in another (H3's blocks compute their modulation,
-        registered last, first): in the first forward every part was otherwise a missed prefetch
-        that loaded synchronously (H3 at full width: 0.76 s against 0.49 s whole)."""
-        done = self.units[self._seen[-1]].block if self._seen else None  # none yet: a forward's first block
-        if done is None or done.tower not in self._guessed:
-            return
-        ran = [i - done.units[0].index for i in dict.fromkeys(i for i in self._seen if self.units[i].block is done)]
-        if len(ran) != len(done.units):
-            return
-        self._guessed.discard(done.tower)
-        if ran == sorted(ran):
-            return
-        like = [b for b in self.blocks if b.tower == done.tower and len(b.units) == len(done.units)]
-        guess = {u.index: b.units[ran[k]].index for b in like for k, u in enumerate(b.units)}
-        self.order.set([guess.get(i, i) for i in self.order.units])
-        self.prefetch.prefetch_after(self.units[self._seen[-1]])
-
-    def _learn_order(self) -> None:
-        """``_seen``'s order (unless under half ran) is the order to prefetch by; units a partial
-        forward skipped (an interrupt, an unused tower) keep their known order after those it ran."""
-        if self._seen and len(self._seen) >= len(self.order.units) // 2:
-            ran = dict.fromkeys(self._seen)
-            self.order.set([*ran, *(u for u in self.order.units if u not in ran)])
-            self._guessed.clear()
 
     @torch.compiler.disable
     def end_forward(self) -> None:
         """The model's forward returned: learn its order now, before the next forward's first
         copies are queued at its entry, and close the listeners' cycle."""
-        self._learn_order()
+        self.learner.learn()
         self.notify("forward_end")
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
-        self._learn_order()
-        self._seen = []
+        self.learner.learn()
+        self.learner.seen = []
         self.prefetch.release_all()  # a forward that raised never reached exit()
         self.notify("cycle", block=block, args=args, kwargs=kwargs)
 
@@ -270,6 +271,7 @@ class BlockStreamer(TransportBase):
                         self.prefetch.discard(unit.index)
                 piece.resident = self.prefetch.load_kept(piece)
         self.order.refresh()
+        self.graphs.set_kept(frozenset(self.resident_blocks()))
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()
@@ -294,8 +296,9 @@ class BlockStreamer(TransportBase):
         ``first`` failure only: a forward refills them, so only giving kept blocks up, which runs
         out, may repeat."""
         self.ooms += 1
+        self.graphs.clear()
         self.prefetch.release_all()
-        self._seen = []  # the forward runs again from the start
+        self.learner.seen = []  # the forward runs again from the start
         self._forward_open = True
         if first and self.ring.nbytes:
             self.drop_prefetched()
@@ -321,7 +324,7 @@ class BlockStreamer(TransportBase):
         self.notify("end")
         self.prefetch.release_all()
         self.drop_prefetched()
-        self._seen = []
+        self.learner.seen = []
 
     def weights_at_peak(self) -> int:
         """Weight bytes on the device when the allocator peaked: the resident part plus the most
@@ -362,6 +365,7 @@ class BlockStreamer(TransportBase):
 
     def before_write(self) -> None:
         self.drop_prefetched()  # copies made ahead of a weight write would be stale
+        self.graphs.clear()  # a LoRA's hooks are not in them
 
     def give_back(self, nbytes: int) -> int:
         """Release kept pieces, last in the table first, until ``nbytes`` are freed."""
@@ -395,5 +399,6 @@ class BlockStreamer(TransportBase):
             "units": len(self.units),
             "ooms": self.ooms,
             "sync_loads": self.prefetch.sync_loads,
+            **self.graphs.cache.details(),
             **self.prefetch.host_details(self.blocks),
         }

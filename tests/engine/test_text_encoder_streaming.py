@@ -338,7 +338,7 @@ def test_a_partial_forward_learns_what_it_ran_and_keeps_the_rest(wan_pipe) -> No
     registration order and stopped after over half of them is learnt as far as it ran, the units it
     did not reach keep the order known before (none drops out); under half learns nothing; a block
     entered with nothing seen before it and part orders still guessed does not raise (it was an
-    IndexError in ``_learn_part_order``)."""
+    IndexError in ``learn_parts``)."""
     engine = Engine()
     engine.place(wan_pipe, CFG.replace(preload="off", stream_parts=True))
     streamer = engine.states(wan_pipe)["transformer"].transport
@@ -346,17 +346,18 @@ def test_a_partial_forward_learns_what_it_ran_and_keeps_the_rest(wan_pipe) -> No
     assert n >= 6
     streamer.order.set(list(range(n)))
     ran = [*range(n // 2 + 1, 0, -1), n // 2]  # reversed, one unit twice: over half of the units
-    streamer._seen = ran
-    streamer._learn_order()
+    learner = streamer.learner
+    learner.seen = ran
+    learner.learn()
     learnt = [*dict.fromkeys(ran), *(u for u in range(n) if u not in ran)]
     assert streamer.order.units == learnt and sorted(learnt) == list(range(n))
-    streamer._seen = [n - 1, n - 2]  # under half: a forward cut short, nothing learnt
-    streamer._learn_order()
+    learner.seen = [n - 1, n - 2]  # under half: a forward cut short, nothing learnt
+    learner.learn()
     assert streamer.order.units == learnt
-    streamer._seen = []
-    streamer._guessed = {streamer.blocks[0].tower}
-    streamer._learn_part_order()
-    assert streamer._guessed == {streamer.blocks[0].tower} and streamer.order.units == learnt
+    learner.seen = []
+    learner.guessed = {streamer.blocks[0].tower}
+    assert not learner.learn_parts(streamer.units)
+    assert learner.guessed == {streamer.blocks[0].tower} and streamer.order.units == learnt
     engine.release(wan_pipe)
 
 

@@ -1,0 +1,240 @@
+"""CUDA graphs for kept blocks: a block whose weights all stay on the device is launched as one
+captured graph instead of its few dozen kernels, once it has run twice with inputs of one shape.
+
+Why: an image-sized step of a large denoiser is bound by the host launching kernels, not by the
+GPU (bench/README.md, runs 25-29), and the host's speed varies from process to process. A graph
+bakes in every address its kernels read, so it is made only for a block whose weights stay put
+(every piece kept); its inputs are copied into static buffers shared by the blocks of one input
+signature, its outputs come back as fresh tensors, and every graph is dropped when a kept buffer
+may move or a weight is written (a plan change, a LoRA, a shortage, a release). A graph is
+trusted only after its first replay reproduced the eager output bit for bit; a block whose
+capture fails or differs stays eager for that signature. Large inputs (a video's activations)
+stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
+Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..log import get_logger
+
+log = get_logger("graphs")
+
+INPUT_LIMIT = 64 << 20  # tensor bytes a call may take and still be graphed
+SIGNATURES = 4  # input signatures graphed at once; one more (a new size each run) drops them all
+_SCALARS = (type(None), bool, int, float, str)
+Key = tuple
+
+
+def describe(args: tuple, kwargs: dict) -> tuple[Key, list[torch.Tensor]] | None:
+    """(a hashable key of the call: its structure, tensor shapes and dtypes, plain values and the
+    grad/autocast modes; its tensors in order), or None when it cannot be graphed: an object
+    other than tensors, plain values, tuples, lists and dicts, a tensor off the GPU or needing
+    grad, grad enabled, or tensor inputs over the limit."""
+    if torch.is_grad_enabled():
+        return None
+    tensors: list[torch.Tensor] = []
+    key = _describe((args, kwargs), tensors)
+    if key is None or sum(t.nbytes for t in tensors) > INPUT_LIMIT:
+        return None
+    modes = (torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    return (key, modes), tensors
+
+
+def _describe(obj: object, tensors: list[torch.Tensor]) -> object | None:
+    kind = type(obj)
+    if kind is torch.Tensor:
+        if obj.device.type != "cuda" or obj.requires_grad:
+            return None
+        tensors.append(obj)
+        return (obj.shape, obj.stride(), obj.dtype, obj.device.index)
+    if kind is tuple or kind is list:
+        items = tuple(_describe(o, tensors) for o in obj)
+        return None if None in items else (kind, items)
+    if kind is dict:
+        items = tuple((k, _describe(v, tensors)) for k, v in obj.items())
+        return None if any(d is None for _k, d in items) else (dict, items)
+    if kind in _SCALARS:
+        return (kind, obj)
+    return None
+
+
+def rebuild(key: object, tensors: list[torch.Tensor]) -> object:
+    """The call (or output) ``key`` describes, with ``tensors`` in its tensor places, in order."""
+    it = iter(tensors)
+
+    def build(k: object) -> object:
+        if isinstance(k[0], torch.Size):
+            return next(it)
+        kind, value = k
+        if kind is tuple or kind is list:
+            return kind(build(v) for v in value)
+        if kind is dict:
+            return {name: build(v) for name, v in value}
+        return value
+
+    return build(key)
+
+
+@dataclass(eq=False)
+class StaticIO:
+    """The buffers the graphs of one input signature read their inputs from and write their
+    outputs to: one set shared by every block of that signature (they run one after another)."""
+
+    inputs: list[torch.Tensor]
+    outputs: dict[Key, list[torch.Tensor]] = field(default_factory=dict)  # by the output's key
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.inputs) + sum(t.nbytes for ts in self.outputs.values() for t in ts)
+
+    def load(self, tensors: list[torch.Tensor]) -> None:
+        for static, t in zip(self.inputs, tensors, strict=True):
+            static.copy_(t)
+
+
+@dataclass(eq=False)
+class CallGraph:
+    """One block's captured forward for one input signature."""
+
+    graph: torch.cuda.CUDAGraph
+    io: StaticIO
+    out_key: Key
+    units: list[int]  # the unit indices the eager forward ran, in order (the streamer's order learning)
+    inputs: list[torch.Tensor] = field(default_factory=list)  # this call's tensors, set by `GraphCache.plan`
+
+    def replay(self) -> object:
+        """Run the graph on this call's inputs; the outputs as fresh tensors (a caller may keep
+        them past the next block's replay, which rewrites the static outputs)."""
+        self.io.load(self.inputs)
+        self.inputs = []
+        self.graph.replay()
+        return rebuild(self.out_key, [t.clone() for t in self.io.outputs[self.out_key]])
+
+
+class GraphCache:
+    """The graphs of one streamer's kept blocks, by block and input signature, in one memory
+    pool (graphs replayed one after another may share their intermediates' memory)."""
+
+    CAPTURE = "capture"  # `plan`: run eagerly now, then capture
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self._entries: dict[tuple[int, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
+        self._io: dict[Key, StaticIO] = {}
+        self._pool: tuple | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
+        self.captured = self.refused = 0
+
+    def __len__(self) -> int:
+        return sum(isinstance(e, CallGraph) for e in self._entries.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the graphs hold: their pool and the static buffers."""
+        return self.pool_bytes + sum(io.nbytes for io in self._io.values())
+
+    def plan(self, owner: object, args: tuple, kwargs: dict) -> CallGraph | str | None:
+        """For a kept block's call: its trusted graph (with this call's inputs), `CAPTURE` (its
+        second eager call with this signature: capture after it), or None (run eagerly)."""
+        call = describe(args, kwargs)
+        if call is None:
+            return None
+        key, tensors = call
+        entry = self._entries.get((id(owner), key), 0)
+        if type(entry) is CallGraph:
+            entry.inputs = tensors
+            return entry
+        if entry is None:
+            return None
+        self._entries[(id(owner), key)] = entry + 1
+        return self.CAPTURE if entry >= 1 else None
+
+    def capture(self, owner: object, name: str, run: Callable[..., object], args: tuple, kwargs: dict,
+                reference: object, units: list[int]) -> bool:
+        """Capture ``run(*args, **kwargs)`` (the block's forward, its fp8 weights cast inside)
+        on static copies of the inputs, replay it on these inputs and keep it if it reproduces
+        ``reference`` (the eager output of this very call) bit for bit; True when kept."""
+        key, tensors = describe(args, kwargs)
+        out_tensors: list[torch.Tensor] = []
+        out_key = _describe(reference, out_tensors)
+        io = self._static_io(key, tensors)
+        failed: str | None = "the block's output is not tensors"
+        if out_key is not None:
+            outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
+            graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
+            if graph is not None:
+                entry = CallGraph(graph, io, out_key, units, tensors)
+                entry.replay()
+                if all(torch.equal(a, b) for a, b in zip(outs, out_tensors, strict=True)):
+                    self._entries[(id(owner), key)] = entry
+                    self.captured += 1
+                    if self.captured == 1:
+                        log.info("%s: kept blocks launch as CUDA graphs (inputs %s)", name, _shapes(tensors))
+                    return True
+                graph.reset()
+                failed = "its replay differs from the eager forward"
+        self._entries[(id(owner), key)] = None
+        self.refused += 1
+        log.info("%s: stays eager for inputs %s: %s", name, _shapes(tensors), failed)
+        return False
+
+    def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
+                ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+        """The graph of ``run`` on the static inputs, writing the static outputs; or (None, why)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        args, kwargs = call
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        reserved = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    got: list[torch.Tensor] = []
+                    _describe(run(*args, **kwargs), got)
+                    for static, t in zip(outs, got, strict=True):
+                        static.copy_(t)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the block eager, named in the log
+            graph.reset()
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            current.wait_stream(self._stream)
+            self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+        return graph, None
+
+    def _static_io(self, key: Key, tensors: list[torch.Tensor]) -> StaticIO:
+        io = self._io.get(key)
+        if io is None:
+            if len(self._io) >= SIGNATURES:
+                self.clear()
+            io = self._io[key] = StaticIO([torch.empty_like(t) for t in tensors])
+        return io
+
+    def clear(self) -> None:
+        """Drop every graph and static buffer (their memory goes back at the next empty-cache)."""
+        for entry in self._entries.values():
+            if type(entry) is CallGraph:
+                entry.graph.reset()
+        self._entries.clear()
+        self._io.clear()
+        self._pool = None
+        self.pool_bytes = 0
+
+    def details(self) -> dict[str, int]:
+        return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused}
+
+
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    return ", ".join("x".join(map(str, t.shape)) for t in tensors)
