@@ -75,7 +75,7 @@ for row in "$@"; do
     release) run release 60 python3 bench/release_probe.py ;;
     graphs) for st in bf16 fp8_e4m3fn; do  # kept blocks as CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \
-                --out "$ROWS_DIR"
+                $([ "$st" = bf16 ] && echo --video-cap 24) --out "$ROWS_DIR"
             done ;;
     *) echo "== unknown row $row" ;;
   esac

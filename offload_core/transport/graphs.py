@@ -131,6 +131,8 @@ class GraphCache:
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
         self.captured = self.refused = 0
+        self.starved = False  # a capture ran out of memory: none until the next `clear` (a new plan)
+        self._said: set[str] = set()  # refusal reasons logged once
 
     def __len__(self) -> int:
         return sum(isinstance(e, CallGraph) for e in self._entries.values())
@@ -143,6 +145,8 @@ class GraphCache:
     def plan(self, owner: object, args: tuple, kwargs: dict) -> CallGraph | str | None:
         """For a kept block's call: its trusted graph (with this call's inputs), `CAPTURE` (its
         second eager call with this signature: capture after it), or None (run eagerly)."""
+        if self.starved:
+            return None
         call = describe(args, kwargs)
         if call is None:
             return None
@@ -182,7 +186,14 @@ class GraphCache:
                 failed = "its replay differs from the eager forward"
         self._entries[(id(owner), key)] = None
         self.refused += 1
-        log.info("%s: stays eager for inputs %s: %s", name, _shapes(tensors), failed)
+        if not len(self):  # nothing uses the pool: its memory goes back, a new one next time
+            self._pool, self.pool_bytes = None, 0
+            torch.cuda.empty_cache()
+        said = failed.split(":")[0]
+        (log.debug if said in self._said else log.info)(
+            "%s: stays eager for inputs %s: %s%s", name, _shapes(tensors), failed,
+            " (no more captures until the plan changes)" if self.starved else "")
+        self._said.add(said)
         return False
 
     def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
@@ -208,6 +219,7 @@ class GraphCache:
                     graph.capture_end()
         except Exception as exc:  # noqa: BLE001 - any failure leaves the block eager, named in the log
             graph.reset()
+            self.starved = isinstance(exc, torch.OutOfMemoryError)
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         finally:
             current.wait_stream(self._stream)
@@ -231,6 +243,7 @@ class GraphCache:
         self._io.clear()
         self._pool = None
         self.pool_bytes = 0
+        self.starved = False
 
     def details(self) -> dict[str, int]:
         return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused}

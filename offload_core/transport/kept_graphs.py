@@ -34,12 +34,13 @@ class KeptGraphs:
         return None
 
     def exit(self, block: StreamBlock, output: object, forward: Callable[..., object], seen: list[int],
-             name: str) -> None:
+             name: str) -> bool:
         """A block's eager forward returned ``output`` and released its units: captured now if its
-        entry asked for it (``forward``: the block's forward under the streamer's hook)."""
+        entry asked for it (``forward``: the block's forward under the streamer's hook); True
+        when a capture was tried (its allocations are not the forward's)."""
         pending, self._pending = self._pending, None
         if pending is None or pending[0] is not block:
-            return
+            return False
         _block, args, kwargs, mark = pending
         whole = None if block.in_parts else block.units[0]
 
@@ -53,6 +54,7 @@ class KeptGraphs:
             self.cache.capture(block, f"{name} {block.name}", run, args, kwargs, output, seen[mark:])
         finally:
             self.prefetch.end_capture()
+        return True
 
     def set_kept(self, kept: frozenset[int]) -> None:
         """The blocks kept whole now: graphs are dropped when one of theirs leaves (its buffer goes)."""

@@ -97,6 +97,7 @@ class PreloadDriver:
         self._workload_by_entry: dict[tuple, int] = {}
         self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
         self.shared: SharedBudget | None = None  # the other denoisers of the pipeline (`share`)
+        self._captured = False  # this cycle captured CUDA graphs: its peak and retries are not activations
         streamer.events.subscribe(self.NAME, self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -138,6 +139,7 @@ class PreloadDriver:
         others hold, and the allocator's retries so far, as the baselines: what the non-block part
         makes before the first block counts as ours, what ran between forwards (a VAE) does not."""
         self._retries = self.memory.allocator_retries(self.streamer.device)
+        self._captured = False
         self._entry = entry_signature(args, kwargs)
         self._entering = False
         coming = self._coming_workload()
@@ -180,9 +182,13 @@ class PreloadDriver:
         elif event == "oom":
             block = info["block"]
             return self.relieve(streamer.pieces_of({block.index}) if block is not None else set())
+        elif event == "captured":  # the capture's own allocations are neither a shortage nor a measure
+            self._captured = True
+            self._retries = self.memory.allocator_retries(self.streamer.device)
         elif event == "forward_end":  # the cycle's measure is the denoiser's forward alone
             self._check_shortage()
-            self.planner.end_cycle(self._usage())
+            self.planner.end_cycle(None if self._captured else self._usage())
+            self._captured = False
         elif event == "end":
             self.planner.end_cycle()  # a forward that raised: nothing to measure
         return False

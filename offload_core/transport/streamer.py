@@ -191,7 +191,8 @@ class BlockStreamer(TransportBase):
         block is released, and a kept block on its second call with these inputs is captured."""
         if not block.in_parts:
             self.exit(block.units[0])
-        self.graphs.exit(block, output, forward, self.learner.seen, type(self.module).__name__)
+        if self.graphs.exit(block, output, forward, self.learner.seen, type(self.module).__name__):
+            self.notify("captured")
 
     @torch.compiler.disable
     def enter(self, unit: StreamUnit) -> None:
