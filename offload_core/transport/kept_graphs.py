@@ -56,10 +56,11 @@ class KeptGraphs:
             self.prefetch.end_capture()
         return True
 
-    def set_kept(self, kept: frozenset[int]) -> None:
-        """The blocks kept whole now: graphs are dropped when one of theirs leaves (its buffer goes)."""
-        if self.kept - kept:
-            self.cache.clear()
+    def set_kept(self, kept: frozenset[int], blocks: list[StreamBlock]) -> None:
+        """The blocks kept whole now: a block that left loses its graphs (its buffer is gone)."""
+        left = self.kept - kept
+        if left:
+            self.cache.drop({id(blocks[i]) for i in left})
         self.kept = kept
 
     def enable(self, on: bool) -> None:

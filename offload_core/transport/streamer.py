@@ -272,7 +272,7 @@ class BlockStreamer(TransportBase):
                         self.prefetch.discard(unit.index)
                 piece.resident = self.prefetch.load_kept(piece)
         self.order.refresh()
-        self.graphs.set_kept(frozenset(self.resident_blocks()))
+        self.graphs.set_kept(frozenset(self.resident_blocks()), self.blocks)
         largest = self._largest_streamed()
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()
