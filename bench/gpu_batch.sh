@@ -13,7 +13,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: kept blocks as CUDA graphs off and on, ~5 min). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: kept blocks as CUDA graphs off and on, ~5 min), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -31,7 +31,7 @@ run() {  # run NAME MIN_SECONDS COMMAND...: skipped when fewer than MIN_SECONDS 
   echo "== [$((SECONDS - T0))s] $name: $*"
   OUT="$ROWS_DIR" timeout -k 10 "$((L - 5))" "$@" > "$ROWS_DIR/$name.log" 2>&1
   echo "== [$((SECONDS - T0))s] $name rc=$?"
-  grep -E '^\||"section": "(preload_auto|resident|engine|auto|trace)"|^-- run|^   (text encode|move|denoise  )|row"|SUMMARY|EXCEEDS|within' \
+  grep -E '^\||"section": "(preload_auto|resident|engine|auto|trace)"|^-- run|^   (text encode|move|denoise  )|row"|SUMMARY|EXCEEDS|within|passed|failed|Error' \
     "$ROWS_DIR/$name.log" | cut -c1-400 | tail -40
 }
 
@@ -73,6 +73,7 @@ for row in "$@"; do
                --json "$ROWS_DIR/noexp_$st.json"
            done ;;
     release) run release 60 python3 bench/release_probe.py ;;
+    gputests) run gputests 60 python3 -m pytest tests/gpu -q -p no:cacheprovider -p no:warnings -rs ;;
     graphs) for st in bf16 fp8_e4m3fn; do  # kept blocks as CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \
                 $([ "$st" = bf16 ] && echo --video-cap 24) --out "$ROWS_DIR"

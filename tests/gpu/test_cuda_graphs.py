@@ -1,0 +1,122 @@
+"""Kept blocks as CUDA graphs (``transport/graphs.py``), on a CUDA device: the tiny Wan pipeline's
+outputs with graphs equal its outputs without, bit for bit, whatever happens to the kept set
+(a block leaves, a weight write, fp8 storage, a block that cannot be captured); nothing of ours
+stays after release. Skipped where there is no CUDA device (CI): run on the GPU machine with
+``python3 -m pytest tests/gpu`` (bench/gpu_batch.sh row ``gputests``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.state import leftovers
+from diffusers_offload.offload_core.transport import graphs as graphs_module
+from fixtures.tiny_pipes import load_wan, run_wan
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000")
+
+
+def _runs(pipe, config: OffloadConfig, runs: int = 2, between=None) -> tuple[list[torch.Tensor], dict]:
+    """``runs`` pipeline runs placed with ``config`` (``between(streamer)`` after the first): the
+    outputs and the streamer's details after the last, then a release checked clean."""
+    engine = Engine()
+    engine.place(pipe, config)
+    streamer = engine.states(pipe)["transformer"].transport
+    outs = []
+    try:
+        for k in range(runs):
+            outs.append(run_wan(pipe).cpu())
+            engine.after_run(pipe)
+            if k == 0 and between is not None:
+                between(streamer)
+        details = streamer.details()
+    finally:
+        engine.release(pipe)
+    assert leftovers(pipe.transformer) == []
+    assert streamer.graphs.cache.nbytes == 0
+    return outs, details
+
+
+@pytest.fixture
+def pipe(tiny_wan_dir):
+    return load_wan(tiny_wan_dir)
+
+
+def test_kept_blocks_replay_graphs_that_equal_the_eager_forward(pipe) -> None:
+    eager, off = _runs(pipe, OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = _runs(pipe, OffloadConfig(**BASE))
+    assert off["graphs"] == 0
+    assert on["graphs"] == on["blocks"] > 0 and on["graphs_refused"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def test_a_block_leaving_the_kept_set_drops_its_graphs_only(pipe) -> None:
+    eager, _ = _runs(pipe, OffloadConfig(**BASE, cuda_graphs=False))
+
+    def shrink(streamer) -> None:
+        before = len(streamer.graphs.cache)
+        streamer.events.unsubscribe("preload")  # the planner would keep them again
+        streamer.set_resident(streamer.pieces_of({0}))
+        assert 0 < len(streamer.graphs.cache) < before
+        assert len(streamer.graphs.cache) == len(streamer.resident_blocks())
+
+    graphed, on = _runs(pipe, OffloadConfig(**BASE), between=shrink)
+    assert on["kept"] == 1 and on["graphs"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def test_a_weight_write_drops_every_graph_and_the_next_ones_capture_the_new_forward(tiny_wan_dir) -> None:
+    """``before_write`` (a LoRA's write: fused values, or unfused hooks on its layers) drops the
+    graphs; a hook added to a kept block's layer afterwards is in the graphs captured next, as it
+    is in the eager forward (a graph kept from before would skip it)."""
+    def write(streamer) -> None:
+        streamer.before_write()
+        assert len(streamer.graphs.cache) == 0
+        streamer.blocks[0].module.ffn.register_forward_hook(lambda _m, _i, out: out + 1.0)
+
+    eager, _ = _runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False), between=write)
+    graphed, on = _runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), between=write)
+    assert on["graphs"] == on["blocks"]
+    assert not torch.equal(eager[0], eager[1])  # the hook changed the output
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def test_fp8_kept_blocks_graph_their_cast(pipe, tiny_wan_dir) -> None:
+    def fp8(p):
+        p.transformer.to(torch.bfloat16)
+        store_fp8(p.transformer, torch.float8_e4m3fn, torch.bfloat16)
+        return p
+
+    eager, _ = _runs(fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = _runs(fp8(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
+    assert on["graphs"] == on["blocks"] and on["graphs_refused"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def test_a_block_that_cannot_be_captured_stays_eager(pipe, tiny_wan_dir) -> None:
+    """A block whose forward reads a value on the host (a sync: illegal in a capture) is refused
+    by name and runs eagerly; the others are graphed; the output is unchanged."""
+    def syncing(p):
+        block = p.transformer.blocks[0]
+        forward = block.forward
+
+        def reads_a_value(*args, **kwargs):
+            if float(args[0].abs().amax()) < 0:  # .item(): a host read
+                raise AssertionError
+            return forward(*args, **kwargs)
+
+        block.forward = reads_a_value
+        return p
+
+    eager, _ = _runs(syncing(pipe), OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = _runs(syncing(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
+    assert on["graphs_refused"] >= 1 and on["graphs"] == on["blocks"] - 1
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def test_inputs_over_the_limit_stay_eager(pipe, monkeypatch) -> None:
+    monkeypatch.setattr(graphs_module, "INPUT_LIMIT", 0)
+    _outs, on = _runs(pipe, OffloadConfig(**BASE))
+    assert on["graphs"] == 0 and on["graphs_refused"] == 0
