@@ -248,6 +248,14 @@ def children_streamed(block: StreamBlock) -> list[torch.nn.Module]:
     return [c for c in block.module.children() if any(id(t) in mine for t in block_tensors(c))]
 
 
+def move_outside(module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> None:
+    """Move every tensor outside the tower blocks (ids ``tower_ids``) to ``device``."""
+    for sub in modules_outside(module, tower_ids):
+        for t in (*sub._parameters.values(), *sub._buffers.values()):
+            if t is not None and t.device != device:
+                t.data = t.data.to(device)
+
+
 def modules_outside(root: torch.nn.Module, skip: set[int]):
     stack = [root]
     while stack:

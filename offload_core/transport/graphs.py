@@ -234,18 +234,6 @@ class GraphCache:
             io = self._io[key] = StaticIO([torch.empty_like(t) for t in tensors])
         return io
 
-    def drop(self, owners: set[int]) -> None:
-        """Drop the graphs of the blocks ``owners`` (ids) only: the others keep the shared pool,
-        so its memory, which the plan has made room for, stays with them. Captures may be tried
-        again (a block left: there may be room now)."""
-        for k in [k for k in self._entries if k[0] in owners]:
-            entry = self._entries.pop(k)
-            if type(entry) is CallGraph:
-                entry.graph.reset()
-        self.starved = False
-        if not len(self):
-            self.clear()
-
     def clear(self) -> None:
         """Drop every graph and static buffer (their memory goes back at the next empty-cache)."""
         for entry in self._entries.values():

@@ -1,6 +1,15 @@
-"""The block streamer's use of CUDA graphs (`graphs.py`): which blocks may be graphed (those with
-every piece kept), when one is captured (after its eager forward, on its second call with those
-inputs), and what a capture binds (a kept fp8 unit's weights, cast inside the graph)."""
+"""The block streamer's use of CUDA graphs (`graphs.py`): when its blocks are graphed (while the
+plan keeps every block: nothing streams), when one is captured (after its eager forward, on its
+second call with those inputs), and what a capture binds (a kept fp8 unit's weights, cast inside
+the graph).
+
+Why only when every block is kept: the graphs' pool (a block's intermediates, an fp8 block's
+compute values) is device memory the plan would otherwise keep blocks in. Where blocks stream, the
+step is bound by the copies on a fast host, and a piece fewer kept costs more than the launches
+saved; where every block is kept, the step is bound by the launches and the pool is spare room.
+A plan that starts streaming drops the graphs (their pool goes back to it) and no new ones are
+made until the pipeline call ends: the freed room would otherwise bring the blocks back, and
+the graphs' pool push them out again, every step."""
 
 from __future__ import annotations
 
@@ -17,13 +26,14 @@ class KeptGraphs:
     def __init__(self, device: torch.device, enabled: bool, prefetch: Prefetcher) -> None:
         self.cache = GraphCache(device, enabled)
         self.prefetch = prefetch
-        self.kept: frozenset[int] = frozenset()  # blocks with every piece kept
+        self.active = False  # the plan keeps every block and has not displaced graphs this call
+        self._displaced = False  # this call's plan streamed after graphs were made
         self._pending: tuple | None = None  # (block, args, kwargs, len(seen) at its entry): capture at its exit
 
     def enter(self, block: StreamBlock, args: tuple, kwargs: dict, seen: list[int]) -> CallGraph | None:
         """A block is entered: its trusted graph, to replay instead of its forward (the units it
         runs are added to ``seen``), or None: run eagerly (maybe to be captured at its exit)."""
-        if block.index not in self.kept or not self.cache.enabled:
+        if not self.active or not self.cache.enabled:
             return None
         plan = self.cache.plan(block, args, kwargs)
         if type(plan) is CallGraph:
@@ -56,12 +66,18 @@ class KeptGraphs:
             self.prefetch.end_capture()
         return True
 
-    def set_kept(self, kept: frozenset[int], blocks: list[StreamBlock]) -> None:
-        """The blocks kept whole now: a block that left loses its graphs (its buffer is gone)."""
-        left = self.kept - kept
-        if left:
-            self.cache.drop({id(blocks[i]) for i in left})
-        self.kept = kept
+    def set_plan(self, streams: bool) -> None:
+        """The resident set changed: ``streams`` when a piece is not kept (its block's graph would
+        read a buffer that is gone)."""
+        if streams and len(self.cache):
+            self.cache.clear()
+            self._displaced = True
+        self.active = not streams and not self._displaced
+
+    def after_run(self, streams: bool) -> None:
+        """A pipeline call ended: the next may graph again if its plan keeps every block."""
+        self._displaced = False
+        self.active = not streams
 
     def enable(self, on: bool) -> None:
         self.cache.enabled = on and self.cache.device.type == "cuda"

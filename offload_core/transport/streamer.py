@@ -28,7 +28,7 @@ from .blocks import (
     children_streamed,
     make_block,
     make_pieces,
-    modules_outside,
+    move_outside,
     nbytes,
     shared_tensors,
 )
@@ -112,8 +112,7 @@ class BlockStreamer(TransportBase):
             self.prefetch.host_note(self.blocks), self.head_bytes() / 2**30,
         )
 
-    def retune(self, config) -> None:
-        """Options that need no re-hooking: whether kept blocks launch as graphs."""
+    def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
         self.graphs.enable(config.cuda_graphs and self.graphed)
 
@@ -140,11 +139,7 @@ class BlockStreamer(TransportBase):
         self.module = None
 
     def _move_head(self, module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> None:
-        """Move every tensor outside the tower blocks to ``device``."""
-        for sub in modules_outside(module, tower_ids):
-            for t in (*sub._parameters.values(), *sub._buffers.values()):
-                if t is not None and t.device != device:
-                    t.data = t.data.to(device)
+        move_outside(module, tower_ids, device)  # (the encoder streamer keeps its head home until used)
 
     def _refuse_cast(self) -> None:
         """A weight cast after placement (``model.to(dtype)``, layerwise casting) would be
@@ -272,8 +267,8 @@ class BlockStreamer(TransportBase):
                         self.prefetch.discard(unit.index)
                 piece.resident = self.prefetch.load_kept(piece)
         self.order.refresh()
-        self.graphs.set_kept(frozenset(self.resident_blocks()), self.blocks)
         largest = self._largest_streamed()
+        self.graphs.set_plan(streams=largest > 0)
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()
             self.ring.resize(largest)
@@ -283,8 +278,7 @@ class BlockStreamer(TransportBase):
         self.prefetch.set_buffers(max(buffers, self.ctx.prefetch_window + 1))
 
     def fill_ring(self) -> bool:
-        """With prefetch on, make the ring's missing buffers now (a planned change: see
-        `BufferRing.fill`); True when any was made."""
+        """With prefetch on, make the ring's missing buffers now (`BufferRing.fill`); True if any."""
         return self.prefetch.fill()
 
     def _largest_streamed(self) -> int:
@@ -306,7 +300,7 @@ class BlockStreamer(TransportBase):
             return True
         return self.notify("oom", block=None)
 
-    def drop_prefetched(self) -> None:
+    def drop_prefetched(self) -> None:  # copies made ahead, and the idle buffers
         self.prefetch.drop_prefetched()
 
     def pieces_of(self, blocks: set[int]) -> set[int]:
@@ -323,6 +317,7 @@ class BlockStreamer(TransportBase):
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
         self.notify("end")
+        self.graphs.after_run(streams=self._largest_streamed() > 0)
         self.prefetch.release_all()
         self.drop_prefetched()
         self.learner.seen = []

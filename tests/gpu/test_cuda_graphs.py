@@ -19,8 +19,8 @@ BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preloa
 
 
 def _runs(pipe, config: OffloadConfig, runs: int = 2, between=None) -> tuple[list[torch.Tensor], dict]:
-    """``runs`` pipeline runs placed with ``config`` (``between(streamer)`` after the first): the
-    outputs and the streamer's details after the last, then a release checked clean."""
+    """``runs`` pipeline runs placed with ``config`` (``between(streamer, k)`` after run k but the
+    last): the outputs and the streamer's details after the last, then a release checked clean."""
     engine = Engine()
     engine.place(pipe, config)
     streamer = engine.states(pipe)["transformer"].transport
@@ -29,8 +29,8 @@ def _runs(pipe, config: OffloadConfig, runs: int = 2, between=None) -> tuple[lis
         for k in range(runs):
             outs.append(run_wan(pipe).cpu())
             engine.after_run(pipe)
-            if k == 0 and between is not None:
-                between(streamer)
+            if k < runs - 1 and between is not None:
+                between(streamer, k)
         details = streamer.details()
     finally:
         engine.release(pipe)
@@ -52,18 +52,24 @@ def test_kept_blocks_replay_graphs_that_equal_the_eager_forward(pipe) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
-def test_a_block_leaving_the_kept_set_drops_its_graphs_only(pipe) -> None:
-    eager, _ = _runs(pipe, OffloadConfig(**BASE, cuda_graphs=False))
+def test_a_plan_that_streams_drops_the_graphs_until_the_call_ends(tiny_wan_dir) -> None:
+    """Graphs only while every block is kept: a plan that streams drops them all and makes none
+    for the rest of the call; the next call whose plan keeps everything graphs again."""
+    def shrink_then_grow(streamer, k: int) -> None:
+        if k == 0:
+            assert len(streamer.graphs.cache) == len(streamer.blocks)
+            streamer.events.unsubscribe("preload")  # the planner would keep them again
+            streamer.set_resident(streamer.pieces_of({0}))
+            assert len(streamer.graphs.cache) == 0 and not streamer.graphs.active
+        else:
+            assert len(streamer.graphs.cache) == 0  # the streaming call made none
+            streamer.set_resident({p.index for p in streamer.pieces})
+            assert streamer.graphs.active
 
-    def shrink(streamer) -> None:
-        before = len(streamer.graphs.cache)
-        streamer.events.unsubscribe("preload")  # the planner would keep them again
-        streamer.set_resident(streamer.pieces_of({0}))
-        assert 0 < len(streamer.graphs.cache) < before
-        assert len(streamer.graphs.cache) == len(streamer.resident_blocks())
-
-    graphed, on = _runs(pipe, OffloadConfig(**BASE), between=shrink)
-    assert on["kept"] == 1 and on["graphs"] == 1
+    config = OffloadConfig(**BASE, cuda_graphs=False)
+    eager, _ = _runs(load_wan(tiny_wan_dir), config, runs=3)
+    graphed, on = _runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), runs=3, between=shrink_then_grow)
+    assert on["kept"] == on["blocks"] and on["graphs"] == on["blocks"]
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
@@ -71,7 +77,7 @@ def test_a_weight_write_drops_every_graph_and_the_next_ones_capture_the_new_forw
     """``before_write`` (a LoRA's write: fused values, or unfused hooks on its layers) drops the
     graphs; a hook added to a kept block's layer afterwards is in the graphs captured next, as it
     is in the eager forward (a graph kept from before would skip it)."""
-    def write(streamer) -> None:
+    def write(streamer, _k: int) -> None:
         streamer.before_write()
         assert len(streamer.graphs.cache) == 0
         streamer.blocks[0].module.ffn.register_forward_hook(lambda _m, _i, out: out + 1.0)

@@ -1,0 +1,129 @@
+"""The CPU side of kept blocks as CUDA graphs (the graphs themselves run in tests/gpu): the option
+reaches the streamer and a retune turns it off, a CPU placement makes none, a capture binds a kept
+fp8 unit's weights to values cast into its own buffer and gives the stored bytes back after, and
+a cycle that captured is neither measured nor a shortage for the planner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.memory import MemoryReader
+from diffusers_offload.offload_core.preload import planner as planner_module
+from diffusers_offload.offload_core.preload.measures import MeasureStore
+from diffusers_offload.offload_core.transport import graphs
+from diffusers_offload.offload_core.transport.cast import CastPool
+from fixtures.tiny_pipes import load_wan, run_wan
+
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+
+
+def test_the_option_reaches_the_streamer_and_a_retune_turns_it_off(wan_pipe) -> None:
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="1000"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    assert not streamer.graphs.cache.enabled  # a CPU device: nothing to capture on
+    run_wan(wan_pipe)
+    details = streamer.details()
+    assert (details["graphs"], details["graph_bytes"], details["graphs_refused"]) == (0, 0, 0)
+    streamer.graphs.cache.enabled = True  # as on a GPU
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="1000", cuda_graphs=False))  # a retune, not a re-place
+    assert engine.states(wan_pipe)["transformer"].transport is streamer
+    assert not streamer.graphs.cache.enabled
+    engine.release(wan_pipe)
+
+
+def test_the_text_encoder_streamer_is_never_graphed(wan_pipe) -> None:
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, mode="auto"))
+    encoder = engine.states(wan_pipe)["text_encoder"].transport
+    assert type(encoder).graphed is False and not encoder.graphs.cache.enabled
+    engine.release(wan_pipe)
+
+
+def test_describe_refuses_what_a_graph_cannot_replay() -> None:
+    """Host tensors, tensors needing grad, objects other than tensors and plain values, and any
+    call with grad enabled stay eager."""
+    with torch.no_grad():
+        assert graphs.describe((torch.ones(2),), {}) is None  # on the host
+        assert graphs.describe((), {"x": object()}) is None
+    assert graphs.describe((), {"scale": 1.0}) is None  # grad enabled
+    with torch.no_grad():
+        key, tensors = graphs.describe((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
+        assert tensors == [] and graphs.rebuild(key[0], []) == ((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
+        assert graphs.describe((), {"scale": 2.0})[0] != graphs.describe((), {"scale": 1.0})[0]
+
+
+def test_a_capture_binds_a_kept_fp8_unit_to_its_own_cast_and_gives_the_stored_bytes_back(tiny_wan_dir) -> None:
+    pipe = load_wan(tiny_wan_dir)
+    pipe.transformer.to(torch.bfloat16)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**BASE, preload="1000"))
+    streamer = engine.states(pipe)["transformer"].transport
+    unit = next(u for u in streamer.units if u.cast is not None)
+    fp8 = [slot.tensor for slot in unit.slots[: unit.cast.count]]
+    stored = [t.data for t in fp8]
+    _buf, expected = CastPool(torch.device("cpu")).cast(unit.index, unit.cast, unit.kept)
+    streamer.prefetch.capturing = True
+    try:
+        streamer.enter(unit)
+        assert all(t.dtype == torch.bfloat16 for t in fp8)
+        assert all(torch.equal(t, e) for t, e in zip(fp8, expected, strict=True))
+        assert not any(t.data_ptr() == e.data_ptr() for t, e in zip(fp8, expected, strict=True))
+        assert streamer.learner.seen == []  # a capture is not a forward the order learns from
+        streamer.exit(unit)
+        assert [t.data_ptr() for t in fp8] == [s.data_ptr() for s in stored]
+        assert all(t.dtype == torch.float8_e4m3fn for t in fp8)
+    finally:
+        streamer.prefetch.end_capture()
+    assert not streamer.prefetch.capturing and streamer.prefetch._captured == {}
+    engine.release(pipe)
+
+
+class _Card(MemoryReader):
+    """A scripted device: plenty free, a peak and a retry count the test sets."""
+
+    def __init__(self) -> None:
+        self.peak, self.retries = 1 << 20, 0
+
+    def device_free(self, device):
+        return (64 << 30, 0)
+
+    def peak_allocated(self, device):
+        return self.peak
+
+    def allocator_retries(self, device):
+        return self.retries
+
+
+def test_a_cycle_that_captured_is_neither_measured_nor_a_shortage(wan_pipe, monkeypatch) -> None:
+    monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no earlier test's measures
+    monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # tiny blocks are kept
+    card = _Card()
+    engine = Engine(memory=card)
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="auto"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    planner = streamer.driver.planner
+    run_wan(wan_pipe, num_inference_steps=1)
+    measured, kept = planner.measured_peak(planner.last_workload), streamer.resident_indices()
+    assert measured is not None and kept
+
+    def capture_in_cycle(event, source, **_):
+        if event == "cycle":  # a capture allocates (the peak) and may flush the cache (a retry)
+            card.peak, card.retries = card.peak + (1 << 30), card.retries + 1
+            source.notify("captured")
+        return False
+
+    streamer.events.subscribe("capture", capture_in_cycle)
+    run_wan(wan_pipe, num_inference_steps=1)
+    assert planner.measured_peak(planner.last_workload) == measured
+    assert planner.penalty(planner.last_workload) == 0 and streamer.resident_indices() == kept
+    streamer.events.unsubscribe("capture")
+    engine.release(wan_pipe)
+
+
+@pytest.fixture
+def wan_pipe(tiny_wan_dir):
+    return load_wan(tiny_wan_dir)
