@@ -73,7 +73,7 @@ for row in "$@"; do
                --json "$ROWS_DIR/noexp_$st.json"
            done ;;
     release) run release 60 python3 bench/release_probe.py ;;
-    gputests) run gputests 60 python3 -m pytest tests/gpu -q -p no:cacheprovider -p no:warnings -rs ;;
+    gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;
     graphs) for st in bf16 fp8_e4m3fn; do  # kept blocks as CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \
                 $([ "$st" = bf16 ] && echo --video-cap 24) --out "$ROWS_DIR"

@@ -62,6 +62,8 @@ class ComponentReport:
             extra = f", blocks kept {self.details['kept']}/{self.details['blocks']}"
             held = int(self.details.get("kept_bytes", 0))  # whole blocks and blocks' largest parts
             extra += f" ({gib(held)} kept)" if held else ""
+            graphs = int(self.details.get("graphs", 0))
+            extra += f", {graphs} as CUDA graphs ({gib(int(self.details['graph_bytes']))})" if graphs else ""
         lora = self.details.get("lora")
         if isinstance(lora, dict):
             extra += _lora_text(lora)
