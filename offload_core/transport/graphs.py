@@ -26,6 +26,7 @@ log = get_logger("graphs")
 
 INPUT_LIMIT = 64 << 20  # tensor bytes a call may take and still be graphed
 SIGNATURES = 4  # input signatures graphed at once; one more (a new size each run) drops them all
+CALLS_KEPT = 4096  # (block, signature) counts kept; inputs that change every call (a float) would grow them
 _SCALARS = (type(None), bool, int, float, str)
 Key = tuple
 
@@ -157,6 +158,8 @@ class GraphCache:
             return entry
         if entry is None:
             return None
+        if not entry and len(self._entries) >= CALLS_KEPT:
+            self.clear()
         self._entries[(id(owner), key)] = entry + 1
         return self.CAPTURE if entry >= 1 else None
 
