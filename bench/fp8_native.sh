@@ -7,6 +7,7 @@
 # Here, once: `bash bench/comfy_coexist.sh prep <2026 ComfyUI tree>` fills the ignored .gpu/.
 # On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"] [GGUF="gguf_q8_0"]
+# (NATIVE_WORKLOADS=small times native on the image-like workload only.)
 # Then, while time is left, each GGUF storage of GGUF (one image-like row at the first cap).
 # Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/cast_probe.json, $OUT/wan_bench_<storage>.json (+ .log).
 set -u
@@ -35,7 +36,7 @@ for cap in $CAPS; do
   if [ "$L" -lt 40 ]; then echo "== skip native cap=$cap: ${L}s left"; continue; fi
   echo "== [$((SECONDS-T0))s] native fp8_e4m3fn cap=$cap"
   timeout -k 10 $(( L < 200 ? L : 200 )) python3 .gpu/native_anchor/native_bench.py --comfy-dir .gpu/comfyui \
-    --model "$M" --cap-gb "$cap" --weight-dtype fp8_e4m3fn --workloads small,video --tag fp8 \
+    --model "$M" --cap-gb "$cap" --weight-dtype fp8_e4m3fn --workloads "${NATIVE_WORKLOADS:-small,video}" --tag fp8 \
     --json-out "$OUT/native.jsonl"
   echo "native cap=$cap rc=$?"
 done
