@@ -4,7 +4,7 @@ captured graph instead of its few dozen kernels, once it has run twice with inpu
 Why: an image-sized step of a large denoiser is bound by the host launching kernels, not by the
 GPU (bench/README.md, runs 25-29), and the host's speed varies from process to process. A graph
 bakes in every address its kernels read, so it is made only for a block whose weights stay put
-(every piece kept); its inputs are copied into static buffers shared by the blocks of one input
+(every piece kept; `kept_graphs.py` says when); its inputs are copied into static buffers shared by the blocks of one input
 signature, its outputs come back as fresh tensors, and every graph is dropped when a kept buffer
 may move or a weight is written (a plan change, a LoRA, a shortage, a release). A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
@@ -132,7 +132,7 @@ class GraphCache:
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
         self.captured = self.refused = 0
-        self.starved = False  # a capture ran out of memory: none until the next `clear` (a new plan)
+        self.starved = False  # a capture ran out of memory: none until the next `clear`
         self._said: set[str] = set()  # refusal reasons logged once
 
     def __len__(self) -> int:
@@ -195,7 +195,7 @@ class GraphCache:
         said = failed.split(":")[0]
         (log.debug if said in self._said else log.info)(
             "%s: stays eager for inputs %s: %s%s", name, _shapes(tensors), failed,
-            " (no more captures until the plan changes)" if self.starved else "")
+            " (no more captures until the graphs are dropped)" if self.starved else "")
         self._said.add(said)
         return False
 
