@@ -220,13 +220,17 @@ class GraphCache:
                         static.copy_(t)
                 finally:
                     graph.capture_end()
-        except Exception as exc:  # noqa: BLE001 - any failure leaves the block eager, named in the log
+        except BaseException as exc:  # any failure leaves the block eager, named in the log
             graph.reset()
+            if not isinstance(exc, Exception):  # an interrupt: no graph survives a half-made pool
+                self.clear()
+                raise
             self.starved = isinstance(exc, torch.OutOfMemoryError)
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         finally:
             current.wait_stream(self._stream)
-            self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
+            if self._pool is not None:
+                self.pool_bytes += max(0, torch.cuda.memory_reserved(self.device) - reserved)
         return graph, None
 
     def _static_io(self, key: Key, tensors: list[torch.Tensor]) -> StaticIO:
