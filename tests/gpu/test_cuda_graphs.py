@@ -1,6 +1,6 @@
 """Kept blocks as CUDA graphs (``transport/graphs.py``), on a CUDA device: the tiny Wan pipeline's
 outputs with graphs equal its outputs without, bit for bit, whatever happens to the kept set
-(a block leaves, a weight write, fp8 storage, a block that cannot be captured); nothing of ours
+(a plan that streams, a weight write, fp8 storage, a block that cannot be captured); nothing of ours
 stays after release. Skipped where there is no CUDA device (CI): run on the GPU machine with
 ``python3 -m pytest tests/gpu`` (bench/gpu_batch.sh row ``gputests``)."""
 
