@@ -125,7 +125,7 @@ class GraphCache:
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
         self.device = device
-        self.enabled = enabled and device.type == "cuda"
+        self.enabled = False
         self._entries: dict[tuple[int, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
         self._io: dict[Key, StaticIO] = {}
         self._pool: tuple | None = None
@@ -134,6 +134,13 @@ class GraphCache:
         self.captured = self.refused = 0
         self.starved = False  # a capture ran out of memory: none until the next `clear`
         self._said: set[str] = set()  # refusal reasons logged once
+        self.enable(enabled)
+
+    def enable(self, on: bool) -> None:
+        """Graphs on (where the device is CUDA) or off (every graph dropped)."""
+        self.enabled = on and self.device.type == "cuda"
+        if not self.enabled:
+            self.clear()
 
     def __len__(self) -> int:
         return sum(isinstance(e, CallGraph) for e in self._entries.values())

@@ -79,11 +79,6 @@ class KeptGraphs:
         self._displaced = False
         self.active = not streams
 
-    def enable(self, on: bool) -> None:
-        self.cache.enabled = on and self.cache.device.type == "cuda"
-        if not self.cache.enabled:
-            self.cache.clear()
-
     def clear(self) -> None:
         self._pending = None
         self.cache.clear()

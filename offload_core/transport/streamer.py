@@ -114,7 +114,7 @@ class BlockStreamer(TransportBase):
 
     def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
-        self.graphs.enable(config.cuda_graphs and self.graphed)
+        self.graphs.cache.enable(config.cuda_graphs and self.graphed)
 
     def block_grant(self) -> int | None:  # the bytes its blocks may page-lock (None: all of them)
         return self.ctx.pin_bytes
