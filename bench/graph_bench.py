@@ -5,7 +5,7 @@ outputs compared bit for bit against the eager engine's.
 Wan-14B geometry, image-like workload (the host-launch-bound step), at each ballast cap (0: every
 block kept, no ballast). Per row: the synchronized step, the host's launch time, the back-to-back
 loop, the pure-Python probe right after, the graphs made and refused and their device bytes, and
-the bound (max(resident step, bytes streamed / pinned H2D); for fp8, the last every-block-kept row
+the bound (max(resident step, bytes copied per timed step / pinned H2D); for fp8, the last every-block-kept row
 (cap 0) with the same graphs setting stands for resident: the same cast path, so run cap 0 first). ``--video-cap`` adds the video workload at
 that cap (two timed forwards), where graphs must stay off (inputs above the limit).
 
@@ -21,7 +21,15 @@ import logging
 
 import torch
 from benchkit import open_output, output_args, pack
-from benchkit.measure import Ballast, alloc_counts, h2d_bandwidth, launch_and_step, python_speed_ms, timed
+from benchkit.measure import (
+    Ballast,
+    SyncLoads,
+    alloc_counts,
+    h2d_bandwidth,
+    launch_and_step,
+    python_speed_ms,
+    timed,
+)
 from benchkit.models import build_wan, wan_forward, wan_inputs
 
 pack()
@@ -44,7 +52,8 @@ def engine_row(m, feed, cfg: OffloadConfig, args, cap: float, repeats: int) -> t
     eng.place(bag, cfg)
     try:
         streamer = eng.states(bag)["transformer"].transport
-        med, runs, out = timed(lambda: wan_forward(m, *feed), args.warmup, repeats)
+        loads = SyncLoads(streamer)
+        med, runs, out = timed(lambda: wan_forward(m, *feed), args.warmup, repeats, after=loads.mark)
         retries = alloc_counts()[1]
         launch, step, loop = launch_and_step(lambda: wan_forward(m, *feed), repeats)
         d = streamer.details()
@@ -52,7 +61,8 @@ def engine_row(m, feed, cfg: OffloadConfig, args, cap: float, repeats: int) -> t
                       launch_s=launch, step_s=step, loop_s=loop, python_ms=round(python_speed_ms(), 1),
                       graphs=d["graphs"], graphs_refused=d["graphs_refused"], graph_mib=d["graph_bytes"] / 2**20,
                       kept=d["kept"], kept_gib=streamer.kept_bytes() / GiB,
-                      streamed_gib=streamer.streamed_bytes() / GiB, sync_loads=d["sync_loads"], ooms=d["ooms"],
+                      streamed_gib=streamer.streamed_bytes() / GiB, moved_gib=loads.moved_gib(args.warmup, repeats),
+                      sync_loads=d["sync_loads"], ooms=d["ooms"],
                       alloc_retries=retries, retries_in_timing=alloc_counts()[1] - retries)
         return fields, out
     finally:
@@ -101,7 +111,8 @@ def main() -> None:
                     if args.storage != "bf16" and not cap:
                         resident_s[graphs] = r["median_s"]
                     reference = resident_s.get(graphs, 0.0)
-                    bound = max(reference, r["streamed_gib"] * GiB / h2d) if h2d and reference else None
+                    moved = r["moved_gib"] if r["moved_gib"] is not None else r["streamed_gib"]
+                    bound = max(reference, moved * GiB / h2d) if h2d and reference else None
                     row(**r, bit_equal=bool(torch.equal(out, ref)), over_bound=r["median_s"] / bound if bound else None)
             if cap == args.video_cap:
                 video = wan_inputs("video", 2 if args.tiny else 21, device=dev)

@@ -174,21 +174,34 @@ def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: Peak
 
 class SyncLoads:
     """The streamer's count of streamed units bound without a copy ahead by its side stream
-    (``details()["sync_loads"]``, cumulative since placement), read after each forward (``mark``).
-    Without a side stream (the CPU) the streamer counts none: ``side_stream`` says so. A transport
-    without the count (leaf, model, none) reads None."""
+    (``details()["sync_loads"]``, cumulative since placement), and of the bytes it copied to the
+    device (``copied_bytes``), read after each forward (``mark``). Without a side stream (the CPU)
+    the streamer counts no sync loads: ``side_stream`` says so. A transport without the counts
+    (leaf, model, none) reads None."""
 
     def __init__(self, transport) -> None:
         self.transport = transport
         details = self.details()
         self.side_stream = bool(details.get("stream", False))
         self.marks = [details.get("sync_loads")]
+        self.copied = [details.get("copied_bytes")]
 
     def details(self) -> dict:
         return self.transport.details() if hasattr(self.transport, "details") else {}
 
     def mark(self) -> None:
-        self.marks.append(self.details().get("sync_loads"))
+        details = self.details()
+        self.marks.append(details.get("sync_loads"))
+        self.copied.append(details.get("copied_bytes"))
+
+    def moved_gib(self, warmup: int, repeats: int) -> float | None:
+        """GiB copied to the device per timed forward (what the bound should divide by H2D: the
+        plan may still change while the row is timed, so the plan's streamed bytes at the end are
+        not always what moved)."""
+        first, last = self.copied[warmup] if len(self.copied) > warmup else None, self.copied[-1]
+        if first is None or last is None or len(self.copied) < warmup + repeats + 1:
+            return None
+        return (self.copied[warmup + repeats] - first) / repeats / 2**30
 
     def delta(self, a: int, b: int) -> int | None:
         if self.marks[0] is None or len(self.marks) <= max(a, b):
@@ -202,7 +215,8 @@ class SyncLoads:
         n = warmup + repeats
         return dict(sync_loads_first=self.delta(0, 1), sync_loads_warmup=self.delta(0, warmup),
                     sync_loads_timed=self.delta(warmup, n), sync_loads_loop=self.delta(n, n + 1),
-                    sync_loads_total=self.marks[-1], sync_side_stream=self.side_stream)
+                    sync_loads_total=self.marks[-1], sync_side_stream=self.side_stream,
+                    moved_gib=self.moved_gib(warmup, repeats))
 
 
 def python_speed_ms(repeats: int = 5) -> float:

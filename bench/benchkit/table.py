@@ -19,10 +19,13 @@ def _timed(row: dict) -> bool:
 
 def bound_s(row: dict, resident_s: float, weights_gib: float, h2d_bytes_s: float) -> float | None:
     """max(resident step, bytes moved per step / pinned H2D bandwidth): our rows report what they
-    stream; the diffusers anchors move every weight each step; mmgp reports no byte count."""
+    copied per timed step (else what their plan streams); the diffusers anchors move every weight
+    each step; mmgp reports no byte count."""
     if not h2d_bytes_s:
         return None
-    if "streamed_gib" in row:
+    if row.get("moved_gib") is not None:
+        moved = row["moved_gib"]
+    elif "streamed_gib" in row:
         moved = row["streamed_gib"]
     elif row.get("section") == "anchor":
         moved = weights_gib

@@ -35,6 +35,7 @@ class Prefetcher:
         self.inflight: dict[int, RingSlot] = {}  # copied ahead, not bound yet
         self.bound: dict[int, RingSlot] = {}  # bound for a forward running now
         self.sync_loads = 0  # streamed units that were not copied ahead (with a side stream)
+        self.copied = 0  # tensor bytes copied to the device (streamed units, kept pieces), for the benches
         self.casts = CastPool(device)  # compute buffers of the fp8 units bound now
         self.cast_bound: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer
         # unpinned units reach the device through pinned staging buffers, on the side stream
@@ -170,6 +171,7 @@ class Prefetcher:
         """Copy a streamed unit into a ring slot, once the compute work that last read the
         slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
         slot = self.ring.acquire()
+        self.copied += sum(s.nbytes for s in unit.slots)
         if self.staged(unit):
             slot.written = self.staging.copy(unit, slot.buf[: unit.nbytes], after=slot.read)
             return slot
@@ -217,6 +219,7 @@ class Prefetcher:
         from it at each bind). From the compute stream's pool: the copy waits for the compute
         work queued so far, which may still read that memory, and the compute stream for the copy."""
         buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
+        self.copied += sum(s.nbytes for unit in piece.units for s in unit.slots)
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         offset = 0
         for unit in piece.units:
@@ -268,9 +271,10 @@ class Prefetcher:
         return f"{pinned}/{len(blocks)} blocks pinned, the rest copied {rest}"
 
     def host_details(self, blocks: list[StreamBlock]) -> dict[str, int]:
-        """Host memory for the report: every block's master stays in RAM, kept or not."""
+        """Host memory for the report (every block's master stays in RAM, kept or not) and the
+        bytes copied from it since placement."""
         staging = self.staging.details() if self.staging is not None else {"staging_bytes": 0, "staged": 0}
-        return {"pinned_blocks": sum(b.pinned for b in blocks),
+        return {"pinned_blocks": sum(b.pinned for b in blocks), "copied_bytes": self.copied,
                 "host_bytes": sum(s.nbytes for b in blocks for s in b.slots), **staging}
 
     def fill(self) -> bool:

@@ -9,6 +9,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
+from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import streamed_in_one_step, two_runs_placed
 from fixtures.tiny_models import load_wan, run_wan
@@ -104,6 +105,31 @@ def test_streamer_moves_and_keeps_fp8_bytes(tiny_wan_dir, monkeypatch):
     assert sum(moved) == forwards * fp8_blocks
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    engine.release(pipe)
+
+
+def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkeypatch):
+    """``copied_bytes`` (what the benches divide by the H2D bandwidth for their bound) counts the
+    bytes every copy of the transformer's streamer moved, kept pieces included."""
+    pipe = load_bf16(tiny_wan_dir)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    moved: dict[int, int] = {}  # by prefetcher (a streamed text encoder copies too)
+    real_copy = Prefetcher.copy
+
+    def counting(self, pairs, pinned, after):
+        pairs = list(pairs)
+        moved[id(self)] = moved.get(id(self), 0) + sum(src.numel() * src.element_size() for _dst, src in pairs)
+        return real_copy(self, pairs, pinned, after)
+
+    monkeypatch.setattr(Prefetcher, "copy", counting)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="auto", **BASE))
+    transport = engine.states(pipe)["transformer"].transport
+    transport.events.unsubscribe("preload")  # (no planner: the test sets what is kept)
+    transport.set_resident(transport.pieces_of({0}))  # block 0 copied once, the others every forward
+    run_wan(pipe, num_inference_steps=1)
+    engine.after_run(pipe)
+    assert transport.details()["copied_bytes"] == moved[id(transport.prefetch)] > 0
     engine.release(pipe)
 
 
