@@ -175,24 +175,27 @@ def timed(fn: Callable[[], torch.Tensor], warmup: int, repeats: int, watch: Peak
 class SyncLoads:
     """The streamer's count of streamed units bound without a copy ahead by its side stream
     (``details()["sync_loads"]``, cumulative since placement), and of the bytes it copied to the
-    device (``copied_bytes``), read after each forward (``mark``). Without a side stream (the CPU)
-    the streamer counts no sync loads: ``side_stream`` says so. A transport without the counts
-    (leaf, model, none) reads None."""
+    device (``prefetch.copied``), read after each forward (``mark``). Without a side stream (the
+    CPU) the streamer counts no sync loads: ``side_stream`` says so. A transport without the
+    counts (leaf, model, none) reads None."""
 
     def __init__(self, transport) -> None:
         self.transport = transport
         details = self.details()
         self.side_stream = bool(details.get("stream", False))
         self.marks = [details.get("sync_loads")]
-        self.copied = [details.get("copied_bytes")]
+        self.copied = [self.copied_bytes()]
 
     def details(self) -> dict:
         return self.transport.details() if hasattr(self.transport, "details") else {}
 
+    def copied_bytes(self) -> int | None:
+        prefetch = getattr(self.transport, "prefetch", None)
+        return getattr(prefetch, "copied", None)
+
     def mark(self) -> None:
-        details = self.details()
-        self.marks.append(details.get("sync_loads"))
-        self.copied.append(details.get("copied_bytes"))
+        self.marks.append(self.details().get("sync_loads"))
+        self.copied.append(self.copied_bytes())
 
     def moved_gib(self, warmup: int, repeats: int) -> float | None:
         """GiB copied to the device per timed forward (what the bound should divide by H2D: the

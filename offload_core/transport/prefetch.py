@@ -35,7 +35,7 @@ class Prefetcher:
         self.inflight: dict[int, RingSlot] = {}  # copied ahead, not bound yet
         self.bound: dict[int, RingSlot] = {}  # bound for a forward running now
         self.sync_loads = 0  # streamed units that were not copied ahead (with a side stream)
-        self.copied = 0  # tensor bytes copied to the device (streamed units, kept pieces), for the benches
+        self.copied = 0  # tensor bytes copied to the device (streamed units, kept pieces): the benches' count
         self.casts = CastPool(device)  # compute buffers of the fp8 units bound now
         self.cast_bound: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer
         # unpinned units reach the device through pinned staging buffers, on the side stream
@@ -271,10 +271,9 @@ class Prefetcher:
         return f"{pinned}/{len(blocks)} blocks pinned, the rest copied {rest}"
 
     def host_details(self, blocks: list[StreamBlock]) -> dict[str, int]:
-        """Host memory for the report (every block's master stays in RAM, kept or not) and the
-        bytes copied from it since placement."""
+        """Host memory for the report: every block's master stays in RAM, kept or not."""
         staging = self.staging.details() if self.staging is not None else {"staging_bytes": 0, "staged": 0}
-        return {"pinned_blocks": sum(b.pinned for b in blocks), "copied_bytes": self.copied,
+        return {"pinned_blocks": sum(b.pinned for b in blocks),
                 "host_bytes": sum(s.nbytes for b in blocks for s in b.slots), **staging}
 
     def fill(self) -> bool:

@@ -109,8 +109,8 @@ def test_streamer_moves_and_keeps_fp8_bytes(tiny_wan_dir, monkeypatch):
 
 
 def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkeypatch):
-    """``copied_bytes`` (what the benches divide by the H2D bandwidth for their bound) counts the
-    bytes every copy of the transformer's streamer moved, kept pieces included."""
+    """The streamer's count of copied bytes (what the benches divide by the H2D bandwidth for their
+    bound) is the bytes every copy of the transformer's streamer moved, kept pieces included."""
     pipe = load_bf16(tiny_wan_dir)
     store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
     moved: dict[int, int] = {}  # by prefetcher (a streamed text encoder copies too)
@@ -129,7 +129,7 @@ def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkey
     transport.set_resident(transport.pieces_of({0}))  # block 0 copied once, the others every forward
     run_wan(pipe, num_inference_steps=1)
     engine.after_run(pipe)
-    assert transport.details()["copied_bytes"] == moved[id(transport.prefetch)] > 0
+    assert transport.prefetch.copied == moved[id(transport.prefetch)] > 0
     engine.release(pipe)
 
 
