@@ -201,10 +201,10 @@ class SyncLoads:
         """GiB copied to the device per timed forward (what the bound should divide by H2D: the
         plan may still change while the row is timed, so the plan's streamed bytes at the end are
         not always what moved)."""
-        first, last = self.copied[warmup] if len(self.copied) > warmup else None, self.copied[-1]
-        if first is None or last is None or len(self.copied) < warmup + repeats + 1:
+        marks = self.copied
+        if len(marks) < warmup + repeats + 1 or marks[warmup] is None:
             return None
-        return (self.copied[warmup + repeats] - first) / repeats / 2**30
+        return (marks[warmup + repeats] - marks[warmup]) / repeats / 2**30
 
     def delta(self, a: int, b: int) -> int | None:
         if self.marks[0] is None or len(self.marks) <= max(a, b):
