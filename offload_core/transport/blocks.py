@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -54,6 +55,11 @@ class StreamUnit:
     cast: UnitCast | None = None  # its fp8 weights' cast to compute values (`cast.py`), if any
     kept: torch.Tensor | None = None  # its bytes in its piece's device buffer while kept
     kept_views: list[torch.Tensor] | None = None  # its tensors there
+
+    @cached_property
+    def tensor_bytes(self) -> int:
+        """Its tensors' bytes (``nbytes`` less the alignment gaps): what a copy of it moves."""
+        return sum(slot.nbytes for slot in self.slots)
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""
