@@ -83,8 +83,8 @@ def _inputs() -> list[io.Input]:
                        "pin_reserve_gb; a number such as 24 caps it further. The rest streams through small "
                        "staging buffers. Empty: auto."),
         _input(io.Boolean.Input, "cuda_graphs", default=d.cuda_graphs, optional=True,
-               tooltip="Launch the denoiser blocks kept on the card as CUDA graphs (image-sized steps): less "
-                       "CPU time per step. Each graph is checked against the normal forward first."),
+               tooltip="Launch the denoiser's blocks, kept or streamed, as CUDA graphs (image-sized steps): "
+                       "less CPU time per step. Each graph is checked against the normal forward first."),
     ]
 
 

@@ -75,10 +75,10 @@ class OffloadConfig:
     placement less ``pin_reserve_gb``; a number of GiB (``24``, ``"24 GB"``) caps it further, never
     above what is free less the reserve. What it does not grant streams through staging buffers.
 
-    cuda_graphs: while the plan keeps every block of a streamed denoiser, each block launches as a
-    CUDA graph once it has run twice with small inputs of one shape (``transport/kept_graphs.py``),
-    so an image-sized step is not bound by the host launching kernels; each graph is checked bit
-    for bit against the eager forward first.
+    cuda_graphs: a streamed denoiser's kept blocks, and the units of the blocks it streams, launch
+    as CUDA graphs once they have run twice with small inputs of one shape in one place
+    (``transport/block_graphs.py``), so an image-sized step is not bound by the host launching
+    kernels; each graph is checked bit for bit against the eager forward first.
     """
 
     mode: Mode = field(default="auto", metadata={"rehook": True})

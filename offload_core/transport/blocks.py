@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 
 import torch
 
@@ -26,6 +27,7 @@ ALIGN = 512
 PART_FRACTION = 8  # a child of at least 1/8 of its block's bytes streams as its own part
 REST_FRACTION = 16  # a block streams in parts only if what stays resident is at most 1/16 of it
 
+_DTYPE = attrgetter("dtype")
 
 @dataclass
 class TensorSlot:
@@ -270,3 +272,23 @@ def modules_outside(root: torch.nn.Module, skip: set[int]):
             continue
         yield module
         stack.extend(module.children())
+
+
+class StoredDtypes:
+    """The streamed tensors' stored dtypes, checked at each forward's entry: a weight cast after
+    placement (``model.to(dtype)``, layerwise casting) would be overwritten by the next copy from
+    its master, so it is refused, naming what to do (one C-level pass over the tensors)."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.dtypes: list[torch.dtype] = []
+
+    def set(self, slots: list[TensorSlot]) -> None:
+        self.tensors, self.dtypes = [s.tensor for s in slots], [s.host.dtype for s in slots]
+
+    def check(self, owner: str) -> None:
+        if list(map(_DTYPE, self.tensors)) != self.dtypes:
+            tensor, stored = next((t, d) for t, d in zip(self.tensors, self.dtypes, strict=True) if t.dtype != d)
+            raise RuntimeError(
+                f"{owner}: streamed weights were cast after placement ({stored} -> {tensor.dtype}): cast the "
+                "model before placing it, or release it and place it again")

@@ -2,7 +2,8 @@
 
 A streamer emits ``forward`` (the model is entered), ``cycle`` (its first block is entered),
 ``forward_end`` (the model's forward returned), ``oom`` (an allocation failed; a listener returning True freed something, so retry),
-``captured`` (a kept block was captured as a CUDA graph: its allocations are not the forward's) and
+``capturing`` and ``captured`` (around a block's or unit's capture as a CUDA graph: its allocations
+are not the forward's) and
 ``end`` (the pipeline call is over). Each listener is registered under a name and removed by that name
 only, so the preload driver, a benchmark's clock and a test's probe never remove each other.
 """

@@ -1,12 +1,13 @@
-"""CUDA graphs for kept blocks: a block whose weights all stay on the device is launched as one
-captured graph instead of its few dozen kernels, once it has run twice with inputs of one shape.
+"""CUDA graphs for the block streamer's calls: a call (a kept block, a streamed unit) is launched as
+one captured graph instead of its few dozen kernels, once it has run twice with inputs of one
+shape and its weights in one place.
 
 Why: an image-sized step of a large denoiser is bound by the host launching kernels, not by the
 GPU (bench/README.md, runs 25-29), and the host's speed varies from process to process. A graph
-bakes in every address its kernels read, so it is made only for a block whose weights stay put
-(every piece kept; `kept_graphs.py` says when); its inputs are copied into static buffers shared by the blocks of one input
-signature, its outputs come back as fresh tensors, and every graph is dropped when a kept buffer
-may move or a weight is written (a plan change, a LoRA, a shortage, a release). A graph is
+bakes in every address its kernels read, so its key names where its weights lie (`block_graphs.py`
+says which calls and keys); its inputs are copied into static buffers shared by the calls of one input
+signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
+written (a LoRA), at a shortage and at release. A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
 capture fails or differs stays eager for that signature. Large inputs (a video's activations)
 stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
@@ -25,7 +26,7 @@ from ..log import get_logger
 log = get_logger("graphs")
 
 INPUT_LIMIT = 64 << 20  # tensor bytes a call may take and still be graphed
-SIGNATURES = 4  # input signatures graphed at once; one more (a new size each run) drops them all
+SIGNATURES = 8  # input signatures graphed at once; one more (a new size each run) drops them all
 CALLS_KEPT = 4096  # (block, signature) counts kept; inputs that change every call (a float) would grow them
 _SCALARS = (type(None), bool, int, float, str)
 Key = tuple
@@ -100,7 +101,7 @@ class StaticIO:
 
 @dataclass(eq=False)
 class CallGraph:
-    """One block's captured forward for one input signature."""
+    """One call's captured forward for one input signature."""
 
     graph: torch.cuda.CUDAGraph
     io: StaticIO
@@ -110,7 +111,7 @@ class CallGraph:
 
     def replay(self) -> object:
         """Run the graph on this call's inputs; the outputs as fresh tensors (a caller may keep
-        them past the next block's replay, which rewrites the static outputs)."""
+        them past the next call's replay, which rewrites the static outputs)."""
         self.io.load(self.inputs)
         self.inputs = []
         self.graph.replay()
@@ -118,15 +119,15 @@ class CallGraph:
 
 
 class GraphCache:
-    """The graphs of one streamer's kept blocks, by block and input signature, in one memory
-    pool (graphs replayed one after another may share their intermediates' memory)."""
+    """The graphs of one streamer's calls, by owner key and input signature, in one memory pool
+    (graphs replayed one after another may share their intermediates' memory)."""
 
     CAPTURE = "capture"  # `plan`: run eagerly now, then capture
 
     def __init__(self, device: torch.device, enabled: bool) -> None:
         self.device = device
         self.enabled = False
-        self._entries: dict[tuple[int, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
+        self._entries: dict[tuple[Key, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
         self._io: dict[Key, StaticIO] = {}
         self._pool: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -150,16 +151,17 @@ class GraphCache:
         """Device bytes the graphs hold: their pool and the static buffers."""
         return self.pool_bytes + sum(io.nbytes for io in self._io.values())
 
-    def plan(self, owner: object, args: tuple, kwargs: dict) -> CallGraph | str | None:
-        """For a kept block's call: its trusted graph (with this call's inputs), `CAPTURE` (its
-        second eager call with this signature: capture after it), or None (run eagerly)."""
+    def plan(self, owner: Key, args: tuple, kwargs: dict) -> CallGraph | str | None:
+        """For a call of ``owner`` (a hashable key: the caller and where its weights lie): its
+        trusted graph (with this call's inputs), `CAPTURE` (its second eager call with this
+        signature: capture after it), or None (run eagerly)."""
         if self.starved:
             return None
         call = describe(args, kwargs)
         if call is None:
             return None
         key, tensors = call
-        entry = self._entries.get((id(owner), key), 0)
+        entry = self._entries.get((owner, key), 0)
         if type(entry) is CallGraph:
             entry.inputs = tensors
             return entry
@@ -167,19 +169,19 @@ class GraphCache:
             return None
         if not entry and len(self._entries) >= CALLS_KEPT:
             self.clear()
-        self._entries[(id(owner), key)] = entry + 1
+        self._entries[(owner, key)] = entry + 1
         return self.CAPTURE if entry >= 1 else None
 
-    def capture(self, owner: object, name: str, run: Callable[..., object], args: tuple, kwargs: dict,
+    def capture(self, owner: Key, name: str, run: Callable[..., object], args: tuple, kwargs: dict,
                 reference: object, units: list[int]) -> bool:
-        """Capture ``run(*args, **kwargs)`` (the block's forward, its fp8 weights cast inside)
+        """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside)
         on static copies of the inputs, replay it on these inputs and keep it if it reproduces
         ``reference`` (the eager output of this very call) bit for bit; True when kept."""
         key, tensors = describe(args, kwargs)
         out_tensors: list[torch.Tensor] = []
         out_key = _describe(reference, out_tensors)
         io = self._static_io(key, tensors)
-        failed: str | None = "the block's output is not tensors"
+        failed: str | None = "the call's output is not tensors"
         if out_key is not None:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
             graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
@@ -187,14 +189,14 @@ class GraphCache:
                 entry = CallGraph(graph, io, out_key, units, tensors)
                 entry.replay()
                 if all(torch.equal(a, b) for a, b in zip(outs, out_tensors, strict=True)):
-                    self._entries[(id(owner), key)] = entry
+                    self._entries[(owner, key)] = entry
                     self.captured += 1
                     if self.captured == 1:
-                        log.info("%s: kept blocks launch as CUDA graphs (inputs %s)", name, _shapes(tensors))
+                        log.info("%s: launches as a CUDA graph (inputs %s), and so will the calls captured after it", name, _shapes(tensors))
                     return True
                 graph.reset()
                 failed = "its replay differs from the eager forward"
-        self._entries[(id(owner), key)] = None
+        self._entries[(owner, key)] = None
         self.refused += 1
         if not len(self):  # nothing uses the pool: its memory goes back, a new one next time
             self._pool, self.pool_bytes = None, 0

@@ -43,20 +43,26 @@ class Prefetcher:
         self.capturing = False  # a kept block's forward is being captured as a CUDA graph
         self._captured: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer, made in the capture
 
-    def bind(self, unit: StreamUnit) -> None:
+    def bind(self, unit: StreamUnit, cast: bool = True) -> None:
         """Make a unit's weights ready on the device (a kept one already is, but for its fp8
-        weights' cast), then keep the units after it copying."""
+        weights' cast; ``cast`` False: its stored bytes bound, cast later by `cast` or inside a
+        graph), then keep the units after it copying."""
         if not self.ready(unit):
             if unit.piece.resident is None:
                 if unit.index not in self.inflight:
                     self.sync_loads += self.copy_stream is not None
                     self._drop_wrong_guesses(unit)
-                slot = self._take(unit)
-                self.bound[unit.index] = slot
-                self._bind(unit, slot.buf, self.views(unit, slot))
+                self.bound[unit.index] = self._take(unit)
+            if cast:
+                self.cast(unit)
             else:
-                self._bind(unit, unit.kept, unit.kept_views)
+                unit.bind(self.region_views(unit))
         self.prefetch_after(unit)
+
+    def cast(self, unit: StreamUnit) -> None:
+        """Bind a placed unit to its compute values: its fp8 weights cast from its stored bytes."""
+        if unit.index not in self.cast_bound:
+            self._bind(unit, self.region(unit), self.region_views(unit))
 
     def ready(self, unit: StreamUnit) -> bool:
         """The unit's weights are bound to compute from now."""
@@ -75,24 +81,33 @@ class Prefetcher:
         self.cast_bound[unit.index] = buf
         unit.bind([*computed, *views[cast.count :]])
 
+    def region(self, unit: StreamUnit) -> torch.Tensor:
+        """The device bytes ``unit`` is bound to now: its kept buffer, or its ring buffer."""
+        return unit.kept if unit.piece.resident is not None else self.bound[unit.index].buf
+
     def bind_captured(self, unit: StreamUnit) -> None:
-        """In a capture (`kept_graphs.py`): a kept fp8 unit's weights bound to values cast into a
-        buffer allocated inside it, from the graph's own pool (a pool buffer of ours would be
-        baked into the graph and handed to other units later)."""
-        cast = unit.cast
-        if cast is None or unit.kept is None:
+        """In a capture (`block_graphs.py`): an fp8 unit's weights bound to values cast from its
+        stored bytes into a buffer allocated inside it, from the graph's own pool (a pool buffer
+        of ours would be baked into the graph and handed to other units later)."""
+        if unit.cast is None:
             return
-        buf = torch.empty(cast.nbytes, dtype=cast.compute, device=self.device)
-        views = compute_views(buf, cast)
-        cast_into(cast, unit.kept, buf, views)
+        buf = torch.empty(unit.cast.nbytes, dtype=unit.cast.compute, device=self.device)
+        views = compute_views(buf, unit.cast)
+        cast_into(unit.cast, self.region(unit), buf, views)
         self._captured[unit.index] = buf
-        unit.bind([*views, *unit.kept_views[cast.count :]])
+        unit.bind([*views, *self.region_views(unit)[unit.cast.count :]])
 
     def unbind_captured(self, unit: StreamUnit) -> None:
         """In a capture, a unit's forward ended: its stored bytes bound again, its buffer free for
-        the next unit's cast in the same graph."""
+        the next unit's cast in the same graph (a streamed unit is released next)."""
         if self._captured.pop(unit.index, None) is not None:
-            unit.bind(unit.kept_views)
+            unit.bind(self.region_views(unit))
+
+    def region_views(self, unit: StreamUnit) -> list[torch.Tensor]:
+        """``unit``'s tensors in `region`."""
+        if unit.piece.resident is not None:
+            return unit.kept_views
+        return self.views(unit, self.bound[unit.index])
 
     def end_capture(self) -> None:
         self.capturing = False

@@ -97,7 +97,8 @@ class PreloadDriver:
         self._workload_by_entry: dict[tuple, int] = {}
         self._last: tuple[tuple, int] | None = None  # (entry, workload) of the last cycle
         self.shared: SharedBudget | None = None  # the other denoisers of the pipeline (`share`)
-        self._captured = False  # this cycle captured CUDA graphs: its peak and retries are not activations
+        self._peak_before = 0  # this cycle's own peak before its CUDA graph captures (theirs is not activations)
+        self._before_capture = 0  # bytes allocated when the last capture began
         streamer.events.subscribe(self.NAME, self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -124,12 +125,12 @@ class PreloadDriver:
         self.planner.on_unload()
 
     def _usage(self) -> CycleUsage | None:
-        """This model's own peak: the process-wide allocator peak less what others held when the
-        cycle began (their weights are not our activations)."""
+        """This model's own peak: the process-wide allocator peak (outside graph captures) less
+        what others held when the cycle began (their weights are not our activations)."""
         peak = self.memory.peak_allocated(self.streamer.device)
         if peak is None:
             return None
-        return CycleUsage(peak=peak - self._others, weights_floor=self.streamer.weights_at_peak())
+        return CycleUsage(peak=max(peak - self._others, self._peak_before), weights_floor=self.streamer.weights_at_peak())
 
     def _forward_begins(self, args: tuple, kwargs: dict) -> None:
         """Before the denoiser's own first allocation: give up now the blocks the coming
@@ -139,7 +140,7 @@ class PreloadDriver:
         others hold, and the allocator's retries so far, as the baselines: what the non-block part
         makes before the first block counts as ours, what ran between forwards (a VAE) does not."""
         self._retries = self.memory.allocator_retries(self.streamer.device)
-        self._captured = False
+        self._peak_before = 0
         self._entry = entry_signature(args, kwargs)
         self._entering = False
         coming = self._coming_workload()
@@ -178,17 +179,22 @@ class PreloadDriver:
             self._apply(target)
             self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
+            self._peak_before = 0
             streamer.reset_peak()
         elif event == "oom":
             block = info["block"]
             return self.relieve(streamer.pieces_of({block.index}) if block is not None else set())
-        elif event == "captured":  # the capture's own allocations are neither a shortage nor a measure
-            self._captured = True
-            self._retries = self.memory.allocator_retries(self.streamer.device)
+        elif event == "capturing":  # the peak so far is the forward's
+            peak = self.memory.peak_allocated(streamer.device)
+            self._peak_before = max(self._peak_before, (peak or 0) - self._others)
+            self._before_capture = self.memory.allocated(streamer.device)
+        elif event == "captured":  # the capture's allocations (its pool, its static buffers) are not activations
+            self._others += max(0, self.memory.allocated(streamer.device) - self._before_capture)
+            self.memory.reset_peak(streamer.device)
+            self._retries = self.memory.allocator_retries(streamer.device)  # nor a shortage
         elif event == "forward_end":  # the cycle's measure is the denoiser's forward alone
             self._check_shortage()
-            self.planner.end_cycle(None if self._captured else self._usage())
-            self._captured = False
+            self.planner.end_cycle(self._usage())
         elif event == "end":
             self.planner.end_cycle()  # a forward that raised: nothing to measure
         return False

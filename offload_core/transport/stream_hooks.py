@@ -26,11 +26,11 @@ class Streamer(Protocol):
 
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> CallGraph | None: ...
 
-    def exit_block(self, block: StreamBlock, output: object, forward: Callable[..., object]) -> None: ...
+    def exit_block(self, block: StreamBlock, output: object, forward: Callable[..., object] | None) -> None: ...
 
-    def enter(self, unit: StreamUnit) -> None: ...
+    def enter(self, unit: StreamUnit, args: tuple | None = None, kwargs: dict | None = None) -> CallGraph | None: ...
 
-    def exit(self, unit: StreamUnit) -> None: ...
+    def exit(self, unit: StreamUnit, output: object = None, forward: Callable[..., object] | None = None) -> None: ...
 
     def borrow(self, unit: StreamUnit) -> bool: ...
 
@@ -56,8 +56,8 @@ def retry_on_oom(run: Callable[[], T], relieve: Callable[[int], bool]) -> T:
 
 
 class BlockHook(ModelHook):
-    """On each block: its units made ready and released; a kept block's CUDA graph replayed in
-    place of its forward (its units are then bound already, or cast inside the graph)."""
+    """On each block: its units made ready and released; its CUDA graph, if it has one for this
+    call, replayed in place of its forward."""
 
     def __init__(self, streamer: Streamer, block: StreamBlock) -> None:
         super().__init__()
@@ -78,25 +78,31 @@ class BlockHook(ModelHook):
 
     def post_forward(self, module, output):
         graph, self.graph = self.graph, None
-        if graph is None:
-            self.streamer.exit_block(self.block, output, self.fn_ref.original_forward)
+        self.streamer.exit_block(self.block, output, None if graph is not None else self.fn_ref.original_forward)
         return output
 
 
 class PartHook(ModelHook):
     """On a large child of a block streamed in parts: its weights are bound for its forward
-    only (an OOM inside goes up to the block's retry)."""
+    only, which may be its CUDA graph (an OOM inside goes up to the block's retry)."""
 
     def __init__(self, streamer: Streamer, unit: StreamUnit) -> None:
         super().__init__()
         self.streamer, self.unit = streamer, unit
+        self.graph: CallGraph | None = None
 
     def pre_forward(self, module, *args, **kwargs):
-        self.streamer.enter(self.unit)
+        self.graph = self.streamer.enter(self.unit, args, kwargs)
         return args, kwargs
 
+    def new_forward(self, module, *args, **kwargs):
+        if self.graph is not None:
+            return self.graph.replay()
+        return self.fn_ref.original_forward(*args, **kwargs)
+
     def post_forward(self, module, output):
-        self.streamer.exit(self.unit)
+        graph, self.graph = self.graph, None
+        self.streamer.exit(self.unit, output, None if graph is not None else self.fn_ref.original_forward)
         return output
 
 

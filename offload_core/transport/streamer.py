@@ -12,15 +12,15 @@ Any set of pieces can be kept resident between steps (``set_resident``), without
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import torch
 
 from ..formats.fp8 import table_of
 from ..log import get_logger
 from ..pinning import PinGrant, PinSet
 from .base import MARKER, STREAM_HOOK, Masters, TransportBase, TransportContext, add_hook, remove_hook
+from .block_graphs import BlockGraphs
 from .blocks import (
+    StoredDtypes,
     StreamBlock,
     StreamPiece,
     StreamUnit,
@@ -34,19 +34,17 @@ from .blocks import (
 )
 from .events import Events
 from .graphs import CallGraph
-from .kept_graphs import KeptGraphs
 from .order import ExecutionOrder, OrderLearner
 from .prefetch import Prefetcher
 from .stream_hooks import BlockHook, ModelEntryHook, OutsideHook, PartHook, retry_on_oom
 from .towers import find_towers
 
 log = get_logger("streamer")
-_DTYPE = attrgetter("dtype")
 
 
 class BlockStreamer(TransportBase):
     name = "per-step"
-    graphed = True  # its kept blocks may launch as CUDA graphs (`kept_graphs.py`)
+    graphed = True  # its blocks and units may launch as CUDA graphs (`block_graphs.py`)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -61,7 +59,7 @@ class BlockStreamer(TransportBase):
         self.prefetch = Prefetcher(self.device, self.units, self.order, ctx.prefetch_window + 1, ctx.streams)
         self.ring = self.prefetch.ring
         self.learner = OrderLearner(self.order)  # ``learner.seen``: the units this forward has run
-        self._stored: tuple[list[torch.Tensor], list[torch.dtype]] = ([], [])  # streamed tensors, stored dtypes
+        self.stored = StoredDtypes()  # a cast after placement is refused
         self._forward_open = False  # the model was entered and its first block not yet
         self._via_model = False  # forwards come through the model's hook (else a cycle starts at the first block)
         self._hooked: list[torch.nn.Module] = []  # modules carrying STREAM_HOOK
@@ -69,11 +67,13 @@ class BlockStreamer(TransportBase):
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
         self.events = Events()  # forward, cycle, oom, end: see events.py
-        self.graphs = KeptGraphs(self.device, ctx.config.cuda_graphs and self.graphed, self.prefetch)
+        self.graphs = BlockGraphs(self.device, ctx.config.cuda_graphs and self.graphed, self.prefetch, self.notify)
+        self._kept_blocks: set[int] = set()  # blocks with every piece kept: graphed whole
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.graphs.model = type(module).__name__
         towers = find_towers(module)
         tower_ids = {id(b) for t in towers for b in t.blocks}
         shared = shared_tensors(module, towers, tower_ids)
@@ -97,7 +97,7 @@ class BlockStreamer(TransportBase):
                 self._hook(child, OutsideHook(self, block.units[0]))
         add_hook(module, ModelEntryHook(self), MARKER)
         slots = [slot for block in self.blocks for slot in block.slots]
-        self._stored = ([slot.tensor for slot in slots], [slot.host.dtype for slot in slots])
+        self.stored.set(slots)
         streamed = {id(slot.tensor) for slot in slots}
         self._head_bytes = sum(nbytes(t) for t in block_tensors(module) if id(t) not in streamed)
         self.order.set([u.index for u in self.units])
@@ -133,24 +133,14 @@ class BlockStreamer(TransportBase):
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         self.pins.release()
-        for table in (self.blocks, self.units, self.pieces, *self._stored):
+        self.stored.set([])
+        for table in (self.blocks, self.units, self.pieces, self._kept_blocks):
             table.clear()
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
 
     def _move_head(self, module: torch.nn.Module, tower_ids: set[int], device: torch.device) -> None:
         move_outside(module, tower_ids, device)  # (the encoder streamer keeps its head home until used)
-
-    def _refuse_cast(self) -> None:
-        """A weight cast after placement (``model.to(dtype)``, layerwise casting) would be
-        overwritten by the next copy from its master: refused, naming what to do. Read at every
-        forward's entry, so in one C-level pass over the tensors."""
-        tensors, dtypes = self._stored
-        if list(map(_DTYPE, tensors)) != dtypes:
-            cast = next(s for b in self.blocks for s in b.slots if s.tensor.dtype != s.host.dtype)
-            raise RuntimeError(
-                f"{type(self.module).__name__}: streamed weights were cast after placement ({cast.host.dtype} -> "
-                f"{cast.tensor.dtype}): cast the model before placing it, or release it and place it again")
 
     def _hook(self, module: torch.nn.Module, hook) -> None:
         add_hook(module, hook, STREAM_HOOK)
@@ -166,37 +156,51 @@ class BlockStreamer(TransportBase):
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> CallGraph | None:
         """A block is entered: the model's first block entered in a forward begins a cycle (one per
         forward, whatever order the towers run in and however often); a whole block is made ready.
-        A kept block's trusted CUDA graph is returned to be replayed instead of its forward."""
+        A kept block's trusted CUDA graph, or a block streamed whole's graph for the buffer it is
+        bound to, is returned to be replayed instead of its forward."""
         if self._forward_open or (not self._via_model and (block is self.units[self.order.first()].block
                                                            or not self.learner.seen)):
             self._forward_open = False
             self._begin_cycle(block, args, kwargs)
         elif self.learner.guessed and self.learner.learn_parts(self.units):
             self.prefetch.prefetch_after(self.units[self.learner.seen[-1]])
-        graph = self.graphs.enter(block, args, kwargs, self.learner.seen)
-        if graph is not None:
+        if block.index in self._kept_blocks:
+            graph = self.graphs.enter(block, args, kwargs, self.learner.seen)
+            if graph is None and not block.in_parts:
+                self.enter(block.units[0])  # (an fp8 block's cast)
             return graph
-        if not block.in_parts:
-            self.enter(block.units[0])
-        return None
+        return None if block.in_parts else self.enter(block.units[0], args, kwargs)
 
     @torch.compiler.disable
     def exit_block(self, block: StreamBlock, output: object, forward) -> None:
-        """A block's eager forward returned (``forward``: its forward under our hook): a whole
-        block is released, and a kept block on its second call with these inputs is captured."""
-        if not block.in_parts:
-            self.exit(block.units[0])
-        if self.graphs.exit(block, output, forward, self.learner.seen, type(self.module).__name__):
-            self.notify("captured")
+        """A block's forward returned (``forward``: its forward under our hook; None when its graph
+        was replayed): a whole block is released, and a kept block on its second call with these
+        inputs is captured."""
+        if block.index not in self._kept_blocks:
+            if not block.in_parts:
+                self.exit(block.units[0], output, forward)
+        elif forward is not None:
+            if not block.in_parts:
+                self.exit(block.units[0])
+            self.graphs.exit(block, output, forward, self.learner.seen)
 
     @torch.compiler.disable
-    def enter(self, unit: StreamUnit) -> None:
+    def enter(self, unit: StreamUnit, args: tuple | None = None, kwargs: dict | None = None) -> CallGraph | None:
+        """A unit is entered: bound to its weights. Given its inputs (a unit of a block not kept
+        whole), its graph for the buffer it is bound to is returned, to replay instead of its
+        forward (an fp8 unit's weights are then cast inside the graph)."""
         if self.prefetch.capturing:  # a part of a block being captured
             self.prefetch.bind_captured(unit)
-            return
+            return None
         self.learner.seen.append(unit.index)
-        retry_on_oom(lambda: self.prefetch.bind(unit), lambda _attempt: self.relieve_in(unit.block))
+        graphed = args is not None and unit.block.index not in self._kept_blocks
+        relieve = lambda _attempt: self.relieve_in(unit.block)  # noqa: E731
+        retry_on_oom(lambda: self.prefetch.bind(unit, cast=not graphed), relieve)
         self._transit_peak = max(self._transit_peak, self.ring.nbytes)
+        graph = self.graphs.enter(unit, args, kwargs, self.learner.seen) if graphed else None
+        if graphed and graph is None and unit.cast is not None:
+            retry_on_oom(lambda: self.prefetch.cast(unit), relieve)
+        return graph
 
     def relieve_in(self, block: StreamBlock) -> bool:
         """An allocation inside ``block`` failed: the listeners (the planner) give kept pieces
@@ -206,10 +210,14 @@ class BlockStreamer(TransportBase):
         return self.notify("oom", block=block)
 
     @torch.compiler.disable
-    def exit(self, unit: StreamUnit) -> None:
+    def exit(self, unit: StreamUnit, output: object = None, forward=None) -> None:
+        """A unit's forward returned (``forward``: its eager forward, None when replayed or not
+        graphed): captured while still bound if its entry asked for it, then released."""
         if self.prefetch.capturing:
             self.prefetch.unbind_captured(unit)
             return
+        if forward is not None and unit.block.index not in self._kept_blocks:
+            self.graphs.exit(unit, output, forward, self.learner.seen)
         if self.prefetch.release(unit):
             self.ooms += 1
 
@@ -244,7 +252,7 @@ class BlockStreamer(TransportBase):
     def begin_forward(self, args: tuple, kwargs: dict) -> None:
         """The denoiser is entered: its listeners settle the plan, then the first streamed units
         that are not in flight yet are copied, before the non-block part is even launched."""
-        self._refuse_cast()
+        self.stored.check(type(self.module).__name__)
         self._forward_open = self._via_model = True
         self.notify("forward", args=args, kwargs=kwargs)
         try:
@@ -267,8 +275,8 @@ class BlockStreamer(TransportBase):
                         self.prefetch.discard(unit.index)
                 piece.resident = self.prefetch.load_kept(piece)
         self.order.refresh()
+        self._kept_blocks = self.resident_blocks()
         largest = self._largest_streamed()
-        self.graphs.set_plan(streams=largest > 0)
         if largest != self.ring.slot_bytes:
             self.drop_prefetched()
             self.ring.resize(largest)
@@ -317,7 +325,6 @@ class BlockStreamer(TransportBase):
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
         self.notify("end")
-        self.graphs.after_run(streams=self._largest_streamed() > 0)
         self.prefetch.release_all()
         self.drop_prefetched()
         self.learner.seen = []
@@ -383,18 +390,11 @@ class BlockStreamer(TransportBase):
 
     def details(self) -> dict[str, object]:
         return {
-            "blocks": len(self.blocks),
-            "pieces": len(self.pieces),
-            "kept": len(self.resident_blocks()),  # whole blocks
-            "kept_pieces": len(self.resident_indices()),
-            "kept_bytes": self.kept_bytes(),
-            "streamed_per_step": self.streamed_bytes(),
-            "stream": self.prefetch.copy_stream is not None,
-            "window": self.ctx.prefetch_window,
-            "buffers": self.ring.capacity,
-            "units": len(self.units),
-            "ooms": self.ooms,
-            "sync_loads": self.prefetch.sync_loads,
+            "blocks": len(self.blocks), "pieces": len(self.pieces), "units": len(self.units),
+            "kept": len(self.resident_blocks()), "kept_pieces": len(self.resident_indices()),  # whole blocks, pieces
+            "kept_bytes": self.kept_bytes(), "streamed_per_step": self.streamed_bytes(),
+            "stream": self.prefetch.copy_stream is not None, "window": self.ctx.prefetch_window,
+            "buffers": self.ring.capacity, "ooms": self.ooms, "sync_loads": self.prefetch.sync_loads,
             **self.graphs.cache.details(),
             **self.prefetch.host_details(self.blocks),
         }

@@ -69,8 +69,8 @@ def _count_entries(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(id of the encoder streamer, unit index) for every layer an encoder streamer binds."""
     entered: list[tuple[int, int]] = []
     real = EncoderStreamer.enter
-    monkeypatch.setattr(EncoderStreamer, "enter", lambda self, unit: entered.append((id(self), unit.index))
-                        or real(self, unit))
+    monkeypatch.setattr(EncoderStreamer, "enter", lambda self, unit, *call: entered.append((id(self), unit.index))
+                        or real(self, unit, *call))
     return entered
 
 

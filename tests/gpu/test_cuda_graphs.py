@@ -1,4 +1,4 @@
-"""Kept blocks as CUDA graphs (``transport/graphs.py``), on a CUDA device: the tiny Wan pipeline's
+"""The streamer's CUDA graphs (``transport/graphs.py``), on a CUDA device: the tiny Wan pipeline's
 outputs with graphs equal its outputs without, bit for bit, whatever happens to the kept set
 (a plan that streams, a weight write, fp8 storage, a block that cannot be captured); nothing of ours
 stays after release. Skipped where there is no CUDA device (CI): run on the GPU machine with
@@ -52,24 +52,32 @@ def test_kept_blocks_replay_graphs_that_equal_the_eager_forward(pipe) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
-def test_a_plan_that_streams_drops_the_graphs_until_the_call_ends(tiny_wan_dir) -> None:
-    """Graphs only while every block is kept: a plan that streams drops them all and makes none
-    for the rest of the call; the next call whose plan keeps everything graphs again."""
-    def shrink_then_grow(streamer, k: int) -> None:
-        if k == 0:
-            assert len(streamer.graphs.cache) == len(streamer.blocks)
-            streamer.events.unsubscribe("preload")  # the planner would keep them again
-            streamer.set_resident(streamer.pieces_of({0}))
-            assert len(streamer.graphs.cache) == 0 and not streamer.graphs.active
-        else:
-            assert len(streamer.graphs.cache) == 0  # the streaming call made none
-            streamer.set_resident({p.index for p in streamer.pieces})
-            assert streamer.graphs.active
+def _fp8(p):
+    p.transformer.to(torch.bfloat16)
+    store_fp8(p.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    return p
 
-    config = OffloadConfig(**BASE, cuda_graphs=False)
-    eager, _ = _runs(load_wan(tiny_wan_dir), config, runs=3)
-    graphed, on = _runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), runs=3, between=shrink_then_grow)
-    assert on["kept"] == on["blocks"] and on["graphs"] == on["blocks"]
+
+@pytest.mark.parametrize("storage", ["model dtype", "fp8"])
+def test_a_plan_that_streams_graphs_each_streamed_unit_per_buffer(tiny_wan_dir, storage: str) -> None:
+    """A plan that keeps block 0 only: block 0 is graphed whole, each unit of the other blocks once
+    per ring buffer it is bound to (its copy stays outside the graph, an fp8 unit's cast inside);
+    the runs equal the eager ones bit for bit, and none waits for a copy it did not queue."""
+    streamed: list[int] = []
+
+    def keep_first(streamer, k: int) -> None:
+        if k == 0:
+            streamer.events.unsubscribe("preload")  # the planner would keep them all again
+            streamer.set_resident(streamer.pieces_of({0}))
+            streamed.append(sum(u.piece.resident is None for u in streamer.units))
+
+    prepare = _fp8 if storage == "fp8" else (lambda p: p)
+    eager, off = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
+                       between=keep_first)
+    graphed, on = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=4, between=keep_first)
+    assert off["graphs"] == 0 and on["kept"] == 1
+    assert on["graphs"] >= 1 + streamed[-1] and on["graphs_refused"] == 0
+    assert on["sync_loads"] == off["sync_loads"]
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
@@ -90,13 +98,8 @@ def test_a_weight_write_drops_every_graph_and_the_next_ones_capture_the_new_forw
 
 
 def test_fp8_kept_blocks_graph_their_cast(pipe, tiny_wan_dir) -> None:
-    def fp8(p):
-        p.transformer.to(torch.bfloat16)
-        store_fp8(p.transformer, torch.float8_e4m3fn, torch.bfloat16)
-        return p
-
-    eager, _ = _runs(fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False))
-    graphed, on = _runs(fp8(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
+    eager, _ = _runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = _runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
     assert on["graphs"] == on["blocks"] and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 

@@ -1,0 +1,88 @@
+"""The block streamer's use of CUDA graphs (`graphs.py`): which calls are graphed, when one is
+captured (after its eager forward, on its second call with those inputs and those buffers), and
+what a capture binds (an fp8 unit's weights, cast inside the graph).
+
+Two kinds of call are graphed: a block whose every piece is kept, as one graph; and each unit of
+a block that streams (a part, or a block streamed whole), as one graph per ring buffer it is
+bound to, its copy and its buffer's events left outside the graph. A graph bakes in the addresses
+it reads, so each is keyed by the device addresses of its weights' bytes: the same key means the
+same weights in the same place, whatever the plan did in between, and a plan change needs no
+drop. Why graph streamed units too: a streamed image step is bound by the copies only while the
+host launches faster than the link copies; on a slow host its eager launch is the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .blocks import StreamBlock, StreamUnit
+from .graphs import CallGraph, GraphCache
+from .prefetch import Prefetcher
+
+Owner = StreamBlock | StreamUnit
+
+
+class BlockGraphs:
+    def __init__(self, device: torch.device, enabled: bool, prefetch: Prefetcher,
+                 notify: Callable[[str], object]) -> None:
+        self.cache = GraphCache(device, enabled)
+        self.prefetch = prefetch
+        self.notify = notify  # the streamer's listeners hear ``capturing`` and ``captured``
+        self.model = ""  # the model's name, for the log
+        self._pending: tuple | None = None  # (owner, key, args, kwargs, len(seen) at its entry): capture at its exit
+
+    def key(self, owner: Owner) -> tuple:
+        """Which call this is: the owner and where its units' bytes lie now (kept or a ring buffer)."""
+        units = owner.units if isinstance(owner, StreamBlock) else (owner,)
+        return id(owner), tuple(self.prefetch.region(u).data_ptr() for u in units)
+
+    def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int]) -> CallGraph | None:
+        """A kept block or a bound streamed unit is entered: its trusted graph, to replay instead of
+        its forward (the units it runs are added to ``seen``), or None: run eagerly (maybe to be
+        captured at its exit)."""
+        if not self.cache.enabled:
+            return None
+        key = self.key(owner)
+        plan = self.cache.plan(key, args, kwargs)
+        if type(plan) is CallGraph:
+            seen.extend(plan.units)
+            return plan
+        if plan is GraphCache.CAPTURE:
+            self._pending = (owner, key, args, kwargs, len(seen))
+        return None
+
+    def exit(self, owner: Owner, output: object, forward: Callable[..., object], seen: list[int]) -> None:
+        """``owner``'s eager forward returned ``output``: captured now if its entry asked for it
+        (``forward``: its forward under the streamer's hook), while a streamed unit is still
+        bound. The listeners are told before (the forward's peak so far is theirs) and after (the
+        capture's allocations are not)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] is not owner:
+            return
+        _owner, key, args, kwargs, mark = pending
+        whole = owner if isinstance(owner, StreamUnit) else None if owner.in_parts else owner.units[0]
+
+        def run(*a, **kw):
+            if whole is not None:  # in parts, the parts' hooks bind them
+                self.prefetch.bind_captured(whole)
+            return forward(*a, **kw)
+
+        self.notify("capturing")
+        self.prefetch.capturing = True
+        try:
+            self.cache.capture(key, f"{self.model} {owner_name(owner)}", run, args, kwargs, output, seen[mark:])
+        finally:
+            self.prefetch.end_capture()
+        self.notify("captured")
+
+    def clear(self) -> None:
+        self._pending = None
+        self.cache.clear()
+
+
+def owner_name(owner: Owner) -> str:
+    if isinstance(owner, StreamBlock):
+        return owner.name
+    return owner.block.name if owner.module is owner.block.module else f"{owner.block.name} part {owner.index}"
