@@ -47,7 +47,7 @@ for row in "$@"; do
                 rm -f "$ROWS_DIR"/trace"$i"*.json  # summarised in the rows; the traces are large
               done ;;
     fresh) for i in 1 2 3; do
-             run "fresh$i" 70 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small \
+             run "fresh$i" 70 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small ${FRESH_ARGS:-} \
                --warmup 4 --json "$ROWS_DIR/fresh$i.json"  # (warm-up: the plan settles, then its graphs are captured)
            done ;;
     h3te) run h3te 240 python3 bench/h3_bench.py --runs plain,plain,plain,reprompt --te-layers 64 --out "$ROWS_DIR" ;;

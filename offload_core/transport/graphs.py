@@ -133,6 +133,7 @@ class GraphCache:
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
         self.captured = self.refused = 0
+        self.replayed = 0  # graphs handed out to replay, over the cache's life
         self.starved = False  # a capture ran out of memory: none until the next `clear`
         self._said: set[str] = set()  # refusal reasons logged once
         self.enable(enabled)
@@ -164,6 +165,7 @@ class GraphCache:
         entry = self._entries.get((owner, key), 0)
         if type(entry) is CallGraph:
             entry.inputs = tensors
+            self.replayed += 1
             return entry
         if entry is None:
             return None

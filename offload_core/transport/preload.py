@@ -6,15 +6,20 @@ penalties and the blocks kept at unload survive a release and come back with the
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..config import OffloadConfig
+from ..log import get_logger
 from ..memory import MemoryReader, prefer_expandable_segments
 from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlanner
 from ..preload.shared import SharedBudget
 from ..preload.workload import entry_signature, scaled_workload, workload_fn
 from ..state import PLANNER
 from .streamer import BlockStreamer
+
+logger = get_logger("preload")
 
 
 class PreloadingStreamer(BlockStreamer):
@@ -194,10 +199,25 @@ class PreloadDriver:
             self._retries = self.memory.allocator_retries(streamer.device)  # nor a shortage
         elif event == "forward_end":  # the cycle's measure is the denoiser's forward alone
             self._check_shortage()
-            self.planner.end_cycle(self._usage())
+            usage = self._usage()
+            if logger.isEnabledFor(logging.DEBUG):
+                self._log_terms(usage)
+            self.planner.end_cycle(usage)
         elif event == "end":
             self.planner.end_cycle()  # a forward that raised: nothing to measure
         return False
+
+    def _log_terms(self, usage: CycleUsage | None) -> None:
+        """One DEBUG line per forward: the terms of its activation measure, in GiB."""
+        s, g = self.streamer, self.streamer.graphs.cache
+        terms = {"peak": usage.peak if usage else 0, "floor": usage.weights_floor if usage else 0,
+                 "others": self._others, "before_capture_peak": self._peak_before,
+                 "head": s.head_bytes(), "kept": s.kept_bytes(), "ring": s.ring.nbytes,
+                 "end_alloc": self.memory.allocated(s.device) - s.device_bytes() - self._others,
+                 "graph_pool": g.pool_bytes, "graph_io": g.nbytes - g.pool_bytes}
+        logger.debug("%s forward: %s; graphs %d (replayed %d), lookahead %d", self.planner.label,
+                     ", ".join(f"{k} {v / 2**30:.3f}" for k, v in terms.items()), len(g), g.replayed,
+                     self.planner.ring_slots)
 
     def _check_shortage(self) -> None:
         retries = self.memory.allocator_retries(self.streamer.device)
