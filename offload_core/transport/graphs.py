@@ -67,19 +67,20 @@ def _describe(obj: object, tensors: list[torch.Tensor]) -> object | None:
 
 def rebuild(key: object, tensors: list[torch.Tensor]) -> object:
     """The call (or output) ``key`` describes, with ``tensors`` in its tensor places, in order."""
-    it = iter(tensors)
+    return _build(key, iter(tensors))
 
-    def build(k: object) -> object:
-        if isinstance(k[0], torch.Size):
-            return next(it)
-        kind, value = k
-        if kind is tuple or kind is list:
-            return kind(build(v) for v in value)
-        if kind is dict:
-            return {name: build(v) for name, v in value}
-        return value
 
-    return build(key)
+def _build(key: object, it) -> object:
+    """(A module function, not a closure over itself: that would be a reference cycle holding
+    every replay's output tensors until the garbage collector ran.)"""
+    if isinstance(key[0], torch.Size):
+        return next(it)
+    kind, value = key
+    if kind is tuple or kind is list:
+        return kind(_build(v, it) for v in value)
+    if kind is dict:
+        return {name: _build(v, it) for name, v in value}
+    return value
 
 
 @dataclass(eq=False)

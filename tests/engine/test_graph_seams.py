@@ -5,6 +5,9 @@ a cycle that captured is neither measured nor a shortage for the planner."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
@@ -53,6 +56,23 @@ def test_describe_refuses_what_a_graph_cannot_replay() -> None:
         key, tensors = graphs.describe((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
         assert tensors == [] and graphs.rebuild(key[0], []) == ((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
         assert graphs.describe((), {"scale": 2.0})[0] != graphs.describe((), {"scale": 1.0})[0]
+
+
+def test_a_replay_output_is_freed_when_its_caller_drops_it() -> None:
+    """Rebuilding a replay's outputs leaves no reference cycle: with the garbage collector off,
+    the tensors go as soon as the caller lets them go (a cycle held every replay's outputs until
+    a collection, which the planner measured as activations)."""
+    out = torch.ones(4)
+    key = (tuple, ((out.shape, out.stride(), out.dtype, None), (dict, (("n", (int, 3)),))))
+    gc.disable()
+    try:
+        built = graphs.rebuild(key, [out])
+        assert built[0] is out and built[1] == {"n": 3}
+        alive = weakref.ref(out)
+        del out, built
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_a_capture_binds_a_kept_fp8_unit_to_its_own_cast_and_gives_the_stored_bytes_back(tiny_wan_dir) -> None:
