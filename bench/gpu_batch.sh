@@ -13,7 +13,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: kept blocks as CUDA graphs off and on, ~5 min), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -74,7 +74,7 @@ for row in "$@"; do
            done ;;
     release) run release 60 python3 bench/release_probe.py ;;
     gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;
-    graphs) for st in bf16 fp8_e4m3fn; do  # kept blocks as CUDA graphs: off/on alternated, bits compared
+    graphs) for st in bf16 fp8_e4m3fn; do  # CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \
                 $([ "$st" = bf16 ] && echo --video-cap 24) --out "$ROWS_DIR"
             done ;;

@@ -1,4 +1,4 @@
-"""Kept blocks as CUDA graphs (offload_core/transport/graphs.py): the same engine rows with graphs
+"""The streamer's CUDA graphs (offload_core/transport/graphs.py: kept blocks, streamed units): the same engine rows with graphs
 off and on, alternated twice in one process (the host's speed drifts within a process: run 28),
 outputs compared bit for bit against the eager engine's.
 
