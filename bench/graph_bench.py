@@ -1,6 +1,6 @@
 """The streamer's CUDA graphs (offload_core/transport/graphs.py: kept blocks, streamed units): the
-same engine rows with graphs off and on, alternated twice in one process (the host's speed drifts within a process: run 28),
-outputs compared bit for bit against the eager engine's.
+same engine rows with graphs off and on, alternated twice in one process (the host's speed drifts
+within a process: run 28), outputs compared bit for bit against the eager engine's.
 
 Wan-14B geometry, image-like workload (the host-launch-bound step), at each ballast cap (0: every
 block kept, no ballast). Per row: the synchronized step, the host's launch time, the back-to-back
