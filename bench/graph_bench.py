@@ -31,6 +31,7 @@ from benchkit.measure import (
     timed,
 )
 from benchkit.models import build_wan, wan_forward, wan_inputs
+from benchkit.table import bound_s
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
@@ -111,8 +112,7 @@ def main() -> None:
                     if args.storage != "bf16" and not cap:
                         resident_s[graphs] = r["median_s"]
                     reference = resident_s.get(graphs, 0.0)
-                    moved = r["moved_gib"] if r["moved_gib"] is not None else r["streamed_gib"]
-                    bound = max(reference, moved * GiB / h2d) if h2d and reference else None
+                    bound = bound_s(r, reference, 0.0, h2d) if reference else None
                     row(**r, bit_equal=bool(torch.equal(out, ref)), over_bound=r["median_s"] / bound if bound else None)
             if cap == args.video_cap:
                 video = wan_inputs("video", 2 if args.tiny else 21, device=dev)

@@ -1,7 +1,8 @@
-"""The CPU side of kept blocks as CUDA graphs (the graphs themselves run in tests/gpu): the option
-reaches the streamer and a retune turns it off, a CPU placement makes none, a capture binds a kept
-fp8 unit's weights to values cast into its own buffer and gives the stored bytes back after, and
-a cycle that captured is neither measured nor a shortage for the planner."""
+"""The CPU side of the streamer's CUDA graphs (the graphs themselves run in tests/gpu): the option
+reaches the streamer and a retune turns it off, a CPU placement makes none, a replay's outputs are
+freed with their caller's last reference, a capture binds a kept fp8 unit's weights to values cast
+into its own buffer and gives the stored bytes back after, and a cycle that captured is measured
+without the capture's allocations and is no shortage for the planner."""
 
 from __future__ import annotations
 
