@@ -1,8 +1,10 @@
 """How fast an fp8 region becomes bf16 on this GPU: torch's ``copy_`` against the pack's Triton cast
 (offload_core/transport/fp8_kernel.py) and a ``torch.compile``d cast, on one Wan-14B block-sized
 region (about 0.33 GB of fp8), bytes read + written per second. Checks that all give the same bits.
+``--sweep`` also times the Triton cast at other program widths, unscaled and with ten scaled
+weights (a Wan block's linears), which is how `fp8_kernel.BLOCK`/`WARPS` were picked.
 
-    python bench/cast_probe.py [--mb 330] [--repeats 20]
+    python bench/cast_probe.py [--mb 330] [--repeats 20] [--sweep]
 """
 
 from __future__ import annotations
@@ -28,10 +30,31 @@ def timed(fn, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
+def sweep(src: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, repeats: int) -> list[dict]:
+    """The Triton cast at each (elements, warps) per program: unscaled, and with ten weights each
+    with its own scale; GB/s read + written, and whether the bits match."""
+    n = src.numel()
+    starts = torch.arange(10, device="cuda", dtype=torch.int64) * (n // 10 // 512 * 512)
+    scales = (torch.rand(10, device="cuda") + 0.5).to(torch.bfloat16).float()
+    per = torch.bucketize(torch.arange(n, device="cuda"), starts, right=True) - 1
+    scaled_ref = (src.to(torch.bfloat16) * scales.to(torch.bfloat16)[per])
+    one = (torch.zeros(1, dtype=torch.int64, device="cuda"), torch.ones(1, device="cuda"))
+    rows = []
+    for block, warps in [(512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8),
+                         (8192, 16), (16384, 16)]:
+        plain = timed(lambda b=block, w=warps: fp8_kernel.launch(out, src, *one, b, w), repeats)
+        equal = bool(torch.equal(out, ref))
+        scaled = timed(lambda b=block, w=warps: fp8_kernel.launch(out, src, starts, scales, b, w), repeats)
+        rows.append({"block": block, "warps": warps, "gb_s": n * 3 / plain / 1e9, "scaled_gb_s": n * 3 / scaled / 1e9,
+                     "bit_equal": equal and bool(torch.equal(out, scaled_ref))})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=330)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     n = args.mb * 2**20
     src = torch.randn(n, device="cuda").to(torch.float8_e4m3fn)
@@ -58,6 +81,8 @@ def main() -> None:
     one = fp8_kernel.dequantized(src[:half], float(scales[0]), torch.bfloat16)  # the per-layer hook's kernel
     rows["triton_layer_bit_equal"] = bool(torch.equal(one, scaled_ref[:half]))
     rows["compile_bit_equal"] = bool(torch.equal(compiled(src), ref))
+    if args.sweep:
+        rows["sweep"] = sweep(src, out, ref, args.repeats)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mb": args.mb, **rows}))
 
 

@@ -26,6 +26,7 @@ from benchkit.models import blocks_of, build_wan, wan_forward, wan_inputs
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, store_fp8  # noqa: E402
 from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
 
 row = Rows()
@@ -242,6 +243,8 @@ def main() -> None:
     ap.add_argument("--caps", default="24")
     ap.add_argument("--workload", default="small")
     ap.add_argument("--whole-blocks", action="store_true")
+    ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_DTYPES],
+                    help="fp8: Linear weights stored in fp8 (bf16 compute); no resident row (fp8 has no plain forward)")
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
     ap.add_argument("--window", default="1", help="prefetch window(s) of the engine rows, comma-separated: "
@@ -256,10 +259,13 @@ def main() -> None:
     m = build_wan(40)
     feeds = wan_inputs(args.workload, 21)
     reading_costs()
-    row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1], loop_s=r[2],
-        **clocked(m, feeds))
-    if args.trace:
-        trace(m, feeds, args.trace.replace(".json", "_resident.json"), args.with_host)
+    if args.storage in FP8_DTYPES:
+        store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
+    else:
+        row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1],
+            loop_s=r[2], **clocked(m, feeds))
+        if args.trace:
+            trace(m, feeds, args.trace.replace(".json", "_resident.json"), args.with_host)
     to_host(m)
     first = float(args.caps.split(",")[0])
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:

@@ -5,9 +5,10 @@ at about a quarter of the H200's bandwidth and a separate scale multiply is anot
 (bench/README.md, "fp8 cast"). Triton ships with torch's CUDA builds; where it is missing, or the
 GPU has no fp8 conversion (before sm_89), the caller falls back to ``copy_`` + ``mul_``.
 
-Every weight starts on a 512-byte boundary of the region (`blocks.ALIGN`), so a program of 512
-elements lies inside one weight and takes the scale of the last weight starting at or before it.
-Math: ``float(fp8) * scale`` rounded once to the compute dtype, the bits of ``w.to(c) * scale``.
+Each element takes the scale of the last weight starting at or before it (a weight's start is
+an element offset of the region); a program covers ``BLOCK`` elements, wide enough for 16-byte
+loads (`bench/cast_probe.py` sweeps the width). Math: ``float(fp8) * scale`` rounded once to the
+compute dtype, the bits of ``w.to(c) * scale``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ try:
 except ImportError:  # CPU-only torch builds
     triton = None
 
-BLOCK = 512  # = blocks.ALIGN: no program straddles two weights
+BLOCK, WARPS = 4096, 8  # elements per program, warps per program (the probe's sweep picks them)
 _broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
 _unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one-segment table of scale 1, per device
 
@@ -28,14 +29,12 @@ if triton is not None:
 
     @triton.jit
     def _cast_kernel(src, dst, starts, scales, n, nseg, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        base = pid * BLOCK
-        offs = base + tl.arange(0, BLOCK)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        scale = tl.load(scales)
-        for i in range(1, nseg):
-            scale = tl.where(base >= tl.load(starts + i), tl.load(scales + i), scale)
         x = tl.load(src + offs, mask=mask).to(tl.float32)
+        scale = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scales)
+        for i in range(1, nseg):
+            scale = tl.where(offs >= tl.load(starts + i), tl.load(scales + i), scale)
         tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
 
 
@@ -65,14 +64,19 @@ def cast_into(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor | None 
             _unscaled[src.device] = (torch.zeros(1, dtype=torch.int64, device=src.device),
                                      torch.ones(1, dtype=torch.float32, device=src.device))
         starts, scales = _unscaled[src.device]
-    n = src.numel()
     try:
-        _cast_kernel[(triton.cdiv(n, BLOCK),)](src, out, starts, scales, n, starts.numel(), BLOCK=BLOCK,
-                                               num_warps=2)
+        launch(out, src, starts, scales, BLOCK, WARPS)
     except Exception:  # a Triton that cannot compile here: the fallback, for good on this device
         _broken.add(src.device.index)
         return False
     return True
+
+
+def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: torch.Tensor, block: int,
+           warps: int) -> None:
+    """The cast kernel at a given width (``cast_into`` uses the module's; the probe sweeps others)."""
+    _cast_kernel[(triton.cdiv(src.numel(), block),)](src, out, starts, scales, src.numel(), starts.numel(),
+                                                     BLOCK=block, num_warps=warps)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
