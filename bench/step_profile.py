@@ -118,26 +118,31 @@ def gaps_ms(stamps: list[int], start: int) -> list[float]:
     return [round((b - a) / 1e6, 3) for a, b in zip([start, *stamps], stamps, strict=False)]
 
 
+def per_call_us(fn, n: int = 2000) -> float:
+    """Host microseconds per call of ``fn`` (after 50 warm calls)."""
+    for _ in range(50):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    sync()
+    return round(us, 2)
+
+
 def host_probe(m) -> dict:
     """Host microseconds per call, in this process now: pure Python (`python_speed_ms`), a small
     CUDA op (dispatch and launch), and ``F.linear`` with block 0's first weight as the model holds
     it (under the engine, bound into the engine's buffer) against a plain copy. Whether a slow launch is
     the interpreter, the dispatcher, or the tensors the engine binds."""
     weight = next(p for p in blocks_of(m)[0].parameters() if p.dim() == 2)
-    x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
     a = torch.ones(1, device=weight.device)
+    if not weight.is_floating_point() or weight.element_size() == 1:  # fp8 storage: no F.linear on it
+        with torch.inference_mode():
+            return dict(python_ms=round(python_speed_ms(), 1), add_us=per_call_us(lambda: torch.add(a, a)))
+    x = torch.randn(1, weight.shape[1], device=weight.device, dtype=weight.dtype)
     plain = weight.detach().clone()
-
-    def per_call_us(fn, n: int = 2000) -> float:
-        for _ in range(50):
-            fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        us = (time.perf_counter() - t0) / n * 1e6
-        sync()
-        return round(us, 2)
 
     with torch.inference_mode():
         return dict(python_ms=round(python_speed_ms(), 1), add_us=per_call_us(lambda: torch.add(a, a)),

@@ -7,7 +7,8 @@ GPU has no fp8 conversion (before sm_89), the caller falls back to ``copy_`` + `
 
 Each element takes the scale of the last weight starting at or before it (a weight's start is
 an element offset of the region); a program covers ``BLOCK`` elements, wide enough for 16-byte
-loads (`bench/cast_probe.py` sweeps the width). Math: ``float(fp8) * scale`` rounded once to the
+loads (`bench/cast_probe.py` sweeps the width), finds the weights it meets from the whole table at
+once, and selects per element only where it meets more than one. Math: ``float(fp8) * scale`` rounded once to the
 compute dtype, the bits of ``w.to(c) * scale``.
 """
 
@@ -28,12 +29,17 @@ _unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one
 if triton is not None:
 
     @triton.jit
-    def _cast_kernel(src, dst, starts, scales, n, nseg, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    def _cast_kernel(src, dst, starts, scales, n, nseg, BLOCK: tl.constexpr, NSEG: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(src + offs, mask=mask).to(tl.float32)
-        scale = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scales)
-        for i in range(1, nseg):
+        segs = tl.arange(0, NSEG)
+        st = tl.load(starts + segs, mask=segs < nseg, other=n + BLOCK)
+        first = tl.sum((st <= pid * BLOCK).to(tl.int32), axis=0) - 1  # the segments this program meets
+        last = tl.sum((st < pid * BLOCK + BLOCK).to(tl.int32), axis=0) - 1
+        scale = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scales + first)
+        for i in range(first + 1, last + 1):  # none for a program inside one weight
             scale = tl.where(offs >= tl.load(starts + i), tl.load(scales + i), scale)
         tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
 
@@ -75,8 +81,9 @@ def cast_into(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor | None 
 def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: torch.Tensor, block: int,
            warps: int) -> None:
     """The cast kernel at a given width (``cast_into`` uses the module's; the probe sweeps others)."""
-    _cast_kernel[(triton.cdiv(src.numel(), block),)](src, out, starts, scales, src.numel(), starts.numel(),
-                                                     BLOCK=block, num_warps=warps)
+    nseg = starts.numel()
+    _cast_kernel[(triton.cdiv(src.numel(), block),)](src, out, starts, scales, src.numel(), nseg, BLOCK=block,
+                                                     NSEG=max(2, triton.next_power_of_2(nseg)), num_warps=warps)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
