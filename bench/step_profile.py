@@ -257,6 +257,8 @@ def main() -> None:
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
                          "(comma-separated; repeatable): which blocks stream, at the same count")
+    ap.add_argument("--warmup", type=int, default=6,
+                    help="forwards before the engine rows are timed (the plan settles, then graphs are captured)")
     output_args(ap)
     args = ap.parse_args()
     global row
@@ -286,7 +288,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
         eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
         streamer = eng.states(bag)["transformer"].transport
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
-        launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds))
+        launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=args.warmup)
         spent[0] = driver[0] = 0.0
         sync()
         wan_forward(m, *feeds)

@@ -256,11 +256,11 @@ def loop_time(fn: Callable[[], object], repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def launch_and_step(fn: Callable[[], object], repeats: int = 5) -> tuple[float, float, float]:
-    """After two warm-up calls: the median host time until ``fn`` returns (its launches) and until
+def launch_and_step(fn: Callable[[], object], repeats: int = 5, warmup: int = 2) -> tuple[float, float, float]:
+    """After ``warmup`` calls: the median host time until ``fn`` returns (its launches) and until
     the GPU is done, each call synchronized, and `loop_time` of ``repeats`` calls. A launch time
     equal to the step is a host-bound step (step_profile.py, host_profile.py)."""
-    for _ in range(2):
+    for _ in range(warmup):
         fn()
     launch, step = [], []
     for _ in range(repeats):

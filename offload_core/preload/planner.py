@@ -181,6 +181,16 @@ class PreloadPlanner:
         needs = self._bytes(target) + self._slot_count * slot
         return max(0, needs - weight_budget(self._reader(), peak, self.penalty(workload)))
 
+    def spare(self, workload: int) -> int:
+        """Bytes the plan for ``workload`` leaves unused beside its kept blocks and streaming
+        buffers (auto with a measure; else 0): what pieces held as compute values may take."""
+        peak = self.measured_peak(workload)
+        if self.policy.mode != "auto" or peak is None:
+            return 0
+        slot = max((s for i, s in self.slot_sizes.items() if i not in self._resident), default=0)
+        used = self._bytes(self._resident) + self._slot_count * slot
+        return max(0, weight_budget(self._reader(), peak, self.penalty(workload)) - used)
+
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
         its resident set held still and it saw no shortage; without ``usage`` (another model

@@ -34,9 +34,10 @@ class BlockGraphs:
         self._pending: tuple | None = None  # (owner, key, args, kwargs, len(seen) at its entry): capture at its exit
 
     def key(self, owner: Owner) -> tuple:
-        """Which call this is: the owner and where its units' bytes lie now (kept or a ring buffer)."""
+        """Which call this is: the owner and where its units' bytes lie now (kept or a ring buffer),
+        and in which form (stored, or held as compute values: `held_casts.py`)."""
         units = owner.units if isinstance(owner, StreamBlock) else (owner,)
-        return id(owner), tuple(self.prefetch.region(u).data_ptr() for u in units)
+        return id(owner), tuple((self.prefetch.region(u).data_ptr(), u.computed) for u in units)
 
     def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int]) -> CallGraph | None:
         """A kept block or a bound streamed unit is entered: its trusted graph, to replay instead of

@@ -57,6 +57,7 @@ class StreamUnit:
     cast: UnitCast | None = None  # its fp8 weights' cast to compute values (`cast.py`), if any
     kept: torch.Tensor | None = None  # its bytes in its piece's device buffer while kept
     kept_views: list[torch.Tensor] | None = None  # its tensors there
+    computed: bool = False  # kept as compute values, its fp8 weights cast once (`held_casts.py`)
 
     @cached_property
     def tensor_bytes(self) -> int:
@@ -150,6 +151,7 @@ class StreamPiece:
         of them still held would stay on the device after the release."""
         for unit in self.units:
             unit.kept = unit.kept_views = None
+            unit.computed = False
         self.resident = None
 
 
@@ -281,10 +283,21 @@ class StoredDtypes:
 
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
-        self.dtypes: list[torch.dtype] = []
+        self.dtypes: list[torch.dtype] = []  # what each must be now
+        self._stored: list[torch.dtype] = []
+        self._at: dict[int, int] = {}
 
     def set(self, slots: list[TensorSlot]) -> None:
         self.tensors, self.dtypes = [s.tensor for s in slots], [s.host.dtype for s in slots]
+        self._stored = list(self.dtypes)
+        self._at = {id(t): i for i, t in enumerate(self.tensors)}
+
+    def expect(self, tensors: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+        """``tensors`` are bound to values of ``dtype`` by the streamer itself (None: their stored
+        dtype again)."""
+        for t in tensors:
+            i = self._at[id(t)]
+            self.dtypes[i] = dtype or self._stored[i]
 
     def check(self, owner: str) -> None:
         if list(map(_DTYPE, self.tensors)) != self.dtypes:

@@ -22,7 +22,7 @@ try:
 except ImportError:  # CPU-only torch builds
     triton = None
 
-BLOCK, WARPS = 4096, 8  # elements per program, warps per program (the probe's sweep picks them)
+BLOCK, WARPS = 4096, 4  # elements per program, warps per program (the probe's sweep picks them)
 _broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
 _unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one-segment table of scale 1, per device
 
@@ -34,6 +34,9 @@ if triton is not None:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(src + offs, mask=mask).to(tl.float32)
+        if NSEG == 1:  # one scale (an unscaled region): no table to search
+            tl.store(dst + offs, (x * tl.load(scales)).to(dst.dtype.element_ty), mask=mask)
+            return
         segs = tl.arange(0, NSEG)
         st = tl.load(starts + segs, mask=segs < nseg, other=n + BLOCK)
         first = tl.sum((st <= pid * BLOCK).to(tl.int32), axis=0) - 1  # the segments this program meets
@@ -83,7 +86,7 @@ def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: t
     """The cast kernel at a given width (``cast_into`` uses the module's; the probe sweeps others)."""
     nseg = starts.numel()
     _cast_kernel[(triton.cdiv(src.numel(), block),)](src, out, starts, scales, src.numel(), nseg, BLOCK=block,
-                                                     NSEG=max(2, triton.next_power_of_2(nseg)), num_warps=warps)
+                                                     NSEG=triton.next_power_of_2(nseg), num_warps=warps)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:

@@ -61,14 +61,14 @@ class Prefetcher:
 
     def cast(self, unit: StreamUnit) -> None:
         """Bind a placed unit to its compute values: its fp8 weights cast from its stored bytes."""
-        if unit.index not in self.cast_bound:
+        if not (unit.computed or unit.index in self.cast_bound):
             self._bind(unit, self.region(unit), self.region_views(unit))
 
     def ready(self, unit: StreamUnit) -> bool:
         """The unit's weights are bound to compute from now."""
         if unit.index in self.bound or unit.index in self.cast_bound:
             return True
-        return unit.piece.resident is not None and unit.cast is None
+        return unit.piece.resident is not None and (unit.cast is None or unit.computed)
 
     def _bind(self, unit: StreamUnit, region: torch.Tensor, views: list[torch.Tensor]) -> None:
         """Bind ``unit`` to ``views`` of its storage bytes ``region``, its fp8 weights to their
@@ -88,8 +88,9 @@ class Prefetcher:
     def bind_captured(self, unit: StreamUnit) -> None:
         """In a capture (`block_graphs.py`): an fp8 unit's weights bound to values cast from its
         stored bytes into a buffer allocated inside it, from the graph's own pool (a pool buffer
-        of ours would be baked into the graph and handed to other units later)."""
-        if unit.cast is None:
+        of ours would be baked into the graph and handed to other units later). A unit held as
+        compute values is bound to them already."""
+        if unit.cast is None or unit.computed:
             return
         buf = torch.empty(unit.cast.nbytes, dtype=unit.cast.compute, device=self.device)
         views = compute_views(buf, unit.cast)

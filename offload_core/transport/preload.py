@@ -17,6 +17,7 @@ from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlann
 from ..preload.shared import SharedBudget
 from ..preload.workload import entry_signature, scaled_workload, workload_fn
 from ..state import PLANNER
+from .held_casts import HeldCasts
 from .streamer import BlockStreamer
 
 logger = get_logger("preload")
@@ -28,10 +29,12 @@ class PreloadingStreamer(BlockStreamer):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.driver: PreloadDriver | None = None
+        self.held = HeldCasts(self.pieces, self.prefetch, self.stored)  # fp8 pieces kept as compute values
 
     def apply(self, module: torch.nn.Module) -> None:
         prefer_expandable_segments(self.device)  # before the first segment of this model is made
         super().apply(module)
+        self.held.model = type(module).__name__
         self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.config.preload)
         self.driver.load()
 
@@ -51,6 +54,7 @@ class PreloadingStreamer(BlockStreamer):
             if driver is not None:
                 driver.planner.unbind()
             self.events.unsubscribe(PreloadDriver.NAME)
+            self.held.leaving(set())
             super().remove(module)
 
     def share(self, budget: SharedBudget | None) -> None:
@@ -58,13 +62,24 @@ class PreloadingStreamer(BlockStreamer):
         if self.driver is not None:
             self.driver.shared = budget
 
+    def set_resident(self, indices: set[int]) -> None:
+        self.held.leaving(indices)
+        super().set_resident(indices)
+
+    def before_write(self) -> None:  # held compute values would not see the write
+        self.held.drop()
+        super().before_write()
+
     def give_back(self, nbytes: int) -> int:
-        """Release kept pieces, lowest-ranked first (the planner's order: what is left is still
-        the best set of its size), until ``nbytes`` are freed; the planner keeps its plan, so
-        they come back at the next cycle where they fit."""
+        """Let the pieces held as compute values go, then release kept pieces, lowest-ranked first
+        (the planner's order: what is left is still the best set of its size), until ``nbytes``
+        are freed; the planner keeps its plan, so they come back at the next cycle where they fit."""
+        freed = self.held.drop()
+        if freed >= nbytes:
+            return freed
         if self.driver is None:
-            return super().give_back(nbytes)
-        keep, freed = self.resident_indices(), 0
+            return freed + super().give_back(nbytes - freed)
+        keep = self.resident_indices()
         for index in reversed(self.driver.planner.ranking):
             if freed >= nbytes:
                 break
@@ -84,6 +99,7 @@ class PreloadingStreamer(BlockStreamer):
     def details(self) -> dict[str, object]:
         out = super().details()
         out["plan"] = self.driver.planner.last_plan_line if self.driver is not None else ""
+        out["held_bytes"] = self.held.extra
         return out
 
 
@@ -104,6 +120,8 @@ class PreloadDriver:
         self.shared: SharedBudget | None = None  # the other denoisers of the pipeline (`share`)
         self._peak_before = 0  # this cycle's own peak before its CUDA graph captures (theirs is not activations)
         self._before_capture = 0  # bytes allocated when the last capture began
+        self._graph_bytes = 0  # the most the CUDA graphs held: room they need again once dropped
+        self._hold = True  # pieces may be held as compute values (not after a shortage, until the run ends)
         streamer.events.subscribe(self.NAME, self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -182,6 +200,7 @@ class PreloadDriver:
             self._last = (self._entry, workload)
             target = self.planner.begin_cycle(workload)
             self._apply(target)
+            self._hold_casts(workload)
             self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             self._peak_before = 0
@@ -205,6 +224,7 @@ class PreloadDriver:
             self.planner.end_cycle(usage)
         elif event == "end":
             self.planner.end_cycle()  # a forward that raised: nothing to measure
+            self._hold = True
         return False
 
     def _log_terms(self, usage: CycleUsage | None) -> None:
@@ -219,6 +239,26 @@ class PreloadDriver:
                      ", ".join(f"{k} {v / 2**30:.3f}" for k, v in terms.items()), len(g), g.replayed,
                      self.planner.ring_slots)
 
+    def _hold_casts(self, workload: int) -> None:
+        """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves,
+        less what the CUDA graphs will need again once dropped (their most so far, or the
+        activations before any); a plan that streams, or a shortage in this run, holds none.
+        A change drops the graphs: their keys name the form of the weights, and their pool is
+        the room the new captures need."""
+        s, cache = self.streamer, self.streamer.graphs.cache
+        if not (s.held.held or s.held.candidates()):
+            return
+        self._graph_bytes = max(self._graph_bytes, cache.nbytes)
+        if not self._hold or len(s.resident_indices()) < len(s.pieces):
+            changed = s.held.drop() > 0
+        else:
+            reserve = max(self._graph_bytes, self.planner.measured_peak(workload) or 0) if cache.enabled else 0
+            changed = s.held.fit(self.planner.spare(workload) - max(0, reserve - cache.nbytes))
+        if changed:
+            s.graphs.clear()
+            self.memory.empty_cache(s.device)
+            self._retries = self.memory.allocator_retries(s.device)
+
     def _check_shortage(self) -> None:
         retries = self.memory.allocator_retries(self.streamer.device)
         if retries > self._retries:
@@ -227,8 +267,13 @@ class PreloadDriver:
 
     def relieve(self, running: set[int]) -> bool:
         """A shortage: give up what the planner lets go (streaming buffers beyond the window, or
-        kept pieces, never those ``running``); False when nothing more can go. The idle
-        denoisers' kept blocks go first (one streamed block's worth plus the margin, at once)."""
+        kept pieces, never those ``running``); False when nothing more can go. Pieces held as
+        compute values go first (none is held again this run), then the idle denoisers' kept
+        blocks (one streamed block's worth plus the margin, at once)."""
+        self._hold = False
+        if self.streamer.held.drop(keep=running):
+            self.streamer.graphs.clear()
+            return True
         need = max(self.planner.slot_sizes.values(), default=0)
         if self.shared is not None and self.shared.take_idle(self.streamer, need, f"a shortage in {self.planner.label}"):
             return True

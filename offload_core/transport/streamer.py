@@ -345,8 +345,8 @@ class BlockStreamer(TransportBase):
     def streamed_bytes(self) -> int:
         return sum(p.nbytes for p in self.pieces if p.resident is None)
 
-    def kept_bytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces if p.resident is not None)
+    def kept_bytes(self) -> int:  # (a piece held as compute values takes more than its stored bytes)
+        return sum(p.resident.numel() for p in self.pieces if p.resident is not None)
 
     def device_bytes(self) -> int:
         """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers

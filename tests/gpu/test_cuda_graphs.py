@@ -104,6 +104,18 @@ def test_fp8_kept_blocks_graph_their_cast(pipe, tiny_wan_dir) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
+def test_fp8_pieces_held_as_compute_values_are_graphed_without_a_cast(pipe, tiny_wan_dir) -> None:
+    """With preload auto, every block kept and room to spare, the fp8 pieces are held as compute
+    values (``held_casts.py``) and captured that way: the same bits as fp8 kept blocks casting at
+    each forward, eager (a fixed budget holds none)."""
+    eager, off = _runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False), runs=4)
+    auto = {**BASE, "preload": "auto"}
+    graphed, on = _runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**auto), runs=4)
+    assert off["held_bytes"] == 0 and on["held_bytes"] > 0
+    assert on["graphs"] == on["blocks"] and on["graphs_refused"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
 def test_a_block_that_cannot_be_captured_stays_eager(pipe, tiny_wan_dir) -> None:
     """A block whose forward reads a value on the host (a sync: illegal in a capture) is refused
     by name and runs eagerly; the others are graphed; the output is unchanged."""
