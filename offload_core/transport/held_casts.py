@@ -58,7 +58,7 @@ class HeldCasts:
         if extra - room > step:
             while self.held and self.extra > room:
                 self._let_go(self.held[-1])
-            changed = True
+                changed = True
         elif room - extra >= 2 * step > 0:
             for piece in self.candidates():
                 cost = extra_bytes(piece)

@@ -241,8 +241,8 @@ class PreloadDriver:
 
     def _hold_casts(self, workload: int) -> None:
         """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves,
-        less what the CUDA graphs will need again once dropped (their most so far, or the
-        activations before any); a plan that streams, or a shortage in this run, holds none.
+        less what the CUDA graphs will need again once dropped (their most so far, or a forward's
+        activations and two unit casts, before any); a plan that streams, or a shortage in this run, holds none.
         A change drops the graphs: their keys name the form of the weights, and their pool is
         the room the new captures need."""
         s, cache = self.streamer, self.streamer.graphs.cache
@@ -252,7 +252,8 @@ class PreloadDriver:
         if not self._hold or len(s.resident_indices()) < len(s.pieces):
             changed = s.held.drop() > 0
         else:
-            reserve = max(self._graph_bytes, self.planner.measured_peak(workload) or 0) if cache.enabled else 0
+            peak = self.planner.measured_peak(workload) or 0  # the graphs' pool: a forward's intermediates and casts
+            reserve = max(self._graph_bytes, peak + 2 * s.prefetch.casts.nbytes) if cache.enabled else 0
             changed = s.held.fit(self.planner.spare(workload) - max(0, reserve - cache.nbytes))
         if changed:
             s.graphs.clear()

@@ -13,11 +13,11 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
-from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.preload import planner as planner_module
 from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.transport import graphs
 from diffusers_offload.offload_core.transport.cast import CastPool
+from fixtures.scripted_memory import ScriptedCard
 from fixtures.tiny_pipes import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -103,37 +103,13 @@ def test_a_capture_binds_a_kept_fp8_unit_to_its_own_cast_and_gives_the_stored_by
     engine.release(pipe)
 
 
-class _Card(MemoryReader):
-    """A scripted device: plenty free, a peak, a retry count and what others hold (``alloc``)
-    as the test sets them; a reset peak is ``base`` (what stays allocated)."""
-
-    def __init__(self) -> None:
-        self.base, self.alloc = 256 << 20, 0
-        self.peak, self.retries = self.base, 0
-
-    def allocated(self, device):
-        return self.alloc
-
-    def device_free(self, device):
-        return (64 << 30, 0)
-
-    def peak_allocated(self, device):
-        return self.peak
-
-    def reset_peak(self, device) -> None:
-        self.peak = self.base
-
-    def allocator_retries(self, device):
-        return self.retries
-
-
 def test_a_cycle_that_captured_is_measured_without_the_capture(wan_pipe, monkeypatch) -> None:
     """The forward's peak before a capture is measured; the capture's allocations (what it left
     allocated: its pool, its static buffers; and the allocator retry they cause) are neither a
     measure nor a shortage."""
     monkeypatch.setattr(planner_module, "process_store", MeasureStore)  # no earlier test's measures
     monkeypatch.setattr(planner_module, "growth_threshold", lambda largest: 0)  # tiny blocks are kept
-    card = _Card()
+    card = ScriptedCard()
     engine = Engine(memory=card)
     engine.place(wan_pipe, OffloadConfig(**BASE, preload="auto"))
     streamer = engine.states(wan_pipe)["transformer"].transport
