@@ -77,9 +77,6 @@ class BlockGraphs:
         finally:
             self.prefetch.end_capture()
         self.notify("captured")
-        block = owner if isinstance(owner, StreamBlock) else owner.block
-        if self.cache.starved and self.notify("oom", block=block):  # room was made: captures resume
-            self.cache.clear()
 
     def clear(self) -> None:
         self._pending = None
