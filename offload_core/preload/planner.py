@@ -96,7 +96,6 @@ class PreloadPlanner:
         self._cycle: _Cycle | None = None
         self._loaded = False
         self._penalties: dict[int, Penalty] = {}
-        self.reserved = 0  # room left free beside the plan (the CUDA graphs' pool, once a capture lacked it)
         registry.register(self)
 
     def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float, prefetch_window: int) -> None:
@@ -180,7 +179,7 @@ class PreloadPlanner:
         target = self._cycle_target(workload, extra)
         slot = max((s for i, s in self.slot_sizes.items() if i not in target), default=0)
         needs = self._bytes(target) + self._slot_count * slot
-        return max(0, needs - weight_budget(self._reader(), peak, self.held_back(workload)))
+        return max(0, needs - weight_budget(self._reader(), peak, self.penalty(workload)))
 
     def spare(self, workload: int) -> int:
         """Bytes the plan for ``workload`` leaves unused beside its kept blocks and streaming
@@ -190,7 +189,7 @@ class PreloadPlanner:
             return 0
         slot = max((s for i, s in self.slot_sizes.items() if i not in self._resident), default=0)
         used = self._bytes(self._resident) + self._slot_count * slot
-        return max(0, weight_budget(self._reader(), peak, self.held_back(workload)) - used)
+        return max(0, weight_budget(self._reader(), peak, self.penalty(workload)) - used)
 
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
@@ -248,10 +247,6 @@ class PreloadPlanner:
             self._penalties[workload] = Penalty(bytes=self._store.penalty(self._key(workload)))
         return self._penalties[workload]
 
-    def held_back(self, workload: int | None) -> int:
-        """Bytes a plan leaves free beyond the activations and their margin: the penalty and ``reserved``."""
-        return self.penalty(workload) + self.reserved
-
     def measured_peak(self, workload: int | None) -> int | None:
         return None if workload is None else self._store.get(self._key(workload))
 
@@ -291,7 +286,7 @@ class PreloadPlanner:
     def _fit(self, order: Sequence[int], peak: int, workload: int | None, extra: int = 0) -> frozenset[int]:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty (with
         ``extra`` bytes more than the reading's)."""
-        reading, penalty = self._reader(), self.held_back(workload)
+        reading, penalty = self._reader(), self.penalty(workload)
         budget = weight_budget(reading, peak, penalty) + extra
         chosen = set(order)
         outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
@@ -311,7 +306,7 @@ class PreloadPlanner:
         streamed = [s for i, s in self.slot_sizes.items() if i not in resident]
         if self.policy.mode != "auto" or peak is None or not streamed:
             return self._slot_count
-        budget = weight_budget(self._reader(), peak, self.held_back(workload))
+        budget = weight_budget(self._reader(), peak, self.penalty(workload))
         return lookahead_slots(self._bytes(resident), budget, max(streamed), self._slot_count, self._most_slots)
 
     def _shrunk(self, resident: frozenset[int], nbytes: int) -> frozenset[int]:

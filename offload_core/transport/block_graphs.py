@@ -77,8 +77,6 @@ class BlockGraphs:
         finally:
             self.prefetch.end_capture()
         self.notify("captured")
-        if self.cache.starved and self.notify("starved"):  # the listeners made room: captures resume
-            self.cache.clear()
 
     def clear(self) -> None:
         self._pending = None

@@ -216,8 +216,6 @@ class PreloadDriver:
             self._others += max(0, self.memory.allocated(streamer.device) - self._before_capture)
             self.memory.reset_peak(streamer.device)
             self._retries = self.memory.allocator_retries(streamer.device)  # nor a shortage
-        elif event == "starved":
-            return self._reserve_graph_room()
         elif event == "forward_end":  # the cycle's measure is the denoiser's forward alone
             self._check_shortage()
             usage = self._usage()
@@ -261,19 +259,6 @@ class PreloadDriver:
             s.graphs.clear()
             self.memory.empty_cache(s.device)
             self._retries = self.memory.allocator_retries(s.device)
-
-    def _reserve_graph_room(self) -> bool:
-        """A CUDA graph capture ran out of memory: from the next plan on, once, leave the graphs'
-        room free (twice a forward's activations and a unit's cast), so they are captured then; True
-        when the room is new. Why not a shortage: each failed capture would shrink the plan by
-        a piece and learn a penalty, until far less is kept than the graphs need (run 32)."""
-        if self.planner.reserved:
-            return False
-        peak = self.planner.measured_peak(self.planner.last_workload) or 0
-        self.planner.reserved = 2 * (peak + self.streamer.prefetch.casts.nbytes)
-        logger.info("%s: a CUDA graph capture ran out of memory: %.2f GiB left free for the graphs from the next "
-                    "plan on", self.planner.label, self.planner.reserved / 2**30)
-        return True
 
     def _check_shortage(self) -> None:
         retries = self.memory.allocator_retries(self.streamer.device)
