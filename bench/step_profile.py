@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
                          "(comma-separated; repeatable): which blocks stream, at the same count")
-    ap.add_argument("--warmup", type=int, default=6,
+    ap.add_argument("--warmup", type=int, default=10,
                     help="forwards before the engine rows are timed (the plan settles, then graphs are captured)")
     output_args(ap)
     args = ap.parse_args()

@@ -7,7 +7,8 @@ element ``o``); without it, a ``copy_`` and a ``mul_`` per scaled weight. Why no
 casting, ComfyUI's cast per op): the per-layer launches cost more than the bytes saved on a
 streamed image step (bench/README.md, formats). The storage bytes (a ring buffer, a kept piece)
 are what moves and stays; the compute buffer lives only while the unit runs, from a small pool
-on the compute stream, so reusing one is ordered after the unit that last read it.
+on the compute stream, so reusing one is ordered after the unit that last read it (a kept piece
+held as compute values, `held_casts.py`, is cast once instead).
 int8 units (ComfyUI's int8_tensorwise) never reach the kernel: each weight is cast by torch,
 `fp8.dequantize_int8` (``(q.float() * scale).to(compute)``, per-tensor or per-row scales), element
 for byte as well (int8 is one byte).
