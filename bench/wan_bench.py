@@ -226,10 +226,9 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 rel_err=rel_err(out, refs[w]), peak_alloc_gib=watch.alloc / GiB, peak_reserved_gib=watch.reserved / GiB,
                 free_at_start_gib=free0 / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
-                kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""),
-                streamed_gib=streamer.streamed_bytes() / GiB, units=details.get("units"),
-                held_gib=details.get("held_bytes", 0) / GiB, graphs=details.get("graphs"), alloc_retries=retries, ooms=ooms,
-                ooms_met_by_engine=streamer.ooms,
+                kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""), units=details.get("units"),
+                streamed_gib=streamer.streamed_bytes() / GiB, held_gib=details.get("held_bytes", 0) / GiB,
+                graphs=details.get("graphs"), alloc_retries=retries, ooms=ooms, ooms_met_by_engine=streamer.ooms,
                 expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
                 **loads.fields(args.warmup, args.repeats), **gc_timed, **host)
             del out

@@ -8,8 +8,8 @@ GPU has no fp8 conversion (before sm_89), the caller falls back to ``copy_`` + `
 Each element takes the scale of the last weight starting at or before it (a weight's start is
 an element offset of the region); a program covers ``BLOCK`` elements, wide enough for 16-byte
 loads (`bench/cast_probe.py` sweeps the width), finds the weights it meets from the whole table at
-once, and selects per element only where it meets more than one. Math: ``float(fp8) * scale`` rounded once to the
-compute dtype, the bits of ``w.to(c) * scale``.
+once, and selects per element only where it meets more than one. Math: ``float(fp8) * scale``
+rounded once to the compute dtype, the bits of ``w.to(c) * scale``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ give-back, a weight write and a plan that streams let them go first.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from ..log import get_logger
@@ -33,6 +35,8 @@ def extra_bytes(piece: StreamPiece) -> int:
 
 
 class HeldCasts:
+    """The pieces of one streamer held as compute values, in the order they were held."""
+
     def __init__(self, pieces: list[StreamPiece], prefetch: Prefetcher, stored: StoredDtypes) -> None:
         self.pieces = pieces  # the streamer's piece table
         self.prefetch = prefetch
@@ -75,7 +79,7 @@ class HeldCasts:
                      len(self.held), len(self.held) + len(self.candidates()), self.extra / 2**30)
         return changed
 
-    def drop(self, keep: set[int] = frozenset()) -> int:
+    def drop(self, keep: Collection[int] = ()) -> int:
         """Let every held piece go (back to its stored bytes) but those in ``keep`` (running now);
         returns the bytes freed."""
         freed = 0

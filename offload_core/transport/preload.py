@@ -242,9 +242,9 @@ class PreloadDriver:
     def _hold_casts(self, workload: int) -> None:
         """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves,
         less what the CUDA graphs will need again once dropped (their most so far, or a forward's
-        activations and two unit casts, before any); a plan that streams, or a shortage in this run, holds none.
-        A change drops the graphs: their keys name the form of the weights, and their pool is
-        the room the new captures need."""
+        activations and two unit casts, before any); a plan that streams, or a shortage in this
+        run, holds none. A change drops the graphs: their keys name the form of the weights, and
+        their pool is the room the new captures need."""
         s, cache = self.streamer, self.streamer.graphs.cache
         if not (s.held.held or s.held.candidates()):
             return
