@@ -115,9 +115,15 @@ def test_a_plan_that_streams_holds_none(fp8_pipe, monkeypatch):
     expected = run_wan(fp8_pipe)
     engine.after_run(fp8_pipe)
     assert streamer.held.held
-    streamer.retune(OffloadConfig(mode="auto", preload="off", **BASE))  # every block streams now
+    budget = sum(p.nbytes for p in streamer.pieces if p.block.index == 0)
+    streamer.retune(OffloadConfig(mode="auto", preload=f"{budget / 2**30:.9f}", **BASE))  # some kept, the rest stream
+    kept = streamer.resident_indices()
+    assert 0 < len(kept) < len(streamer.pieces) and any(p.index in kept for p in streamer.held.held)
     assert torch.equal(run_wan(fp8_pipe), expected)
-    assert streamer.held.held == [] and streamer.kept_bytes() == 0
+    assert streamer.held.held == []  # the pieces still kept are back in fp8
+    assert streamer.kept_bytes() == sum(p.nbytes for p in streamer.pieces if p.index in kept)
+    streamer.retune(OffloadConfig(mode="auto", preload="off", **BASE))  # every block streams
+    assert torch.equal(run_wan(fp8_pipe), expected) and streamer.kept_bytes() == 0
     engine.release(fp8_pipe)
 
 
