@@ -176,9 +176,7 @@ class PreloadPlanner:
         peak = self._store.estimate(self._key(workload)) if peak is None else peak
         if peak is None:
             return 0
-        target = self._cycle_target(workload, extra)
-        slot = max((s for i, s in self.slot_sizes.items() if i not in target), default=0)
-        needs = self._bytes(target) + self._slot_count * slot
+        needs = self._footprint(self._cycle_target(workload, extra))
         return max(0, needs - weight_budget(self._reader(), peak, self.penalty(workload)))
 
     def spare(self, workload: int) -> int:
@@ -187,9 +185,12 @@ class PreloadPlanner:
         peak = self.measured_peak(workload)
         if self.policy.mode != "auto" or peak is None:
             return 0
-        slot = max((s for i, s in self.slot_sizes.items() if i not in self._resident), default=0)
-        used = self._bytes(self._resident) + self._slot_count * slot
-        return max(0, weight_budget(self._reader(), peak, self.penalty(workload)) - used)
+        return max(0, weight_budget(self._reader(), peak, self.penalty(workload)) - self._footprint(self._resident))
+
+    def _footprint(self, resident: frozenset[int]) -> int:
+        """Device bytes a plan keeping ``resident`` takes: those blocks and the window's streaming slots."""
+        slot = max((s for i, s in self.slot_sizes.items() if i not in resident), default=0)
+        return self._bytes(resident) + self._slot_count * slot
 
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when

@@ -42,7 +42,20 @@ class HeldCasts:
         self.prefetch = prefetch
         self.stored = stored  # told which weights are bound to compute values
         self.held: list[StreamPiece] = []
+        self.castable: list[StreamPiece] = []  # pieces with fp8 units (`start`)
+        self.step = 0  # the largest extra a castable piece costs: the smallest change `fit` makes
         self.model = ""
+
+    def start(self, model: str) -> None:
+        """The streamer's table is made (at apply): which pieces could be held, once."""
+        self.model = model
+        self.castable = [p for p in self.pieces if any(u.cast is not None for u in p.units)]
+        self.step = max((extra_bytes(p) for p in self.castable), default=0)
+
+    def stop(self) -> None:
+        """The streamer is removed: every held piece back to its host master, none castable."""
+        self.leaving(set())
+        self.castable, self.step = [], 0
 
     @property
     def extra(self) -> int:
@@ -50,15 +63,13 @@ class HeldCasts:
 
     def candidates(self) -> list[StreamPiece]:
         """Kept pieces with fp8 units, not held yet, in table order."""
-        return [p for p in self.pieces if p.resident is not None and p not in self.held
-                and any(u.cast is not None for u in p.units)]
+        return [p for p in self.castable if p.resident is not None and p not in self.held]
 
     def fit(self, room: int) -> bool:
         """Hold pieces while their extra bytes fit ``room``, or let go of the last held until they
         do; a change smaller than the largest piece's extra is not made (a measure that moves by a
         little would otherwise re-cast, and re-capture the graphs, each forward). True on a change."""
-        step = max((extra_bytes(p) for p in self.pieces if any(u.cast for u in p.units)), default=0)
-        extra, changed = self.extra, False
+        step, extra, changed = self.step, self.extra, False
         if extra - room > step:
             while self.held and self.extra > room:
                 self._let_go(self.held[-1])

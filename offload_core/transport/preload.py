@@ -34,7 +34,7 @@ class PreloadingStreamer(BlockStreamer):
     def apply(self, module: torch.nn.Module) -> None:
         prefer_expandable_segments(self.device)  # before the first segment of this model is made
         super().apply(module)
-        self.held.model = type(module).__name__
+        self.held.start(type(module).__name__)
         self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.config.preload)
         self.driver.load()
 
@@ -54,7 +54,7 @@ class PreloadingStreamer(BlockStreamer):
             if driver is not None:
                 driver.planner.unbind()
             self.events.unsubscribe(PreloadDriver.NAME)
-            self.held.leaving(set())
+            self.held.stop()
             super().remove(module)
 
     def share(self, budget: SharedBudget | None) -> None:
@@ -246,7 +246,7 @@ class PreloadDriver:
         run, holds none. A change drops the graphs: their keys name the form of the weights, and
         their pool is the room the new captures need."""
         s, cache = self.streamer, self.streamer.graphs.cache
-        if not (s.held.held or s.held.candidates()):
+        if not s.held.castable:  # no fp8 units: nothing to do on each forward
             return
         self._graph_bytes = max(self._graph_bytes, cache.nbytes)
         if not self._hold or len(s.resident_indices()) < len(s.pieces):
