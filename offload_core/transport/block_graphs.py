@@ -52,6 +52,7 @@ class BlockGraphs:
             return plan
         if plan is GraphCache.CAPTURE:
             self._pending = (owner, key, args, kwargs, len(seen))
+            self.prefetch.fix_cast(owner.units if isinstance(owner, StreamBlock) else (owner,))
         return None
 
     def exit(self, owner: Owner, output: object, forward: Callable[..., object], seen: list[int]) -> None:
@@ -81,6 +82,7 @@ class BlockGraphs:
     def clear(self) -> None:
         self._pending = None
         self.cache.clear()
+        self.prefetch.casts.unfix()
 
 
 def owner_name(owner: Owner) -> str:

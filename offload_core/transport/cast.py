@@ -103,7 +103,8 @@ def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: li
 
 class CastPool:
     """Compute buffers for the fp8 units bound now, with each buffer's views per unit cached
-    (building views is most of the host time a unit costs)."""
+    (building views is most of the host time a unit costs). One of them may be *fixed* for the
+    CUDA graphs (`fix`): their captures cast into it, so graphs need no cast buffer of their own."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -111,6 +112,8 @@ class CastPool:
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (id(buffer), unit index) -> views
         self.held = 0  # bytes of compute buffers alive (free and bound)
         self.nbytes = 0  # the size buffers are made at: the largest unit's compute bytes
+        self.fixed: torch.Tensor | None = None  # the graphs' cast buffer: never freed while fixed
+        self._fixed_bound = False  # an eager unit is bound to it now
 
     def cast(
         self, index: int, cast: UnitCast, region: torch.Tensor
@@ -126,10 +129,33 @@ class CastPool:
         return buf, views
 
     def release(self, buf: torch.Tensor) -> None:
-        if not self._free and buf.numel() * buf.element_size() == self.nbytes:
+        if buf is self.fixed:
+            self._fixed_bound = False
+        elif not self._free and buf.numel() * buf.element_size() == self.nbytes:
             self._free.append(buf)
         else:
             self._forget(buf)
+
+    def fix(self, compute: torch.dtype) -> torch.Tensor:
+        """The buffer CUDA graph captures cast into, made (outside any capture: a buffer made
+        inside one would belong to the graphs' pool) and kept until `unfix`. Graphs replay one
+        after another on the compute stream, as eager units bind one after another, so eager
+        casts use it too while no unit is bound to it: the graphs cost no second cast buffer."""
+        if self.fixed is None or self.fixed.dtype != compute:
+            self.unfix()
+            if self._free and self._free[-1].dtype == compute:
+                self.fixed = self._free.pop()
+            else:
+                self.fixed = torch.empty(self.nbytes // compute.itemsize, dtype=compute, device=self.device)
+                self.held += self.nbytes
+        return self.fixed
+
+    def unfix(self) -> None:
+        """The graphs are dropped: the fixed buffer becomes an ordinary one (freed at `clear`)."""
+        buf, self.fixed = self.fixed, None
+        if buf is not None and not self._fixed_bound:
+            self.release(buf)
+        self._fixed_bound = False
 
     def resize(self, nbytes: int) -> None:
         if nbytes != self.nbytes:
@@ -141,6 +167,10 @@ class CastPool:
             self._forget(self._free.pop())
 
     def _take(self, cast: UnitCast) -> torch.Tensor:
+        fixed = self.fixed
+        if fixed is not None and not self._fixed_bound and fixed.dtype == cast.compute and fixed.numel() >= cast.nbytes:
+            self._fixed_bound = True
+            return fixed
         if self._free and self._free[-1].dtype == cast.compute:
             return self._free.pop()
         size = max(self.nbytes, cast.compute_bytes) // cast.compute.itemsize

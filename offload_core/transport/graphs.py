@@ -134,6 +134,7 @@ class GraphCache:
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
         self.captured = self.refused = 0
+        self.retried = 0  # captures made again after running out of memory (`_record`)
         self.replayed = 0  # graphs handed out to replay, over the cache's life
         self.starved = False  # a capture ran out of memory: none until the next `clear`
         self._said: set[str] = set()  # refusal reasons logged once
@@ -213,10 +214,26 @@ class GraphCache:
 
     def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
                 ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
-        """The graph of ``run`` on the static inputs, writing the static outputs; or (None, why)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(self.device)
+        """The graph of ``run`` on the static inputs, writing the static outputs; or (None, why).
+        A capture that runs out of memory is tried once more after the allocator's cache goes back
+        to the driver: while a capture is under way the allocator cannot free the cached memory of
+        the eager forwards for the graphs' pool, which is often all the room a tight card has."""
+        for attempt in (0, 1):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+                self._stream = self._stream or torch.cuda.Stream(self.device)
+            graph, failed = self._record_once(run, call, outs)
+            if graph is not None or not self.starved or attempt:
+                return graph, failed
+            self.starved, self.retried = False, self.retried + 1
+            if not len(self):  # nothing uses the pool: it goes back too, a new one is made
+                self._pool, self.pool_bytes = None, 0
+            torch.cuda.empty_cache()
+            log.debug("a capture ran out of memory: the allocator's cache emptied, capturing once more")
+        raise AssertionError("unreachable")
+
+    def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
+                     ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
         args, kwargs = call
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
@@ -265,7 +282,8 @@ class GraphCache:
         self.starved = False
 
     def details(self) -> dict[str, int]:
-        return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused}
+        return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused,
+                "graph_retries": self.retried}
 
 
 def _shapes(tensors: list[torch.Tensor]) -> str:

@@ -41,7 +41,7 @@ class Prefetcher:
         # unpinned units reach the device through pinned staging buffers, on the side stream
         self.staging = StagingRing(self.copy_stream) if self.copy_stream is not None else None
         self.capturing = False  # a kept block's forward is being captured as a CUDA graph
-        self._captured: dict[int, torch.Tensor] = {}  # unit index -> its compute buffer, made in the capture
+        self._captured: dict[int, torch.Tensor] = {}  # unit index -> the fixed cast buffer it is bound to, in a capture
 
     def bind(self, unit: StreamUnit, cast: bool = True) -> None:
         """Make a unit's weights ready on the device (a kept one already is, but for its fp8
@@ -85,14 +85,21 @@ class Prefetcher:
         """The device bytes ``unit`` is bound to now: its kept buffer, or its ring buffer."""
         return unit.kept if unit.piece.resident is not None else self.bound[unit.index].buf
 
+    def fix_cast(self, units: Iterable[StreamUnit]) -> None:
+        """``units`` will be captured after their next eager forward: the cast buffer the capture
+        casts into is fixed now (`CastPool.fix`), outside the capture and before that forward's
+        own cast, which then uses it too (no second buffer is made)."""
+        casts = [u.cast for u in units if u.cast is not None and not u.computed]
+        if casts:
+            self.casts.fix(casts[0].compute)
+
     def bind_captured(self, unit: StreamUnit) -> None:
         """In a capture (`block_graphs.py`): an fp8 unit's weights bound to values cast from its
-        stored bytes into a buffer allocated inside it, from the graph's own pool (a pool buffer
-        of ours would be baked into the graph and handed to other units later). A unit held as
-        compute values is bound to them already."""
+        stored bytes into the fixed cast buffer, whose address every graph may bake in (the
+        graphs replay one after another). A unit held as compute values is bound to them already."""
         if unit.cast is None or unit.computed:
             return
-        buf = torch.empty(unit.cast.nbytes, dtype=unit.cast.compute, device=self.device)
+        buf = self.casts.fixed
         views = compute_views(buf, unit.cast)
         cast_into(unit.cast, self.region(unit), buf, views)
         self._captured[unit.index] = buf

@@ -1,7 +1,7 @@
 """The CPU side of the streamer's CUDA graphs (the graphs themselves run in tests/gpu): the option
 reaches the streamer and a retune turns it off, a CPU placement makes none, a replay's outputs are
 freed with their caller's last reference, a capture binds a kept fp8 unit's weights to values cast
-into its own buffer and gives the stored bytes back after, and a cycle that captured is measured
+into the cast buffer it shares with eager casts and gives the stored bytes back after, and a cycle that captured is measured
 without the capture's allocations and is no shortage for the planner."""
 
 from __future__ import annotations
@@ -76,30 +76,49 @@ def test_a_replay_output_is_freed_when_its_caller_drops_it() -> None:
         gc.enable()
 
 
-def test_a_capture_binds_a_kept_fp8_unit_to_its_own_cast_and_gives_the_stored_bytes_back(tiny_wan_dir) -> None:
+def test_a_capture_casts_a_kept_fp8_unit_into_the_fixed_buffer_eager_casts_share(tiny_wan_dir) -> None:
+    """The capture's cast buffer is fixed before the eager forward that precedes it, outside
+    the capture; that forward's cast and the capture's use it (no second buffer: a graph pool's
+    own cast buffer is what kept captures from fitting on a tight card), the stored bytes are
+    bound again after, and the buffer becomes an ordinary one when the graphs are dropped."""
     pipe = load_wan(tiny_wan_dir)
     pipe.transformer.to(torch.bfloat16)
     store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
     engine = Engine()
     engine.place(pipe, OffloadConfig(**BASE, preload="1000"))
     streamer = engine.states(pipe)["transformer"].transport
+    casts = streamer.prefetch.casts
     unit = next(u for u in streamer.units if u.cast is not None)
     fp8 = [slot.tensor for slot in unit.slots[: unit.cast.count]]
     stored = [t.data for t in fp8]
     _buf, expected = CastPool(torch.device("cpu")).cast(unit.index, unit.cast, unit.kept)
+    held = casts.held
+    streamer.prefetch.fix_cast([unit])
+    fixed = casts.fixed
+    assert fixed is not None and fixed.dtype == torch.bfloat16
+    start, end = fixed.data_ptr(), fixed.data_ptr() + fixed.nbytes
+
+    def in_fixed() -> bool:
+        return all(start <= t.data_ptr() < end for t in fp8)
+
+    streamer.enter(unit)  # the eager forward before the capture casts into the fixed buffer
+    assert in_fixed() and casts.held == max(held, fixed.nbytes)
+    streamer.exit(unit)
     streamer.prefetch.capturing = True
     try:
         streamer.enter(unit)
-        assert all(t.dtype == torch.bfloat16 for t in fp8)
-        assert all(torch.equal(t, e) for t, e in zip(fp8, expected, strict=True))
-        assert not any(t.data_ptr() == e.data_ptr() for t, e in zip(fp8, expected, strict=True))
-        assert streamer.learner.seen == []  # a capture is not a forward the order learns from
+        assert in_fixed() and all(torch.equal(t, e) for t, e in zip(fp8, expected, strict=True))
+        assert streamer.learner.seen == [unit.index]  # a capture is not a forward the order learns from
         streamer.exit(unit)
         assert [t.data_ptr() for t in fp8] == [s.data_ptr() for s in stored]
         assert all(t.dtype == torch.float8_e4m3fn for t in fp8)
     finally:
         streamer.prefetch.end_capture()
     assert not streamer.prefetch.capturing and streamer.prefetch._captured == {}
+    streamer.graphs.clear()
+    assert casts.fixed is None
+    streamer.drop_prefetched()
+    assert casts.held == 0
     engine.release(pipe)
 
 

@@ -59,19 +59,23 @@ def _fp8(p):
     return p
 
 
+def _keep_first(streamed: list[int]):
+    """A `between` that keeps block 0 only after the first run (``streamed``: units streamed then)."""
+    def keep_first(streamer, k: int) -> None:
+        if k == 0:
+            streamer.events.unsubscribe("preload")  # the planner would keep them all again
+            streamer.set_resident(streamer.pieces_of({0}))
+            streamed.append(sum(u.piece.resident is None for u in streamer.units))
+    return keep_first
+
+
 @pytest.mark.parametrize("storage", ["model dtype", "fp8"])
 def test_a_plan_that_streams_graphs_each_streamed_unit_per_buffer(tiny_wan_dir, storage: str) -> None:
     """A plan that keeps block 0 only: block 0 is graphed whole, each unit of the other blocks once
     per ring buffer it is bound to (its copy stays outside the graph, an fp8 unit's cast inside);
     the runs equal the eager ones bit for bit, and none waits for a copy it did not queue."""
     streamed: list[int] = []
-
-    def keep_first(streamer, k: int) -> None:
-        if k == 0:
-            streamer.events.unsubscribe("preload")  # the planner would keep them all again
-            streamer.set_resident(streamer.pieces_of({0}))
-            streamed.append(sum(u.piece.resident is None for u in streamer.units))
-
+    keep_first = _keep_first(streamed)
     prepare = _fp8 if storage == "fp8" else (lambda p: p)
     eager, off = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
                        between=keep_first)
@@ -79,6 +83,37 @@ def test_a_plan_that_streams_graphs_each_streamed_unit_per_buffer(tiny_wan_dir, 
     assert off["graphs"] == 0 and on["kept"] == 1
     assert on["graphs"] >= 1 + streamed[-1] and on["graphs_refused"] == 0
     assert on["sync_loads"] == off["sync_loads"]
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+@pytest.mark.parametrize("storage", ["model dtype", "fp8"])
+def test_a_capture_gets_the_memory_the_eager_forwards_left_cached(tiny_wan_dir, storage: str) -> None:
+    """While a capture is under way the allocator frees no cached memory, so on a card whose only
+    room is what the eager forwards left cached, a capture runs out of memory: it is made again
+    once that cache is emptied, and every kept block and streamed unit is graphed (fp8 units cast
+    into the buffer eager casts use), the same bits as eager."""
+    streamed: list[int] = []
+    keep_first = _keep_first(streamed)
+    prepare = _fp8 if storage == "fp8" else (lambda p: p)
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def tight(streamer, k: int) -> None:
+        keep_first(streamer, k)
+        if k == 1:  # run 1 captured with room; run 2 captures again with none but the cache
+            streamer.graphs.clear()
+            torch.cuda.synchronize()
+            cached = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            del cached  # cached, unused, as an eager forward leaves its activations
+            torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
+
+    eager, _ = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
+                     between=keep_first)
+    try:
+        graphed, on = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=4, between=tight)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert on["kept"] == 1 and on["graphs_refused"] == 0 and on["graph_retries"] >= 1
+    assert on["graphs"] >= 1 + streamed[-1]
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
