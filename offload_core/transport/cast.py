@@ -147,7 +147,7 @@ class CastPool:
                 self.fixed = self._free.pop()
             else:
                 self.fixed = torch.empty(self.nbytes // compute.itemsize, dtype=compute, device=self.device)
-                self.held += self.nbytes
+                self.held += self.fixed.nbytes
         return self.fixed
 
     def unfix(self) -> None:
