@@ -140,15 +140,23 @@ class CastPool:
         """The buffer CUDA graph captures cast into, made (outside any capture: a buffer made
         inside one would belong to the graphs' pool) and kept until `unfix`. Graphs replay one
         after another on the compute stream, as eager units bind one after another, so eager
-        casts use it too while no unit is bound to it: the graphs cost no second cast buffer."""
-        if self.fixed is None or self.fixed.dtype != compute:
-            self.unfix()
+        casts use it too while no unit is bound to it: the graphs cost no second cast buffer.
+        One fixed buffer at a time, never replaced while graphs may read it (a unit of another
+        compute dtype casts inside its capture instead: `fixed_for`)."""
+        if self.fixed is None:
             if self._free and self._free[-1].dtype == compute:
                 self.fixed = self._free.pop()
             else:
                 self.fixed = torch.empty(self.nbytes // compute.itemsize, dtype=compute, device=self.device)
                 self.held += self.fixed.nbytes
         return self.fixed
+
+    def fixed_for(self, cast: UnitCast) -> torch.Tensor | None:
+        """The fixed buffer if ``cast`` can use it (its compute dtype, big enough), else None."""
+        fixed = self.fixed
+        if fixed is not None and fixed.dtype == cast.compute and fixed.numel() >= cast.nbytes:
+            return fixed
+        return None
 
     def unfix(self) -> None:
         """The graphs are dropped: the fixed buffer becomes an ordinary one (freed at `clear`)."""
@@ -167,8 +175,8 @@ class CastPool:
             self._forget(self._free.pop())
 
     def _take(self, cast: UnitCast) -> torch.Tensor:
-        fixed = self.fixed
-        if fixed is not None and not self._fixed_bound and fixed.dtype == cast.compute and fixed.numel() >= cast.nbytes:
+        fixed = self.fixed_for(cast)
+        if fixed is not None and not self._fixed_bound:
             self._fixed_bound = True
             return fixed
         if self._free and self._free[-1].dtype == cast.compute:

@@ -96,10 +96,13 @@ class Prefetcher:
     def bind_captured(self, unit: StreamUnit) -> None:
         """In a capture (`block_graphs.py`): an fp8 unit's weights bound to values cast from its
         stored bytes into the fixed cast buffer, whose address every graph may bake in (the
-        graphs replay one after another). A unit held as compute values is bound to them already."""
+        graphs replay one after another); where that cannot serve, into a buffer made inside the
+        capture, from the graphs' pool. A unit held as compute values is bound to them already."""
         if unit.cast is None or unit.computed:
             return
-        buf = self.casts.fixed
+        buf = self.casts.fixed_for(unit.cast)
+        if buf is None:
+            buf = torch.empty(unit.cast.nbytes, dtype=unit.cast.compute, device=self.device)
         views = compute_views(buf, unit.cast)
         cast_into(unit.cast, self.region(unit), buf, views)
         self._captured[unit.index] = buf

@@ -16,7 +16,7 @@ from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.preload import planner as planner_module
 from diffusers_offload.offload_core.preload.measures import MeasureStore
 from diffusers_offload.offload_core.transport import graphs
-from diffusers_offload.offload_core.transport.cast import CastPool
+from diffusers_offload.offload_core.transport.cast import CastPool, UnitCast
 from fixtures.scripted_memory import ScriptedCard
 from fixtures.tiny_pipes import load_wan, run_wan
 
@@ -120,6 +120,29 @@ def test_a_capture_casts_a_kept_fp8_unit_into_the_fixed_buffer_eager_casts_share
     streamer.drop_prefetched()
     assert casts.held == 0
     engine.release(pipe)
+
+
+def test_the_fixed_cast_buffer_outlives_its_graphs_and_serves_one_dtype() -> None:
+    """Graphs bake the fixed buffer's address in: a second `fix` keeps it (whatever dtype is
+    asked), a unit of another compute dtype is not served by it, an eager unit bound to it keeps
+    it through `unfix`, and only then does it become an ordinary buffer."""
+    pool = CastPool(torch.device("cpu"))
+    pool.resize(64 * 2)
+    bf16 = UnitCast(torch.float8_e4m3fn, torch.bfloat16, 1, 64, [0], [torch.Size([8, 8])])
+    fp16 = UnitCast(torch.float8_e4m3fn, torch.float16, 1, 64, [0], [torch.Size([8, 8])])
+    fixed = pool.fix(torch.bfloat16)
+    assert pool.fix(torch.float16) is fixed and pool.fixed_for(fp16) is None
+    region = torch.zeros(64, dtype=torch.uint8)
+    bound, _views = pool.cast(0, bf16, region)
+    assert bound is fixed
+    other, _views = pool.cast(1, bf16, region)  # the fixed one is busy: another buffer
+    assert other is not fixed
+    pool.release(other)
+    pool.unfix()
+    assert pool.fixed is None and pool.held == 2 * fixed.nbytes  # still bound, still alive
+    pool.release(bound)
+    pool.clear()
+    assert pool.held == 0
 
 
 def test_a_cycle_that_captured_is_measured_without_the_capture(wan_pipe, monkeypatch) -> None:
