@@ -11,7 +11,8 @@ written (a LoRA), at a shortage and at release. A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
 capture fails or differs stays eager for that signature. Large inputs (a video's activations)
 stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
-Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture.
+Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture
+(here the cache is emptied only for a capture that ran out of memory).
 """
 
 from __future__ import annotations
@@ -218,22 +219,21 @@ class GraphCache:
         A capture that runs out of memory is tried once more after the allocator's cache goes back
         to the driver: while a capture is under way the allocator cannot free the cached memory of
         the eager forwards for the graphs' pool, which is often all the room a tight card has."""
-        for attempt in (0, 1):
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-                self._stream = self._stream or torch.cuda.Stream(self.device)
-            graph, failed = self._record_once(run, call, outs)
-            if graph is not None or not self.starved or attempt:
-                return graph, failed
+        graph, failed = self._record_once(run, call, outs)
+        if graph is None and self.starved:
             self.starved, self.retried = False, self.retried + 1
             if not len(self):  # nothing uses the pool: it goes back too, a new one is made
                 self._pool, self.pool_bytes = None, 0
             torch.cuda.empty_cache()
             log.debug("a capture ran out of memory: the allocator's cache emptied, capturing once more")
-        raise AssertionError("unreachable")
+            graph, failed = self._record_once(run, call, outs)
+        return graph, failed
 
     def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
                      ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = self._stream or torch.cuda.Stream(self.device)
         args, kwargs = call
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
