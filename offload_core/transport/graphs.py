@@ -203,8 +203,7 @@ class GraphCache:
                 failed = "its replay differs from the eager forward"
         self._entries[(owner, key)] = None
         self.refused += 1
-        if not len(self):  # nothing uses the pool: its memory goes back, a new one next time
-            self._pool, self.pool_bytes = None, 0
+        if self._forget_unused_pool():
             torch.cuda.empty_cache()
         said = failed.split(":")[0]
         (log.debug if said in self._said else log.info)(
@@ -222,12 +221,19 @@ class GraphCache:
         graph, failed = self._record_once(run, call, outs)
         if graph is None and self.starved:
             self.starved, self.retried = False, self.retried + 1
-            if not len(self):  # nothing uses the pool: it goes back too, a new one is made
-                self._pool, self.pool_bytes = None, 0
+            self._forget_unused_pool()
             torch.cuda.empty_cache()
             log.debug("a capture ran out of memory: the allocator's cache emptied, capturing once more")
             graph, failed = self._record_once(run, call, outs)
         return graph, failed
+
+    def _forget_unused_pool(self) -> bool:
+        """When no graph uses the pool, forget it (its memory goes back at the next empty-cache, a
+        new one is made at the next capture); True when it was forgotten."""
+        if len(self):
+            return False
+        self._pool, self.pool_bytes = None, 0
+        return True
 
     def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
                      ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:

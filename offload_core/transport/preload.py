@@ -241,10 +241,11 @@ class PreloadDriver:
 
     def _hold_casts(self, workload: int) -> None:
         """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves,
-        less what the CUDA graphs will need again once dropped (their most so far, or a forward's
-        activations and two unit casts, before any); a plan that streams, or a shortage in this
-        run, holds none. A change drops the graphs: their keys name the form of the weights, and
-        their pool is the room the new captures need."""
+        less what the CUDA graphs will need again once dropped: their most so far, or, before any,
+        a forward's activations and two unit casts (the cast buffer graphs and eager casts share,
+        and one more as headroom: the reserve measured at 24 GiB in runs 32-33). A plan that
+        streams, or a shortage in this run, holds none. A change drops the graphs: their keys name
+        the form of the weights, and their pool is the room the new captures need."""
         s, cache = self.streamer, self.streamer.graphs.cache
         if not s.held.castable:  # no fp8 units: nothing to do on each forward
             return
@@ -252,7 +253,7 @@ class PreloadDriver:
         if not self._hold or len(s.resident_indices()) < len(s.pieces):
             changed = s.held.drop() > 0
         else:
-            peak = self.planner.measured_peak(workload) or 0  # the graphs' pool: a forward's intermediates and casts
+            peak = self.planner.measured_peak(workload) or 0  # the graphs' pool: a forward's intermediates
             reserve = max(self._graph_bytes, peak + 2 * s.prefetch.casts.nbytes) if cache.enabled else 0
             changed = s.held.fit(self.planner.spare(workload) - max(0, reserve - cache.nbytes))
         if changed:
