@@ -32,7 +32,7 @@ run() {  # run NAME MIN_SECONDS COMMAND...: skipped when fewer than MIN_SECONDS 
   echo "== [$((SECONDS - T0))s] $name: $*"
   OUT="$ROWS_DIR" timeout -k 10 "$((L - 5))" "$@" > "$ROWS_DIR/$name.log" 2>&1
   echo "== [$((SECONDS - T0))s] $name rc=$?"
-  grep -E '^\||"section": "(preload_auto|resident|engine|auto|trace)"|^-- run|^   (text encode|move|denoise  )|row"|SUMMARY|EXCEEDS|within|passed|failed|Error' \
+  grep -E '^\||"section": "(preload_auto|resident|fp8_resident|engine|auto|trace)"|^-- run|^   (text encode|move|denoise  )|row"|SUMMARY|EXCEEDS|within|passed|failed|Error' \
     "$ROWS_DIR/$name.log" | cut -c1-400 | tail -40
 }
 
@@ -42,7 +42,7 @@ for row in "$@"; do
     hostq4) run hostq4 150 python3 bench/host_profile.py --storage gguf_q4_k --caps 0,12 --forwards 4 \
               --out "$ROWS_DIR" ;;
     trace) run trace 120 python3 bench/step_profile.py --caps 24 --trace "$ROWS_DIR/trace.json" --out "$ROWS_DIR" ;;
-    fp8trace) run fp8trace 120 python3 bench/step_profile.py --storage fp8_e4m3fn --caps 12 \
+    fp8trace) run fp8trace 120 python3 bench/step_profile.py --storage fp8_e4m3fn --caps 12 --per-part \
                 --trace "$ROWS_DIR/fp8trace.json" --out "$ROWS_DIR" ;;
     castsweep) run castsweep 40 python3 bench/cast_probe.py --sweep ;;
     stepprof) for i in $(seq "${STEPPROF_N:-4}"); do  # four fresh processes: the launch block by block and the driver calls' time

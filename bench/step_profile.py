@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from bisect import bisect_left, bisect_right
 from pathlib import Path
 
 import torch
@@ -90,7 +91,47 @@ def trace_summary(path: str) -> None:
     row(section="trace", span_ms=(end - start) / 1e3, kernels_ms=busy(kernels) / 1e3, copies_ms=busy(copies) / 1e3,
         overlap_ms=overlap / 1e3, first_copy_at_ms=(copies[0][0] - start) / 1e3,
         last_kernel_end_ms=(kernels[-1][1] - start) / 1e3,
-        kernel_gaps=gaps(kernels, start), copy_gaps=gaps(copies, start), host_api=api_time(events))
+        kernel_gaps=gaps(kernels, start), copy_gaps=gaps(copies, start), host_api=api_time(events),
+        compute_gaps=compute_gaps(events))
+
+
+def compute_gaps(events: list[dict]) -> dict[str, list[float]]:
+    """Every idle gap of the compute stream (the stream with the most kernel time), summed by what
+    it lies between: ``graph`` (a kernel of a CUDA graph), ``in_graph`` (two kernels of one graph
+    replay), ``kernel`` (launched eagerly), ``memcpy``; ``after_copy``: the next op started within
+    20 us of a side-stream copy's end (it waited for that copy). Name -> [gaps, total ms]. Where a
+    step's time over its kernels goes, when no single gap is large."""
+    launcher = {e["args"]["correlation"]: e["name"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in e.get("args", {})]
+    busy: dict[int, float] = {}
+    for e in ops:
+        if e["cat"] == "kernel":
+            busy[e["args"]["stream"]] = busy.get(e["args"]["stream"], 0.0) + e["dur"]
+    if not busy:
+        return {}
+    compute = max(busy, key=busy.get)
+    mine = sorted((e for e in ops if e["args"]["stream"] == compute), key=lambda e: e["ts"])
+    copy_ends = sorted(e["ts"] + e["dur"] for e in ops if e["args"]["stream"] != compute and e["cat"] == "gpu_memcpy")
+
+    def kind(e: dict) -> str:
+        if e["cat"] != "kernel":
+            return "memcpy"
+        return "graph" if launcher.get(e["args"].get("correlation")) == "cudaGraphLaunch" else "kernel"
+
+    out: dict[str, list[float]] = {}
+    for a, b in zip(mine, mine[1:], strict=False):
+        gap = b["ts"] - (a["ts"] + a["dur"])
+        if gap <= 0:
+            continue
+        same = kind(a) == kind(b) == "graph" and a["args"].get("correlation") == b["args"].get("correlation")
+        name = "in_graph" if same else f"{kind(a)}>{kind(b)}"
+        if bisect_right(copy_ends, b["ts"]) > bisect_left(copy_ends, b["ts"] - 20):
+            name = "after_copy"
+        n, total = out.get(name, [0, 0.0])
+        out[name] = [n + 1, round(total + gap / 1e3, 3)]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
+
 
 
 def api_time(events: list[dict]) -> dict[str, list[float]]:
@@ -249,7 +290,7 @@ def main() -> None:
     ap.add_argument("--workload", default="small")
     ap.add_argument("--whole-blocks", action="store_true")
     ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_DTYPES],
-                    help="fp8: Linear weights stored in fp8 (bf16 compute); no resident row (fp8 has no plain forward)")
+                    help="fp8: Linear weights stored in fp8 (bf16 compute); its resident row is the engine keeping every block")
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
     ap.add_argument("--window", default="1", help="prefetch window(s) of the engine rows, comma-separated: "
@@ -257,6 +298,8 @@ def main() -> None:
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
                          "(comma-separated; repeatable): which blocks stream, at the same count")
+    ap.add_argument("--per-part", action="store_true",
+                    help="the first cap again with streaming blocks' parts graphed one by one (the A/B of whole-block graphs)")
     ap.add_argument("--warmup", type=int, default=10,
                     help="forwards before the engine rows are timed (the plan settles, then graphs are captured)")
     output_args(ap)
@@ -268,6 +311,7 @@ def main() -> None:
     reading_costs()
     if args.storage in FP8_DTYPES:
         store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
+        fp8_resident(m, feeds, args)
     else:
         row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1],
             loop_s=r[2], **clocked(m, feeds))
@@ -278,27 +322,48 @@ def main() -> None:
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
         for window in [int(w) for w in args.window.split(",")]:
             auto_row(m, feeds, cap, window, args, extras=cap == first)
+            if args.per_part and cap == first:
+                auto_row(m, feeds, cap, window, args, extras=True, per_part=True)
 
 
-def auto_row(m, feeds, cap: float, window: int, args, extras: bool) -> None:
-    """The engine at ``cap`` with preload auto; at the first cap, the trace and hand-set rows."""
+def fp8_resident(m, feeds, args) -> None:
+    """fp8's reference row: every block kept by a fixed budget (one cast per unit each forward,
+    its kept blocks graphed whole; nothing held as compute values), timed and traced like the
+    capped rows, so their gaps can be told apart from the reference's."""
+    eng, bag = Engine(), Components(transformer=m)
+    try:
+        eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks))
+        launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=args.warmup)
+        row(section="fp8_resident", launch_s=launch, step_s=step, loop_s=loop, **clocked(m, feeds))
+        if args.trace:
+            trace(m, feeds, args.trace.replace(".json", "_resident.json"), args.with_host)
+    finally:
+        eng.release(bag)
+
+
+def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bool = False) -> None:
+    """The engine at ``cap`` with preload auto; at the first cap, the trace and hand-set rows.
+    ``per_part``: a streaming block in parts is never bound whole, so its parts are graphed one
+    by one (as before whole-block graphs; `BlockStreamer._bind_whole`)."""
     ballast = Ballast(cap) if cap else None
     eng, bag = Engine(), Components(transformer=m)
     try:
         eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
         streamer = eng.states(bag)["transformer"].transport
+        if per_part:
+            streamer._bind_whole = lambda *_: False  # this instance only
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
         launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=args.warmup)
         spent[0] = driver[0] = 0.0
         sync()
         wan_forward(m, *feeds)
-        row(section="auto", cap_gib=cap or None, window=window, launch_s=launch, step_s=step, loop_s=loop,
+        row(section="auto", cap_gib=cap or None, window=window, per_part=per_part, launch_s=launch, step_s=step, loop_s=loop,
             in_hooks_s=spent[0], in_driver_s=driver[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
             streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],
             streamed_gib=streamer.streamed_bytes() / 2**30, **clocked(m, feeds))
         if extras and cap:
             if args.trace:
-                trace(m, feeds, args.trace.replace(".json", f"_w{window}.json"), args.with_host)
+                trace(m, feeds, args.trace.replace(".json", f"_w{window}{'_pp' if per_part else ''}.json"), args.with_host)
             if args.streamed:
                 by_hand(m, feeds, streamer, args.streamed, window)
     finally:

@@ -2,13 +2,17 @@
 captured (after its eager forward, on its second call with those inputs and those buffers), and
 what a capture binds (an fp8 unit's weights, cast inside the graph).
 
-Two kinds of call are graphed: a block whose every piece is kept, as one graph; and each unit of
-a block that streams (a part, or a block streamed whole), as one graph per ring buffer it is
-bound to, its copy and its buffer's events left outside the graph. A graph bakes in the addresses
-it reads, so each is keyed by the device addresses of its weights' bytes: the same key means the
-same weights in the same place, whatever the plan did in between, and a plan change needs no
-drop. Why graph streamed units too: a streamed image step is bound by the copies only while the
-host launches faster than the link copies; on a slow host its eager launch is the step.
+Two kinds of call are graphed. A block as one graph: a kept block, or a block in parts that
+streams some of them, whose units are then all bound at its entry (while its streamed parts fit
+the ring with a buffer to spare for the copies ahead; `BlockStreamer._bind_whole`). And a
+streamed unit (a block streamed whole; a part, where its block is not bound whole), one graph per
+ring buffer it is bound to. Copies and their buffers' events stay outside every graph. A graph
+bakes in the addresses it reads, so each is keyed by the device addresses of its weights' bytes:
+the same key means the same weights in the same place, whatever the plan did in between, and a
+plan change needs no drop. Why graph streaming blocks too: a streamed image step is bound by the
+copies only while the host launches faster than the link copies; on a slow host its eager launch
+is the step. Why whole where they fit: a block graphed part by part still launches the ops
+between its parts, and loads and copies each part's inputs and outputs, one by one.
 """
 
 from __future__ import annotations

@@ -150,10 +150,18 @@ class GraphCache:
     def __len__(self) -> int:
         return sum(isinstance(e, CallGraph) for e in self._entries.values())
 
+    def owners(self) -> set[Key]:
+        """The owner keys (`plan`) that have a trusted graph."""
+        return {owner for (owner, _key), e in self._entries.items() if isinstance(e, CallGraph)}
+
     @property
     def nbytes(self) -> int:
         """Device bytes the graphs hold: their pool and the static buffers."""
         return self.pool_bytes + sum(io.nbytes for io in self._io.values())
+
+    def wants(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call with these inputs may be graphed now."""
+        return self.enabled and not self.starved and describe(args, kwargs) is not None
 
     def plan(self, owner: Key, args: tuple, kwargs: dict) -> CallGraph | str | None:
         """For a call of ``owner`` (a hashable key: the caller and where its weights lie): its

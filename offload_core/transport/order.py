@@ -35,6 +35,10 @@ class ExecutionOrder:
     def first(self) -> int:
         return self._units[0]
 
+    def sort(self, units: list) -> list:
+        """``units`` (with an ``index``) in the order they run."""
+        return sorted(units, key=lambda u: self._pos.get(u.index, len(self._pos)))
+
     def upcoming(self, index: int | None, count: int, next_forward: int | None = None) -> list[int]:
         """Up to ``count`` streamed units that run after ``index``, wrapping to the next forward
         (at most ``next_forward`` of them from there), ``index`` itself excluded (``None``, or a

@@ -125,23 +125,29 @@ class Prefetcher:
         for index in list(self._captured):
             self.unbind_captured(self.units[index])
 
-    def release(self, unit: StreamUnit) -> bool:
-        """A unit's forward ended: back to its host copy (a kept one to its stored bytes), its
-        buffers to the next streamed unit. True when that copy met an out-of-memory error (the
-        unit then loads at its entry, where an OOM gives kept blocks up)."""
-        self._uncast(unit)
-        slot = self.bound.pop(unit.index, None)
-        if slot is None:
-            return False
-        unit.bind_host()
-        self.ring.release(slot, read_by_compute=True)
+    def release(self, *units: StreamUnit) -> bool:
+        """The forward of ``units`` (one, or a block's bound together, in execution order) ended:
+        back to their host copies (kept ones to their stored bytes), their buffers to the next
+        streamed units, copied once all are free (one by one, the first would queue the next,
+        still bound, again). True when that copy met an out-of-memory error (the unit then loads
+        at its entry, where an OOM gives kept blocks up)."""
+        freed = False
+        for unit in units:
+            self.uncast(unit)
+            slot = self.bound.pop(unit.index, None)
+            if slot is not None:
+                unit.bind_host()
+                self.ring.release(slot, read_by_compute=True)
+                freed = True
         try:
-            self.prefetch_after(unit)
+            if freed:
+                self.prefetch_after(units[-1])
         except torch.OutOfMemoryError:
             return True
         return False
 
-    def _uncast(self, unit: StreamUnit) -> None:
+    def uncast(self, unit: StreamUnit) -> None:
+        """The unit's cast buffer back to the pool, its weights bound to their stored bytes."""
         buf = self.cast_bound.pop(unit.index, None)
         if buf is None:
             return
@@ -152,7 +158,7 @@ class Prefetcher:
     def release_all(self) -> None:
         """Every bound unit back to its host copy (a forward that raised never released them)."""
         for index in list(self.cast_bound):
-            self._uncast(self.units[index])
+            self.uncast(self.units[index])
         for index in list(self.bound):
             self.units[index].bind_host()
             self.ring.release(self.bound.pop(index), read_by_compute=True)

@@ -36,13 +36,14 @@ from .events import Events
 from .graphs import CallGraph
 from .order import ExecutionOrder, OrderLearner
 from .prefetch import Prefetcher
+from .stream_accounts import StreamAccounts
 from .stream_hooks import BlockHook, ModelEntryHook, OutsideHook, PartHook, retry_on_oom
 from .towers import find_towers
 
 log = get_logger("streamer")
 
 
-class BlockStreamer(TransportBase):
+class BlockStreamer(StreamAccounts, TransportBase):
     name = "per-step"
     graphed = True  # its blocks and units may launch as CUDA graphs (`block_graphs.py`)
 
@@ -69,6 +70,7 @@ class BlockStreamer(TransportBase):
         self.events = Events()  # forward, cycle, oom, end: see events.py
         self.graphs = BlockGraphs(self.device, ctx.config.cuda_graphs and self.graphed, self.prefetch, self.notify)
         self._kept_blocks: set[int] = set()  # blocks with every piece kept: graphed whole
+        self._whole: list[StreamUnit] = []  # a streaming block's units bound together (`_bind_whole`)
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
@@ -134,7 +136,7 @@ class BlockStreamer(TransportBase):
             torch.cuda.current_stream(self.device).synchronize()
         self.pins.release()
         self.stored.set([])
-        for table in (self.blocks, self.units, self.pieces, self._kept_blocks):
+        for table in (self.blocks, self.units, self.pieces, self._kept_blocks, self._whole):
             table.clear()
         self._move_head(module, set(), self.ctx.offload_device)
         self.module = None
@@ -169,14 +171,35 @@ class BlockStreamer(TransportBase):
             if graph is None and not block.in_parts:
                 self.enter(block.units[0])  # (an fp8 block's cast)
             return graph
-        return None if block.in_parts else self.enter(block.units[0], args, kwargs)
+        if not block.in_parts:
+            return self.enter(block.units[0], args, kwargs)
+        return self.graphs.enter(block, args, kwargs, self.learner.seen) if self._bind_whole(block, args, kwargs) else None
+
+    def _bind_whole(self, block: StreamBlock, args: tuple, kwargs: dict) -> bool:
+        """A block in parts that streams is graphed whole, like a kept one, where its call can be
+        graphed and its streamed parts fit the ring with a buffer to spare for the copies ahead:
+        every unit bound now, in execution order, until the block exits (True). Else its parts
+        are bound (and graphed) one by one."""
+        streamed = sum(u.piece.resident is None for u in block.units)
+        if streamed >= self.ring.capacity or not self.graphs.cache.wants(args, kwargs):
+            return False
+        self._whole = self.order.sort(block.units)
+        for unit in self._whole:
+            retry_on_oom(lambda unit=unit: self.prefetch.bind(unit, cast=False), lambda _a: self.relieve_in(block))
+        self._transit_peak = max(self._transit_peak, self.ring.nbytes)
+        return True
 
     @torch.compiler.disable
     def exit_block(self, block: StreamBlock, output: object, forward) -> None:
         """A block's forward returned (``forward``: its forward under our hook; None when its graph
         was replayed): a whole block is released, and a kept block on its second call with these
         inputs is captured."""
-        if block.index not in self._kept_blocks:
+        if self._whole and self._whole[0].block is block:
+            if forward is not None:
+                self.graphs.exit(block, output, forward, self.learner.seen)
+            whole, self._whole = self._whole, []
+            self.ooms += self.prefetch.release(*whole)
+        elif block.index not in self._kept_blocks:
             if not block.in_parts:
                 self.exit(block.units[0], output, forward)
         elif forward is not None:
@@ -193,8 +216,12 @@ class BlockStreamer(TransportBase):
             self.prefetch.bind_captured(unit)
             return None
         self.learner.seen.append(unit.index)
-        graphed = args is not None and unit.block.index not in self._kept_blocks
         relieve = lambda _attempt: self.relieve_in(unit.block)  # noqa: E731
+        if self._whole and self._whole[0].block is unit.block:  # bound at the block's entry
+            if unit.cast is not None:
+                retry_on_oom(lambda: self.prefetch.cast(unit), relieve)
+            return None
+        graphed = args is not None and unit.block.index not in self._kept_blocks
         retry_on_oom(lambda: self.prefetch.bind(unit, cast=not graphed), relieve)
         self._transit_peak = max(self._transit_peak, self.ring.nbytes)
         graph = self.graphs.enter(unit, args, kwargs, self.learner.seen) if graphed else None
@@ -215,6 +242,9 @@ class BlockStreamer(TransportBase):
         graphed): captured while still bound if its entry asked for it, then released."""
         if self.prefetch.capturing:
             self.prefetch.unbind_captured(unit)
+            return
+        if self._whole and self._whole[0].block is unit.block:  # released at the block's exit
+            self.prefetch.uncast(unit)
             return
         if forward is not None and unit.block.index not in self._kept_blocks:
             self.graphs.exit(unit, output, forward, self.learner.seen)
@@ -239,7 +269,7 @@ class BlockStreamer(TransportBase):
 
     def _begin_cycle(self, block: StreamBlock, args: tuple, kwargs: dict) -> None:
         self.learner.learn()
-        self.learner.seen = []
+        self.learner.seen, self._whole = [], []
         self.prefetch.release_all()  # a forward that raised never reached exit()
         self.notify("cycle", block=block, args=args, kwargs=kwargs)
 
@@ -289,10 +319,6 @@ class BlockStreamer(TransportBase):
         """With prefetch on, make the ring's missing buffers now (`BufferRing.fill`); True if any."""
         return self.prefetch.fill()
 
-    def _largest_streamed(self) -> int:
-        """The ring's buffer size: the largest unit of the pieces not kept."""
-        return max((p.largest_unit for p in self.pieces if p.resident is None), default=0)
-
     def relieve_outside_blocks(self, first: bool) -> bool:
         """Free memory for a forward that ran out of it outside the blocks; False when nothing can
         go. Giving the streaming buffers back (and the blocks copied into them) is tried on the
@@ -301,7 +327,7 @@ class BlockStreamer(TransportBase):
         self.ooms += 1
         self.graphs.clear()
         self.prefetch.release_all()
-        self.learner.seen = []  # the forward runs again from the start
+        self.learner.seen, self._whole = [], []  # the forward runs again from the start
         self._forward_open = True
         if first and self.ring.nbytes:
             self.drop_prefetched()
@@ -311,23 +337,12 @@ class BlockStreamer(TransportBase):
     def drop_prefetched(self) -> None:  # copies made ahead, and the idle buffers
         self.prefetch.drop_prefetched()
 
-    def pieces_of(self, blocks: set[int]) -> set[int]:
-        """The pieces of the blocks ``blocks`` (block-table indices): keeping blocks whole."""
-        return {p.index for p in self.pieces if p.block.index in blocks}
-
-    def resident_blocks(self) -> set[int]:
-        """Blocks with every piece resident."""
-        return {b.index for b in self.blocks if all(u.piece.resident is not None for u in b.units)}
-
-    def resident_indices(self) -> set[int]:
-        return {p.index for p in self.pieces if p.resident is not None}
-
     def after_run(self) -> None:
         """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
         self.notify("end")
         self.prefetch.release_all()
         self.drop_prefetched()
-        self.learner.seen = []
+        self.learner.seen, self._whole = [], []
 
     def weights_at_peak(self) -> int:
         """Weight bytes on the device when the allocator peaked: the resident part plus the most
@@ -337,26 +352,6 @@ class BlockStreamer(TransportBase):
 
     def reset_peak(self) -> None:
         self._transit_peak = self.ring.nbytes
-
-    # -- accounting -------------------------------------------------------------------------
-    def head_bytes(self) -> int:
-        return self._head_bytes
-
-    def streamed_bytes(self) -> int:
-        return sum(p.nbytes for p in self.pieces if p.resident is None)
-
-    def kept_bytes(self) -> int:  # (a piece held as compute values takes more than its stored bytes)
-        return sum(p.resident.numel() for p in self.pieces if p.resident is not None)
-
-    def device_bytes(self) -> int:
-        """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers
-        (read from the block table, not by walking every tensor: it runs once per forward)."""
-        if self.module is None or self.device == self.ctx.offload_device:
-            return 0
-        return self._head_bytes + self.kept_bytes() + self.ring.nbytes + self.prefetch.casts.held
-
-    def pinned_bytes(self) -> int:
-        return self.pins.nbytes
 
     def self_cast(self) -> set[int]:
         """The fp8 weights its units cast themselves (one cast per unit, `cast.py`)."""
@@ -382,19 +377,3 @@ class BlockStreamer(TransportBase):
                 freed += piece.nbytes
         self.set_resident(keep)
         return freed
-
-    def run_bytes(self) -> int:
-        """The streaming slots (the unit being run plus those filled ahead) and, for fp8 units,
-        the compute buffer the running unit is cast into."""
-        return self.ring.capacity * self._largest_streamed() + self.prefetch.casts.nbytes
-
-    def details(self) -> dict[str, object]:
-        return {
-            "blocks": len(self.blocks), "pieces": len(self.pieces), "units": len(self.units),
-            "kept": len(self.resident_blocks()), "kept_pieces": len(self.resident_indices()),  # whole blocks, pieces
-            "kept_bytes": self.kept_bytes(), "streamed_per_step": self.streamed_bytes(),
-            "stream": self.prefetch.copy_stream is not None, "window": self.ctx.prefetch_window,
-            "buffers": self.ring.capacity, "ooms": self.ooms, "sync_loads": self.prefetch.sync_loads,
-            **self.graphs.cache.details(),
-            **self.prefetch.host_details(self.blocks),
-        }

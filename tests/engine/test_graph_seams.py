@@ -181,3 +181,40 @@ def test_a_cycle_that_captured_is_measured_without_the_capture(wan_pipe, monkeyp
 @pytest.fixture
 def wan_pipe(tiny_wan_dir):
     return load_wan(tiny_wan_dir)
+
+
+def _cores_kept(pipe, whole: bool, monkeypatch) -> tuple[torch.Tensor, int, list[int], int]:
+    """One run with every block's core kept and its rest streamed through a ring of 3 buffers, the
+    planner detached; ``whole``: a streaming block's call counts as graphable (a CUDA call would),
+    so its units are bound at its entry (on the CPU no graph is made: the block runs eagerly).
+    The output, the bytes copied, the order learned, and the blocks bound whole."""
+    monkeypatch.setattr(graphs.GraphCache, "wants", lambda self, args, kwargs: whole)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**BASE, preload="1000"))
+    streamer = engine.states(pipe)["transformer"].transport
+    streamer.events.unsubscribe("preload")
+    streamer.set_resident({p.index for p in streamer.pieces if p.core})
+    streamer.set_lookahead(3)
+    bound_whole = []
+    bind_whole = streamer._bind_whole
+    streamer._bind_whole = lambda block, a, k: bind_whole(block, a, k) and not bound_whole.append(block.index)
+    copied = streamer.prefetch.copied
+    out = run_wan(pipe, num_inference_steps=1)
+    copied = streamer.prefetch.copied - copied
+    order = list(streamer.order.units)
+    assert streamer.prefetch.bound == {} and streamer._whole == []
+    engine.release(pipe)
+    return out, copied, order, len(set(bound_whole))
+
+
+def test_a_streaming_block_bound_whole_runs_its_parts_as_bound_one_by_one(tiny_wan_dir, monkeypatch) -> None:
+    """A block in parts that streams its rest and is graphed whole has every unit bound at its
+    entry and released at its exit: the same bits as binding part by part, each streamed unit
+    copied once per forward, the execution order learned from the parts' own entries (not the
+    binding order), and nothing left bound."""
+    per_part = _cores_kept(load_wan(tiny_wan_dir), False, monkeypatch)
+    whole = _cores_kept(load_wan(tiny_wan_dir), True, monkeypatch)
+    assert per_part[3] == 0 and whole[3] > 0
+    assert torch.equal(per_part[0], whole[0])
+    assert whole[1] == per_part[1] > 0
+    assert whole[2] == per_part[2]

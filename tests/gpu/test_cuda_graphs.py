@@ -117,6 +117,43 @@ def test_a_capture_gets_the_memory_the_eager_forwards_left_cached(tiny_wan_dir, 
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
+@pytest.mark.parametrize("storage", ["model dtype", "fp8"])
+def test_a_block_that_streams_its_rest_is_graphed_whole(tiny_wan_dir, storage: str) -> None:
+    """A plan that keeps every block's core and streams its rest through a ring of 3 buffers: each
+    streaming block is bound at its entry and graphed whole (once per pair of buffers its rest
+    meets), its copies outside the graph; the runs equal the eager ones bit for bit, with the same
+    copies (none queued twice) and no copy waited for that was not queued ahead."""
+    prepare = _fp8 if storage == "fp8" else (lambda p: p)
+    copied: list[int] = []
+
+    def cores(streamer, k: int) -> None:
+        if k == 0:
+            streamer.events.unsubscribe("preload")
+            streamer.set_resident({p.index for p in streamer.pieces if p.core})
+            streamer.set_lookahead(3)
+        copied.append(streamer.prefetch.copied)
+
+    eager, off = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=8, between=cores)
+    owners: set[int] = set()
+    streaming: set[int] = set()
+
+    def cores_seen(streamer, k: int) -> None:
+        cores(streamer, k)
+        owners.update(owner[0] for owner in streamer.graphs.cache.owners())
+        streaming.update(id(b) for b in streamer.blocks if b.index not in streamer.resident_blocks())
+
+    graphed, on = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=8, between=cores_seen)
+    assert off["graphs"] == 0 and on["kept"] == 0 and on["graphs_refused"] == 0
+    assert streaming and streaming <= owners  # every streaming block has a graph of its own
+    assert on["sync_loads"] == off["sync_loads"]
+
+    def per_run(counts: list[int]) -> list[int]:
+        return [b - a for a, b in zip(counts, counts[1:], strict=False)]
+
+    assert per_run(copied[:7]) == per_run(copied[7:])  # bytes copied in runs 1-6, eager and graphed
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
 def test_a_weight_write_drops_every_graph_and_the_next_ones_capture_the_new_forward(tiny_wan_dir) -> None:
     """``before_write`` (a LoRA's write: fused values, or unfused hooks on its layers) drops the
     graphs; a hook added to a kept block's layer afterwards is in the graphs captured next, as it
