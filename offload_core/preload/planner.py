@@ -93,6 +93,7 @@ class PreloadPlanner:
         self._model = (model_class, identity)
         self._resident: frozenset[int] = frozenset()
         self._kept: frozenset[int] = frozenset()  # resident set at the last unload
+        self._evened: frozenset[int] = frozenset()  # the last set `_even` spread
         self._cycle: _Cycle | None = None
         self._loaded = False
         self._penalties: dict[int, Penalty] = {}
@@ -262,12 +263,12 @@ class PreloadPlanner:
 
     def _cycle_target(self, workload: int, extra: int = 0) -> frozenset[int]:
         """Auto with a measure: the fitted prefix's blocks per tower, spread evenly, unless it
-        grows by too little to be worth the transfer; a shrink only releases (lowest-ranked
-        first), so a smaller workload's plan loads nothing (alternating image and video cycles
-        would otherwise reload blocks to re-spread them each time). Unmeasured: the set already
-        resident, shrunk to what fits beside an estimate from the model's other workloads (so a
-        first video step after images does not run out of memory). Off and fixed: the set
-        already resident. ``extra``: bytes assumed free beyond the reading (`room_wanted`)."""
+        grows by too little to be worth the transfer; a shrink releases (lowest-ranked first),
+        and a set kept or shrunk for the workload the last cycle ran is spread evenly too
+        (`_even`). Unmeasured: the set already resident, shrunk to what fits beside an estimate
+        from the model's other workloads (so a first video step after images does not run out of
+        memory). Off and fixed: the set already resident. ``extra``: bytes assumed free beyond
+        the reading (`room_wanted`)."""
         if self.policy.mode != "auto":
             return self._resident
         peak = self.measured_peak(workload)
@@ -278,11 +279,20 @@ class PreloadPlanner:
             return self._shrunk(self._resident, self._bytes(self._fit(self.ranking, guess, workload, extra)))
         fitted = self._fit(self.ranking, peak, workload, extra)
         growth = self._bytes(fitted) - self._bytes(self._resident)
-        if growth < 0:
-            return self._shrunk(self._resident, self._bytes(fitted))
-        if growth < growth_threshold(self._largest):
-            return self._resident
-        return spread_kept(fitted, self._blocks)
+        if growth >= growth_threshold(self._largest):
+            return spread_kept(fitted, self._blocks)
+        return self._even(self._shrunk(self._resident, self._bytes(fitted)) if growth < 0 else self._resident, workload)
+
+    def _even(self, target: frozenset[int], workload: int) -> frozenset[int]:
+        """``target`` with its streamed blocks spread evenly (`spread_kept`) when the workload is
+        the last cycle's: two streamed blocks side by side leave one block's compute to hide
+        the second's copy (the first plan after a measure is a shrink of the unmeasured one, its
+        streamed blocks the lowest-ranked, often side by side). Another workload's set only
+        releases, so alternating image and video cycles move no blocks to re-spread them."""
+        if workload != self.last_workload or target == self._evened:
+            return target
+        self._evened = spread_kept(target, self._blocks)
+        return self._evened
 
     def _fit(self, order: Sequence[int], peak: int, workload: int | None, extra: int = 0) -> frozenset[int]:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty (with

@@ -120,14 +120,32 @@ def test_small_growth_is_skipped_and_large_growth_applied():
     assert planner.begin_cycle(100) == spread_kept(frozenset(planner.ranking[:10]), BLOCKS)
 
 
-def test_shrinking_is_always_applied_and_only_releases():
+def test_a_shrink_for_the_last_cycles_workload_is_applied_and_spread_evenly():
+    """The first plan after a measure is usually a shrink: its streamed blocks are spread evenly
+    (9 of 16 streamed: never more than one kept block between two), not the lowest-ranked."""
     device = Device(free=free_for(10 * GIB))
     planner = planner_of_16(device)
     eight = planner.begin_cycle(100)
     device.free -= GIB // 4  # 7.75 GiB left for weights beside the 2 slots
     seven = planner.begin_cycle(100)
-    assert len(seven) == 7 and seven < eight
-    assert eight - seven == {max(eight, key=planner.ranking.index)}  # the lowest-ranked went
+    released = eight - {max(eight, key=planner.ranking.index)}
+    assert len(seven) == 7 and seven != released and seven == spread_kept(seven, BLOCKS)
+    streamed = sorted(set(range(16)) - seven)
+    assert max(b - a for a, b in zip(streamed, streamed[1:], strict=False)) <= 2
+    assert planner.begin_cycle(100) == seven  # once even, it stays
+
+
+def test_a_shrink_for_another_workload_only_releases():
+    """Alternating workloads move no blocks to re-spread them: a shrink for a workload other than
+    the last cycle's releases the lowest-ranked blocks only."""
+    device = Device(free=free_for(10 * GIB))
+    planner = planner_of_16(device)
+    planner.begin_cycle(200)
+    planner.end_cycle(CycleUsage(peak=PEAK + 5 * GIB, weights_floor=5 * GIB))  # measured as 100 was
+    eight = planner.begin_cycle(100)
+    device.free -= GIB // 4
+    seven = planner.begin_cycle(200)
+    assert len(eight) == 8 and eight - seven == {max(eight, key=planner.ranking.index)}
 
 
 def test_unmeasured_workload_of_an_unmeasured_model_keeps_the_resident_set():
