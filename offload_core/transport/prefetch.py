@@ -163,13 +163,15 @@ class Prefetcher:
             self.units[index].bind_host()
             self.ring.release(self.bound.pop(index), read_by_compute=True)
 
-    def prefetch_after(self, unit: StreamUnit | None) -> None:
+    def prefetch_after(self, unit: StreamUnit | None, made_only: bool = False) -> None:
         """Keep exactly the next streamed units after ``unit`` (``None``: the forward's first)
         in flight that fill the ring's buffers with the one bound now, if any. Past the last
         block, the next forward's first ones, but one buffer fewer: that one is filled when the
         next forward begins. Why: where the host waits for each step's end (a progress bar, a
         preview), a ring filled across the boundary leaves the copy engine idle until the first
-        streamed unit has run; a copy queued at the model's entry starts at once."""
+        streamed unit has run; a copy queued at the model's entry starts at once. ``made_only``:
+        into the buffers the ring holds already (before a plan is settled, the room may be
+        needed elsewhere)."""
         if self.copy_stream is None:
             return
         count = self.ring.capacity - len(self.bound)
@@ -179,6 +181,8 @@ class Prefetcher:
             if index not in upcoming:
                 self.discard(index)  # a skipped branch, a changed plan
         for index in upcoming:
+            if made_only and not self.ring.idle:
+                break
             if index not in self.inflight:
                 self.inflight[index] = self._load(self.units[index])
 

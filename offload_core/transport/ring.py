@@ -36,6 +36,11 @@ class BufferRing:
         self._cuda = device.type == "cuda"
 
     @property
+    def idle(self) -> int:
+        """Buffers made and free."""
+        return len(self._free)
+
+    @property
     def nbytes(self) -> int:
         """Device bytes the ring holds, free and busy slots together."""
         return (len(self._free) + self._busy) * self.slot_bytes

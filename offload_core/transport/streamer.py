@@ -280,13 +280,20 @@ class BlockStreamer(StreamAccounts, TransportBase):
 
     @torch.compiler.disable
     def begin_forward(self, args: tuple, kwargs: dict) -> None:
-        """The denoiser is entered: its listeners settle the plan, then the first streamed units
-        that are not in flight yet are copied, before the non-block part is even launched."""
+        """The denoiser is entered: the first streamed units not in flight yet are copied, before
+        the non-block part is even launched: into the buffers the ring holds, then again once the
+        listeners have settled the plan (a new workload may change it; else nothing is left to
+        copy). Why before: where the host waits for each step's end, the copy engine idles until
+        this copy is queued."""
         self.stored.check(type(self.module).__name__)
         self._forward_open = self._via_model = True
+        self._prefetch_first(made_only=True)
         self.notify("forward", args=args, kwargs=kwargs)
+        self._prefetch_first()
+
+    def _prefetch_first(self, made_only: bool = False) -> None:
         try:
-            self.prefetch.prefetch_after(None)
+            self.prefetch.prefetch_after(None, made_only)
         except torch.OutOfMemoryError:  # they load at their entry instead, where an OOM is relieved
             self.ooms += 1
 
