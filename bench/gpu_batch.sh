@@ -52,7 +52,7 @@ for row in "$@"; do
               done ;;
     fresh) for i in 1 2 3; do
              run "fresh$i" 70 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small ${FRESH_ARGS:-} \
-               --warmup 4 --json "$ROWS_DIR/fresh$i.json"  # (warm-up: the plan settles, then its graphs are captured)
+               --warmup 6 --json "$ROWS_DIR/fresh$i.json"  # (warm-up: the plan settles, then its graphs are captured)
            done ;;
     h3te) run h3te 240 python3 bench/h3_bench.py --runs plain,plain,plain,reprompt --te-layers 64 --out "$ROWS_DIR" ;;
     h3fp8) run h3fp8 300 python3 bench/h3_bench.py --blocks 50 --te-layers 64 --cap 24 --storage fp8_e4m3fn \
