@@ -189,12 +189,15 @@ class BlockStreamer(StreamAccounts, TransportBase):
         self._transit_peak = max(self._transit_peak, self.ring.nbytes)
         return True
 
+    def _bound_whole(self, block: StreamBlock) -> bool:
+        return bool(self._whole) and self._whole[0].block is block
+
     @torch.compiler.disable
     def exit_block(self, block: StreamBlock, output: object, forward) -> None:
         """A block's forward returned (``forward``: its forward under our hook; None when its graph
-        was replayed): a whole block is released, and a kept block on its second call with these
-        inputs is captured."""
-        if self._whole and self._whole[0].block is block:
+        was replayed): a block streamed whole, or bound whole, is released, and a kept or bound
+        block on its second call with these inputs is captured first."""
+        if self._bound_whole(block):
             if forward is not None:
                 self.graphs.exit(block, output, forward, self.learner.seen)
             whole, self._whole = self._whole, []
@@ -217,7 +220,7 @@ class BlockStreamer(StreamAccounts, TransportBase):
             return None
         self.learner.seen.append(unit.index)
         relieve = lambda _attempt: self.relieve_in(unit.block)  # noqa: E731
-        if self._whole and self._whole[0].block is unit.block:  # bound at the block's entry
+        if self._bound_whole(unit.block):  # bound at the block's entry
             if unit.cast is not None:
                 retry_on_oom(lambda: self.prefetch.cast(unit), relieve)
             return None
@@ -243,7 +246,7 @@ class BlockStreamer(StreamAccounts, TransportBase):
         if self.prefetch.capturing:
             self.prefetch.unbind_captured(unit)
             return
-        if self._whole and self._whole[0].block is unit.block:  # released at the block's exit
+        if self._bound_whole(unit.block):  # released at the block's exit
             self.prefetch.uncast(unit)
             return
         if forward is not None and unit.block.index not in self._kept_blocks:
