@@ -4,55 +4,50 @@ values counts what it takes on the device). Read-only: the streamer changes the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .streamer import BlockStreamer
-
 
 class StreamAccounts:
     """Mixed into `BlockStreamer` (its table: ``blocks``, ``pieces``, ``ring``, ``prefetch``)."""
 
-    def pieces_of(self: BlockStreamer, blocks: set[int]) -> set[int]:
+    def pieces_of(self, blocks: set[int]) -> set[int]:
         """The pieces of the blocks ``blocks`` (block-table indices): keeping blocks whole."""
         return {p.index for p in self.pieces if p.block.index in blocks}
 
-    def resident_blocks(self: BlockStreamer) -> set[int]:
+    def resident_blocks(self) -> set[int]:
         """Blocks with every piece resident."""
         return {b.index for b in self.blocks if all(u.piece.resident is not None for u in b.units)}
 
-    def resident_indices(self: BlockStreamer) -> set[int]:
+    def resident_indices(self) -> set[int]:
         return {p.index for p in self.pieces if p.resident is not None}
 
-    def _largest_streamed(self: BlockStreamer) -> int:
+    def _largest_streamed(self) -> int:
         """The ring's buffer size: the largest unit of the pieces not kept."""
         return max((p.largest_unit for p in self.pieces if p.resident is None), default=0)
 
-    def head_bytes(self: BlockStreamer) -> int:
+    def head_bytes(self) -> int:
         return self._head_bytes
 
-    def streamed_bytes(self: BlockStreamer) -> int:
+    def streamed_bytes(self) -> int:
         return sum(p.nbytes for p in self.pieces if p.resident is None)
 
-    def kept_bytes(self: BlockStreamer) -> int:  # (a piece held as compute values takes more than its stored bytes)
+    def kept_bytes(self) -> int:  # (a piece held as compute values takes more than its stored bytes)
         return sum(p.resident.numel() for p in self.pieces if p.resident is not None)
 
-    def device_bytes(self: BlockStreamer) -> int:
+    def device_bytes(self) -> int:
         """Weights on the device now: the resident part, kept and bound blocks, prefetched buffers
         (read from the block table, not by walking every tensor: it runs once per forward)."""
         if self.module is None or self.device == self.ctx.offload_device:
             return 0
         return self._head_bytes + self.kept_bytes() + self.ring.nbytes + self.prefetch.casts.held
 
-    def pinned_bytes(self: BlockStreamer) -> int:
+    def pinned_bytes(self) -> int:
         return self.pins.nbytes
 
-    def run_bytes(self: BlockStreamer) -> int:
+    def run_bytes(self) -> int:
         """The streaming slots (the unit being run plus those filled ahead) and, for fp8 units,
         the compute buffer the running unit is cast into."""
         return self.ring.capacity * self._largest_streamed() + self.prefetch.casts.nbytes
 
-    def details(self: BlockStreamer) -> dict[str, object]:
+    def details(self) -> dict[str, object]:
         return {
             "blocks": len(self.blocks), "pieces": len(self.pieces), "units": len(self.units),
             "kept": len(self.resident_blocks()), "kept_pieces": len(self.resident_indices()),  # whole blocks, pieces
