@@ -118,9 +118,7 @@ def _spread_tower(tower: list[BlockInfo], kept: frozenset[int], out: set[int]) -
     by_depth = sorted(tower, key=lambda b: b.depth)
     n, streamed = len(by_depth), sum(b.index not in kept for b in by_depth)
     if 0 < streamed < n:
-        # the last block streams, the first is kept: a forward's first streamed block is then
-        # copied while the kept ones before it run, even where the host waits for each step's
-        # end (no copy is queued across that wait), and the copies run until the forward's end
-        gaps = {n - 1 - j * n // streamed for j in range(streamed)}
+        # the first block streams: the previous forward's last kept run then hides its copy
+        gaps = {j * n // streamed for j in range(streamed)}
         out -= {b.index for b in by_depth}
         out |= {b.index for d, b in enumerate(by_depth) if d not in gaps}

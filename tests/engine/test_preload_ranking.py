@@ -95,16 +95,6 @@ def test_spread_kept_streams_evenly_at_every_count(count):
         assert len(kept) == k and max(gaps) - min(gaps) <= 1, (k, gaps)
 
 
-@pytest.mark.parametrize("count", [7, 40])
-def test_spread_kept_streams_the_last_block_and_keeps_the_first(count):
-    """A synchronized step's first copies hide behind kept blocks; its last run to the end."""
-    blocks = tower("t", count)
-    order = rank_blocks(blocks)
-    for k in range(1, count):
-        kept = spread_kept(frozenset(order[:k]), blocks)
-        assert 0 in kept and count - 1 not in kept, (k, sorted(kept))
-
-
 def test_spread_kept_keeps_each_towers_count_and_leaves_the_rest():
     blocks = [BlockInfo(0, None, 0, 5), *tower("a", 20, start=1), *tower("b", 10, nbytes=300, start=21)]
     order = rank_blocks(blocks)
