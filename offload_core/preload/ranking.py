@@ -118,7 +118,8 @@ def _spread_tower(tower: list[BlockInfo], kept: frozenset[int], out: set[int]) -
     by_depth = sorted(tower, key=lambda b: b.depth)
     n, streamed = len(by_depth), sum(b.index not in kept for b in by_depth)
     if 0 < streamed < n:
-        # the first block streams: the previous forward's last kept run then hides its copy
+        # the first block streams: the previous forward's last kept run then hides its copy (streaming
+        # the last instead made a synchronized step wait for the next forward's first copy: run 34)
         gaps = {j * n // streamed for j in range(streamed)}
         out -= {b.index for b in by_depth}
         out |= {b.index for d, b in enumerate(by_depth) if d not in gaps}
