@@ -34,6 +34,7 @@ from comfy.patcher_extension import CallbacksMP
 from ..offload_core import Engine, OffloadConfig, PlacementReport
 from ..offload_core.memory import MemoryReader, PinLimit
 from ..offload_core.preload import notify_model_load, process_store
+from ..offload_core.transport.fp8_matmul import runs_here
 
 log = logging.getLogger("diffusers_offload.nodes")
 
@@ -162,6 +163,16 @@ def auto_dtype(config: OffloadConfig) -> torch.dtype:
     if mm.should_use_fp16(device):
         return torch.float16
     return torch.float32
+
+
+def fp8_matmul(config: OffloadConfig) -> bool:
+    """Whether the device the pipeline will run on has fp8 matmuls (said once where it has not)."""
+    device = torch.device(effective_config(config).device)
+    if runs_here(device):
+        return True
+    log.info("%s has no fp8 matmuls (sm_89 or newer): fp8_e4m3fn_fast stores fp8 and computes in %s", device,
+             str(auto_dtype(config)).removeprefix("torch."))
+    return False
 
 
 def check_interrupt() -> None:

@@ -42,12 +42,14 @@ from .web_api import search_aliases
 
 log = logging.getLogger("diffusers_offload.nodes")
 
+FAST = "fp8_e4m3fn_fast"  # ComfyUI's weight_dtype of that name
 DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
     "fp32": torch.float32,
     **FP8_DTYPES,  # the denoisers' Linear weights stored in fp8, computing in the auto dtype
+    FAST: torch.float8_e4m3fn,  # and computing through fp8 matmuls where the device has them
 }
 WORKFLOWS = ("t2va", "fl2va", "ref2va")
 REF_FOLDER = "transformer_ref"
@@ -141,22 +143,26 @@ def _dtype_input() -> io.Input:
     return io.Combo.Input("dtype", options=list(DTYPES), default="auto",
                           tooltip="Weight dtype; auto picks what ComfyUI would for the device. fp8_e4m3fn / "
                                   "fp8_e5m2 store the denoisers' weights in fp8 (half the bytes to hold and "
-                                  "move) and compute in the auto dtype, as ComfyUI's weight_dtype does.")
+                                  "move) and compute in the auto dtype, as ComfyUI's weight_dtype does; "
+                                  "fp8_e4m3fn_fast also computes through fp8 matmuls (faster on GPUs with fp8 "
+                                  "tensor cores, inputs rounded to fp8).")
 
 
-def _dtypes(dtype: str, config: OffloadConfig) -> tuple[torch.dtype, torch.dtype | None]:
-    """(the dtype components load and compute in, the fp8 storage of the denoisers or None)."""
+def _dtypes(dtype: str, config: OffloadConfig) -> tuple[torch.dtype, torch.dtype | None, bool]:
+    """(the dtype components load and compute in, the fp8 storage of the denoisers or None,
+    whether they compute through fp8 matmuls)."""
     chosen = DTYPES[dtype]
     if chosen in FP8_DTYPES.values():
-        return host.auto_dtype(config), chosen
-    return chosen or host.auto_dtype(config), None
+        return host.auto_dtype(config), chosen, dtype == FAST and host.fp8_matmul(config)
+    return chosen or host.auto_dtype(config), None, False
 
 
-def _store(pipe: Any, storage: torch.dtype | None, compute: torch.dtype) -> Any:
+def _store(pipe: Any, storage: torch.dtype | None, compute: torch.dtype, matmul: bool) -> Any:
     if storage is not None:
-        names = store_denoisers_fp8(pipe, storage, compute)
-        log.info("%s stored in %s, computing in %s", ", ".join(names), str(storage).removeprefix("torch."),
-                 str(compute).removeprefix("torch."))
+        names = store_denoisers_fp8(pipe, storage, compute, matmul)
+        log.info("%s stored in %s, computing in %s%s", ", ".join(names) or "no denoiser",
+                 str(storage).removeprefix("torch."), str(compute).removeprefix("torch."),
+                 " through fp8 matmuls" if matmul else "")
     return pipe
 
 
@@ -188,8 +194,8 @@ class LoadPipeline(io.ComfyNode):
     def execute(cls, model: str, dtype: str, offload: OffloadConfig | None = None) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
-        torch_dtype, storage = _dtypes(dtype, config)
-        pipe = map_weights(_store(load_pipeline(folder, torch_dtype), storage, torch_dtype))
+        torch_dtype, storage, matmul = _dtypes(dtype, config)
+        pipe = map_weights(_store(load_pipeline(folder, torch_dtype), storage, torch_dtype, matmul))
         return _handle(pipe, folder, torch_dtype, config)
 
 
@@ -235,12 +241,12 @@ class LoadModularPipeline(io.ComfyNode):
                 transformer_file: str = NONE, text_encoder_file: str = NONE, vae_file: str = NONE) -> io.NodeOutput:
         config = offload or OffloadConfig()
         folder = resolve_model(model)
-        torch_dtype, storage = _dtypes(dtype, config)
+        torch_dtype, storage, matmul = _dtypes(dtype, config)
         file = None if transformer_file == NONE else Path(full_path(DENOISER_FOLDERS, transformer_file))
         text, vae = optional("text_encoders", text_encoder_file), optional("vae", vae_file)
         pipe = load_modular(folder, workflow, torch_dtype, file, Path(text) if text else None,
                             Path(vae) if vae else None)
-        pipe = map_weights(_store(pipe, storage, torch_dtype))
+        pipe = map_weights(_store(pipe, storage, torch_dtype, matmul))
         return _handle(pipe, folder, torch_dtype, config)
 
 

@@ -17,7 +17,7 @@ from ..offload_core import OffloadConfig
 from ..offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from . import host
 from .folders import list_models, resolve_model
-from .loaders import _handle
+from .loaders import _handle, _store
 from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path, optional
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType
 from .web_api import search_aliases
@@ -57,19 +57,27 @@ class LoadDiffusionModelFile(io.ComfyNode):
                                default=NONE, optional=True,
                                tooltip="Flux's second text encoder (T5-XXL, e.g. t5xxl_fp8_e4m3fn.safetensors; "
                                        "CLIP-L goes in text_encoder); 'none' uses the config folder's."),
+                io.Boolean.Input("fp8_matmul", default=False, optional=True,
+                                 tooltip="Compute the denoiser through fp8 matmuls, as ComfyUI's fp8_e4m3fn_fast "
+                                         "(GPUs with fp8 tensor cores; inputs rounded to fp8): an fp8_e4m3fn file "
+                                         "keeps its weights, a bf16/fp16 file is stored in fp8_e4m3fn first; "
+                                         "GGUF and other quantized files are left as they are."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
     def execute(cls, config: str, denoiser: str, text_encoder: str, vae: str, dtype: str,
-                offload: OffloadConfig | None = None, text_encoder_2: str = NONE) -> io.NodeOutput:
+                offload: OffloadConfig | None = None, text_encoder_2: str = NONE,
+                fp8_matmul: bool = False) -> io.NodeOutput:
         settings = offload or OffloadConfig()
         folder = resolve_model(config)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
         pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
                                            optional("text_encoders", text_encoder), optional("vae", vae),
                                            optional("text_encoders", text_encoder_2))
+        if fp8_matmul and host.fp8_matmul(settings):
+            _store(pipe, torch.float8_e4m3fn, compute, matmul=True)
         return _handle(pipe, folder, compute, settings)
 
 

@@ -41,6 +41,7 @@ class Fp8Table:
 
     storage: torch.dtype
     compute: torch.dtype
+    matmul: bool = False  # fp8 matmuls from the stored bytes, no cast (`transport/fp8_matmul.py`)
     weights: dict[int, str] = field(default_factory=dict)  # id(weight) -> its layer's name
     scales: dict[int, float] = field(default_factory=dict)
     int8_scales: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -90,22 +91,41 @@ def dequantize_int8(
     return torch.mul(q, scale, out=out)
 
 
-def store_fp8(model: torch.nn.Module, storage: torch.dtype, compute: torch.dtype) -> Fp8Table:
+def store_fp8(model: torch.nn.Module, storage: torch.dtype, compute: torch.dtype,
+              matmul: bool = False) -> Fp8Table | None:
     """Cast the model's Linear weights to ``storage`` in place (what ComfyUI's UNETLoader
-    ``weight_dtype`` does), computing in ``compute``."""
-    _check_dtypes(storage, compute, type(model).__name__)
+    ``weight_dtype`` does), computing in ``compute`` (``matmul``: fp8 matmuls, its ``_fast``).
+    A model a file already stored (its table made, scales and all) keeps its weights, and one
+    another quantizer made is left alone (None)."""
+    what = type(model).__name__
+    _check_dtypes(storage, compute, what)
+    table = table_of(model)
+    if table is not None:
+        return _with_matmul(table, what) if matmul else table
+    if getattr(model, "hf_quantizer", None) is not None:
+        log.info("%s: quantized by %s, not stored in fp8", what, type(model.hf_quantizer).__name__)
+        return None
     for _name, layer in _linears(model):
         if layer.weight.is_floating_point() and not is_fp8(layer.weight):
             layer.weight.data = layer.weight.data.to(storage)
-    return mark_fp8(model, compute)
+    return mark_fp8(model, compute, matmul=matmul)
 
 
-def store_denoisers_fp8(pipe: object, storage: torch.dtype, compute: torch.dtype) -> list[str]:
-    """`store_fp8` on each of the pipeline's denoisers; returns their names."""
-    found = denoisers(pipe)
-    for module in found.values():
-        store_fp8(module, storage, compute)
-    return list(found)
+def _with_matmul(table: Fp8Table, what: str) -> Fp8Table:
+    """A stored model's table computing through fp8 matmuls, where its storage is ``e4m3fn``."""
+    if table.storage != torch.float8_e4m3fn:
+        log.info("%s: stored in %s, which fp8 matmuls do not take: computing in %s", what,
+                 str(table.storage).removeprefix("torch."), str(table.compute).removeprefix("torch."))
+    elif not table.matmul:
+        table.matmul = True
+        log.info("%s: its float8_e4m3fn weights compute through fp8 matmuls (inputs rounded to fp8)", what)
+    return table
+
+
+def store_denoisers_fp8(pipe: object, storage: torch.dtype, compute: torch.dtype, matmul: bool = False) -> list[str]:
+    """`store_fp8` on each of the pipeline's denoisers; returns the names of those it stored."""
+    return [name for name, module in denoisers(pipe).items()
+            if store_fp8(module, storage, compute, matmul) is not None]
 
 
 def mark_fp8(
@@ -113,11 +133,13 @@ def mark_fp8(
     compute: torch.dtype,
     scales: dict[str, torch.Tensor] | None = None,
     source: str | None = None,
+    matmul: bool = False,
 ) -> Fp8Table:
     """Record the model's fp8 (or int8) Linear weights and their ``scales`` (by layer name, as a
     file's ``<layer>.scale_weight`` / ``<layer>.weight_scale`` names them: per tensor for fp8, per
     tensor or per row for int8, which needs one); any other fp8 tensor, and any scaled int8 weight
-    outside those layers, is dequantised now. ``source`` names the file in errors."""
+    outside those layers, is dequantised now. ``source`` names the file in errors; ``matmul``:
+    ``float8_e4m3fn`` weights compute as fp8 matmuls (refused for another storage)."""
     what = source or type(model).__name__
     scales = dict(scales or {})
     linears = dict(_linears(model))
@@ -130,7 +152,9 @@ def mark_fp8(
         raise ValueError(f"{what}: mixes fp8 formats {sorted(map(str, storages))}; one fp8 dtype per model")
     storage = storages.pop() if storages else torch.float8_e4m3fn
     _check_dtypes(storage, compute, what, int8=True)
-    table = Fp8Table(storage, compute)
+    if matmul and storage != torch.float8_e4m3fn:
+        raise ValueError(f"{what}: fp8 matmuls take float8_e4m3fn weights, not {str(storage).removeprefix('torch.')}")
+    table = Fp8Table(storage, compute, matmul)
     for name, layer in linears.items():
         scale = scales.pop(name, None)
         if not _stored(layer.weight):
@@ -152,12 +176,13 @@ def mark_fp8(
         _log_int8(what, table)
     else:
         log.info(
-            "%s: %d Linear weights stored in %s (%d scaled), computing in %s",
+            "%s: %d Linear weights stored in %s (%d scaled), computing in %s%s",
             what,
             len(table.weights),
             str(storage).removeprefix("torch."),
             len(table.scales),
             str(compute).removeprefix("torch."),
+            " through fp8 matmuls (inputs rounded to fp8)" if matmul else "",
         )
     return table
 

@@ -69,8 +69,9 @@ def unit_cast(
     table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list[int], end: int
 ) -> UnitCast | None:
     """The cast of a unit whose tensors (fp8 ones first) lie at ``offsets`` from its start;
-    ``end``: where its fp8 region ends. None when none is fp8."""
-    if table is None:
+    ``end``: where its fp8 region ends. None when none is fp8, or when they compute as fp8
+    matmuls (no cast: `fp8_matmul.py`)."""
+    if table is None or table.matmul:
         return None
     fp8 = [i for i, t in enumerate(tensors) if table.holds(t)]
     if not fp8:

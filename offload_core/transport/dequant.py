@@ -1,5 +1,6 @@
 """fp8 weights outside the block streamer: one small hook per fp8 Linear that binds the weight's
-compute value for its forward and the stored fp8 tensor back after it.
+compute value for its forward and the stored fp8 tensor back after it; on a model whose table
+computes fp8 matmuls, the hook is `Fp8MatmulHook` on every transport, the streamer's included.
 
 Registered before a transport is applied, so that it sits inside the transport's own hooks (a
 leaf group's onload runs first, then the dequantisation on the device); the block streamer casts
@@ -16,6 +17,7 @@ from ..formats.fp8 import Fp8Table, dequantize, dequantize_int8, table_of
 from ..state import DEQUANT_HOOK, REGISTRY, is_ours
 from . import fp8_kernel
 from .base import add_hook, remove_hook
+from .fp8_matmul import Fp8MatmulHook
 
 
 class DequantHook(ModelHook):
@@ -82,11 +84,11 @@ def refuse_layerwise_casting(components) -> None:
 
 
 def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A dequantising hook on each fp8 Linear of ``model``; returns those layers."""
+    """A dequantising (or fp8 matmul) hook on each fp8 Linear of ``model``; returns those layers."""
     table = table_of(model)
     layers = fp8_layers(model)
     for layer in layers:
-        add_hook(layer, DequantHook(table), DEQUANT_HOOK)
+        add_hook(layer, Fp8MatmulHook(table) if table.matmul else DequantHook(table), DEQUANT_HOOK)
     return layers
 
 

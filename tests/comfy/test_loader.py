@@ -127,6 +127,26 @@ def test_fp8_dtype_stores_the_denoiser_in_fp8_and_computes_in_the_auto_dtype(com
     assert tree_hash(diffusers_dir / model) == before
 
 
+def test_fp8_fast_dtype_computes_the_denoiser_through_fp8_matmuls(comfy: harness.ComfyHost, diffusers_dir: Path,
+                                                                  model: str) -> None:
+    """ComfyUI's ``fp8_e4m3fn_fast``: fp8 storage, and the fp8 layers carry the fp8 matmul hook
+    once placed (the CPU has ``_scaled_mm``); the folder is untouched."""
+    before = tree_hash(diffusers_dir / model)
+
+    comfy.run_prompt(prompt(model, "fp8_e4m3fn_fast")).raise_for_error()
+
+    ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
+    patcher = next(lm.model for lm in reversed(comfy.model_management.current_loaded_models)
+                   if isinstance(lm.model, ours))
+    transformer = patcher.pipe.transformer
+    table = comfy.pack_submodule("offload_core.formats.fp8").table_of(transformer)
+    assert table.storage == torch.float8_e4m3fn and table.matmul and len(table.weights) > 0
+    layer = transformer.blocks[0].attn1.to_q
+    hook = layer._diffusers_hook.get_hook("layerwise_casting")
+    assert type(hook).__name__ == "Fp8MatmulHook"
+    assert tree_hash(diffusers_dir / model) == before
+
+
 def _write(rel: str, data: bytes | str) -> Callable[[Path], None]:
     def damage(folder: Path) -> None:
         path = folder / rel

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from comfyhost import harness
 from fixtures import comfy_files, gguf_files
 
@@ -73,6 +74,18 @@ def test_lists_files_from_comfy_folders_and_loads_fp8_scaled(comfy: harness.Comf
     assert placed["denoiser"] in options(comfy, "denoiser")
     assert placed["text_encoder"] in options(comfy, "text_encoder") and "none" in options(comfy, "vae")
     comfy.run_prompt(prompt(placed)).raise_for_error()
+
+
+def test_fp8_matmul_on_an_fp8_scaled_file_keeps_its_weights_and_scales(comfy: harness.ComfyHost,
+                                                                       placed: dict) -> None:
+    """The file's fp8 weights and scales stay as loaded (no second cast, no scale dropped); its
+    table computes through fp8 matmuls."""
+    comfy.run_prompt(prompt(placed, fp8_matmul=True)).raise_for_error()
+    ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
+    transformer = next(lm.model for lm in reversed(comfy.model_management.current_loaded_models)
+                       if isinstance(lm.model, ours)).pipe.transformer
+    table = comfy.pack_submodule("offload_core.formats.fp8").table_of(transformer)
+    assert table.matmul and table.storage == torch.float8_e4m3fn and len(table.scales) == len(table.weights) > 0
 
 
 def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(

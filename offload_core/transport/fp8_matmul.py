@@ -1,0 +1,81 @@
+"""fp8 matmul: a Linear whose weight is stored in ``float8_e4m3fn`` computes from its stored bytes
+with ``torch._scaled_mm``, the input cast to fp8, as ComfyUI's ``fp8_e4m3fn_fast`` weight dtype
+does (`comfy/ops.py: fp8_linear`): the input clamped to ±448 and cast with scale 1, the weight's
+per-tensor scale (1 when it has none) as the second scale, float accumulation, bias added in the
+compute dtype.
+
+Why: fp8 storage with bf16 compute can go no faster than the bf16 math (every weight cast before
+its matmul); fp8 matmuls run on the fp8 tensor cores at about twice that rate and cast nothing,
+at the cost of rounding activations to fp8 (an opt-in, as in ComfyUI). Where the matmul cannot
+run (an ``e5m2`` weight, a GPU before sm_89, a width not a multiple of 16), the layer dequantises
+its weight and calls ``F.linear``, as fp8 storage does elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.hooks import ModelHook
+
+from ..formats.fp8 import Fp8Table, dequantize
+from . import fp8_kernel
+
+FP8 = torch.float8_e4m3fn
+LIMIT = 448.0  # float8_e4m3fn's largest finite value: inputs are clamped to it, as ComfyUI does
+HALF = (torch.bfloat16, torch.float16)
+
+
+def runs_here(device: torch.device) -> bool:
+    """Whether ``device`` has fp8 matmuls (the CPU has ``_scaled_mm`` too; CUDA from sm_89)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``_scaled_mm`` takes an fp8 ``e4m3fn`` weight, widths that are multiples of 16 and (with a
+    bias) a bf16 or fp16 output, which is the input's dtype as in ComfyUI's layer."""
+    return weight.dtype == FP8 and weight.ndim == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 \
+        and x.shape[-1] == weight.shape[1] and x.dtype in HALF and runs_here(x.device)
+
+
+class Fp8MatmulHook(ModelHook):
+    """One fp8 Linear's forward as an fp8 matmul (under the dequantising hook's name: `dequant.py`)."""
+
+    _diffusers_offload_hook = True  # `state.OURS`
+
+    def __init__(self, table: Fp8Table) -> None:
+        super().__init__()
+        self.table = table
+        self._scales: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, weight) scales
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What diffusers' ``get_parameter_dtype`` reads from a layerwise-casting hook."""
+        return self.table.compute
+
+    def new_forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = module.weight, module.bias
+        if not fits(x, weight):
+            compute, scale = self.table.compute, self.table.scale_of(weight)
+            value = fp8_kernel.dequantized(weight, scale, compute)
+            value = value if value is not None else dequantize(weight, scale, compute)
+            return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
+        quantised = x.reshape(-1, x.shape[-1]).clamp(-LIMIT, LIMIT).to(FP8)
+        one, scale = self._device_scales(weight)
+        out = torch._scaled_mm(quantised, weight.t(), scale_a=one, scale_b=scale,
+                               bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input's scale (1) and the weight's, float32 scalars on its device, made once (an
+        eager call comes before any capture: `graphs.py`)."""
+        if weight.device not in self._scales:
+            value = self.table.scale_of(weight)
+            one = torch.ones((), dtype=torch.float32, device=weight.device)
+            self._scales[weight.device] = (one, one if value is None else torch.full_like(one, value))
+        return self._scales[weight.device]
+
+    def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
+        self._scales.clear()
+        return module

@@ -1,0 +1,140 @@
+"""fp8 matmuls (ComfyUI's ``fp8_e4m3fn_fast``): every fp8 Linear computes from its stored bytes as
+comfy-kitchen's fp8 linear does (the dispatch ComfyUI's ``fp8_linear`` calls: the input clamped to
+±448 and cast to fp8, scale 1), bit for bit, in every mode and preload policy; nothing is cast, so
+what moves and stays is fp8 bytes; a release leaves the weights as they were."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.lora import LoraSpec, activate
+from diffusers_offload.offload_core.state import LORA_HOOK, leftovers
+from fixtures.placements import PLACEMENTS
+from fixtures.quantized import dequantised_twin, streamed_in_one_step, two_runs_placed
+from fixtures.tiny_loras import wan_lora
+from fixtures.tiny_models import SEED, load_wan, run_wan
+
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+FP8 = torch.float8_e4m3fn
+
+
+def wide_transformer() -> WanTransformer3DModel:
+    """A tiny bf16 Wan transformer whose Linear widths are multiples of 16 (what ``_scaled_mm``
+    takes), text width that of the tiny Wan's encoder."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=64, num_layers=4, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+        ).to(torch.bfloat16)
+
+
+def wide_wan(tiny_wan_dir):
+    """The tiny Wan around `wide_transformer`, its Linear weights stored in fp8, fp8 matmuls on."""
+    pipe = load_wan(tiny_wan_dir)
+    pipe.register_modules(transformer=wide_transformer())
+    store_fp8(pipe.transformer, FP8, torch.bfloat16, matmul=True)
+    return pipe
+
+
+def kitchen_twin(pipe):
+    """The pipeline with a copy of its transformer whose fp8 Linears run comfy-kitchen's fp8 linear
+    (``F.linear`` on two ``TensorCoreFP8Layout`` tensors), not the pack's code."""
+    from comfy_kitchen.tensor import TensorCoreFP8Layout
+    from comfy_kitchen.tensor.base import QuantizedTensor
+
+    def fp8(t: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
+        one = torch.ones((), dtype=torch.float32)
+        return QuantizedTensor(t, "TensorCoreFP8Layout", TensorCoreFP8Layout.Params(
+            scale=one, orig_dtype=dtype, orig_shape=tuple(t.shape)))
+
+    def forward_of(layer: torch.nn.Linear):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            rows = x.reshape(-1, x.shape[-1]).clamp(-448, 448).to(FP8)
+            out = F.linear(fp8(rows, x.dtype), fp8(layer.weight.data, x.dtype), layer.bias)
+            return out.reshape(*x.shape[:-1], -1)
+        return forward
+
+    twin = copy.copy(pipe)
+    transformer = copy.deepcopy(pipe.transformer)
+    vars(transformer).pop("_diffusers_offload_fp8", None)
+    for layer in transformer.modules():
+        if isinstance(layer, torch.nn.Linear) and layer.weight.dtype == FP8:
+            layer.forward = forward_of(layer)
+    twin.register_modules(transformer=transformer)
+    return twin
+
+
+@pytest.mark.parametrize("config", list(PLACEMENTS))
+def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config):
+    pipe = wide_wan(tiny_wan_dir)
+    expected = run_wan(kitchen_twin(pipe))
+    stored = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
+    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[config], **BASE))
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    assert leftovers(pipe.transformer) == []
+    for name, p in pipe.transformer.named_parameters():
+        assert p.dtype == stored[name].dtype and p.device.type == "cpu", name
+        assert torch.equal(p.view(torch.uint8), stored[name].view(torch.uint8)), name
+
+
+def test_fp8_matmul_is_not_the_dequantised_math(tiny_wan_dir):
+    """The inputs are rounded to fp8: the output differs from fp8 storage with bf16 compute, and
+    stays within fp8's error of it (what makes the comparison above not vacuous)."""
+    pipe = wide_wan(tiny_wan_dir)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="auto", **BASE))
+    fast = run_wan(pipe)
+    engine.release(pipe)
+    pipe.register_modules(transformer=dequantised_twin(pipe.transformer))
+    bf16 = run_wan(pipe)
+    assert not torch.equal(fast, bf16)
+    assert (fast - bf16).abs().max() < 0.1 * bf16.abs().max()
+
+
+def test_the_streamer_casts_nothing_and_moves_fp8_bytes(tiny_wan_dir, monkeypatch):
+    pipe = wide_wan(tiny_wan_dir)
+    model = pipe.transformer
+    fp8_blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
+    moved, dtypes, _report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
+    transport = engine.states(pipe)["transformer"].transport
+    assert transport.self_cast() == set() and all(u.cast is None for u in transport.units)
+    assert FP8 in dtypes and sum(moved) == 2 * fp8_blocks  # one step, two forwards (guidance)
+    engine.release(pipe)
+
+
+def test_fp8_matmul_takes_e4m3fn_only(tiny_wan_dir):
+    pipe = load_wan(tiny_wan_dir)
+    pipe.transformer.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="fp8 matmuls take float8_e4m3fn weights, not float8_e5m2"):
+        store_fp8(pipe.transformer, torch.float8_e5m2, torch.bfloat16, matmul=True)
+
+
+def test_a_lora_on_fp8_matmul_layers_is_unfused_and_comes_off_bit_exactly(tiny_wan_dir, tmp_path):
+    pipe = wide_wan(tiny_wan_dir)
+    lora = LoraSpec(str(wan_lora(wide_transformer(), tmp_path, seed=3)))
+    stored = {n: p.detach().view(torch.uint8).clone() for n, p in pipe.transformer.named_parameters()
+              if p.dtype == FP8}
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(mode="auto", **BASE))
+    base = run_wan(pipe)
+    engine.after_run(pipe)
+    activate(pipe, [lora])
+    with_lora = run_wan(pipe)
+    engine.after_run(pipe)
+    details = engine.report(pipe).component("transformer").details["lora"]
+    assert details["path"] == "unfused" and set(details["unfused"].values()) == {"fp8"}
+    assert not torch.equal(with_lora, base)
+    activate(pipe, [])
+    assert torch.equal(run_wan(pipe), base)
+    engine.after_run(pipe)
+    engine.release(pipe)
+    assert leftovers(pipe.transformer) == []
+    assert not any(LORA_HOOK in getattr(vars(m).get("_diffusers_hook"), "hooks", {})
+                   for m in pipe.transformer.modules())
+    assert all(torch.equal(pipe.transformer.get_parameter(n).view(torch.uint8), b) for n, b in stored.items())
