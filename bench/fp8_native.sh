@@ -7,7 +7,8 @@
 # Here, once: `bash bench/comfy_coexist.sh prep <2026 ComfyUI tree>` fills the ignored .gpu/.
 # On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"] [GGUF="gguf_q8_0"]
-# (NATIVE_WORKLOADS=small times native on the image-like workload only.)
+# (NATIVE_WORKLOADS=small times native on the image-like workload only; STORAGE=fp8_e4m3fn_fast runs
+# our rows with fp8 matmuls; NATIVE_DTYPES="fp8_e4m3fn fp8_e4m3fn_fast" times native at each dtype.)
 # Then, while time is left, each GGUF storage of GGUF (one image-like row at the first cap).
 # Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/cast_probe.json, $OUT/wan_bench_<storage>.json (+ .log).
 set -u
@@ -22,8 +23,9 @@ exec > >(tee -a "$OUT/fp8_native.log") 2>&1
 source bench/gpu_env.sh 570
 
 python3 bench/cast_probe.py | tee "$OUT/cast_probe.json"
-echo "== [$((SECONDS-T0))s] ours: wan_bench --storage fp8_e4m3fn --caps ${CAPS// /,}"
-timeout -k 10 $(( $(left) - 150 )) python3 bench/wan_bench.py --storage fp8_e4m3fn $OURS_ARGS \
+STORAGE=${STORAGE:-fp8_e4m3fn}
+echo "== [$((SECONDS-T0))s] ours: wan_bench --storage $STORAGE --caps ${CAPS// /,}"
+timeout -k 10 $(( $(left) - 150 )) python3 bench/wan_bench.py --storage "$STORAGE" $OURS_ARGS \
   --caps "${CAPS// /,}" --out "$OUT"
 echo "ours rc=$?"
 
@@ -31,14 +33,16 @@ M=/tmp/wan14b_L${LAYERS}_bf16.safetensors
 echo "== [$((SECONDS-T0))s] native model (ComfyUI layout, bf16, $LAYERS layers)"
 timeout -k 10 120 python3 .gpu/native_anchor/make_wan_sd.py --preset 14b --layers "$LAYERS" --device cuda \
   --out "$M" --skip-if-exists || exit 4
+for wd in ${NATIVE_DTYPES:-fp8_e4m3fn}; do
 for cap in $CAPS; do
   L=$(left)
-  if [ "$L" -lt 40 ]; then echo "== skip native cap=$cap: ${L}s left"; continue; fi
-  echo "== [$((SECONDS-T0))s] native fp8_e4m3fn cap=$cap"
+  if [ "$L" -lt 40 ]; then echo "== skip native $wd cap=$cap: ${L}s left"; continue; fi
+  echo "== [$((SECONDS-T0))s] native $wd cap=$cap"
   timeout -k 10 $(( L < 200 ? L : 200 )) python3 .gpu/native_anchor/native_bench.py --comfy-dir .gpu/comfyui \
-    --model "$M" --cap-gb "$cap" --weight-dtype fp8_e4m3fn --workloads "${NATIVE_WORKLOADS:-small,video}" --tag fp8 \
-    --json-out "$OUT/native.jsonl"
-  echo "native cap=$cap rc=$?"
+    --model "$M" --cap-gb "$cap" --weight-dtype "$wd" --workloads "${NATIVE_WORKLOADS:-small,video}" \
+    --tag "$wd" --json-out "$OUT/native.jsonl"
+  echo "native $wd cap=$cap rc=$?"
+done
 done
 FIRST=${CAPS%% *}
 for st in $GGUF; do

@@ -85,6 +85,7 @@ from diffusers_offload.offload_core import memory as engine_memory  # noqa: E402
 from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, store_fp8  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
+FP8_STORAGES = {**FP8_DTYPES, "fp8_e4m3fn_fast": torch.float8_e4m3fn}  # _fast: fp8 matmuls, as the loader's dtype
 row = Rows()
 DEV = "cuda"  # "cpu" with --tiny: the dry run that checks the flow, not the speed
 FORWARD = wan_forward  # flux_forward with --model flux
@@ -103,11 +104,11 @@ def host_times(m, feeds, repeats: int) -> dict:
 
 
 def build(args):
-    """The model; with ``--storage fp8_*`` its Linear weights stored in fp8 (bf16 compute), as the
-    loader's fp8 dtype does."""
+    """The model; with ``--storage fp8_*`` its Linear weights stored in fp8 (bf16 compute, or fp8
+    matmuls with ``fp8_e4m3fn_fast``), as the loader's fp8 dtypes do."""
     m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
-    if args.storage in FP8_DTYPES:
-        store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
+    if args.storage in FP8_STORAGES:
+        store_fp8(m, FP8_STORAGES[args.storage], torch.bfloat16, matmul=args.storage.endswith("_fast"))
     elif args.storage in GGUF_TYPES:
         row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
     elif args.storage == W4A8:
@@ -121,7 +122,7 @@ def resident(m, feeds: dict, args) -> dict:
     same cast path (one cast per unit) as the streamed rows. GGUF layers dequantise themselves."""
     refs = {}
     eng = bag = None
-    if args.storage in FP8_DTYPES:
+    if args.storage in FP8_STORAGES:
         eng, bag = Engine(), Components(transformer=m)
         eng.place(bag, config(args, preload="1000"))
     for w, feed in feeds.items():
@@ -324,9 +325,9 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
-    ap.add_argument("--storage", choices=("bf16", *FP8_DTYPES, *GGUF_TYPES, W4A8), default="bf16",
+    ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8), default="bf16",
                     help="weight storage (main model only): fp8 stores the Linear weights in fp8, computing in "
-                    "bf16; gguf_* makes the blocks' Linear layers diffusers' GGUF layers (benchkit/gguf.py), w4a8 the "
+                    "bf16 (fp8_e4m3fn_fast: through fp8 matmuls); gguf_* makes the blocks' Linear layers diffusers' GGUF layers (benchkit/gguf.py), w4a8 the "
                     "pack's W4A8 layers over comfy-kitchen's quantization (benchkit/w4a8.py)")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")

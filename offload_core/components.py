@@ -15,6 +15,7 @@ from .formats.gguf import gguf_quant_types
 from .formats.torchao import storage_bytes
 from .formats.w4a8 import holds_w4a8
 from .log import get_logger
+from .state import FP8
 
 log = get_logger("components")
 
@@ -152,7 +153,10 @@ def _quantization(module: torch.nn.Module) -> str | None:
     if holds_w4a8(module):
         return "comfy asym_w4a8_int8"
     fp8 = {t.dtype for t in module.parameters() if "float8" in str(t.dtype)}
-    return "fp8-weights" if fp8 else None
+    if not fp8:
+        return None
+    table = FP8.get(module)
+    return "fp8-weights (fp8 matmul)" if table is not None and table.matmul else "fp8-weights"
 
 
 def describe(name: str, module: torch.nn.Module) -> ComponentInfo:

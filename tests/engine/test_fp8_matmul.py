@@ -3,71 +3,19 @@ comfy-kitchen's fp8 linear does (the dispatch ComfyUI's ``fp8_linear`` calls: th
 ±448 and cast to fp8, scale 1), bit for bit, in every mode and preload policy; nothing is cast, so
 what moves and stays is fp8 bytes; a release leaves the weights as they were."""
 
-import copy
-
 import pytest
 import torch
-import torch.nn.functional as F
-from diffusers import WanTransformer3DModel
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import LORA_HOOK, leftovers
+from fixtures.fp8_matmul import FP8, kitchen_twin, wide_transformer, wide_wan
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import dequantised_twin, streamed_in_one_step, two_runs_placed
 from fixtures.tiny_loras import wan_lora
-from fixtures.tiny_models import SEED, load_wan, run_wan
+from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
-FP8 = torch.float8_e4m3fn
-
-
-def wide_transformer() -> WanTransformer3DModel:
-    """A tiny bf16 Wan transformer whose Linear widths are multiples of 16 (what ``_scaled_mm``
-    takes), text width that of the tiny Wan's encoder."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=64, num_layers=4, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
-        ).to(torch.bfloat16)
-
-
-def wide_wan(tiny_wan_dir):
-    """The tiny Wan around `wide_transformer`, its Linear weights stored in fp8, fp8 matmuls on."""
-    pipe = load_wan(tiny_wan_dir)
-    pipe.register_modules(transformer=wide_transformer())
-    store_fp8(pipe.transformer, FP8, torch.bfloat16, matmul=True)
-    return pipe
-
-
-def kitchen_twin(pipe):
-    """The pipeline with a copy of its transformer whose fp8 Linears run comfy-kitchen's fp8 linear
-    (``F.linear`` on two ``TensorCoreFP8Layout`` tensors), not the pack's code."""
-    from comfy_kitchen.tensor import TensorCoreFP8Layout
-    from comfy_kitchen.tensor.base import QuantizedTensor
-
-    def fp8(t: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
-        one = torch.ones((), dtype=torch.float32)
-        return QuantizedTensor(t, "TensorCoreFP8Layout", TensorCoreFP8Layout.Params(
-            scale=one, orig_dtype=dtype, orig_shape=tuple(t.shape)))
-
-    def forward_of(layer: torch.nn.Linear):
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            rows = x.reshape(-1, x.shape[-1]).clamp(-448, 448).to(FP8)
-            out = F.linear(fp8(rows, x.dtype), fp8(layer.weight.data, x.dtype), layer.bias)
-            return out.reshape(*x.shape[:-1], -1)
-        return forward
-
-    twin = copy.copy(pipe)
-    transformer = copy.deepcopy(pipe.transformer)
-    vars(transformer).pop("_diffusers_offload_fp8", None)
-    for layer in transformer.modules():
-        if isinstance(layer, torch.nn.Linear) and layer.weight.dtype == FP8:
-            layer.forward = forward_of(layer)
-    twin.register_modules(transformer=transformer)
-    return twin
 
 
 @pytest.mark.parametrize("config", list(PLACEMENTS))
@@ -101,7 +49,8 @@ def test_the_streamer_casts_nothing_and_moves_fp8_bytes(tiny_wan_dir, monkeypatc
     pipe = wide_wan(tiny_wan_dir)
     model = pipe.transformer
     fp8_blocks = sum(p.numel() * p.element_size() for b in model.blocks for p in b.parameters())
-    moved, dtypes, _report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
+    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
+    assert "[fp8-weights (fp8 matmul)]" in report.text()
     transport = engine.states(pipe)["transformer"].transport
     assert transport.self_cast() == set() and all(u.cast is None for u in transport.units)
     assert FP8 in dtypes and sum(moved) == 2 * fp8_blocks  # one step, two forwards (guidance)
