@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from benchkit import Rows, open_output, output_args, pack
 from benchkit.cpuwatch import CpuWatch
 from benchkit.measure import Ballast, launch_and_step, python_speed_ms, sync, to_host
-from benchkit.models import blocks_of, build_wan, wan_forward, wan_inputs
+from benchkit.models import FP8_STORAGES, blocks_of, build_wan, store_fp8_as, wan_forward, wan_inputs
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
-from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, store_fp8  # noqa: E402
 from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
 
 row = Rows()
@@ -289,8 +288,9 @@ def main() -> None:
     ap.add_argument("--caps", default="24")
     ap.add_argument("--workload", default="small")
     ap.add_argument("--whole-blocks", action="store_true")
-    ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_DTYPES],
-                    help="fp8: Linear weights stored in fp8 (bf16 compute); its resident row is the engine keeping every block")
+    ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_STORAGES],
+                    help="fp8: Linear weights stored in fp8 (bf16 compute; _fast: fp8 matmuls); its resident row is "
+                         "the engine keeping every block")
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
     ap.add_argument("--window", default="1", help="prefetch window(s) of the engine rows, comma-separated: "
@@ -309,8 +309,8 @@ def main() -> None:
     m = build_wan(40)
     feeds = wan_inputs(args.workload, 21)
     reading_costs()
-    if args.storage in FP8_DTYPES:
-        store_fp8(m, FP8_DTYPES[args.storage], torch.bfloat16)
+    if args.storage in FP8_STORAGES:
+        store_fp8_as(m, args.storage)
         fp8_resident(m, feeds, args)
     else:
         row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1],

@@ -69,12 +69,14 @@ from benchkit.measure import (  # noqa: E402
     to_host,
 )
 from benchkit.models import (  # noqa: E402
+    FP8_STORAGES,
     blocks_of,
     build_flux,
     build_wan,
     flux_forward,
     flux_inputs,
     nbytes,
+    store_fp8_as,
     wan_forward,
     wan_inputs,
 )
@@ -82,10 +84,8 @@ from benchkit.models import (  # noqa: E402
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
 from diffusers_offload.offload_core import memory as engine_memory  # noqa: E402
-from diffusers_offload.offload_core.formats.fp8 import FP8_DTYPES, store_fp8  # noqa: E402
 from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
-FP8_STORAGES = {**FP8_DTYPES, "fp8_e4m3fn_fast": torch.float8_e4m3fn}  # _fast: fp8 matmuls, as the loader's dtype
 row = Rows()
 DEV = "cuda"  # "cpu" with --tiny: the dry run that checks the flow, not the speed
 FORWARD = wan_forward  # flux_forward with --model flux
@@ -108,7 +108,7 @@ def build(args):
     matmuls with ``fp8_e4m3fn_fast``), as the loader's fp8 dtypes do."""
     m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
     if args.storage in FP8_STORAGES:
-        store_fp8(m, FP8_STORAGES[args.storage], torch.bfloat16, matmul=args.storage.endswith("_fast"))
+        store_fp8_as(m, args.storage)
     elif args.storage in GGUF_TYPES:
         row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
     elif args.storage == W4A8:

@@ -39,6 +39,17 @@ def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> tor
 
 
 # -- Wan 2.1 14B geometry -------------------------------------------------------------------------
+FP8_STORAGES = ("fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fn_fast")  # the loader's fp8 dtypes (_fast: fp8 matmuls)
+
+
+def store_fp8_as(m: torch.nn.Module, storage: str) -> None:
+    """``m``'s Linear weights stored as the loader's fp8 dtype ``storage`` does, computing in bf16."""
+    from diffusers_offload.offload_core.formats.fp8 import store_fp8  # after `benchkit.pack()`
+
+    dtype = torch.float8_e5m2 if storage == "fp8_e5m2" else torch.float8_e4m3fn
+    store_fp8(m, dtype, torch.bfloat16, matmul=storage.endswith("_fast"))
+
+
 def wan_config(blocks: int, tiny: bool = False) -> dict[str, Any]:
     return dict(WAN_TINY if tiny else WAN14B, num_layers=blocks)
 
