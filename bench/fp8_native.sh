@@ -8,7 +8,8 @@
 # On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"] [GGUF="gguf_q8_0"]
 # (NATIVE_WORKLOADS=small times native on the image-like workload only; STORAGE=fp8_e4m3fn_fast runs
-# our rows with fp8 matmuls; NATIVE_DTYPES="fp8_e4m3fn fp8_e4m3fn_fast" times native at each dtype.)
+# our rows with fp8 matmuls; NATIVE_DTYPES="fp8_e4m3fn fp8_e4m3fn_fast" times native at each dtype;
+# NATIVE_ARGS="--runs 5" passes more options to native_bench.py.)
 # Then, while time is left, each GGUF storage of GGUF (one image-like row at the first cap).
 # Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/cast_probe.json, $OUT/wan_bench_<storage>.json (+ .log).
 set -u
@@ -40,7 +41,7 @@ for cap in $CAPS; do
   echo "== [$((SECONDS-T0))s] native $wd cap=$cap"
   timeout -k 10 $(( L < 200 ? L : 200 )) python3 .gpu/native_anchor/native_bench.py --comfy-dir .gpu/comfyui \
     --model "$M" --cap-gb "$cap" --weight-dtype "$wd" --workloads "${NATIVE_WORKLOADS:-small,video}" \
-    --tag "$wd" --json-out "$OUT/native.jsonl"
+    --tag "$wd" --json-out "$OUT/native.jsonl" ${NATIVE_ARGS:-}
   echo "native $wd cap=$cap rc=$?"
 done
 done

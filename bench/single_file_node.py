@@ -13,8 +13,9 @@ tensor by tensor by a build process into models/diffusion_models, beside a confi
 folder, a one-layer UMT5 text-encoder file and a small Wan VAE file (benchkit/single_file.py).
 Workloads: small (512x512, 1 frame: latent 1x16x1x64x64) and video (832x480, 81 frames: 1x16x21x60x104).
 The marker is empty, so a 2026 ComfyUI on a GPU with fp8 compute (the H200) may run these layers as
-fp8 matmuls, where ours dequantises to bf16 (the native rows record ``native_fp8_matmul``);
-``--full-precision-mm`` writes a 2-element marker, with which ComfyUI dequantises too.
+fp8 matmuls, where ours dequantises to bf16 (the native rows record ``native_fp8_matmul``) unless
+``--fp8-matmul`` turns our loader's fp8 matmuls on; ``--full-precision-mm`` writes a 2-element
+marker, with which ComfyUI dequantises too.
 
 Order: a ballast makes the card ``--cap`` GiB, then per workload the phases of ``--sequence``; then,
 the ballast gone, ours on the whole card (the fp8-resident step: the plan keeps every block) and
@@ -68,11 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workloads", default="small,video", help="comma list of: " + ", ".join(WORKLOADS))
     ap.add_argument("--steps", type=int, default=4, help="denoise steps (= forwards, cfg 1) of each phase")
     ap.add_argument("--sequence", default="ours,native", help="capped phases per workload, in order")
-    dtypes = ["default", "fp8_e4m3fn"]
+    dtypes = ["default", "fp8_e4m3fn", "fp8_e4m3fn_fast"]
     ap.add_argument(
         "--native-weight-dtype", choices=dtypes, default="default", help="UNETLoader's weight_dtype"
     )
     ap.add_argument("--full-precision-mm", action="store_true", help="a 2-element scaled_fp8 marker (above)")
+    ap.add_argument("--fp8-matmul", action="store_true", help="our loader's fp8_matmul on (ComfyUI's _fast)")
     ap.add_argument("--no-resident", action="store_true", help="skip the uncapped fp8-resident phases")
     ap.add_argument("--coexist", action="store_true", help="do not unload the other model before a phase")
     ap.add_argument("--preload", default="auto", help="Offload settings 'preload' of our loader")
@@ -163,7 +165,8 @@ def workflow(a: argparse.Namespace, p: SimpleNamespace, workload: str, seed: int
     w = SimpleNamespace(**vars(a), width=width, height=height, frames=frames)
     ours = coexist.ours_prompt(w, seed)
     names = {"denoiser": p.names.denoiser, "text_encoder": p.names.text_encoder, "vae": p.names.vae}
-    inputs = {"config": p.names.config, **names, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0]}
+    inputs = {"config": p.names.config, **names, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0],
+              "fp8_matmul": a.fp8_matmul}
     ours["l"] = {"class_type": "DiffusersOffloadLoadDiffusionModelFile", "inputs": inputs}
     native = coexist.native_prompt(w, SimpleNamespace(native_name=p.names.denoiser), seed)
     native["n1"]["inputs"]["weight_dtype"] = a.native_weight_dtype

@@ -44,6 +44,7 @@ class Fp8Table:
     matmul: bool = False  # fp8 matmuls from the stored bytes, no cast (`transport/fp8_matmul.py`)
     weights: dict[int, str] = field(default_factory=dict)  # id(weight) -> its layer's name
     scales: dict[int, float] = field(default_factory=dict)
+    exact: dict[int, float] = field(default_factory=dict)  # the same scales in float32, as fp8 matmuls take them
     int8_scales: dict[int, torch.Tensor] = field(default_factory=dict)
     _on_device: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -168,6 +169,7 @@ def mark_fp8(
             table.int8_scales[id(layer.weight)] = check_int8_scale(scale, name, layer.weight, what)
         elif scale is not None:
             table.scales[id(layer.weight)] = _scalar(scale, name, layer.weight, what, compute)
+            table.exact[id(layer.weight)] = float(torch.as_tensor(scale, dtype=torch.float32).reshape(()))
     _dequantize_others(model, compute, scales, what)
     if scales:
         raise ValueError(f"{what}: scales for layers the model does not have: {sorted(scales)[:5]}")

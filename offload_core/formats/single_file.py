@@ -190,8 +190,8 @@ def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]
         checkpoint.pop(key)
     if ignored and str(path) not in _input_scales_noted:
         _input_scales_noted.add(str(path))
-        log.info("%s: %d input scales ignored (they only serve fp8 matmul; weights are dequantised to compute)",
-                 path.name, len(ignored))
+        log.info("%s: %d input scales unused (weights are dequantised to compute; fp8 matmuls, where asked for, "
+                 "scale each input by its own largest value)", path.name, len(ignored))
     for key in [k for k in checkpoint if k.endswith(QUANT_SUFFIX)]:
         checkpoint.pop(key)
     for layer, key in info.scales.items():

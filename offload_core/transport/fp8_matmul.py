@@ -1,8 +1,9 @@
 """fp8 matmul: a Linear whose weight is stored in ``float8_e4m3fn`` computes from its stored bytes
-with ``torch._scaled_mm``, the input cast to fp8, as ComfyUI's ``fp8_e4m3fn_fast`` weight dtype
-does (`comfy/ops.py: fp8_linear`): the input clamped to ±448 and cast with scale 1, the weight's
-per-tensor scale (1 when it has none) as the second scale, float accumulation, bias added in the
-compute dtype.
+with ``torch._scaled_mm``, the input cast to fp8, as ComfyUI computes it: an unscaled weight as its
+``fp8_e4m3fn_fast`` weight dtype does (`comfy/ops.py: fp8_linear`: the input clamped to ±448 and
+cast with scale 1); a scaled file's weight as its quantized layers do (the input scaled per
+tensor by its largest magnitude, comfy-kitchen's ``TensorCoreFP8Layout``, a file's own input
+scales unused), with the weight's float32 scale. The output and bias are in the input's dtype.
 
 Why: fp8 storage with bf16 compute can go no faster than the bf16 math (every weight cast before
 its matmul); fp8 matmuls run on the fp8 tensor cores at about twice that rate and cast nothing,
@@ -23,6 +24,7 @@ from . import fp8_kernel
 FP8 = torch.float8_e4m3fn
 LIMIT = 448.0  # float8_e4m3fn's largest finite value: inputs are clamped to it, as ComfyUI does
 HALF = (torch.bfloat16, torch.float16)
+TINY = 1e-12  # the least input scale: an all-zero input quantises to zeros, not NaN
 
 
 def runs_here(device: torch.device) -> bool:
@@ -61,17 +63,22 @@ class Fp8MatmulHook(ModelHook):
             value = fp8_kernel.dequantized(weight, scale, compute)
             value = value if value is not None else dequantize(weight, scale, compute)
             return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
-        quantised = x.reshape(-1, x.shape[-1]).clamp(-LIMIT, LIMIT).to(FP8)
+        rows = x.reshape(-1, x.shape[-1])
         one, scale = self._device_scales(weight)
-        out = torch._scaled_mm(quantised, weight.t(), scale_a=one, scale_b=scale,
+        if scale is one:  # an unscaled weight: ComfyUI's fp8_e4m3fn_fast, the input at scale 1
+            quantised, in_scale = rows.clamp(-LIMIT, LIMIT).to(FP8), one
+        else:  # a scaled file's weight: its layer quantises the input per tensor (comfy-kitchen's)
+            in_scale = (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
+            quantised = (rows * (1.0 / in_scale).to(rows.dtype)).clamp_(-LIMIT, LIMIT).to(FP8)
+        out = torch._scaled_mm(quantised, weight.t(), scale_a=in_scale, scale_b=scale,
                                bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input's scale (1) and the weight's, float32 scalars on its device, made once (an
-        eager call comes before any capture: `graphs.py`)."""
+        """1 and the weight's scale (the file's float32 value; 1 itself where it has none), float32
+        scalars on its device, made once (an eager call comes before any capture: `graphs.py`)."""
         if weight.device not in self._scales:
-            value = self.table.scale_of(weight)
+            value = self.table.exact.get(id(weight))
             one = torch.ones((), dtype=torch.float32, device=weight.device)
             self._scales[weight.device] = (one, one if value is None else torch.full_like(one, value))
         return self._scales[weight.device]

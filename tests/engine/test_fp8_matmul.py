@@ -18,9 +18,10 @@ from fixtures.tiny_models import load_wan, run_wan
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
 @pytest.mark.parametrize("config", list(PLACEMENTS))
-def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config):
-    pipe = wide_wan(tiny_wan_dir)
+def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config, scaled):
+    pipe = wide_wan(tiny_wan_dir, scaled=scaled)
     expected = run_wan(kitchen_twin(pipe))
     stored = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
     first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[config], **BASE))
