@@ -61,7 +61,7 @@ for row in "$@"; do
             run mapped 240 python3 bench/mapped_check.py --free-gb 16 ;;
     wan22) run wan22 300 python3 bench/wan22_node.py --comfy-dir .gpu/comfyui --cap 12 --json "$ROWS_DIR/wan22.jsonl" ;;
     single) run single 300 python3 bench/single_file_node.py --comfy-dir .gpu/comfyui --cap 12 --layers 40 \
-              --out "$ROWS_DIR" ;;
+              --out "$ROWS_DIR" ${SINGLE_ARGS:-} ;;  # SINGLE_ARGS=--fp8-matmul: our loader's fp8 matmuls on
     gguf) for st in gguf_q8_0 gguf_q4_k; do
             run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps 12 --workloads small \
               --out "$ROWS_DIR"
