@@ -88,3 +88,18 @@ def test_a_lora_on_fp8_matmul_layers_is_unfused_and_comes_off_bit_exactly(tiny_w
     assert not any(LORA_HOOK in getattr(vars(m).get("_diffusers_hook"), "hooks", {})
                    for m in pipe.transformer.modules())
     assert all(torch.equal(pipe.transformer.get_parameter(n).view(torch.uint8), b) for n, b in stored.items())
+
+
+def test_a_model_another_quantizer_made_is_left_as_it_is(tiny_wan_dir, tmp_path):
+    """The single-file loader's fp8_matmul on a GGUF file: nothing stored, no table, bytes unchanged."""
+    from diffusers import GGUFQuantizationConfig, WanTransformer3DModel
+    from diffusers_offload.offload_core.formats.fp8 import table_of
+    from fixtures.gguf_files import write_wan_gguf
+
+    file = write_wan_gguf(tiny_wan_dir, tmp_path / "wan-Q8_0.gguf", "Q8_0")
+    model = WanTransformer3DModel.from_single_file(
+        str(file), quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16),
+        config=str(tiny_wan_dir), subfolder="transformer", torch_dtype=torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert store_fp8(model, FP8, torch.bfloat16, matmul=True) is None and table_of(model) is None
+    assert all(p.dtype == before[n].dtype and torch.equal(p, before[n]) for n, p in model.named_parameters())
