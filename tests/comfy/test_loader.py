@@ -108,15 +108,19 @@ def test_loads_in_the_chosen_dtype_and_leaves_the_folder_untouched(comfy: harnes
     assert tree_hash(diffusers_dir / model) == before
 
 
+def last_patcher(comfy: harness.ComfyHost) -> Any:
+    """The pack's model patcher ComfyUI loaded last."""
+    ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
+    return next(lm.model for lm in reversed(comfy.model_management.current_loaded_models) if isinstance(lm.model, ours))
+
+
 def test_fp8_dtype_stores_the_denoiser_in_fp8_and_computes_in_the_auto_dtype(comfy: harness.ComfyHost,
                                                                              diffusers_dir: Path, model: str) -> None:
     before = tree_hash(diffusers_dir / model)
 
     comfy.run_prompt(prompt(model, "fp8_e4m3fn")).raise_for_error()
 
-    ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
-    patcher = next(lm.model for lm in reversed(comfy.model_management.current_loaded_models)
-                   if isinstance(lm.model, ours))
+    patcher = last_patcher(comfy)
     transformer = patcher.pipe.transformer
     block_weights = [m.weight for m in transformer.blocks.modules() if isinstance(m, torch.nn.Linear)]
     assert block_weights and all(w.dtype == torch.float8_e4m3fn for w in block_weights)
@@ -135,9 +139,7 @@ def test_fp8_fast_dtype_computes_the_denoiser_through_fp8_matmuls(comfy: harness
 
     comfy.run_prompt(prompt(model, "fp8_e4m3fn_fast")).raise_for_error()
 
-    ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
-    patcher = next(lm.model for lm in reversed(comfy.model_management.current_loaded_models)
-                   if isinstance(lm.model, ours))
+    patcher = last_patcher(comfy)
     transformer = patcher.pipe.transformer
     table = comfy.pack_submodule("offload_core.formats.fp8").table_of(transformer)
     assert table.storage == torch.float8_e4m3fn and table.matmul and len(table.weights) > 0

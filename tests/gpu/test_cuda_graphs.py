@@ -8,36 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.preload import fit as fit_module
-from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport import graphs as graphs_module
-from fixtures.tiny_pipes import load_wan, run_wan
+from fixtures.graph_runs import keep_first_after, placed_runs
+from fixtures.tiny_pipes import load_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000")
-
-
-def _runs(pipe, config: OffloadConfig, runs: int = 2, between=None) -> tuple[list[torch.Tensor], dict]:
-    """``runs`` pipeline runs placed with ``config`` (``between(streamer, k)`` after run k but the
-    last): the outputs and the streamer's details after the last, then a release checked clean."""
-    engine = Engine()
-    engine.place(pipe, config)
-    streamer = engine.states(pipe)["transformer"].transport
-    outs = []
-    try:
-        for k in range(runs):
-            outs.append(run_wan(pipe).cpu())
-            engine.after_run(pipe)
-            if k < runs - 1 and between is not None:
-                between(streamer, k)
-        details = streamer.details()
-    finally:
-        engine.release(pipe)
-    assert leftovers(pipe.transformer) == []
-    assert streamer.graphs.cache.nbytes == 0
-    return outs, details
 
 
 @pytest.fixture
@@ -46,8 +25,8 @@ def pipe(tiny_wan_dir):
 
 
 def test_kept_blocks_replay_graphs_that_equal_the_eager_forward(pipe) -> None:
-    eager, off = _runs(pipe, OffloadConfig(**BASE, cuda_graphs=False))
-    graphed, on = _runs(pipe, OffloadConfig(**BASE))
+    eager, off = placed_runs(pipe, OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = placed_runs(pipe, OffloadConfig(**BASE))
     assert off["graphs"] == 0
     assert on["graphs"] == on["blocks"] > 0 and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
@@ -59,27 +38,17 @@ def _fp8(p):
     return p
 
 
-def _keep_first(streamed: list[int]):
-    """A `between` that keeps block 0 only after the first run (``streamed``: units streamed then)."""
-    def keep_first(streamer, k: int) -> None:
-        if k == 0:
-            streamer.events.unsubscribe("preload")  # the planner would keep them all again
-            streamer.set_resident(streamer.pieces_of({0}))
-            streamed.append(sum(u.piece.resident is None for u in streamer.units))
-    return keep_first
-
-
 @pytest.mark.parametrize("storage", ["model dtype", "fp8"])
 def test_a_plan_that_streams_graphs_each_streamed_unit_per_buffer(tiny_wan_dir, storage: str) -> None:
     """A plan that keeps block 0 only: block 0 is graphed whole, each unit of the other blocks once
     per ring buffer it is bound to (its copy stays outside the graph, an fp8 unit's cast inside);
     the runs equal the eager ones bit for bit, and none waits for a copy it did not queue."""
     streamed: list[int] = []
-    keep_first = _keep_first(streamed)
+    keep_first = keep_first_after(streamed)
     prepare = _fp8 if storage == "fp8" else (lambda p: p)
-    eager, off = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
+    eager, off = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
                        between=keep_first)
-    graphed, on = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=4, between=keep_first)
+    graphed, on = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=4, between=keep_first)
     assert off["graphs"] == 0 and on["kept"] == 1
     assert on["graphs"] >= 1 + streamed[-1] and on["graphs_refused"] == 0
     assert on["sync_loads"] == off["sync_loads"]
@@ -93,7 +62,7 @@ def test_a_capture_gets_the_memory_the_eager_forwards_left_cached(tiny_wan_dir, 
     once that cache is emptied, and every kept block and streamed unit is graphed (fp8 units cast
     into the buffer eager casts use), the same bits as eager."""
     streamed: list[int] = []
-    keep_first = _keep_first(streamed)
+    keep_first = keep_first_after(streamed)
     prepare = _fp8 if storage == "fp8" else (lambda p: p)
     total = torch.cuda.get_device_properties(0).total_memory
 
@@ -106,10 +75,10 @@ def test_a_capture_gets_the_memory_the_eager_forwards_left_cached(tiny_wan_dir, 
             del cached  # cached, unused, as an eager forward leaves its activations
             torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
 
-    eager, _ = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
+    eager, _ = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
                      between=keep_first)
     try:
-        graphed, on = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=4, between=tight)
+        graphed, on = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=4, between=tight)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert on["kept"] == 1 and on["graphs_refused"] == 0 and on["graph_retries"] >= 1
@@ -133,7 +102,7 @@ def test_a_block_that_streams_its_rest_is_graphed_whole(tiny_wan_dir, storage: s
             streamer.set_lookahead(3)
         copied.append(streamer.prefetch.copied)
 
-    eager, off = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=8, between=cores)
+    eager, off = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=8, between=cores)
     owners: set[int] = set()
     streaming: set[int] = set()
 
@@ -142,7 +111,7 @@ def test_a_block_that_streams_its_rest_is_graphed_whole(tiny_wan_dir, storage: s
         owners.update(owner[0] for owner in streamer.graphs.cache.owners())
         streaming.update(id(b) for b in streamer.blocks if b.index not in streamer.resident_blocks())
 
-    graphed, on = _runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=8, between=cores_seen)
+    graphed, on = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=8, between=cores_seen)
     assert off["graphs"] == 0 and on["kept"] == 0 and on["graphs_refused"] == 0
     assert streaming and streaming <= owners  # every streaming block has a graph of its own
     assert on["sync_loads"] == off["sync_loads"]
@@ -163,16 +132,16 @@ def test_a_weight_write_drops_every_graph_and_the_next_ones_capture_the_new_forw
         assert len(streamer.graphs.cache) == 0
         streamer.blocks[0].module.ffn.register_forward_hook(lambda _m, _i, out: out + 1.0)
 
-    eager, _ = _runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False), between=write)
-    graphed, on = _runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), between=write)
+    eager, _ = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False), between=write)
+    graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), between=write)
     assert on["graphs"] == on["blocks"]
     assert not torch.equal(eager[0], eager[1])  # the hook changed the output
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
 def test_fp8_kept_blocks_graph_their_cast(pipe, tiny_wan_dir) -> None:
-    eager, _ = _runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False))
-    graphed, on = _runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
+    eager, _ = placed_runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = placed_runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
     assert on["graphs"] == on["blocks"] and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
@@ -182,9 +151,9 @@ def test_fp8_pieces_held_as_compute_values_are_graphed_without_a_cast(pipe, tiny
     values (``held_casts.py``) and captured that way: the same bits as fp8 kept blocks casting at
     each forward, eager (a fixed budget holds none)."""
     monkeypatch.setattr(fit_module, "GROWTH_FLOOR", 0)  # auto keeps the tiny model's blocks (a few MB)
-    eager, off = _runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False), runs=4)
+    eager, off = placed_runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False), runs=4)
     auto = {**BASE, "preload": "auto"}
-    graphed, on = _runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**auto), runs=4)
+    graphed, on = placed_runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**auto), runs=4)
     assert off["held_bytes"] == 0 and on["held_bytes"] > 0
     assert on["graphs"] == on["blocks"] and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
@@ -205,13 +174,13 @@ def test_a_block_that_cannot_be_captured_stays_eager(pipe, tiny_wan_dir) -> None
         block.forward = reads_a_value
         return p
 
-    eager, _ = _runs(syncing(pipe), OffloadConfig(**BASE, cuda_graphs=False))
-    graphed, on = _runs(syncing(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
+    eager, _ = placed_runs(syncing(pipe), OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = placed_runs(syncing(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
     assert on["graphs_refused"] >= 1 and on["graphs"] == on["blocks"] - 1
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
 def test_inputs_over_the_limit_stay_eager(pipe, monkeypatch) -> None:
     monkeypatch.setattr(graphs_module, "INPUT_LIMIT", 0)
-    _outs, on = _runs(pipe, OffloadConfig(**BASE))
+    _outs, on = placed_runs(pipe, OffloadConfig(**BASE))
     assert on["graphs"] == 0 and on["graphs_refused"] == 0

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.state import leftovers
+from diffusers_offload.offload_core import OffloadConfig
 from fixtures.fp8_matmul import REL_L2, wide_wan
-from fixtures.tiny_models import run_wan
+from fixtures.graph_runs import keep_first_after, placed_runs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
@@ -18,28 +17,8 @@ pytestmark = pytest.mark.skipif(
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000")
 
 
-def _runs(pipe, config: OffloadConfig, keep: set[int] | None = None, runs: int = 3) -> tuple[list, dict]:
-    """``runs`` runs (``keep``: after the first, only those blocks kept); outputs, details."""
-    engine = Engine()
-    engine.place(pipe, config)
-    streamer = engine.states(pipe)["transformer"].transport
-    outs = []
-    try:
-        for k in range(runs):
-            outs.append(run_wan(pipe).cpu())
-            engine.after_run(pipe)
-            if k == 0 and keep is not None:
-                streamer.events.unsubscribe("preload")
-                streamer.set_resident(streamer.pieces_of(keep))
-        details = streamer.details()
-    finally:
-        engine.release(pipe)
-    assert leftovers(pipe.transformer) == []
-    return outs, details
-
-
-@pytest.mark.parametrize("keep", [None, {0}], ids=["all kept", "block 0 kept"])
-def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, keep) -> None:
+@pytest.mark.parametrize("streams", [False, True], ids=["all kept", "block 0 kept"])
+def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, streams) -> None:
     calls = []
     real = torch._scaled_mm
 
@@ -48,11 +27,15 @@ def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, keep) -> Non
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", counting)
-    eager, off = _runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False), keep)
+
+    def runs(pipe, config: OffloadConfig, count: int = 3):
+        return placed_runs(pipe, config, count, keep_first_after([]) if streams else None)
+
+    eager, off = runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False))
     assert calls and set(calls) == {"cuda"}
-    graphed, on = _runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE), keep)
+    graphed, on = runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE))
     assert off["graphs"] == 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
-    bf16, _ = _runs(wide_wan(tiny_wan_dir, matmul=False), OffloadConfig(**BASE), keep, runs=1)
+    bf16, _ = runs(wide_wan(tiny_wan_dir, matmul=False), OffloadConfig(**BASE), 1)
     assert not torch.equal(eager[0], bf16[0])
     assert (eager[0] - bf16[0]).norm() < REL_L2 * bf16[0].norm()
