@@ -170,8 +170,10 @@ def fp8_matmul(config: OffloadConfig) -> bool:
     device = torch.device(effective_config(config).device)
     if runs_here(device):
         return True
-    log.info("%s has no fp8 matmuls (sm_89 or newer): fp8_e4m3fn_fast stores fp8 and computes in %s", device,
-             str(auto_dtype(config)).removeprefix("torch."))
+    if "fp8_matmul" not in _noted:
+        _noted.add("fp8_matmul")
+        log.info("%s has no fp8 matmuls (sm_89 or newer): fp8_e4m3fn_fast stores fp8 and computes in %s", device,
+                 str(auto_dtype(config)).removeprefix("torch."))
     return False
 
 
