@@ -68,3 +68,26 @@ def test_h3_in_fp8_runs_equal_to_its_dequantised_twin(fp8_h3, config):
     assert torch.equal(got_video, video) and torch.equal(got_audio, audio)
     assert leftovers(pipe.transformer) == []
     assert any(is_fp8(m.weight) for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear))  # still fp8
+
+
+def test_h3_with_fp8_matmuls_is_the_same_in_mode_none_and_streamed(tiny_h3_dir, monkeypatch):
+    """The loader's ``fp8_e4m3fn_fast`` on H3: its fp8 Linears run ``_scaled_mm`` (counted), the
+    input casts still read the compute dtype, and streaming gives mode none's bits."""
+    pipe = _load_bf16(tiny_h3_dir)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16, matmul=True)
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outputs = []
+    for config in (dict(mode="none"), dict(mode="auto")):
+        engine = Engine()
+        engine.place(pipe, OffloadConfig(**config, **BASE))
+        try:
+            assert get_parameter_dtype(pipe.transformer.context_embedder) == torch.bfloat16
+            outputs.append(_run(pipe))
+        finally:
+            engine.release(pipe)
+    assert calls, "no fp8 matmul ran"
+    (video, audio), (got_video, got_audio) = outputs
+    assert torch.isfinite(video).all() and torch.equal(got_video, video) and torch.equal(got_audio, audio)
+    assert leftovers(pipe.transformer) == []
