@@ -2,7 +2,8 @@
 (offload_core/transport/fp8_kernel.py) and a ``torch.compile``d cast, on one Wan-14B block-sized
 region (about 0.33 GB of fp8), bytes read + written per second. Checks that all give the same bits.
 ``--sweep`` also times the Triton cast at other program widths, unscaled and with ten scaled
-weights (a Wan block's linears), which is how `fp8_kernel.BLOCK`/`WARPS` were picked.
+weights (a Wan block's linears), which is how `fp8_kernel.BLOCK`/`WARPS` were picked. Also times
+fp8 matmuls' input quantisation (torch's clamp and cast against the fused kernel, `quantise`).
 
     python bench/cast_probe.py [--mb 330] [--repeats 20] [--sweep]
 """
@@ -50,6 +51,26 @@ def sweep(src: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, repeats: int)
     return rows
 
 
+def quantise_rows(repeats: int) -> list[dict]:
+    """fp8 matmuls' input quantisation (`fp8_matmul.quantise`) on a Wan-14B step's activation
+    shapes: torch's clamp then cast against the fused kernel, unscaled and scaled, in microseconds,
+    with whether the bits match."""
+    rows = []
+    for tokens, width in [(1024, 5120), (1024, 13824), (32760, 5120), (32760, 13824)]:
+        x = (torch.randn(tokens, width, device="cuda") * 100).to(torch.bfloat16)
+        inv = torch.tensor(0.37, device="cuda").to(torch.bfloat16)
+        row = {"shape": [tokens, width]}
+        for name, scale in (("plain", None), ("scaled", inv)):
+            torch_us = timed(lambda s=scale, x=x: (x if s is None else x * s).clamp(-448, 448).to(torch.float8_e4m3fn),
+                             repeats) * 1e6
+            fused_us = timed(lambda s=scale, x=x: fp8_kernel.quantized(x, s), repeats) * 1e6
+            ref = (x if scale is None else x * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+            equal = bool(torch.equal(fp8_kernel.quantized(x, scale).view(torch.uint8), ref.view(torch.uint8)))
+            row[name] = {"torch_us": round(torch_us, 1), "fused_us": round(fused_us, 1), "bit_equal": equal}
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=int, default=330)
@@ -81,6 +102,7 @@ def main() -> None:
     one = fp8_kernel.dequantized(src[:half], float(scales[0]), torch.bfloat16)  # the per-layer hook's kernel
     rows["triton_layer_bit_equal"] = bool(torch.equal(one, scaled_ref[:half]))
     rows["compile_bit_equal"] = bool(torch.equal(compiled(src), ref))
+    rows["quantise"] = quantise_rows(args.repeats)
     if args.sweep:
         rows["sweep"] = sweep(src, out, ref, args.repeats)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mb": args.mb, **rows}))

@@ -1,4 +1,5 @@
-"""One fused kernel that turns a unit's fp8 region into compute values with each weight's scale.
+"""Fused kernels between fp8 and compute values: a unit's fp8 region into compute values with each
+weight's scale, and (for fp8 matmuls, `fp8_matmul.py`) an activation into fp8, clamped, in one pass.
 
 Own code because torch has none that does this at memory speed: its fp8 -> bf16 ``copy_`` runs
 at about a quarter of the H200's bandwidth and a separate scale multiply is another full pass
@@ -55,6 +56,17 @@ if triton is not None:
         tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _quantize_kernel(src, dst, n, inv_scale, SCALED: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(src + offs, mask=mask)
+        if SCALED:  # the product in the input's dtype, as ``x * inv.to(x.dtype)`` rounds it
+            x = (x.to(tl.float32) * tl.load(inv_scale).to(tl.float32)).to(src.dtype.element_ty)
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        tl.store(dst + offs, x.to(tl.float8e4nv), mask=mask)
+
+
 def available(t: torch.Tensor) -> bool:
     if triton is None or not t.is_cuda or t.device.index in _broken:
         return False
@@ -101,5 +113,22 @@ def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype)
                                                      num_warps=4)
     except Exception:
         _broken.add(weight.device.index)
+        return None
+    return out
+
+
+def quantized(x: torch.Tensor, inv_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x`` (bf16/fp16, contiguous) as ``float8_e4m3fn`` in one pass: times ``inv_scale`` (a
+    scalar of ``x``'s dtype on its device) where given, clamped to ±448, rounded to nearest: the bits
+    of ``(x * inv_scale).clamp(-448, 448).to(float8_e4m3fn)``; None where the kernel cannot run."""
+    if not (available(x) and x.is_contiguous()):
+        return None
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    n = x.numel()
+    try:
+        _quantize_kernel[(triton.cdiv(n, 4096),)](x, out, n, x if inv_scale is None else inv_scale,
+                                                  SCALED=inv_scale is not None, BLOCK=4096, num_warps=4)
+    except Exception:
+        _broken.add(x.device.index)
         return None
     return out

@@ -41,6 +41,16 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.shape[-1] == weight.shape[1] and x.dtype in HALF and runs_here(x.device)
 
 
+def quantise(rows: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
+    """``(rows * inv).clamp(-448, 448)`` as ``float8_e4m3fn`` (no product without ``inv``): one
+    kernel pass where it runs (`fp8_kernel.quantized`), the same bits by torch elsewhere."""
+    fused = fp8_kernel.quantized(rows, inv)
+    if fused is not None:
+        return fused
+    scaled = rows if inv is None else rows * inv
+    return scaled.clamp(-LIMIT, LIMIT).to(FP8)
+
+
 class Fp8MatmulHook(ModelHook):
     """One fp8 Linear's forward as an fp8 matmul (under the dequantising hook's name: `dequant.py`)."""
 
@@ -66,11 +76,11 @@ class Fp8MatmulHook(ModelHook):
         rows = x.reshape(-1, x.shape[-1])
         one, scale = self._device_scales(weight)
         if scale is one:  # an unscaled weight: ComfyUI's fp8_e4m3fn_fast, the input at scale 1
-            quantised, in_scale = rows.clamp(-LIMIT, LIMIT).to(FP8), one
+            in_scale, inv = one, None
         else:  # a scaled file's weight: its layer quantises the input per tensor (comfy-kitchen's)
             in_scale = (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
-            quantised = (rows * (1.0 / in_scale).to(rows.dtype)).clamp_(-LIMIT, LIMIT).to(FP8)
-        out = torch._scaled_mm(quantised, weight.t(), scale_a=in_scale, scale_b=scale,
+            inv = (1.0 / in_scale).to(rows.dtype)
+        out = torch._scaled_mm(quantise(rows, inv), weight.t(), scale_a=in_scale, scale_b=scale,
                                bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 

@@ -39,3 +39,20 @@ def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, streams) -> 
     bf16, _ = runs(wide_wan(tiny_wan_dir, matmul=False), OffloadConfig(**BASE), 1)
     assert not torch.equal(eager[0], bf16[0])
     assert (eager[0] - bf16[0]).norm() < REL_L2 * bf16[0].norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scaled", [False, True], ids=["scale 1", "scaled"])
+def test_the_fused_quantise_gives_the_bits_of_clamp_and_cast(dtype, scaled) -> None:
+    """`fp8_kernel.quantized` (one pass) against ``(x * inv).clamp(-448, 448).to(fp8)`` by torch, on
+    activations that run past fp8's range, and rows of zeros."""
+    from diffusers_offload.offload_core.transport import fp8_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(1000, 5120, generator=g, device="cuda") * 300).to(dtype)
+    x[:7] = 0
+    inv = (torch.tensor(0.37, device="cuda")).to(dtype) if scaled else None
+    fused = fp8_kernel.quantized(x, inv)
+    assert fused is not None and fused.dtype == torch.float8_e4m3fn
+    reference = (x if inv is None else x * inv).clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(fused.view(torch.uint8), reference.view(torch.uint8))
