@@ -25,6 +25,7 @@ FP8 = torch.float8_e4m3fn
 LIMIT = 448.0  # float8_e4m3fn's largest finite value: inputs are clamped to it, as ComfyUI does
 HALF = (torch.bfloat16, torch.float16)
 TINY = 1e-12  # the least input scale: an all-zero input quantises to zeros, not NaN
+FUSED_FROM = 1 << 25  # elements from which an eager quantise takes the one-pass kernel
 
 
 def runs_here(device: torch.device) -> bool:
@@ -43,10 +44,13 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def quantise(rows: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
     """``(rows * inv).clamp(-448, 448)`` as ``float8_e4m3fn`` (no product without ``inv``): one
-    kernel pass where it runs (`fp8_kernel.quantized`), the same bits by torch elsewhere."""
-    fused = fp8_kernel.quantized(rows, inv)
-    if fused is not None:
-        return fused
+    kernel pass (`fp8_kernel.quantized`) inside a CUDA graph capture and for large inputs, torch's
+    passes (the same bits) for small eager ones, where the Triton launch's host time outweighs
+    the bytes it saves (bench/README.md, run 35)."""
+    if rows.numel() >= FUSED_FROM or (rows.is_cuda and torch.cuda.is_current_stream_capturing()):
+        fused = fp8_kernel.quantized(rows, inv)
+        if fused is not None:
+            return fused
     scaled = rows if inv is None else rows * inv
     return scaled.clamp(-LIMIT, LIMIT).to(FP8)
 
