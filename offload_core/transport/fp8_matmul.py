@@ -8,11 +8,13 @@ scales unused), with the weight's float32 scale. The output and bias are in the 
 Why: fp8 storage with bf16 compute can go no faster than the bf16 math (every weight cast before
 its matmul); fp8 matmuls run on the fp8 tensor cores at about twice that rate and cast nothing,
 at the cost of rounding activations to fp8 (an opt-in, as in ComfyUI). Where the matmul cannot
-run (an ``e5m2`` weight, a GPU before sm_89, a width not a multiple of 16), the layer dequantises
-its weight and calls ``F.linear``, as fp8 storage does elsewhere.
+run (a GPU before sm_89, a width not a multiple of 16, an fp32 input), the layer dequantises its
+weight and calls ``F.linear``, as fp8 storage does elsewhere.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,7 @@ TINY = 1e-12  # the least input scale: an all-zero input quantises to zeros, not
 FUSED_FROM = 1 << 25  # elements from which an eager quantise takes the one-pass kernel
 
 
+@functools.cache  # asked at every eager forward of every fp8 layer
 def runs_here(device: torch.device) -> bool:
     """Whether ``device`` has fp8 matmuls (the CPU has ``_scaled_mm`` too; CUDA from sm_89)."""
     if device.type == "cpu":
