@@ -104,8 +104,7 @@ def host_times(m, feeds, repeats: int) -> dict:
 
 
 def build(args):
-    """The model; with ``--storage fp8_*`` its Linear weights stored in fp8 (bf16 compute, or fp8
-    matmuls with ``fp8_e4m3fn_fast``), as the loader's fp8 dtypes do."""
+    """The model; with ``--storage fp8_*`` its Linear weights stored as the loader's fp8 dtypes do."""
     m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
     if args.storage in FP8_STORAGES:
         store_fp8_as(m, args.storage)
@@ -326,9 +325,9 @@ def main() -> None:
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
     ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8), default="bf16",
-                    help="weight storage (main model only): fp8 stores the Linear weights in fp8, computing in "
-                    "bf16 (fp8_e4m3fn_fast: through fp8 matmuls); gguf_* makes the blocks' Linear layers diffusers' GGUF layers (benchkit/gguf.py), w4a8 the "
-                    "pack's W4A8 layers over comfy-kitchen's quantization (benchkit/w4a8.py)")
+                    help="weight storage (main model only): fp8 stores the Linear weights in fp8, computing in bf16 "
+                    "(fp8_e4m3fn_fast: through fp8 matmuls); gguf_* makes the blocks' Linear layers diffusers' GGUF "
+                    "layers (benchkit/gguf.py), w4a8 the pack's W4A8 layers over comfy-kitchen's quantization (benchkit/w4a8.py)")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
