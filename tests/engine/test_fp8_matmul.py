@@ -1,7 +1,8 @@
 """fp8 matmuls (ComfyUI's ``fp8_e4m3fn_fast``): every fp8 Linear computes from its stored bytes as
-comfy-kitchen's fp8 linear does (the dispatch ComfyUI's ``fp8_linear`` calls: the input clamped to
-±448 and cast to fp8, scale 1), bit for bit, in every mode and preload policy; nothing is cast, so
-what moves and stays is fp8 bytes; a release leaves the weights as they were."""
+comfy-kitchen's fp8 linear does (the dispatch ComfyUI's layers call: an unscaled weight's input
+clamped to ±448 and cast at scale 1, a scaled file's input quantised per tensor), bit for bit, in
+every mode and preload policy; nothing is cast, so what moves and stays is fp8 bytes; a release
+leaves the weights as they were; LoRA stays unfused; other quantizers are left alone."""
 
 import pytest
 import torch
