@@ -173,8 +173,8 @@ def ballast(cap: float | None) -> Ballast:
     return Ballast(cap if DEV == "cuda" else None)
 
 
-def free_now() -> int:
-    return torch.cuda.mem_get_info()[0] if DEV == "cuda" else 0
+def free_now() -> tuple[int, int]:  # (card free, this process's live bytes: in a row's peak, not in free)
+    return (torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()) if DEV == "cuda" else (0, 0)
 
 
 def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
@@ -199,7 +199,7 @@ def firstk_rows(m, cap, auto: dict[str, dict], refs, feeds, args) -> None:
 def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk: int | None = None,
                workloads=("small", "video")) -> dict[str, dict]:
     hold = ballast(cap)
-    free0 = free_now()
+    free0, live0 = free_now()
     eng, bag = Engine(), Components(transformer=m)
     proc = psutil.Process()
     try:
@@ -224,7 +224,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
             out_rows[w] = row(
                 section=label, cap_gib=cap, workload=w, median_s=med, runs=runs,
                 rel_err=rel_err(out, refs[w]), peak_alloc_gib=watch.alloc / GiB, peak_reserved_gib=watch.reserved / GiB,
-                free_at_start_gib=free0 / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
+                free_at_start_gib=free0 / GiB, live_at_start_gib=live0 / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
                 kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""), units=details.get("units"),
                 streamed_gib=streamer.streamed_bytes() / GiB, held_gib=details.get("held_bytes", 0) / GiB,
