@@ -257,25 +257,47 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
     trace_summary(path)
 
 
-def by_hand(m, feeds, streamer, sets: list[str], window: int) -> None:
-    """Rows with the planner detached and the streamed blocks set by hand (the resident set is
-    restored after): the effect of where the streamed blocks sit, at the same count."""
+def by_hand(m, feeds, streamer, sets: list[str], window: int, warmup: int) -> None:
+    """Rows with the planner detached and the streamed pieces set by hand (the resident set is
+    restored after): the effect of where they sit, at the same count. A set is block indices
+    (whole blocks stream), ``plan`` (the plan's own), or ``mirror``: the plan's streamed pieces,
+    block ``i``'s moved to block ``n-1-i``. A ``:nocross`` suffix queues no copy across a forward's end (the next forward's
+    first units are copied from its entry): `Prefetcher.prefetch_after`'s ``next_forward`` at 0."""
     planned = streamer.resident_indices()
     planner = streamer.events.unsubscribe("preload")
+    order, upcoming = streamer.prefetch.order, streamer.prefetch.order.upcoming
     try:
         for text in sets:
-            streamed = {int(i) for i in text.split(",")}
-            streamer.set_resident(streamer.pieces_of(set(range(len(streamer.blocks))) - streamed))
+            spec, _, cross = text.partition(":")
+            everything = {p.index for p in streamer.pieces}
+            streamed = everything - planned if spec == "plan" else mirrored(streamer, planned) if spec == "mirror" \
+                else streamer.pieces_of({int(i) for i in spec.split(",")})
+            order.upcoming = upcoming if cross != "nocross" else (  # this instance only
+                lambda index, count, next_forward=None: upcoming(index, count, None if next_forward is None else 0))
+            streamer.set_resident(everything - streamed)
+            names = sorted(piece_name(p) for p in streamer.pieces if p.index in streamed)
             try:
-                launch, step, _loop = launch_and_step(lambda: wan_forward(m, *feeds))
+                launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=warmup)
             except torch.OutOfMemoryError:  # the planner, which would give blocks up, is detached
-                row(section="by_hand", window=window, streamed=sorted(streamed), error="out of memory")
+                row(section="by_hand", set=text, window=window, streamed=names, error="out of memory")
                 continue
-            row(section="by_hand", window=window, streamed=sorted(streamed), launch_s=launch, step_s=step)
+            row(section="by_hand", set=text, window=window, streamed=names, launch_s=launch, step_s=step, loop_s=loop)
     finally:
+        order.upcoming = upcoming
         streamer.set_resident(planned)
         if planner is not None:
             streamer.events.subscribe("preload", planner)
+
+
+def mirrored(streamer, resident: set[int]) -> set[int]:
+    """The pieces not in ``resident``, each moved to the same kind of piece of block ``n-1-i``."""
+    n, by_name = len(streamer.blocks), {piece_name(p): p.index for p in streamer.pieces}
+    out = set()
+    for p in streamer.pieces:
+        if p.index not in resident:
+            index = p.block.index
+            out.add(by_name[f"{n - 1 - index}{piece_name(p)[len(str(index)):]}"])
+    return out
 
 
 def piece_name(piece) -> str:
@@ -297,7 +319,9 @@ def main() -> None:
                                                     "each cap runs once per window, in one process")
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
-                         "(comma-separated; repeatable): which blocks stream, at the same count")
+                         "(comma-separated; repeatable): which blocks stream, at the same count; 'plan' or 'mirror' "
+                         "(the plan's streamed pieces, mirrored along the tower), ':nocross' for no copy queued "
+                         "across a forward's end (`by_hand`)")
     ap.add_argument("--per-part", action="store_true",
                     help="the first cap again with streaming blocks' parts graphed one by one (the A/B of whole-block graphs)")
     ap.add_argument("--warmup", type=int, default=10,
@@ -365,7 +389,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bo
             if args.trace:
                 trace(m, feeds, args.trace.replace(".json", f"_w{window}{'_pp' if per_part else ''}.json"), args.with_host)
             if args.streamed:
-                by_hand(m, feeds, streamer, args.streamed, window)
+                by_hand(m, feeds, streamer, args.streamed, window, args.warmup)
     finally:
         eng.release(bag)
         if ballast is not None:
