@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats.fp8 import Fp8Table, dequantize_int8
+from ..formats.fp8 import Fp8Table, dequantize, dequantize_int8
 from . import fp8_kernel
 
 
@@ -191,3 +191,12 @@ class CastPool:
         self.held -= buf.numel() * buf.element_size()
         for key in [k for k in self._views if k[0] == id(buf)]:
             del self._views[key]
+
+
+def weight_value(table: Fp8Table, weight: torch.Tensor) -> torch.Tensor:
+    """One fp8 weight's (the layer's parameter: its scale is looked up by it) compute value, from
+    its data (the per-layer paths: `dequant.py`, `fp8_matmul.py`'s fallback): the kernel where it
+    runs, else ``to`` and ``mul_``."""
+    scale, compute, data = table.scale_of(weight), table.compute, weight.data
+    fast = fp8_kernel.dequantized(data, scale, compute)
+    return fast if fast is not None else dequantize(data, scale, compute)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from diffusers.hooks import ModelHook
 
-from ..formats.fp8 import Fp8Table, dequantize, dequantize_int8, table_of
+from ..formats.fp8 import Fp8Table, dequantize_int8, table_of
 from ..state import DEQUANT_HOOK, REGISTRY, is_ours
-from . import fp8_kernel
 from .base import add_hook, remove_hook
+from .cast import weight_value
 from .fp8_matmul import Fp8MatmulHook
 
 
@@ -43,9 +43,7 @@ class DequantHook(ModelHook):
             weight.data = dequantize_int8(weight.data, scale, self.table.compute)
         elif weight.dtype == self.table.storage:
             self.stored = weight.data
-            scale, compute = self.table.scale_of(weight), self.table.compute
-            fast = fp8_kernel.dequantized(weight.data, scale, compute)
-            weight.data = fast if fast is not None else dequantize(weight.data, scale, compute)
+            weight.data = weight_value(self.table, weight)
         return args, kwargs
 
     def post_forward(self, module: torch.nn.Module, output):

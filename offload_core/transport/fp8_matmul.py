@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
-from ..formats.fp8 import Fp8Table, dequantize
+from ..formats.fp8 import Fp8Table
 from . import fp8_kernel
+from .cast import weight_value
 
 FP8 = torch.float8_e4m3fn
 LIMIT = 448.0  # float8_e4m3fn's largest finite value: inputs are clamped to it, as ComfyUI does
@@ -76,9 +77,8 @@ class Fp8MatmulHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight, bias = module.weight, module.bias
         if not fits(x, weight):
-            compute, scale = self.table.compute, self.table.scale_of(weight)
-            value = fp8_kernel.dequantized(weight, scale, compute)
-            value = value if value is not None else dequantize(weight, scale, compute)
+            compute = self.table.compute
+            value = weight_value(self.table, weight)
             return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
         rows = x.reshape(-1, x.shape[-1])
         one, scale = self._device_scales(weight)

@@ -11,23 +11,11 @@ from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import streamed_in_one_step, two_runs_placed
+from fixtures.quantized import scaled_fp8, streamed_in_one_step, two_runs_placed
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 CONFIGS = PLACEMENTS
-
-
-def _scaled_fp8(pipe) -> dict[str, torch.Tensor]:
-    """Store every Linear weight as ``fp8(w / s)`` with a per-tensor scale ``s`` (ComfyUI's
-    fp8_scaled layout); returns the scales by layer name."""
-    scales = {}
-    for name, layer in pipe.transformer.named_modules():
-        if isinstance(layer, torch.nn.Linear) and name.startswith("blocks."):
-            s = layer.weight.detach().abs().amax().float() / 448.0
-            layer.weight.data = (layer.weight.data.float() / s).to(torch.float8_e4m3fn)
-            scales[name] = s
-    return scales
 
 
 def _dequantised_twin(pipe, scales: dict[str, torch.Tensor]):
@@ -55,7 +43,7 @@ def fp8_wan(request, tiny_wan_dir):
     if request.param == "plain":
         store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
     else:
-        scales = _scaled_fp8(pipe)
+        scales = scaled_fp8(pipe.transformer)
         mark_fp8(pipe.transformer, torch.bfloat16, scales)
     return pipe, scales
 
@@ -78,7 +66,7 @@ def test_scales_are_applied(tiny_wan_dir):
     """The scaled file's output differs from the unscaled fp8 values (what diffusers'
     from_single_file silently loads): a pack that dropped the scales fails here."""
     pipe = load_bf16(tiny_wan_dir)
-    scales = _scaled_fp8(pipe)
+    scales = scaled_fp8(pipe.transformer)
     mark_fp8(pipe.transformer, torch.bfloat16, scales)
     expected = run_wan(_dequantised_twin(pipe, scales))
     unscaled = _dequantised_twin(pipe, {})
@@ -142,7 +130,7 @@ def load_bf16(tiny_wan_dir):
 
 def test_a_scale_that_does_not_match_its_weight_is_refused(tiny_wan_dir):
     pipe = load_bf16(tiny_wan_dir)
-    scales = _scaled_fp8(pipe)
+    scales = scaled_fp8(pipe.transformer)
     name = next(iter(scales))
     scales[name] = torch.ones(3)
     with pytest.raises(ValueError, match=f"the scale of {name} has shape \\(3,\\)"):

@@ -21,6 +21,7 @@ from diffusers_offload.offload_core.state import LORA, LORA_HOOK, leftovers
 from fixtures.gguf_files import dequantized_state_dict, write_wan_gguf
 from fixtures.lora_reference import lora_deltas
 from fixtures.placements import PLACEMENTS
+from fixtures.quantized import scaled_fp8
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 
@@ -73,13 +74,7 @@ def fp8_pipe(tiny_wan_dir: Path, scaled: bool) -> WanPipeline:
     if not scaled:
         store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
         return pipe
-    scales = {}
-    for name, layer in pipe.transformer.named_modules():
-        if isinstance(layer, torch.nn.Linear) and name.startswith("blocks."):
-            s = layer.weight.detach().abs().amax().float() / 448.0
-            layer.weight.data = (layer.weight.data.float() / s).to(torch.float8_e4m3fn)
-            scales[name] = s
-    mark_fp8(pipe.transformer, torch.bfloat16, scales)
+    mark_fp8(pipe.transformer, torch.bfloat16, scaled_fp8(pipe.transformer))
     return pipe
 
 
