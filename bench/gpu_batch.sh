@@ -5,7 +5,7 @@
 # Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
 # w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fp8trace (the same
-# for fp8 storage at 12 GiB; fasttrace: with fp8 matmuls), spread24 (the 24 GiB bf16 plan against its mirror, each with and without copies queued across a forward's end, in one process; spreadfast: the same for fp8 matmuls at 12 GiB), cast (cast_probe.py: the fp8 cast and fp8 matmuls' input quantisation, torch against the kernels), castsweep (cast_probe.py --sweep: the fp8 cast kernel's widths), stepprof (the same in four
+# for fp8 storage at 12 GiB; fasttrace: with fp8 matmuls), spread24 (the 24 GiB bf16 plan against its mirror, each with and without copies queued across a forward's end, in one process; spreadfast: the same for fp8 matmuls at 12 GiB), fast (wan_bench with fp8 matmuls at 12 and 24 GiB, ~4 min), cast (cast_probe.py: the fp8 cast and fp8 matmuls' input quantisation, torch against the kernels), castsweep (cast_probe.py --sweep: the fp8 cast kernel's widths), stepprof (the same in four
 # fresh processes, with the launch's time to each block and the CUDA API calls' host time), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
@@ -50,6 +50,8 @@ for row in "$@"; do
                 --streamed mirror --streamed mirror:nocross --out "$ROWS_DIR" ;;  # issue 24's A/B, one process
     spreadfast) run spreadfast 150 python3 bench/step_profile.py --storage fp8_e4m3fn_fast --caps 12 --warmup 6 \
                   --streamed plan:nocross --streamed mirror --streamed mirror:nocross --out "$ROWS_DIR" ;;  # the same A/B, fp8 matmuls at 12 GiB
+    fast) run fast 200 python3 bench/wan_bench.py --storage fp8_e4m3fn_fast --sections preload --caps 12,24 \
+            --workloads small,video --warmup 6 --json "$ROWS_DIR/fast.json" ;;  # ours only (fp8_native.sh: with native)
     cast) run cast 30 python3 bench/cast_probe.py --repeats 10 ;;  # the cast and the fp8 matmul input quantisation
     castsweep) run castsweep 40 python3 bench/cast_probe.py --sweep ;;
     stepprof) for i in $(seq "${STEPPROF_N:-4}"); do  # four fresh processes: the launch block by block and the driver calls' time

@@ -224,7 +224,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
             out_rows[w] = row(
                 section=label, cap_gib=cap, workload=w, median_s=med, runs=runs,
                 rel_err=rel_err(out, refs[w]), peak_alloc_gib=watch.alloc / GiB, peak_reserved_gib=watch.reserved / GiB,
-                free_at_start_gib=free0 / GiB, live_at_start_gib=live0 / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
+                free_at_start_gib=free0 / GiB, live_at_start_gib=live0 / GiB, cached_at_start_gib=hold.cached / GiB, pinned_gib=pinned_bytes() / GiB, rss_gib=proc.memory_info().rss / GiB,
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
                 kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""), units=details.get("units"),
                 streamed_gib=streamer.streamed_bytes() / GiB, held_gib=details.get("held_bytes", 0) / GiB,

@@ -295,7 +295,8 @@ class Ballast:
     reads the free memory (``mem_get_info``) that card would report, and its own allocator peak
     stays its own (an in-process ballast would land in it).
 
-    ``Ballast(cap)`` leaves ``cap`` GiB free as this process reads it (the holder's own CUDA
+    ``Ballast(cap)`` leaves ``cap`` GiB of room as this process reads it: the card's free memory
+    and the bytes this process's allocator caches but no tensor holds (the holder's own CUDA
     context is taken as 600 MiB: a 12 GiB cap reads 12.07 GiB free on the H200). With ``card``,
     the card holds ``cap`` GiB in all, what this process already uses included: the holder sizes
     itself once its own context exists, with the default allocator (comfy_coexist.py)."""
@@ -306,7 +307,7 @@ class Ballast:
 
     def __init__(self, cap_gib: float | None, card: bool = False) -> None:
         self.proc = None
-        self.hold = self.used = 0
+        self.hold = self.used = self.cached = 0
         self.nvml_used: int | None = None
         if not cap_gib:
             return
@@ -320,8 +321,9 @@ class Ballast:
             if n <= 0:
                 raise SystemExit(f"cap {cap_gib} GiB is below what this process already uses ({self.used_before / GiB:.2f} GiB)")
             env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
-        else:
-            mode, n = "hold", int(free - cap_gib * GiB - 600 * MiB)
+        else:  # the engine counts this process's cached bytes as room (preload/fit.py): so does the cap
+            self.cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+            mode, n = "hold", int(free + self.cached - cap_gib * GiB - 600 * MiB)
         self.proc = subprocess.Popen([sys.executable, "-c", self.CODE, mode, str(n)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline().split()
