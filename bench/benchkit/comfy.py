@@ -28,7 +28,9 @@ NATIVE_14B, NATIVE_TINY = dict(dim=5120, ffn_dim=13824), dict(dim=128, ffn_dim=2
 
 
 def harness():
-    return load_module("coexist_harness", ROOT / "tests" / "comfyhost" / "harness.py")
+    """The suite's in-process ComfyUI host (a package: its modules import each other relatively)."""
+    load_module("comfyhost", ROOT / "tests" / "comfyhost" / "__init__.py", package=True)
+    return load_module("comfyhost.harness", ROOT / "tests" / "comfyhost" / "harness.py")
 
 
 def capture_class() -> type:

@@ -45,6 +45,8 @@ class Fp8Table:
     weights: dict[int, str] = field(default_factory=dict)  # id(weight) -> its layer's name
     scales: dict[int, float] = field(default_factory=dict)
     exact: dict[int, float] = field(default_factory=dict)  # the same scales in float32, as fp8 matmuls take them
+    inputs: dict[int, float] = field(default_factory=dict)  # a file's static input scales (float32), for fp8 matmuls
+    matmul_off: str = ""  # why this model's fp8 matmuls stay off (its file asks for full-precision matmuls)
     int8_scales: dict[int, torch.Tensor] = field(default_factory=dict)
     _on_device: dict[tuple[int, torch.device], torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -113,13 +115,18 @@ def store_fp8(model: torch.nn.Module, storage: torch.dtype, compute: torch.dtype
 
 
 def _with_matmul(table: Fp8Table, what: str) -> Fp8Table:
-    """A stored model's table computing through fp8 matmuls, where its storage is ``e4m3fn``."""
-    if table.storage != torch.float8_e4m3fn:
+    """A stored model's table computing through fp8 matmuls, where its storage is ``e4m3fn`` and
+    its file does not ask for full-precision matmuls."""
+    if table.matmul_off:
+        log.info("%s: %s: computing in %s, not through fp8 matmuls", what, table.matmul_off,
+                 str(table.compute).removeprefix("torch."))
+    elif table.storage != torch.float8_e4m3fn:
         log.info("%s: stored in %s, which fp8 matmuls do not take: computing in %s", what,
                  str(table.storage).removeprefix("torch."), str(table.compute).removeprefix("torch."))
     elif not table.matmul:
         table.matmul = True
-        log.info("%s: its float8_e4m3fn weights compute through fp8 matmuls (inputs rounded to fp8)", what)
+        log.info("%s: its float8_e4m3fn weights compute through fp8 matmuls (inputs rounded to fp8%s)", what,
+                 f"; {len(table.inputs)} at the file's input scales" if table.inputs else "")
     return table
 
 
@@ -135,15 +142,20 @@ def mark_fp8(
     scales: dict[str, torch.Tensor] | None = None,
     source: str | None = None,
     matmul: bool = False,
+    input_scales: dict[str, torch.Tensor] | None = None,
+    matmul_off: str = "",
 ) -> Fp8Table:
     """Record the model's fp8 (or int8) Linear weights and their ``scales`` (by layer name, as a
     file's ``<layer>.scale_weight`` / ``<layer>.weight_scale`` names them: per tensor for fp8, per
     tensor or per row for int8, which needs one); any other fp8 tensor, and any scaled int8 weight
     outside those layers, is dequantised now. ``source`` names the file in errors; ``matmul``:
-    ``float8_e4m3fn`` weights compute as fp8 matmuls (refused for another storage)."""
+    ``float8_e4m3fn`` weights compute as fp8 matmuls (refused for another storage), each input
+    quantised at its layer's ``input_scales`` value where the file has one (ComfyUI's static
+    ``input_scale``); ``matmul_off`` says why a file keeps them off."""
     what = source or type(model).__name__
     scales = dict(scales or {})
     linears = dict(_linears(model))
+    inputs = _input_scales(input_scales or {}, model, what)
     storages = {layer.weight.dtype for layer in linears.values() if _stored(layer.weight)}
     if len(storages) > 1 and INT8 in storages:
         raise ValueError(
@@ -155,7 +167,7 @@ def mark_fp8(
     _check_dtypes(storage, compute, what, int8=True)
     if matmul and storage != torch.float8_e4m3fn:
         raise ValueError(f"{what}: fp8 matmuls take float8_e4m3fn weights, not {str(storage).removeprefix('torch.')}")
-    table = Fp8Table(storage, compute, matmul)
+    table = Fp8Table(storage, compute, matmul_off=matmul_off)
     for name, layer in linears.items():
         scale = scales.pop(name, None)
         if not _stored(layer.weight):
@@ -170,6 +182,8 @@ def mark_fp8(
         elif scale is not None:
             table.scales[id(layer.weight)] = _scalar(scale, name, layer.weight, what, compute)
             table.exact[id(layer.weight)] = float(torch.as_tensor(scale, dtype=torch.float32).reshape(()))
+        if name in inputs and layer.weight.dtype == torch.float8_e4m3fn:
+            table.inputs[id(layer.weight)] = inputs[name]
     _dequantize_others(model, compute, scales, what)
     if scales:
         raise ValueError(f"{what}: scales for layers the model does not have: {sorted(scales)[:5]}")
@@ -178,15 +192,31 @@ def mark_fp8(
         _log_int8(what, table)
     else:
         log.info(
-            "%s: %d Linear weights stored in %s (%d scaled), computing in %s%s",
+            "%s: %d Linear weights stored in %s (%d scaled), computing in %s",
             what,
             len(table.weights),
             str(storage).removeprefix("torch."),
             len(table.scales),
             str(compute).removeprefix("torch."),
-            " through fp8 matmuls (inputs rounded to fp8)" if matmul else "",
         )
-    return table
+    return _with_matmul(table, what) if matmul else table
+
+
+def _input_scales(input_scales: dict[str, torch.Tensor], model: torch.nn.Module, what: str) -> dict[str, float]:
+    """A file's static input scales by layer, as float32 values (unused on layers that dequantise);
+    refused by name where one is not a single finite positive value or names no layer of the model."""
+    unknown = sorted(set(input_scales) - {n for n, _m in model.named_modules()})
+    if unknown:
+        raise ValueError(f"{what}: input scales for layers the model does not have: {unknown[:5]}")
+    values = {}
+    for name, scale in input_scales.items():
+        scale = torch.as_tensor(scale, dtype=torch.float32)
+        value = float(scale.reshape(())) if scale.numel() == 1 else None
+        if value is None or not (0 < value < float("inf")):
+            raise ValueError(f"{what}: the input scale of {name} is {scale.tolist()}; one finite positive value "
+                             "per layer is supported")
+        values[name] = value
+    return values
 
 
 def _log_int8(what: str, table: Fp8Table) -> None:

@@ -99,7 +99,7 @@ class SingleFileInfo:
     dtypes: dict[str, torch.dtype]
     metadata: dict[str, str] = field(default_factory=dict)
     scales: dict[str, str] = field(default_factory=dict)  # layer -> key of its per-tensor weight scale
-    input_scales: list[str] = field(default_factory=list)  # keys unused (fp8 matmuls scale inputs at run time)
+    input_scales: list[str] = field(default_factory=list)  # keys of static input scales (fp8 matmuls)
     marker: str | None = None  # the `scaled_fp8` key, if any
     quant_keys: list[str] = field(default_factory=list)  # `<layer>.comfy_quant` keys
     looks_like: str = "an unknown model"

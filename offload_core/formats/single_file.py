@@ -40,6 +40,7 @@ from .scale_trace import trace_rows, trace_scales
 log = get_logger("single_file")
 
 SCALE_KEY = ".scale_weight"  # the spelling both ComfyUI layouts are normalised to before conversion
+INPUT_KEY = ".scale_input"  # the same for static input scales
 CLASS_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers class-name prefix -> family (first match)
     ("WanVACE", "wan"), ("WanAnimate", "wan"), ("Wan", "wan"), ("Flux2", "flux2"), ("Flux3", "flux3"),
     ("Flux", "flux"), ("Chroma", "chroma"), ("LTX2", "ltx2"), ("LTXVideo", "ltx-video"), ("MiniMaxH3", "minimax_h3"),
@@ -47,7 +48,6 @@ CLASS_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers class-name prefix -
     ("Lumina2", "lumina2"), ("Sana", "sana"), ("HiDream", "hidream"), ("Cosmos", "cosmos"), ("ZImage", "z-image"),
     ("QwenImage", "qwen-image"), ("Krea2", "krea2"),
 )
-_input_scales_noted: set[str] = set()
 
 
 def class_family(class_name: str) -> str | None:
@@ -139,8 +139,8 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     with init_empty_weights():
         model = cls.from_config(config)
     expected = model.state_dict()
-    shapes = {k: tuple(t.shape) for k, t in checkpoint.items() if not k.endswith(SCALE_KEY)}
-    file_scales = {k.removesuffix(SCALE_KEY): t for k, t in checkpoint.items() if k.endswith(SCALE_KEY)}
+    shapes = {k: tuple(t.shape) for k, t in checkpoint.items() if not k.endswith((SCALE_KEY, INPUT_KEY))}
+    file_scales, file_inputs = (_by_layer(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))
     convert = mapping["checkpoint_mapping_fn"]
     try:
         converted = checkpoint if set(expected) <= set(checkpoint) else convert(config=config, checkpoint=checkpoint)
@@ -151,9 +151,12 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         traced = ({layer: (layer, slice(None)) for layer in extras} if converted is checkpoint
                   else trace_rows(path, cls, convert, config, shapes, sorted(extras), "W4A8 layers"))
         w4a8.attach(converted, extras, traced)
-    scales = {k.removesuffix(SCALE_KEY): converted.pop(k) for k in [k for k in converted if k.endswith(SCALE_KEY)]}
-    if len(scales) != len(info.scales):  # the conversion dropped them (Flux): traced through it
+    scales, inputs = ({k.removesuffix(key): converted.pop(k) for k in [k for k in converted if k.endswith(key)]}
+                      for key in (SCALE_KEY, INPUT_KEY))
+    if len(scales) != len(file_scales):  # the conversion dropped them (Flux): traced through it
         scales = trace_scales(path, cls, convert, config, shapes, file_scales)
+    if len(inputs) != len(file_inputs):
+        inputs = trace_scales(path, cls, convert, config, shapes, file_inputs)
     as_stored = _swap_w4a8(path, info, model, converted, cls, compute)
     _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)
     state = _compute_state(converted, scales, cls, compute, as_stored)
@@ -167,31 +170,41 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
                  cls.__name__, short_dtype(compute))
         return model
     try:
-        table = mark_fp8(model, compute, scales, source=str(path))
+        table = mark_fp8(model, compute, scales, source=str(path), input_scales=inputs, matmul_off=_matmul_off(info))
     except ValueError as exc:
         raise SingleFileError(str(exc)) from exc
     kind, storage = ("int8_tensorwise", "int8") if table.int8 else ("per-tensor", "fp8")
-    log.info("%s: %s denoiser in %s (%d %s scales) loaded as %s, %s storage kept", path.name, info.family,
-             info.format, len(scales), kind, cls.__name__, storage)
+    log.info("%s: %s denoiser in %s (%d %s scales, %d input scales for fp8 matmuls) loaded as %s, %s storage kept",
+             path.name, info.family, info.format, len(scales), kind, len(table.inputs), cls.__name__, storage)
     return model
 
 
+def _by_layer(checkpoint: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
+    return {k.removesuffix(suffix): t for k, t in checkpoint.items() if k.endswith(suffix)}
+
+
+def _matmul_off(info: SingleFileInfo) -> str:
+    """Why the file keeps fp8 matmuls off: a two-element ``scaled_fp8`` marker asks for
+    full-precision matmuls (ComfyUI's ``full_precision_matrix_mult``)."""
+    shape = info.shapes.get(info.marker) if info.marker else None
+    return "its scaled_fp8 marker asks for full-precision matmuls" if shape is not None and shape == (2,) else ""
+
+
 def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
-    """The file's tensors less the marker, input scales and quant entries; weight scales under one
-    spelling (``<layer>.scale_weight``) so the conversion renames their layer part like the weight's."""
+    """The file's tensors less the marker and quant entries; weight and input scales under one
+    spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``) so the conversion renames their
+    layer part like the weight's. A legacy ``scale_input`` of 1 is dropped, as ComfyUI drops it
+    (that layer's fp8 matmuls scale each input by its own largest value)."""
     try:
         checkpoint = load_file(str(path))
     except Exception as exc:
         raise SingleFileError(f"{path} cannot be read by safetensors ({exc}): download this file again") from exc
     if info.marker:
         checkpoint.pop(info.marker, None)
-    ignored = [k for k in checkpoint if k.endswith(INPUT_SCALE_SUFFIXES)]
-    for key in ignored:
-        checkpoint.pop(key)
-    if ignored and str(path) not in _input_scales_noted:
-        _input_scales_noted.add(str(path))
-        log.info("%s: %d input scales unused (weights are dequantised to compute; fp8 matmuls, where asked for, "
-                 "scale each input by its own largest value)", path.name, len(ignored))
+    for key in [k for k in checkpoint if k.endswith(INPUT_SCALE_SUFFIXES)]:
+        value = checkpoint.pop(key)
+        if not (key.endswith(".scale_input") and value.numel() == 1 and float(value) == 1.0):
+            checkpoint[key.rsplit(".", 1)[0] + INPUT_KEY] = value
     for key in [k for k in checkpoint if k.endswith(QUANT_SUFFIX)]:
         checkpoint.pop(key)
     for layer, key in info.scales.items():

@@ -25,7 +25,15 @@ from .inspect import (
     inspect_safetensors,
     w4a8_conf,
 )
-from .single_file import SCALE_KEY, from_single_file, load_denoiser, model_class, read_checkpoint, short_dtype
+from .single_file import (
+    INPUT_KEY,
+    SCALE_KEY,
+    from_single_file,
+    load_denoiser,
+    model_class,
+    read_checkpoint,
+    short_dtype,
+)
 
 log = get_logger("single_file")
 
@@ -181,6 +189,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
     stored = w4a8.stored_keys(layers)  # as the file holds them
+    for key in [k for k in state if k.endswith(INPUT_KEY)]:  # (weights are dequantised: no fp8 matmuls here)
+        state.pop(key)
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
         state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)

@@ -1,9 +1,10 @@
 """fp8 matmul: a Linear whose weight is stored in ``float8_e4m3fn`` computes from its stored bytes
 with ``torch._scaled_mm``, the input cast to fp8, as ComfyUI computes it: an unscaled weight as its
 ``fp8_e4m3fn_fast`` weight dtype does (`comfy/ops.py: fp8_linear`: the input clamped to ±448 and
-cast with scale 1); a scaled file's weight as its quantized layers do (the input scaled per
-tensor by its largest magnitude, comfy-kitchen's ``TensorCoreFP8Layout``, a file's own input
-scales unused), with the weight's float32 scale. The output and bias are in the input's dtype.
+cast with scale 1); a scaled file's weight as its quantized layers do (comfy-kitchen's
+``TensorCoreFP8Layout``: the input scaled by the file's static input scale where it has one, else
+per tensor by its largest magnitude), with the weight's float32 scale. The output and bias are in
+the input's dtype.
 
 Why: fp8 storage with bf16 compute can go no faster than the bf16 math (every weight cast before
 its matmul); fp8 matmuls run on the fp8 tensor cores at about twice that rate and cast nothing,
@@ -67,7 +68,7 @@ class Fp8MatmulHook(ModelHook):
     def __init__(self, table: Fp8Table) -> None:
         super().__init__()
         self.table = table
-        self._scales: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (input, weight) scales
+        self._scales: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see `_device_scales`
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -81,23 +82,25 @@ class Fp8MatmulHook(ModelHook):
             value = weight_value(self.table, weight)
             return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
         rows = x.reshape(-1, x.shape[-1])
-        one, scale = self._device_scales(weight)
-        if scale is one:  # an unscaled weight: ComfyUI's fp8_e4m3fn_fast, the input at scale 1
+        one, scale, static = self._device_scales(weight)
+        if scale is one and static is None:  # an unscaled weight: ComfyUI's fp8_e4m3fn_fast, the input at scale 1
             in_scale, inv = one, None
         else:  # a scaled file's weight: its layer quantises the input per tensor (comfy-kitchen's)
-            in_scale = (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
+            in_scale = static if static is not None else (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
             inv = (1.0 / in_scale).to(rows.dtype)
         out = torch._scaled_mm(quantise(rows, inv), weight.t(), scale_a=in_scale, scale_b=scale,
                                bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
-    def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """1 and the weight's scale (the file's float32 value; 1 itself where it has none), float32
-        scalars on its device, made once (an eager call comes before any capture: `graphs.py`)."""
+    def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """1, the weight's scale (the file's float32 value; 1 itself where it has none) and the
+        file's static input scale (None: none), float32 scalars on its device, made once (an eager
+        call comes before any capture: `graphs.py`)."""
         if weight.device not in self._scales:
-            value = self.table.exact.get(id(weight))
+            value, static = self.table.exact.get(id(weight)), self.table.inputs.get(id(weight))
             one = torch.ones((), dtype=torch.float32, device=weight.device)
-            self._scales[weight.device] = (one, one if value is None else torch.full_like(one, value))
+            self._scales[weight.device] = (one, one if value is None else torch.full_like(one, value),
+                                           None if static is None else torch.full_like(one, static))
         return self._scales[weight.device]
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling

@@ -30,7 +30,7 @@ from fixtures.comfy_files import configs_only_copy, write_component_file
 from fixtures.flux_files import bfl_flux_state_dict, tiny_width_conversion
 from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import run_flux
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width  # fixtures, under their names
 pytestmark = pytest.mark.usefixtures("flux_tiny_width")
@@ -159,6 +159,23 @@ def test_a_fused_scale_reaches_each_split_part(bfl_flux, tiny_flux_dir):
         assert layer.weight.dtype == torch.float8_e4m3fn and table.scale_of(layer.weight) == qkv
     for layer in (single.attn.to_q, single.attn.to_k, single.attn.to_v, single.proj_mlp):
         assert table.scale_of(layer.weight) == linear1
+
+
+def test_a_fused_static_input_scale_reaches_each_split_part(tiny_flux_dir, tmp_path):
+    """A ``scale_input`` on img_attn.qkv / linear1 (dropped by diffusers' Flux conversion, traced
+    through it): to_q, to_k, to_v (and proj_mlp) each quantise their input at it; no other layer has one."""
+    path = tmp_path / "flux-static.safetensors"
+    tensors = flux_files.bfl_flux_tensors(tiny_flux_dir, "fp8_scaled")
+    tensors["double_blocks.0.img_attn.qkv.scale_input"] = torch.tensor(0.25)
+    tensors["single_blocks.0.linear1.scale_input"] = torch.tensor(0.5)
+    save_file(tensors, str(path))
+    model = load_denoiser(path, tiny_flux_dir, BF16)
+    table = table_of(model)
+    double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+    expected = {id(layer.weight): 0.25 for layer in (double.attn.to_q, double.attn.to_k, double.attn.to_v)}
+    expected |= {id(layer.weight): 0.5 for layer in (single.attn.to_q, single.attn.to_k, single.attn.to_v,
+                                                       single.proj_mlp)}
+    assert table.inputs == expected
 
 
 @pytest.mark.parametrize("placement", MODES)

@@ -19,10 +19,11 @@ from fixtures.tiny_models import load_wan, run_wan
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 
 
-@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaled"])
+@pytest.mark.parametrize("kind", ["plain", "scaled", "static"])
 @pytest.mark.parametrize("config", list(PLACEMENTS))
-def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config, scaled):
-    pipe = wide_wan(tiny_wan_dir, scaled=scaled)
+def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config, kind):
+    """(static: a file's static input scales, as ComfyUI's quantized layers use them.)"""
+    pipe = wide_wan(tiny_wan_dir, scaled=kind == "scaled", static=kind == "static")
     expected = run_wan(kitchen_twin(pipe))
     stored = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
     first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[config], **BASE))
@@ -31,6 +32,19 @@ def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config,
     for name, p in pipe.transformer.named_parameters():
         assert p.dtype == stored[name].dtype and p.device.type == "cpu", name
         assert torch.equal(p.view(torch.uint8), stored[name].view(torch.uint8)), name
+
+
+def test_static_input_scales_change_the_output(tiny_wan_dir):
+    """The same scaled weights with a file's static input scales and without (each input's own
+    largest value): the outputs differ, so the static rows above test the static path."""
+    outputs = []
+    for static in (False, True):
+        pipe = wide_wan(tiny_wan_dir, scaled=True, static=static)
+        engine = Engine()
+        engine.place(pipe, OffloadConfig(mode="auto", **BASE))
+        outputs.append(run_wan(pipe))
+        engine.release(pipe)
+    assert not torch.equal(*outputs)
 
 
 def test_fp8_matmul_is_not_the_dequantised_math(tiny_wan_dir):

@@ -13,7 +13,7 @@ import torch
 from diffusers import DiffusionPipeline, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import table_of
+from diffusers_offload.offload_core.formats.fp8 import store_fp8, table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
@@ -27,6 +27,7 @@ _FIXTURES = (comfy_files.comfy_wan, comfy_files.wan_configs_only, comfy_files.wa
 _comfy_wan, _configs_only, _component_files = _FIXTURES
 _wan_gguf = gguf_files.wan_gguf_fixture
 BF16 = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 CONFIG = OffloadConfig(mode="auto", on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 
 
@@ -100,6 +101,34 @@ def test_scales_are_not_dropped_as_diffusers_drops_them(comfy_wan, tiny_wan_dir,
     dropped = run_wan(_reference_pipe(tiny_wan_dir, unscaled))
     assert not torch.allclose(dropped, expected, atol=1e-3)
     assert torch.equal(_run_placed(_reference_pipe(tiny_wan_dir, ours)), expected)
+
+
+def test_static_input_scales_follow_their_layers_and_a_two_element_marker_keeps_fp8_matmuls_off(tiny_wan_dir,
+                                                                                                 tmp_path):
+    """A legacy fp8_scaled file's ``scale_input`` reaches the converted layer of its weight (here 3 ×
+    the weight's scale, float32); one of 1 is dropped, as ComfyUI drops it (those layers scale
+    inputs at run time); a two-element ``scaled_fp8`` marker (ComfyUI: full-precision matmuls)
+    keeps fp8 matmuls off where the loader asks for them."""
+    tensors = comfy_wan_tensors(tiny_wan_dir, "fp8_scaled")
+    for key in [k for k in tensors if k.endswith(".scale_weight")]:
+        layer = key.removesuffix(".scale_weight")
+        tensors[f"{layer}.scale_input"] = torch.ones(()) if ".ffn." in layer else tensors[key] * 3
+    checked = {"ffn": 0, "static": 0}
+    for marker, matmul in ((torch.empty(0, dtype=FP8), True), (torch.zeros(2, dtype=FP8), False)):
+        path = tmp_path / f"wan-static-{marker.numel()}.safetensors"
+        save_file({**tensors, "scaled_fp8": marker}, str(path))
+        model = load_denoiser(path, tiny_wan_dir, BF16)
+        table = store_fp8(model, FP8, BF16, matmul=True)
+        assert table.matmul is matmul and ("full-precision" in table.matmul_off) is not matmul
+    for name, layer in model.named_modules():
+        if isinstance(layer, torch.nn.Linear) and id(layer.weight) in table.exact:
+            if ".ffn." in name:
+                assert id(layer.weight) not in table.inputs, name
+                checked["ffn"] += 1
+            else:
+                assert table.inputs[id(layer.weight)] == (torch.tensor(table.exact[id(layer.weight)]) * 3).item(), name
+                checked["static"] += 1
+    assert checked["ffn"] and checked["static"]
 
 
 def test_comfy_quant_per_tensor_fp8_loads_as_fp8_scaled(tiny_wan_dir, comfy_wan, tmp_path):

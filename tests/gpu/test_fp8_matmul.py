@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000")
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["unscaled", "static input scales"])
 @pytest.mark.parametrize("streams", [False, True], ids=["all kept", "block 0 kept"])
-def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, streams) -> None:
+def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, streams, static) -> None:
     calls = []
     real = torch._scaled_mm
 
@@ -31,9 +32,9 @@ def test_fp8_matmuls_graphed_equal_eager(tiny_wan_dir, monkeypatch, streams) -> 
     def runs(pipe, config: OffloadConfig, count: int = 3):
         return placed_runs(pipe, config, count, keep_first_after([]) if streams else None)
 
-    eager, off = runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False))
+    eager, off = runs(wide_wan(tiny_wan_dir, static=static), OffloadConfig(**BASE, cuda_graphs=False))
     assert calls and set(calls) == {"cuda"}
-    graphed, on = runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE))
+    graphed, on = runs(wide_wan(tiny_wan_dir, static=static), OffloadConfig(**BASE))
     assert off["graphs"] == 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
     bf16, _ = runs(wide_wan(tiny_wan_dir, matmul=False), OffloadConfig(**BASE), 1)
