@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
-from diffusers.quantizers.gguf.utils import GGUFParameter
 
 from ..formats.fp8 import table_of
 from ..formats.w4a8 import W4A8Linear
@@ -113,7 +112,7 @@ def unfused_reason(component: torch.nn.Module, layer: torch.nn.Module) -> str | 
     table = table_of(component)
     if table is not None and table.holds(weight):
         return "int8" if table.storage == torch.int8 else "fp8"
-    if isinstance(weight, GGUFParameter):
+    if type(weight).__name__ == "GGUFParameter":  # (by name: diffusers' GGUF module needs the gguf package)
         return "gguf"
     method = _quant_method(component)
     if method is not None and method != "gguf":

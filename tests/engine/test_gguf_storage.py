@@ -17,6 +17,9 @@ Q8_0, Q4_0, Q4_K, Q5_K and Q6_K (see tests/fixtures/gguf_files.py) are all cover
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -310,3 +313,28 @@ def test_a_quant_type_diffusers_cannot_dequantize_is_refused_by_name(tmp_path):
         r"dequantize \(1 tensors, e\.g\. blocks\.0\.ffn\.2\.weight\)",
     ):
         inspect_gguf(path)
+
+
+IMPORT_ALL_WITHOUT_GGUF = """
+import importlib, importlib.util, pkgutil, sys
+sys.modules["gguf"] = None  # as if the gguf package were not installed
+root = sys.argv[1]
+spec = importlib.util.spec_from_file_location("diffusers_offload", root + "/__init__.py",
+                                              submodule_search_locations=[root])
+sys.modules["diffusers_offload"] = importlib.util.module_from_spec(spec)
+core = importlib.import_module("diffusers_offload.offload_core")
+names = [m.name for m in pkgutil.walk_packages(core.__path__, "diffusers_offload.offload_core.")]
+for name in names:
+    importlib.import_module(name)
+print(len(names))
+"""
+
+
+def test_the_engine_imports_without_the_gguf_package():
+    """Only GGUF files need ``gguf`` (diffusers' GGUF module imports it unconditionally): every
+    engine module imports without it, so a broken install loses GGUF files, not the whole pack."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", IMPORT_ALL_WITHOUT_GGUF, str(root)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) > 50
