@@ -16,6 +16,7 @@ import torch
 
 from ..formats.fp8 import table_of
 from ..log import get_logger
+from ..memory import graphs_allowed
 from ..pinning import PinGrant, PinSet
 from .base import MARKER, STREAM_HOOK, Masters, TransportBase, TransportContext, add_hook, remove_hook
 from .block_graphs import BlockGraphs
@@ -68,7 +69,7 @@ class BlockStreamer(StreamAccounts, TransportBase):
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
         self.events = Events()  # forward, cycle, oom, end: see events.py
-        self.graphs = BlockGraphs(self.device, ctx.config.cuda_graphs and self.graphed, self.prefetch, self.notify)
+        self.graphs = BlockGraphs(self.device, self._graphs_on(ctx.config), self.prefetch, self.notify)
         self._kept_blocks: set[int] = set()  # blocks with every piece kept: graphed whole
         self._whole: list[StreamUnit] = []  # a streaming block's units bound together (`_bind_whole`)
 
@@ -116,7 +117,10 @@ class BlockStreamer(StreamAccounts, TransportBase):
 
     def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
-        self.graphs.cache.enable(config.cuda_graphs and self.graphed)
+        self.graphs.cache.enable(self._graphs_on(config))
+
+    def _graphs_on(self, config) -> bool:
+        return config.cuda_graphs and self.graphed and graphs_allowed(self.device)
 
     def block_grant(self) -> int | None:  # the bytes its blocks may page-lock (None: all of them)
         return self.ctx.pin_bytes
