@@ -186,8 +186,8 @@ def _by_layer(checkpoint: dict[str, torch.Tensor], suffix: str) -> dict[str, tor
 def _matmul_off(info: SingleFileInfo) -> str:
     """Why the file keeps fp8 matmuls off: a two-element ``scaled_fp8`` marker asks for
     full-precision matmuls (ComfyUI's ``full_precision_matrix_mult``)."""
-    shape = info.shapes.get(info.marker) if info.marker else None
-    return "its scaled_fp8 marker asks for full-precision matmuls" if shape is not None and shape == (2,) else ""
+    two = info.marker is not None and info.shapes.get(info.marker) == (2,)
+    return "its scaled_fp8 marker asks for full-precision matmuls" if two else ""
 
 
 def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
