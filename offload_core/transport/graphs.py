@@ -197,7 +197,8 @@ class GraphCache:
         failed: str | None = "the call's output is not tensors"
         if out_key is not None:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
-            graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
+            held: list[torch.Tensor] = []  # the capture's own outputs, freed after the first replay (`_record_once`)
+            graph, failed = self._record(run, rebuild(key[0], io.inputs), outs, held)
             if graph is not None:
                 entry = CallGraph(graph, io, out_key, units, tensors)
                 entry.replay()
@@ -220,19 +221,19 @@ class GraphCache:
         self._said.add(said)
         return False
 
-    def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
+    def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor], held: list[torch.Tensor]
                 ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
         """The graph of ``run`` on the static inputs, writing the static outputs; or (None, why).
         A capture that runs out of memory is tried once more after the allocator's cache goes back
         to the driver: while a capture is under way the allocator cannot free the cached memory of
         the eager forwards for the graphs' pool, which is often all the room a tight card has."""
-        graph, failed = self._record_once(run, call, outs)
+        graph, failed = self._record_once(run, call, outs, held)
         if graph is None and self.starved:
             self.starved, self.retried = False, self.retried + 1
             self._forget_unused_pool()
             torch.cuda.empty_cache()
             log.debug("a capture ran out of memory: the allocator's cache emptied, capturing once more")
-            graph, failed = self._record_once(run, call, outs)
+            graph, failed = self._record_once(run, call, outs, held)
         return graph, failed
 
     def _forget_unused_pool(self) -> bool:
@@ -243,8 +244,12 @@ class GraphCache:
         self._pool, self.pool_bytes = None, 0
         return True
 
-    def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
-                     ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+    def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor],
+                     held: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+        """One capture; ``held`` keeps the capture's own output tensors, which the caller frees
+        after the graph's first replay: under cudaMallocAsync a graph's allocation must not be freed
+        before the graph has run."""
+        held.clear()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = self._stream or torch.cuda.Stream(self.device)
@@ -257,9 +262,8 @@ class GraphCache:
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    got: list[torch.Tensor] = []
-                    _describe(run(*args, **kwargs), got)
-                    for static, t in zip(outs, got, strict=True):
+                    _describe(run(*args, **kwargs), held)
+                    for static, t in zip(outs, held, strict=True):
                         static.copy_(t)
                 finally:
                     graph.capture_end()
