@@ -12,7 +12,7 @@ from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import LORA_HOOK, leftovers
 from fixtures.fp8_matmul import FP8, REL_L2, kitchen_twin, wide_transformer, wide_wan
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import dequantised_twin, streamed_in_one_step, two_runs_placed
+from fixtures.quantized import dequantised_twin, placed_twice_equals, streamed_in_one_step
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 
@@ -24,14 +24,7 @@ BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 def test_fp8_matmul_output_is_comfy_kitchens_in_every_mode(tiny_wan_dir, config, kind):
     """(static: a file's static input scales, as ComfyUI's quantized layers use them.)"""
     pipe = wide_wan(tiny_wan_dir, scaled=kind == "scaled", static=kind == "static")
-    expected = run_wan(kitchen_twin(pipe))
-    stored = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
-    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[config], **BASE))
-    assert torch.equal(first, expected) and torch.equal(second, expected)
-    assert leftovers(pipe.transformer) == []
-    for name, p in pipe.transformer.named_parameters():
-        assert p.dtype == stored[name].dtype and p.device.type == "cpu", name
-        assert torch.equal(p.view(torch.uint8), stored[name].view(torch.uint8)), name
+    placed_twice_equals(pipe, OffloadConfig(**PLACEMENTS[config], **BASE), run_wan(kitchen_twin(pipe)))
 
 
 def test_static_input_scales_change_the_output(tiny_wan_dir):

@@ -11,7 +11,7 @@ from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import scaled_fp8, streamed_in_one_step, two_runs_placed
+from fixtures.quantized import placed_twice_equals, scaled_fp8, streamed_in_one_step
 from fixtures.tiny_models import load_wan, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -51,15 +51,7 @@ def fp8_wan(request, tiny_wan_dir):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_fp8_output_equals_the_dequantised_bf16_model_in_every_mode(fp8_wan, config):
     fp8_wan, scales = fp8_wan
-    expected = run_wan(_dequantised_twin(fp8_wan, scales))
-    stored = {n: p.detach().clone() for n, p in fp8_wan.transformer.named_parameters()}
-    first, second = two_runs_placed(Engine(), fp8_wan, OffloadConfig(**CONFIGS[config], **BASE))
-    assert torch.equal(first, expected) and torch.equal(second, expected)
-    assert leftovers(fp8_wan.transformer) == []
-    for name, p in fp8_wan.transformer.named_parameters():
-        assert p.dtype == stored[name].dtype and p.device.type == "cpu", name
-        assert torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
-                           stored[name].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else stored[name]), name
+    placed_twice_equals(fp8_wan, OffloadConfig(**CONFIGS[config], **BASE), run_wan(_dequantised_twin(fp8_wan, scales)))
 
 
 def test_scales_are_applied(tiny_wan_dir):
