@@ -9,13 +9,12 @@
 # fresh processes, with the launch's time to each block and the CUDA API calls' host time), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
-# wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB), gguf (Q8_0 and Q4_K at
+# wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB; SINGLE_ARGS adds flags), gguf (Q8_0 and Q4_K at
 # 12 GiB), noexp (the fresh 24 GiB bf16 row and the GGUF Q4_K row with expandable segments left off:
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), asyncgraphs (CUDA graphs forced on under
-# cudaMallocAsync, where the engine keeps them off: do they break there?), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -87,8 +86,6 @@ for row in "$@"; do
                --json "$ROWS_DIR/noexp_$st.json"
            done ;;
     release) run release 60 python3 bench/release_probe.py ;;
-    asyncgraphs) run asyncgraphs 60 env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync GRAPHS_FORCED=1 \
-                   python3 -m pytest tests/gpu/async_allocator_check.py -q -p no:cacheprovider ;;  # graphs forced on there
     gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;
     graphs) for st in bf16 fp8_e4m3fn; do  # CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \

@@ -82,26 +82,6 @@ _ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _expandable_turned_on = False
 
 
-def graphs_allowed(device: torch.device, backend: str | None = None) -> bool:
-    """Whether the streamer may launch blocks as CUDA graphs on ``device``: on PyTorch's native
-    allocator only. Why: under ``backend:cudaMallocAsync`` (ComfyUI's default) a node run crashed
-    in the allocator's free after its first graphed forward (bench/README.md, run 36); the graphs'
-    pool and their fresh outputs were built and checked on the native allocator. Said once."""
-    if device.type != "cuda":
-        return True
-    backend = backend or torch.cuda.get_allocator_backend()
-    if backend == "native":
-        return True
-    if backend not in _graphs_refused:
-        _graphs_refused.add(backend)
-        log.info("allocator %s: blocks launch eagerly, not as CUDA graphs (checked on the native allocator only; "
-                 "ComfyUI's --disable-cuda-malloc selects it)", backend)
-    return False
-
-
-_graphs_refused: set[str] = set()
-
-
 def wants_expandable_segments(alloc_conf: str, backend: str) -> bool:
     """Whether the engine should turn expandable segments on: PyTorch's native allocator, and
     the user's allocator configuration does not choose either way."""

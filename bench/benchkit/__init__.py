@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -104,11 +105,15 @@ def output_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--json", default="", help="write the rows here")
     ap.add_argument("--out", default=os.environ.get("OUT", ""),
                     help="folder for <script>.json and <script>.log (default: $OUT when set)")
+    ap.add_argument("--debug-log", default=os.environ.get("DEBUG_LOG", ""),
+                    help="comma list of the pack's loggers to log at DEBUG, e.g. preload,graphs ($DEBUG_LOG)")
 
 
 def open_output(args: argparse.Namespace, name: str, lines: bool = False) -> Rows:
     """The run's rows; with ``--out DIR`` the rows go to DIR/<name>.json(l) unless ``--json`` says
     otherwise, and everything printed (logging included, once set up after this) to DIR/<name>.log."""
+    for part in filter(None, args.debug_log.split(",")):
+        logging.getLogger(f"diffusers_offload.{part.strip()}").setLevel(logging.DEBUG)
     path = args.json
     if args.out:
         out = Path(args.out)

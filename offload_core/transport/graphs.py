@@ -197,8 +197,7 @@ class GraphCache:
         failed: str | None = "the call's output is not tensors"
         if out_key is not None:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
-            held: list[torch.Tensor] = []  # the capture's own outputs, freed after the first replay (`_record_once`)
-            graph, failed = self._record(run, rebuild(key[0], io.inputs), outs, held)
+            graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
             if graph is not None:
                 entry = CallGraph(graph, io, out_key, units, tensors)
                 entry.replay()
@@ -221,19 +220,19 @@ class GraphCache:
         self._said.add(said)
         return False
 
-    def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor], held: list[torch.Tensor]
+    def _record(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
                 ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
         """The graph of ``run`` on the static inputs, writing the static outputs; or (None, why).
         A capture that runs out of memory is tried once more after the allocator's cache goes back
         to the driver: while a capture is under way the allocator cannot free the cached memory of
         the eager forwards for the graphs' pool, which is often all the room a tight card has."""
-        graph, failed = self._record_once(run, call, outs, held)
+        graph, failed = self._record_once(run, call, outs)
         if graph is None and self.starved:
             self.starved, self.retried = False, self.retried + 1
             self._forget_unused_pool()
             torch.cuda.empty_cache()
             log.debug("a capture ran out of memory: the allocator's cache emptied, capturing once more")
-            graph, failed = self._record_once(run, call, outs, held)
+            graph, failed = self._record_once(run, call, outs)
         return graph, failed
 
     def _forget_unused_pool(self) -> bool:
@@ -244,12 +243,9 @@ class GraphCache:
         self._pool, self.pool_bytes = None, 0
         return True
 
-    def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor],
-                     held: list[torch.Tensor]) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
-        """One capture; ``held`` keeps the capture's own output tensors, which the caller frees
-        after the graph's first replay: under cudaMallocAsync a graph's allocation must not be freed
-        before the graph has run."""
-        held.clear()
+    def _record_once(self, run: Callable[..., object], call: object, outs: list[torch.Tensor]
+                     ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+        """One capture of ``run`` copying its outputs into ``outs``."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = self._stream or torch.cuda.Stream(self.device)
@@ -262,9 +258,7 @@ class GraphCache:
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    _describe(run(*args, **kwargs), held)
-                    for static, t in zip(outs, held, strict=True):
-                        static.copy_(t)
+                    _copy_out(run(*args, **kwargs), outs)
                 finally:
                     graph.capture_end()
         except BaseException as exc:  # any failure leaves the block eager, named in the log
@@ -302,6 +296,17 @@ class GraphCache:
     def details(self) -> dict[str, int]:
         return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused,
                 "graph_retries": self.retried}
+
+
+def _copy_out(out: object, outs: list[torch.Tensor]) -> None:
+    """Copy a captured call's output tensors into the static outputs and let them go while the
+    capture is under way, so the graph frees its own allocations: under cudaMallocAsync freeing one
+    outside the graph before its first launch aborts the process (bench/README.md, run 37), and
+    after it warns on every free."""
+    tensors: list[torch.Tensor] = []
+    _describe(out, tensors)
+    for static, t in zip(outs, tensors, strict=True):
+        static.copy_(t)
 
 
 def _shapes(tensors: list[torch.Tensor]) -> str:

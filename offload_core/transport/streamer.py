@@ -16,7 +16,6 @@ import torch
 
 from ..formats.fp8 import table_of
 from ..log import get_logger
-from ..memory import graphs_allowed
 from ..pinning import PinGrant, PinSet
 from .base import MARKER, STREAM_HOOK, Masters, TransportBase, TransportContext, add_hook, remove_hook
 from .block_graphs import BlockGraphs
@@ -120,7 +119,7 @@ class BlockStreamer(StreamAccounts, TransportBase):
         self.graphs.cache.enable(self._graphs_on(config))
 
     def _graphs_on(self, config) -> bool:
-        return config.cuda_graphs and self.graphed and graphs_allowed(self.device)
+        return config.cuda_graphs and self.graphed
 
     def block_grant(self) -> int | None:  # the bytes its blocks may page-lock (None: all of them)
         return self.ctx.pin_bytes

@@ -25,15 +25,3 @@ def test_a_cpu_placement_leaves_the_allocator_alone(monkeypatch):
     prefer_expandable_segments(torch.device("cpu"))
     assert memory._expandable_turned_on is False
 
-
-def test_cuda_graphs_run_on_the_native_allocator_only(monkeypatch, caplog):
-    """Under cudaMallocAsync (ComfyUI's default) blocks launch eagerly, said once; the native
-    allocator and the CPU keep graphs as configured (what they do is tested in tests/gpu)."""
-    monkeypatch.setattr(memory, "_graphs_refused", set())
-    cuda = torch.device("cuda")
-    assert memory.graphs_allowed(cuda, "native") and memory.graphs_allowed(torch.device("cpu"))
-    with caplog.at_level("INFO", logger="diffusers_offload"):
-        assert not memory.graphs_allowed(cuda, "cudaMallocAsync")
-        assert not memory.graphs_allowed(cuda, "cudaMallocAsync")
-    said = [r.getMessage() for r in caplog.records if "not as CUDA graphs" in r.getMessage()]
-    assert len(said) == 1 and "--disable-cuda-malloc" in said[0]
