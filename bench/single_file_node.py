@@ -49,7 +49,16 @@ import benchkit.comfy as bc
 import comfy_coexist as coexist
 from benchkit import ROOT, GiB, gib, open_output, output_args
 from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
-from benchkit.single_file import gbs, host_rss, native_facts, ours_facts, print_table, summarize, unload_all
+from benchkit.single_file import (
+    gbs,
+    host_rss,
+    native_facts,
+    ours_facts,
+    print_table,
+    steady,
+    summarize,
+    unload_all,
+)
 
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
 WORKLOADS = {"small": (512, 512, 1), "video": (832, 480, 81)}  # width, height, frames
@@ -299,6 +308,7 @@ def run_phase(c: SimpleNamespace, phase: str, workload: str, rows) -> dict[str, 
         "forward_s": [round(x, 4) for x in times],
         "first_forward_s": round(times[0], 4) if times else None,
         "median_rest_s": round(statistics.median(times[1:]), 4) if len(times) > 1 else None,
+        **steady(times),
         "output_finite": None if out is None else bool(torch.isfinite(out).all()),
         "torch_ooms": counts[0],
         "alloc_retries": counts[1],

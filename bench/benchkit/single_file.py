@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 import struct
 import tempfile
 import time
@@ -253,6 +254,17 @@ def _last(phases: list[dict], phase: str, workload: str) -> dict[str, Any] | Non
     return next((r for r in reversed(phases) if r["phase"] == phase and r["workload"] == workload), None)
 
 
+def steady(times: list[float]) -> dict[str, float | None]:
+    """The steady step (median of the second half of the steps after the first) and the warm-up
+    (what the steps after the first took beyond it): plan changes and CUDA graph captures settle
+    in the first steps after the first, which the median of all of them mixes in."""
+    rest = times[1:]
+    if len(rest) < 2:
+        return {"steady_s": None, "warmup_s": None}
+    settled = statistics.median(rest[len(rest) // 2:])
+    return {"steady_s": round(settled, 4), "warmup_s": round(sum(max(0.0, t - settled) for t in rest), 4)}
+
+
 def summarize(c: Any, h2d: float | None, rows: Any) -> list[dict[str, Any]]:
     """Per workload: ours / native, and ours against its bound, max(fp8-resident step, streamed
     storage bytes / pinned H2D); then the host's memory against the file's storage bytes."""
@@ -264,6 +276,9 @@ def summarize(c: Any, h2d: float | None, rows: Any) -> list[dict[str, Any]]:
         pcie = streamed / h2d if streamed is not None and h2d else None
         bound = max((x for x in (r_s, pcie) if x is not None), default=None)
         times = {"ours_s": o, "native_s": n, "ours_over_native": _ratio(o, n), "resident_s": r_s}
+        o_st, n_st = (r.get("steady_s") if r else None for r in (ours, native))
+        settled = {"ours_steady_s": o_st, "native_steady_s": n_st, "steady_ours_over_native": _ratio(o_st, n_st),
+                   "steady_ours_over_bound": _ratio(o_st, bound), "ours_warmup_s": ours.get("warmup_s") if ours else None}
         kept_all = res is not None and res.get("streamed_bytes") == 0
         errors = [r["error"] for r in (ours, native, res) if r and r["error"]]
         out.append(
@@ -277,6 +292,7 @@ def summarize(c: Any, h2d: float | None, rows: Any) -> list[dict[str, Any]]:
                 pcie_s=_round(pcie),
                 bound_s=_round(bound),
                 ours_over_bound=_ratio(o, bound),
+                **settled,
                 errors=errors,
             )
         )
@@ -315,13 +331,15 @@ def print_table(c: Any, results: list[dict], h2d: float | None, total_s: float) 
         )
     print(
         f"\n{'workload':<9}{'ours s':>9}{'native s':>10}{'ours/native':>13}{'resident s':>12}{'H2D s':>9}"
-        f"{'bound s':>9}{'ours/bound':>12}"
+        f"{'bound s':>9}{'ours/bound':>12}{'steady: ours':>14}{'/native':>9}{'/bound':>8}{'warm-up s':>11}"
     )
     for r in results[:-1]:
         print(
             f"{r['workload']:<9}{_fmt(r['ours_s'], 4):>9}{_fmt(r['native_s'], 4):>10}"
             f"{_fmt(r['ours_over_native'], 3):>13}{_fmt(r['resident_s'], 4):>12}{_fmt(r['pcie_s'], 4):>9}"
-            f"{_fmt(r['bound_s'], 4):>9}{_fmt(r['ours_over_bound'], 3):>12}"
+            f"{_fmt(r['bound_s'], 4):>9}{_fmt(r['ours_over_bound'], 3):>12}{_fmt(r['ours_steady_s'], 4):>14}"
+            f"{_fmt(r['steady_ours_over_native'], 3):>9}{_fmt(r['steady_ours_over_bound'], 3):>8}"
+            f"{_fmt(r['ours_warmup_s'], 3):>11}"
         )
     h = results[-1]
     print(
