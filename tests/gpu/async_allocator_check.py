@@ -1,7 +1,8 @@
 """Run by `test_async_allocator.py` in a process whose allocator is ``backend:cudaMallocAsync``
 (ComfyUI's default; chosen before CUDA starts, so never in the suite's own process): the tiny wide
 Wan with fp8 matmuls, its plan changed after the first run, three runs launched as CUDA graphs
-equal to three eager runs (a graph's own allocations must outlive its first replay there)."""
+equal to three eager runs (a capture's outputs are freed inside its graph: freed outside it before
+its first launch, they abort the process there)."""
 
 from __future__ import annotations
 
