@@ -203,7 +203,7 @@ def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]
         checkpoint.pop(info.marker, None)
     for key in [k for k in checkpoint if k.endswith(INPUT_SCALE_SUFFIXES)]:
         value = checkpoint.pop(key)
-        if not (key.endswith(".scale_input") and value.numel() == 1 and float(value) == 1.0):
+        if not (key.endswith(INPUT_KEY) and value.numel() == 1 and float(value) == 1.0):
             checkpoint[key.rsplit(".", 1)[0] + INPUT_KEY] = value
     for key in [k for k in checkpoint if k.endswith(QUANT_SUFFIX)]:
         checkpoint.pop(key)

@@ -24,4 +24,3 @@ def test_a_cpu_placement_leaves_the_allocator_alone(monkeypatch):
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     prefer_expandable_segments(torch.device("cpu"))
     assert memory._expandable_turned_on is False
-
