@@ -21,7 +21,8 @@ Order: a ballast makes the card ``--cap`` GiB, then per workload the phases of `
 the ballast gone, ours on the whole card (the fp8-resident step: the plan keeps every block) and
 what the card still holds once everything is unloaded (``after_release``); before each
 capped phase every model is unloaded (ComfyUI's ``unload_all_models``: each side gets the whole card;
-``--coexist`` leaves them to take memory from each other). Rows (JSON lines to --json / --out):
+``--coexist`` leaves them to take memory from each other), but before an ``again`` phase: ours with
+the model still placed by the phase before, a user's next prompt). Rows (JSON lines to --json / --out):
 per-forward median after the first, ours / native, our bound = max(fp8-resident step, streamed
 storage bytes / pinned H2D measured in this process), OOMs and retries, host RSS against storage.
 
@@ -241,8 +242,8 @@ def main() -> int:
     try:
         for w in a.workload_list:
             for phase in [s.strip() for s in a.sequence.split(",") if s.strip()]:
-                if phase not in ("ours", "native"):
-                    raise SystemExit(f"unknown phase {phase!r} in --sequence (ours, native)")
+                if phase not in ("ours", "again", "native"):
+                    raise SystemExit(f"unknown phase {phase!r} in --sequence (ours, again, native)")
                 run_phase(ctx, phase, w, rows)
     finally:
         if ctx.poller is not None:
@@ -281,7 +282,7 @@ def run_phase(c: SimpleNamespace, phase: str, workload: str, rows) -> dict[str, 
     rec, torch, ours = c.rec, c.rec.torch, phase != "native"
     c.seed += 1
     rec.begin_phase()
-    if phase != "resident" and not c.a.coexist:
+    if phase in ("ours", "native") and not c.a.coexist:
         unload_all(c.mm)  # each side gets the whole card
     counts0 = c.alloc_counts()
     if c.poller is not None:

@@ -270,7 +270,7 @@ def summarize(c: Any, h2d: float | None, rows: Any) -> list[dict[str, Any]]:
     storage bytes / pinned H2D); then the host's memory against the file's storage bytes."""
     out = []
     for w in c.a.workload_list:
-        ours, native, res = (_last(c.phases, phase, w) for phase in ("ours", "native", "resident"))
+        ours, native, res, again = (_last(c.phases, phase, w) for phase in ("ours", "native", "resident", "again"))
         o, n, r_s = (r["median_rest_s"] if r else None for r in (ours, native, res))
         streamed = ours.get("streamed_bytes") if ours else None
         pcie = streamed / h2d if streamed is not None and h2d else None
@@ -278,7 +278,8 @@ def summarize(c: Any, h2d: float | None, rows: Any) -> list[dict[str, Any]]:
         times = {"ours_s": o, "native_s": n, "ours_over_native": _ratio(o, n), "resident_s": r_s}
         o_st, n_st = (r.get("steady_s") if r else None for r in (ours, native))
         settled = {"ours_steady_s": o_st, "native_steady_s": n_st, "steady_ours_over_native": _ratio(o_st, n_st),
-                   "steady_ours_over_bound": _ratio(o_st, bound), "ours_warmup_s": ours.get("warmup_s") if ours else None}
+                   "steady_ours_over_bound": _ratio(o_st, bound), "ours_warmup_s": ours.get("warmup_s") if ours else None,
+                   "again_s": again and again["median_rest_s"], "again_warmup_s": again and again.get("warmup_s")}
         kept_all = res is not None and res.get("streamed_bytes") == 0
         errors = [r["error"] for r in (ours, native, res) if r and r["error"]]
         out.append(
@@ -318,7 +319,7 @@ def print_table(c: Any, results: list[dict], h2d: float | None, total_s: float) 
         f"{c.host.version}, cap {cap} GiB, native weight_dtype {a.native_weight_dtype} ================"
     )
     print(
-        f"{'workload':<9}{'row':<10}{'fwd1 s':>9}{'median s':>10}{'kept GiB':>10}{'strm GiB':>10}"
+        f"{'workload':<9}{'row':<10}{'fwd1 s':>9}{'median s':>10}{'steady s':>10}{'warm-up s':>11}{'kept GiB':>10}{'strm GiB':>10}"
         f"{'peak GiB':>10}{'OOM/retry':>11}{'RSS GiB':>9}  error"
     )
     for r in c.phases:
@@ -326,6 +327,7 @@ def print_table(c: Any, results: list[dict], h2d: float | None, total_s: float) 
         oom = f"{r['torch_ooms']}/{r['alloc_retries']}"
         print(
             f"{r['workload']:<9}{r['phase']:<10}{_fmt(r['first_forward_s'], 4):>9}{_fmt(r['median_rest_s'], 4):>10}"
+            f"{_fmt(r.get('steady_s'), 4):>10}{_fmt(r.get('warmup_s'), 3):>11}"
             f"{_fmt(kept):>10}{_fmt(r.get('streamed_gib')):>10}{_fmt(r.get('peak_used_less_ballast_gib')):>10}"
             f"{oom:>11}{_fmt(r['rss_gib']):>9}  {r['error'] or ''}"
         )

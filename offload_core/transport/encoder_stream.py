@@ -8,9 +8,10 @@ pinned staging buffers, still on the side stream; a denial leaves diffusers' lea
 differences from a denoiser's streamer: no preload planner (the encoder runs
 once per run; no measures are taken or kept under any identity), and the non-layer part (the
 embeddings, final norm, a VLM's vision tower and head) is not resident for the whole placement:
-it rests in (pinned) host memory, moves in when one of its modules is entered, and goes home at
-the end of the run, when the denoiser starts (`Engine` parks idle components), or when another
-component asks for room, so that it never takes the denoiser's preload room. Where the device is
+it rests in (pinned) host memory, moves in when one of its modules is entered, and goes home,
+with the layers' streaming buffers, at the end of the run, when the denoiser starts (`Engine`
+parks idle components), or when another component asks for room, so that neither takes the
+denoiser's preload room. Where the device is
 short (before the non-layer part moves in, or an out-of-memory error in a layer) the pipeline's
 other components give room back (the denoisers' kept blocks, idle on-demand modules), never this
 encoder's own part while it runs.
@@ -136,7 +137,7 @@ class EncoderStreamer(BlockStreamer):
 
     def after_run(self) -> None:
         super().after_run()
-        self._head_out()
+        self.offload_idle()
 
     def _ask_room(self, nbytes: int, why: str) -> int:
         """The pipeline's other components free up to ``nbytes`` (`Engine.give_back` through the
@@ -162,15 +163,20 @@ class EncoderStreamer(BlockStreamer):
                 or self._ask_room(self.head_bytes() + self.ring.slot_bytes, "outside its layers") > 0)
 
     def give_back(self, nbytes: int) -> int:
+        if self._asking:  # its own part and buffers stay while it asks the others for room
+            return 0
         freed = super().give_back(nbytes)
-        if freed < nbytes and self.head_loaded and not self._asking:
+        if freed < nbytes and self.head_loaded:
             freed += self.head_bytes()
             self._head_out()
         return freed
 
     def offload_idle(self) -> bool:
+        """Idle (a denoiser starts, the run ends): the non-layer part goes home and the streaming
+        buffers go, so that neither takes the denoiser's room; True when anything left."""
+        freed = self.drop_prefetched() > 0
         if not self.head_loaded:
-            return False
+            return freed
         self._head_out()
         return True
 

@@ -71,10 +71,11 @@ class PreloadingStreamer(BlockStreamer):
         super().before_write()
 
     def give_back(self, nbytes: int) -> int:
-        """Let the pieces held as compute values go, then release kept pieces, lowest-ranked first
-        (the planner's order: what is left is still the best set of its size), until ``nbytes``
-        are freed; the planner keeps its plan, so they come back at the next cycle where they fit."""
-        freed = self.held.drop()
+        """Let the idle streaming buffers and the pieces held as compute values go, then release
+        kept pieces, lowest-ranked first (the planner's order: what is left is still the best set
+        of its size), until ``nbytes`` are freed; the planner keeps its plan, so they come back at
+        the next cycle where they fit."""
+        freed = self.drop_prefetched() + self.held.drop()
         if freed >= nbytes:
             return freed
         if self.driver is None:

@@ -44,8 +44,11 @@ class StreamAccounts:
 
     def run_bytes(self) -> int:
         """The streaming slots (the unit being run plus those filled ahead) and, for fp8 units,
-        the compute buffer the running unit is cast into."""
-        return self.ring.capacity * self._largest_streamed() + self.prefetch.casts.nbytes
+        the compute buffer the running unit is cast into, less those it holds already (a run's
+        buffers stay for the next)."""
+        casts = self.prefetch.casts
+        return (max(self.ring.capacity * self._largest_streamed() - self.ring.nbytes, 0)
+                + max(casts.nbytes - casts.held, 0))
 
     def details(self) -> dict[str, object]:
         return {

@@ -347,14 +347,19 @@ class BlockStreamer(StreamAccounts, TransportBase):
             return True
         return self.notify("oom", block=None)
 
-    def drop_prefetched(self) -> None:  # copies made ahead, and the idle buffers
+    def drop_prefetched(self) -> int:
+        """The copies made ahead and the idle streaming and cast buffers go; the device bytes freed."""
+        before = self.ring.nbytes + self.prefetch.casts.held
         self.prefetch.drop_prefetched()
+        return before - self.ring.nbytes - self.prefetch.casts.held
 
     def after_run(self) -> None:
-        """Drop prefetched buffers at the end of a pipeline run (nothing runs the next block)."""
+        """The pipeline run ended: bound units go home. The streaming buffers and the next
+        forward's first units copied into them stay for the next run: remade, they may land at
+        other addresses, and the CUDA graphs of streamed units are keyed by their buffer's, so
+        every run would capture them again. They go first when anything needs room (`give_back`)."""
         self.notify("end")
         self.prefetch.release_all()
-        self.drop_prefetched()
         self.learner.seen, self._whole = [], []
 
     def weights_at_peak(self) -> int:
@@ -379,8 +384,9 @@ class BlockStreamer(StreamAccounts, TransportBase):
         self.graphs.clear()  # a LoRA's hooks are not in them
 
     def give_back(self, nbytes: int) -> int:
-        """Release kept pieces, last in the table first, until ``nbytes`` are freed."""
-        freed = 0
+        """The idle streaming buffers, then kept pieces, last in the table first, until ``nbytes``
+        are freed."""
+        freed = self.drop_prefetched()
         keep = self.resident_indices()
         for piece in reversed(self.pieces):
             if freed >= nbytes:
