@@ -70,16 +70,15 @@ class PreloadingStreamer(BlockStreamer):
         self.held.drop()
         super().before_write()
 
-    def give_back(self, nbytes: int) -> int:
-        """Let the idle streaming buffers and the pieces held as compute values go, then release
-        kept pieces, lowest-ranked first (the planner's order: what is left is still the best set
-        of its size), until ``nbytes`` are freed; the planner keeps its plan, so they come back at
-        the next cycle where they fit."""
-        freed = self.drop_prefetched() + self.held.drop()
+    def give_back_kept(self, nbytes: int) -> int:
+        """Let the pieces held as compute values go, then release kept pieces, lowest-ranked first
+        (the planner's order: what is left is still the best set of its size), until ``nbytes``
+        are freed; the planner keeps its plan, so they come back at the next cycle where they fit."""
+        freed = self.held.drop()
         if freed >= nbytes:
             return freed
         if self.driver is None:
-            return freed + super().give_back(nbytes - freed)
+            return freed + super().give_back_kept(nbytes - freed)
         keep = self.resident_indices()
         for index in reversed(self.driver.planner.ranking):
             if freed >= nbytes:

@@ -357,7 +357,8 @@ class BlockStreamer(StreamAccounts, TransportBase):
         """The pipeline run ended: bound units go home. The streaming buffers and the next
         forward's first units copied into them stay for the next run: remade, they may land at
         other addresses, and the CUDA graphs of streamed units are keyed by their buffer's, so
-        every run would capture them again. They go first when anything needs room (`give_back`)."""
+        every run would capture them again. They go when kept pieces cannot free the room asked
+        (`give_back`)."""
         self.notify("end")
         self.prefetch.release_all()
         self.learner.seen, self._whole = [], []
@@ -384,9 +385,18 @@ class BlockStreamer(StreamAccounts, TransportBase):
         self.graphs.clear()  # a LoRA's hooks are not in them
 
     def give_back(self, nbytes: int) -> int:
-        """The idle streaming buffers, then kept pieces, last in the table first, until ``nbytes``
-        are freed."""
-        freed = self.drop_prefetched()
+        """Free ``nbytes``: kept pieces first (`give_back_kept`), the idle streaming buffers last
+        (they serve every forward, and the streamed units' CUDA graphs are keyed by their
+        addresses: remade, they may land elsewhere and every unit is captured again)."""
+        buffers = self.ring.nbytes + self.prefetch.casts.held
+        freed = self.give_back_kept(nbytes)
+        if freed < nbytes:
+            self.drop_prefetched()
+        return freed + max(buffers - self.ring.nbytes - self.prefetch.casts.held, 0)
+
+    def give_back_kept(self, nbytes: int) -> int:
+        """Release kept pieces, last in the table first, until ``nbytes`` are freed."""
+        freed = 0
         keep = self.resident_indices()
         for piece in reversed(self.pieces):
             if freed >= nbytes:
