@@ -84,7 +84,7 @@ def mismatches(sums: dict[str, int], original: dict[str, int]) -> list[str]:
 def steps(eng: Engine, bag: Components, m, feeds, args) -> tuple[float, torch.Tensor, float]:
     med, _runs, out = timed(lambda: wan_forward(m, *feeds), args.warmup, args.repeats)
     peak = peak_alloc_gib()
-    eng.after_run(bag)  # drops prefetched buffers: a LoRA written after this is what the next load reads
+    eng.after_run(bag)  # the run ends; a LoRA written after this drops the copies made ahead (before_write)
     return med, out, peak
 
 

@@ -231,7 +231,8 @@ class DiffusersPatcher(ModelPatcher):
         return self.report()
 
     def finish(self) -> None:
-        """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
+        """End of a pipeline call: on-demand modules go home, streamed blocks are released (their
+        streaming buffers stay for the next call: `BlockStreamer.after_run`)."""
         ENGINE.after_run(self.pipe)
         self._sync()
         _notify("finished", self)

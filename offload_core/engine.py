@@ -220,7 +220,8 @@ class Engine:
 
     # -- run-time services for hosts ------------------------------------------------------------
     def after_run(self, pipe: object) -> None:
-        """End of a pipeline call: on-demand modules go home, prefetched blocks are dropped."""
+        """End of a pipeline call: on-demand modules go home, streamed blocks are released (their
+        streaming buffers stay for the next call: `BlockStreamer.after_run`)."""
         for state in self.states(pipe).values():
             state.transport.after_run()
         pstate = PIPELINE.get(pipe)

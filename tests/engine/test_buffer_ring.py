@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig
 from diffusers_offload.offload_core.transport.ring import BufferRing
+from fixtures.side_stream import stand_in_side_stream
 from fixtures.tiny_pipes import run_wan
 
 CPU = torch.device("cpu")
@@ -104,16 +105,6 @@ def test_a_run_allocates_one_block_buffer_which_the_next_run_reuses_until_room_i
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
-class _SideStreamOnCpu:
-    """Stands in for the CUDA side stream on the CPU: the streamer's prefetch bookkeeping (which
-    blocks are in flight, in which buffer) runs as on a GPU; the copies happen at once."""
-
-
-def _copy_now(pairs, pinned, after):
-    for dst, src in pairs:
-        dst.copy_(src)
-
-
 def _six_block_wan():
     from diffusers import WanTransformer3DModel
 
@@ -141,8 +132,7 @@ def _placed_with_side_stream(monkeypatch, parts: bool):
     bag = Components(transformer=model)
     engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts))
     streamer = engine.states(bag)["transformer"].transport
-    monkeypatch.setattr(streamer.prefetch, "copy_stream", _SideStreamOnCpu())
-    monkeypatch.setattr(streamer.prefetch, "copy", _copy_now)
+    stand_in_side_stream(monkeypatch, streamer)
     return model, feeds, ref, engine, bag, streamer
 
 

@@ -13,6 +13,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.components import iter_modules
 from diffusers_offload.offload_core.lora import LoraError, LoraSpec, activate
+from fixtures.side_stream import stand_in_side_stream
 from fixtures.tiny_pipes import load_wan, run_wan
 
 pytest_plugins = ["fixtures.tiny_loras"]
@@ -94,6 +95,24 @@ def test_lora_under_offload_matches_unplaced_stacks_changes_and_restores(
     assert_weights_equal(wan_pipe, base, engine)
     engine.release(wan_pipe)
     assert_weights_equal_after_release(wan_pipe, base)
+
+
+def test_copies_made_ahead_of_the_next_call_are_not_read_after_a_lora_change(
+        wan_pipe, wan_loras: dict[str, Path], references: dict[str, torch.Tensor], monkeypatch) -> None:
+    """A call's end copies the next call's first streamed units ahead, and they stay through
+    ``after_run`` (with their buffers); a LoRA activated in between must not be read stale."""
+    engine = Engine()
+    engine.place(wan_pipe, CONFIGS["auto-preload-off"])
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    stand_in_side_stream(monkeypatch, streamer)
+    for loras, expected in (([], "base"), ([spec(wan_loras["a"])], "a"), ([], "base")):
+        activate(wan_pipe, loras)
+        try:
+            torch.testing.assert_close(run_wan(wan_pipe), references[expected], rtol=0, atol=0)
+        finally:
+            engine.after_run(wan_pipe)
+        assert streamer.prefetch.inflight  # copied ahead for the next call, kept through its end
+    engine.release(wan_pipe)
 
 
 def assert_weights_equal_after_release(pipe, expected: dict[str, torch.Tensor]) -> None:

@@ -20,6 +20,7 @@ from diffusers_offload.offload_core.pin_path import transport_context
 from diffusers_offload.offload_core.pinning import PinGrant
 from diffusers_offload.offload_core.roles import Role, RoleDecision
 from diffusers_offload.offload_core.transport.staging import StagingRing
+from fixtures.side_stream import stand_in_side_stream
 from fixtures.tiny_pipes import run_wan
 
 CUDA = torch.device("cuda")  # only named: nothing is allocated on it
@@ -42,10 +43,6 @@ def _six_block_wan():
 def _forward(model, feeds):
     with torch.inference_mode():
         return model(**feeds)[0]
-
-
-class _SideStreamOnCpu:
-    """Stands in for the CUDA side stream: the prefetch bookkeeping runs as on a GPU."""
 
 
 def _refuse_direct_copy(pairs, pinned, after):
@@ -95,8 +92,7 @@ def test_on_the_cpu_staged_streaming_gives_the_unplaced_output_for_every_plan(mo
     engine.place(bag, OffloadConfig(preload="off", resident_floor_mb=0, stream_parts=parts, pin_memory=False))
     streamer = engine.states(bag)["transformer"].transport
     streamer.events.unsubscribe("preload")  # the plans are set by hand
-    monkeypatch.setattr(streamer.prefetch, "copy_stream", _SideStreamOnCpu())
-    monkeypatch.setattr(streamer.prefetch, "copy", _refuse_direct_copy)
+    stand_in_side_stream(monkeypatch, streamer, _refuse_direct_copy)
     streamer.prefetch.staging = StagingRing(stream=None)  # the ring a side stream gets, copying at once
     assert not any(b.pinned for b in streamer.blocks)
     for kept in (set(), {0, 2, 4}, {1, 2, 3, 4, 5}):
