@@ -7,6 +7,7 @@ penalties and the blocks kept at unload survive a release and come back with the
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 
@@ -71,24 +72,14 @@ class PreloadingStreamer(BlockStreamer):
         super().before_write()
 
     def give_back_kept(self, nbytes: int) -> int:
-        """Let the pieces held as compute values go, then release kept pieces, lowest-ranked first
-        (the planner's order: what is left is still the best set of its size), until ``nbytes``
-        are freed; the planner keeps its plan, so they come back at the next cycle where they fit."""
+        """Let the pieces held as compute values go, then release kept pieces, lowest-ranked first;
+        the planner keeps its plan, so they come back at the next cycle where they fit."""
         freed = self.held.drop()
-        if freed >= nbytes:
-            return freed
-        if self.driver is None:
-            return freed + super().give_back_kept(nbytes - freed)
-        keep = self.resident_indices()
-        for index in reversed(self.driver.planner.ranking):
-            if freed >= nbytes:
-                break
-            if index in keep:
-                keep.discard(index)
-                freed += self.pieces[index].nbytes
-        if freed:
-            self.set_resident(keep)
-        return freed
+        return freed if freed >= nbytes else freed + super().give_back_kept(nbytes - freed)
+
+    def release_order(self) -> Iterable[int]:
+        """The planner's ranking, lowest first: what is left is still the best set of its size."""
+        return reversed(self.driver.planner.ranking) if self.driver is not None else super().release_order()
 
     def run_bytes(self) -> int:
         """The streaming slots plus the activations measured for the last workload."""

@@ -38,12 +38,13 @@ from .order import ExecutionOrder, OrderLearner
 from .prefetch import Prefetcher
 from .stream_accounts import StreamAccounts
 from .stream_hooks import BlockHook, ModelEntryHook, OutsideHook, PartHook, retry_on_oom
+from .stream_room import StreamRoom
 from .towers import find_towers
 
 log = get_logger("streamer")
 
 
-class BlockStreamer(StreamAccounts, TransportBase):
+class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
     name = "per-step"
     graphed = True  # its blocks and units may launch as CUDA graphs (`block_graphs.py`)
 
@@ -347,18 +348,10 @@ class BlockStreamer(StreamAccounts, TransportBase):
             return True
         return self.notify("oom", block=None)
 
-    def drop_prefetched(self) -> int:
-        """The copies made ahead and the idle streaming and cast buffers go; the device bytes freed."""
-        before = self.ring.nbytes + self.prefetch.casts.held
-        self.prefetch.drop_prefetched()
-        return before - self.ring.nbytes - self.prefetch.casts.held
-
     def after_run(self) -> None:
-        """The pipeline run ended: bound units go home. The streaming buffers and the next
-        forward's first units copied into them stay for the next run: remade, they may land at
-        other addresses, and the CUDA graphs of streamed units are keyed by their buffer's, so
-        every run would capture them again. They go when kept pieces cannot free the room asked
-        (`give_back`)."""
+        """The pipeline run ended: bound units go home. The streaming buffers, and the next
+        forward's first units copied into them, stay for the next run (`stream_room.py`: remade,
+        every streamed unit would be captured as a CUDA graph again)."""
         self.notify("end")
         self.prefetch.release_all()
         self.learner.seen, self._whole = [], []
@@ -383,26 +376,3 @@ class BlockStreamer(StreamAccounts, TransportBase):
     def before_write(self) -> None:
         self.drop_prefetched()  # copies made ahead of a weight write would be stale
         self.graphs.clear()  # a LoRA's hooks are not in them
-
-    def give_back(self, nbytes: int) -> int:
-        """Free ``nbytes``: kept pieces first (`give_back_kept`), the idle streaming buffers last
-        (they serve every forward, and the streamed units' CUDA graphs are keyed by their
-        addresses: remade, they may land elsewhere and every unit is captured again)."""
-        buffers = self.ring.nbytes + self.prefetch.casts.held
-        freed = self.give_back_kept(nbytes)
-        if freed < nbytes:
-            self.drop_prefetched()
-        return freed + max(buffers - self.ring.nbytes - self.prefetch.casts.held, 0)
-
-    def give_back_kept(self, nbytes: int) -> int:
-        """Release kept pieces, last in the table first, until ``nbytes`` are freed."""
-        freed = 0
-        keep = self.resident_indices()
-        for piece in reversed(self.pieces):
-            if freed >= nbytes:
-                break
-            if piece.resident is not None:
-                keep.discard(piece.index)
-                freed += piece.nbytes
-        self.set_resident(keep)
-        return freed

@@ -1,10 +1,12 @@
 """The streaming buffer ring: buffers are reused, never more than its capacity are kept between
-uses, and a new resident set's block size replaces them (CPU: the event logic needs a GPU and is
-checked by the parity rows of bench/wan_bench.py)."""
+uses, and a new resident set's block size replaces them; a denoiser's stay from run to run and go
+last when room is asked, a text encoder's go when the denoiser starts (CPU: the event logic needs
+a GPU and is checked by the parity rows of bench/wan_bench.py)."""
 
 import pytest
 import torch
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig
+from diffusers_offload.offload_core.transport.encoder_stream import EncoderStreamer
 from diffusers_offload.offload_core.transport.ring import BufferRing
 from fixtures.side_stream import stand_in_side_stream
 from fixtures.tiny_pipes import run_wan
@@ -103,6 +105,30 @@ def test_a_run_allocates_one_block_buffer_which_the_next_run_reuses_until_room_i
         engine.release(wan_pipe)
     for out in outs:
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_the_encoders_buffers_and_non_layer_part_are_off_the_device_while_the_denoiser_runs(wan_pipe) -> None:
+    """Its streaming buffers go when the denoiser starts, with its non-layer part: neither takes
+    the denoiser's room (a denoiser's own buffers stay from run to run)."""
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, prompt_cache_gb=0))
+    encoder = engine.states(wan_pipe)["text_encoder"].transport
+    assert isinstance(encoder, EncoderStreamer)
+    denoiser = engine.states(wan_pipe)["transformer"].transport
+    seen: list[tuple[int, bool]] = []
+    handle = wan_pipe.transformer.blocks[0].register_forward_pre_hook(
+        lambda module, args: seen.append((encoder.ring.nbytes, encoder.head_loaded)))
+    try:
+        for _ in range(2):
+            encoder.ring.fill()  # as a GPU would hold them after the encode
+            run_wan(wan_pipe)
+            engine.after_run(wan_pipe)
+            assert encoder.ring.nbytes == 0 and not encoder.head_loaded
+            assert denoiser.ring.nbytes > 0
+    finally:
+        handle.remove()
+        engine.release(wan_pipe)
+    assert seen and all(entry == (0, False) for entry in seen)
 
 
 def _six_block_wan():

@@ -159,29 +159,6 @@ def test_streamed_outputs_equal_mode_none_run_after_run_and_nothing_is_left(
     assert pinned_bytes() == 0  # on a CPU-only torch nothing is ever page-locked: with CUDA this is the check
 
 
-def test_the_encoders_buffers_and_non_layer_part_are_off_the_device_while_the_denoiser_runs(wan_pipe) -> None:
-    """Its streaming buffers go when the denoiser starts, with its non-layer part: neither takes
-    the denoiser's room (a denoiser's own buffers stay from run to run)."""
-    engine = Engine()
-    engine.place(wan_pipe, CFG)
-    encoder = _streamers(engine, wan_pipe, ("text_encoder",))["text_encoder"]
-    denoiser = engine.states(wan_pipe)["transformer"].transport
-    seen: list[tuple[int, bool]] = []
-    handle = wan_pipe.transformer.blocks[0].register_forward_pre_hook(
-        lambda module, args: seen.append((encoder.ring.nbytes, encoder.head_loaded)))
-    try:
-        for _ in range(2):
-            encoder.ring.fill()  # as a GPU would hold them after the encode
-            run_wan(wan_pipe)
-            engine.after_run(wan_pipe)
-            assert encoder.ring.nbytes == 0 and not encoder.head_loaded
-            assert denoiser.ring.nbytes > 0
-    finally:
-        handle.remove()
-        engine.release(wan_pipe)
-    assert seen and all(entry == (0, False) for entry in seen)
-
-
 def test_a_run_after_a_lora_change_on_a_streamed_encoder_is_right(
         flux_pipe, tmp_path: Path, every_layer_stack_streams) -> None:
     """A LoRA on Flux's CLIP (the only text encoder diffusers' Flux loader takes one for): written

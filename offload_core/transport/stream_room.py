@@ -1,0 +1,45 @@
+"""What a block streamer gives back when device room is asked for (ComfyUI's memory manager, an
+on-demand component moving in, another denoiser's plan): kept pieces first, in `release_order`,
+the idle streaming buffers last. Why the buffers last: they serve every forward, a dropped one is
+remade at the next, maybe elsewhere, and the CUDA graphs of streamed units are keyed by their
+buffer's address, so each such unit would be captured again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class StreamRoom:
+    """Mixed into `BlockStreamer` (its ``ring``, ``prefetch``, ``pieces`` and ``set_resident``)."""
+
+    def drop_prefetched(self) -> int:
+        """The copies made ahead and the idle streaming and cast buffers go; the device bytes freed."""
+        before = self.ring.nbytes + self.prefetch.casts.held
+        self.prefetch.drop_prefetched()
+        return before - self.ring.nbytes - self.prefetch.casts.held
+
+    def give_back(self, nbytes: int) -> int:
+        """Free ``nbytes``: kept pieces first (`give_back_kept`), then, if that was not enough, the
+        idle streaming buffers; the bytes freed."""
+        buffers = self.ring.nbytes + self.prefetch.casts.held
+        freed = self.give_back_kept(nbytes)
+        if freed < nbytes:
+            self.drop_prefetched()
+        return freed + max(buffers - self.ring.nbytes - self.prefetch.casts.held, 0)
+
+    def give_back_kept(self, nbytes: int) -> int:
+        """Release kept pieces in `release_order` until ``nbytes`` are freed."""
+        keep, freed = self.resident_indices(), 0
+        for index in self.release_order():
+            if freed >= nbytes:
+                break
+            if index in keep:
+                keep.discard(index)
+                freed += self.pieces[index].nbytes
+        if freed:
+            self.set_resident(keep)
+        return freed
+
+    def release_order(self) -> Iterable[int]:
+        """The order kept pieces are given up in: last in the table first."""
+        return (piece.index for piece in reversed(self.pieces))
