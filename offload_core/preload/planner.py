@@ -169,8 +169,8 @@ class PreloadPlanner:
 
     def room_wanted(self, workload: int | None, extra: int) -> int:
         """Bytes the device lacks now for the plan a cycle of ``workload`` would choose if
-        ``extra`` more bytes were free (idle denoisers' kept blocks, `shared.py`): what to ask
-        them for. 0 when that plan fits already, or nothing is measured or estimated (auto only)."""
+        ``extra`` more bytes were free (what idle denoisers could give back, `shared.py`): what to
+        ask them for. 0 when that plan fits already, or nothing is measured or estimated (auto only)."""
         if self.policy.mode != "auto" or workload is None or extra <= 0:
             return 0
         peak = self.measured_peak(workload)

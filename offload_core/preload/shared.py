@@ -3,9 +3,9 @@
 
 Each denoiser keeps its own planner (its measures, penalties and ranking stay its own); this
 only decides who gives room up. While one denoiser runs, the others are idle: a plan that needs
-room, or a shortage, takes their kept blocks first, in one request of the whole need plus a
-margin (one reload of the starting plan, not one piece per retry), before the running one's own
-plan shrinks. Pure logic over the members' two calls: it never touches the device itself.
+room, or a shortage, takes their kept blocks (then their streaming buffers) first, in one request
+of the whole need plus a margin (one reload of the starting plan, not one piece per retry), before
+the running one's own plan shrinks. Pure logic over the members' two calls: it never touches the device itself.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOM_MARGIN = MARGIN_BASE  # asked for beyond the need: allocator rounding, the 
 class Member(Protocol):
     """A denoiser's transport as the budget sees it (`PreloadingStreamer`)."""
 
-    def kept_bytes(self) -> int: ...
+    def givable_bytes(self) -> int: ...
 
     def give_back(self, nbytes: int) -> int: ...
 
@@ -40,22 +40,23 @@ class SharedBudget:
         live = [(name, m) for name, ref in self._members if (m := ref()) is not None]
         return [(name, m) for name, m in live if m is not running]
 
-    def idle_kept(self, running: Member) -> int:
-        """Bytes the idle members keep on the device: room ``running``'s plan may count on."""
-        return sum(m.kept_bytes() for _name, m in self.idle(running))
+    def idle_room(self, running: Member) -> int:
+        """Bytes the idle members could give back (their kept blocks, then their streaming
+        buffers, which stay from run to run): room ``running``'s plan may count on."""
+        return sum(m.givable_bytes() for _name, m in self.idle(running))
 
     def take_idle(self, running: Member, need: int, why: str) -> int:
-        """Free ``need`` plus the margin from the idle members' kept blocks, each asked once for
-        what is still missing (their lowest-ranked pieces go first); returns the bytes freed."""
+        """Free ``need`` plus the margin from the idle members, each asked once for what is still
+        missing (their lowest-ranked pieces go first, their buffers last); returns the bytes freed."""
         if need <= 0:
             return 0
         ask, freed = need + ROOM_MARGIN, 0
         for name, member in self.idle(running):
             if freed >= ask:
                 break
-            if member.kept_bytes():
+            if member.givable_bytes():
                 got = member.give_back(ask - freed)
                 freed += got
-                log.info("%s gave back %.2f GiB of kept blocks (%s: needed %.2f GiB + margin)",
+                log.info("%s gave back %.2f GiB of kept blocks or buffers (%s: needed %.2f GiB + margin)",
                          name, got / 2**30, why, need / 2**30)
         return freed

@@ -170,7 +170,7 @@ class PreloadDriver:
         needs more room than is free, their kept blocks make it, in one request (`shared.py`),
         before this plan is fitted (it then keeps what it planned)."""
         if self.shared is not None:
-            need = self.planner.room_wanted(workload, self.shared.idle_kept(self.streamer))
+            need = self.planner.room_wanted(workload, self.shared.idle_room(self.streamer))
             self.shared.take_idle(self.streamer, need, f"{self.planner.label} starts")
 
     def _coming_workload(self) -> int | None:

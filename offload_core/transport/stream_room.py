@@ -18,6 +18,11 @@ class StreamRoom:
         self.prefetch.drop_prefetched()
         return before - self.ring.nbytes - self.prefetch.casts.held
 
+    def givable_bytes(self) -> int:
+        """Device bytes `give_back` frees at most while the streamer is idle (none of its units
+        bound): its kept pieces and its streaming buffers."""
+        return self.kept_bytes() + self.ring.nbytes
+
     def give_back(self, nbytes: int) -> int:
         """Free ``nbytes``: kept pieces first (`give_back_kept`), then, if that was not enough, the
         idle streaming buffers; the bytes freed."""

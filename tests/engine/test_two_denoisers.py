@@ -188,3 +188,24 @@ def test_a_shortage_in_one_denoiser_takes_the_idle_ones_blocks_before_its_own(a1
     assert len(shortage) == 1 and shortage[0][3] == 1, takes  # one give_back on the idle one
     assert shortage[0][2] >= block  # the need: one streamed block
     assert torch.equal(frames, expected)
+
+
+def test_the_idle_denoisers_streaming_buffers_are_room_given_after_its_kept_blocks(a14b, monkeypatch):
+    """Each denoiser's streaming buffers stay from run to run; while it is idle they count as
+    room the running one may take (`SharedBudget.idle_room`), and go only after its kept pieces."""
+    monkeypatch.setattr(shared_module, "ROOM_MARGIN", 0)  # 512 MiB would take everything tiny
+    engine = Engine()
+    engine.place(a14b, AUTO.replace(preload="off"))  # everything streams: both hold buffers after a run
+    run_wan_family(a14b)
+    engine.after_run(a14b)
+    idle, running = (engine.states(a14b)[n].transport for n in NAMES)
+    budget = running.driver.shared
+    idle.set_resident({idle.pieces[-1].index})  # and the idle one keeps a piece
+    kept, buffers = idle.kept_bytes(), idle.ring.nbytes
+    assert buffers > 0 and budget.idle_room(running) == kept + buffers
+    assert budget.take_idle(running, max(kept, 1), "test") >= kept  # kept pieces first ...
+    assert idle.kept_bytes() == 0 and idle.ring.nbytes == buffers  # ... the buffers stay
+    assert budget.take_idle(running, 1, "test") == buffers and idle.ring.nbytes == 0  # then they go
+    assert torch.equal(run_wan_family(a14b), run_wan_family(a14b))
+    engine.after_run(a14b)
+    engine.release(a14b)
