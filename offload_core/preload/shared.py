@@ -5,7 +5,8 @@ Each denoiser keeps its own planner (its measures, penalties and ranking stay it
 only decides who gives room up. While one denoiser runs, the others are idle: a plan that needs
 room, or a shortage, takes their kept blocks (then their streaming buffers) first, in one request
 of the whole need plus a margin (one reload of the starting plan, not one piece per retry), before
-the running one's own plan shrinks. Pure logic over the members' two calls: it never touches the device itself.
+the running one's own plan shrinks. Pure logic over the members' two calls: it never touches the
+device itself.
 """
 
 from __future__ import annotations

@@ -11,10 +11,9 @@ embeddings, final norm, a VLM's vision tower and head) is not resident for the w
 it rests in (pinned) host memory, moves in when one of its modules is entered, and goes home,
 with the layers' streaming buffers, at the end of the run, when the denoiser starts (`Engine`
 parks idle components), or when another component asks for room, so that neither takes the
-denoiser's preload room. Where the device is
-short (before the non-layer part moves in, or an out-of-memory error in a layer) the pipeline's
-other components give room back (the denoisers' kept blocks, idle on-demand modules), never this
-encoder's own part while it runs.
+denoiser's preload room. Where the device is short (before the non-layer part moves in, or an
+out-of-memory error in a layer) the pipeline's other components give room back (the denoisers'
+kept blocks, idle on-demand modules), never this encoder's own part while it runs.
 
 Whole layers only: a T5 block's large children are its ``layer`` ModuleList (no forward of its
 own), so streaming T5 in parts would bind nothing. Forwards are told apart by the layers, not by
