@@ -21,8 +21,8 @@ Order: a ballast makes the card ``--cap`` GiB, then per workload the phases of `
 the ballast gone, ours on the whole card (the fp8-resident step: the plan keeps every block) and
 what the card still holds once everything is unloaded (``after_release``); before each
 capped phase every model is unloaded (ComfyUI's ``unload_all_models``: each side gets the whole card;
-``--coexist`` leaves them to take memory from each other), but before an ``again`` phase: ours with
-the model still placed by the phase before, a user's next prompt). Rows (JSON lines to --json / --out):
+``--coexist`` leaves them to take memory from each other), but not before an ``again`` phase (ours
+with the model still placed by the phase before: a user's next prompt). Rows (JSON lines to --json / --out):
 per-forward median after the first, ours / native, our bound = max(fp8-resident step, streamed
 storage bytes / pinned H2D measured in this process), OOMs and retries, host RSS against storage.
 
