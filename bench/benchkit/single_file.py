@@ -281,7 +281,7 @@ def summarize(c: Any, h2d: float | None, rows: Any) -> list[dict[str, Any]]:
                    "steady_ours_over_bound": _ratio(o_st, bound), "ours_warmup_s": ours.get("warmup_s") if ours else None,
                    "again_s": again and again["median_rest_s"], "again_warmup_s": again and again.get("warmup_s")}
         kept_all = res is not None and res.get("streamed_bytes") == 0
-        errors = [r["error"] for r in (ours, native, res) if r and r["error"]]
+        errors = [r["error"] for r in (ours, native, res, again) if r and r["error"]]
         out.append(
             rows(
                 section="row",

@@ -173,9 +173,9 @@ class EncoderStreamer(BlockStreamer):
     def offload_idle(self) -> bool:
         """Idle (a denoiser starts, the run ends): the non-layer part goes home and the streaming
         buffers go, so that neither takes the denoiser's room; True when anything left."""
-        freed = self.drop_prefetched() > 0
+        dropped = self.drop_prefetched() > 0
         if not self.head_loaded:
-            return freed
+            return dropped
         self._head_out()
         return True
 

@@ -37,7 +37,11 @@ class StreamAccounts:
         (read from the block table, not by walking every tensor: it runs once per forward)."""
         if self.module is None or self.device == self.ctx.offload_device:
             return 0
-        return self._head_bytes + self.kept_bytes() + self.ring.nbytes + self.prefetch.casts.held
+        return self._head_bytes + self.kept_bytes() + self.buffer_bytes()
+
+    def buffer_bytes(self) -> int:
+        """The streaming buffers and the fp8 cast buffers held now."""
+        return self.ring.nbytes + self.prefetch.casts.held
 
     def pinned_bytes(self) -> int:
         return self.pins.nbytes

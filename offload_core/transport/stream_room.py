@@ -10,13 +10,13 @@ from collections.abc import Iterable
 
 
 class StreamRoom:
-    """Mixed into `BlockStreamer` (its ``ring``, ``prefetch``, ``pieces`` and ``set_resident``)."""
+    """Mixed into `BlockStreamer` (its ``prefetch``, ``pieces``, ``set_resident`` and accounts)."""
 
     def drop_prefetched(self) -> int:
         """The copies made ahead and the idle streaming and cast buffers go; the device bytes freed."""
-        before = self.ring.nbytes + self.prefetch.casts.held
+        before = self.buffer_bytes()
         self.prefetch.drop_prefetched()
-        return before - self.ring.nbytes - self.prefetch.casts.held
+        return before - self.buffer_bytes()
 
     def givable_bytes(self) -> int:
         """Device bytes `give_back` frees at most while the streamer is idle (none of its units
@@ -26,11 +26,11 @@ class StreamRoom:
     def give_back(self, nbytes: int) -> int:
         """Free ``nbytes``: kept pieces first (`give_back_kept`), then, if that was not enough, the
         idle streaming buffers; the bytes freed."""
-        buffers = self.ring.nbytes + self.prefetch.casts.held
-        freed = self.give_back_kept(nbytes)
+        buffers = self.buffer_bytes()
+        freed = self.give_back_kept(nbytes)  # (a new resident set may resize the ring: counted below)
         if freed < nbytes:
             self.drop_prefetched()
-        return freed + max(buffers - self.ring.nbytes - self.prefetch.casts.held, 0)
+        return freed + max(buffers - self.buffer_bytes(), 0)
 
     def give_back_kept(self, nbytes: int) -> int:
         """Release kept pieces in `release_order` until ``nbytes`` are freed."""
