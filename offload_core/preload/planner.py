@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from ..log import get_logger
 from . import registry
-from .fit import GIB, MemoryReading, fit_prefix, growth_threshold, lookahead_slots, margin, weight_budget
+from .fit import MemoryReading, fit_prefix, growth_threshold, lookahead_slots, margin, weight_budget
 from .measures import MeasureKey, MeasureStore, process_store
 from .penalty import Penalty
+from .plan_line import block_counts, gb, plan_line
 from .policy import Policy, parse_policy
 from .ranking import BlockInfo, rank_blocks, spread_kept
 
@@ -55,6 +56,7 @@ class Relief:
 class _Cycle:
     workload: int
     stable: bool  # began with the resident set the cycle before ended with
+    budget: int | None  # the weight budget it was planned with, before any penalty (auto, measured)
     shortage: bool = False
 
 
@@ -160,8 +162,16 @@ class PreloadPlanner:
         if not stable or slots != self.ring_slots:
             self._resident, self.ring_slots = target, slots
             self._log_plan(workload)
-        self._cycle = _Cycle(workload, stable)
+        self._cycle = _Cycle(workload, stable, self._budget_before_penalty(workload))
         return target
+
+    def _budget_before_penalty(self, workload: int) -> int | None:
+        """The weight budget a cycle of ``workload`` plans with, less no penalty (auto with a
+        measure); what a shortage in it compares the plan against (`_learn`)."""
+        peak = self.measured_peak(workload)
+        if self.policy.mode != "auto" or peak is None:
+            return None
+        return weight_budget(self._reader(), peak, 0)
 
     def preview(self, workload: int) -> frozenset[int]:
         """The resident set a cycle of ``workload`` would start with, changing nothing."""
@@ -212,8 +222,9 @@ class PreloadPlanner:
         buffers the lookahead added beyond the window's go first: they bought speed only with
         the fit's spare room, and a kept block saves a transfer every step. Without them:
         resident blocks, lowest-ranked first and never those ``running``, until ``needed`` bytes
-        (at least one block). What goes is added to the workload's penalty. An empty
+        (at least one block). The workload's penalty learns from it (`_learn`). An empty
         answer means nothing can go: a true out-of-memory."""
+        planned = self._plan_bytes()
         relief = self._release_buffers() or Relief(blocks=self._release(running, needed))
         if not relief:
             return relief
@@ -222,11 +233,30 @@ class PreloadPlanner:
         if self._cycle is not None:
             self._cycle.shortage = True
         if self.policy.mode == "auto" and self.last_workload is not None:
-            penalty = self._penalty_of(self.last_workload)
-            penalty.add(relief.buffer_bytes + self._bytes(relief.blocks))
-            self._store.record_penalty(self._key(self.last_workload), penalty.bytes)
+            self._learn(planned, needed, relief.buffer_bytes + self._bytes(relief.blocks))
         self._log_plan(self.last_workload)
         return relief
+
+    def _learn(self, planned: int, needed: int, released: int) -> None:
+        """A plan of ``planned`` device bytes ran short and ``released`` went: the penalty rises
+        until the cycle's budget lands below that plan by the shortfall (``needed``, or half of
+        what went when unknown: midway between the plan that ran short and the one left). Why
+        not add what went: the plan left ran clean, and a budget that only just holds it loses
+        it to the next run's few MiB of drift. A plan already over its budget (room lent by an
+        idle denoiser) adds the shortfall; without the cycle's budget, what went is added."""
+        penalty = self._penalty_of(self.last_workload)
+        shortfall = max(needed, released // 2)
+        budget = self._cycle.budget if self._cycle is not None else None
+        if budget is None:
+            penalty.add(released)
+        else:
+            penalty.add(max(budget - planned + shortfall - penalty.bytes, shortfall if planned > budget else 0))
+        self._store.record_penalty(self._key(self.last_workload), penalty.bytes)
+
+    def _plan_bytes(self) -> int:
+        """Device bytes the plan takes now: its kept blocks and all its streaming buffers."""
+        slot = max((s for i, s in self.slot_sizes.items() if i not in self._resident), default=0)
+        return self._bytes(self._resident) + self.ring_slots * slot
 
     def _release_buffers(self) -> Relief:
         """The lookahead's buffers beyond the window's, as a relief (empty when there are none)."""
@@ -304,7 +334,7 @@ class PreloadPlanner:
         k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside,
                        [self.slot_sizes[i] for i in order])
         logger.debug("%s: fit: free %s + cached %s + ours %s - activations %s - margin %s - penalty %s = %s: %d of %d",
-                     self.label, *map(_gb, (reading.free, reading.cached_unused, reading.resident, peak, margin(peak),
+                     self.label, *map(gb, (reading.free, reading.cached_unused, reading.resident, peak, margin(peak),
                                             penalty, budget)), k, len(order))
         return frozenset(order[:k])
 
@@ -342,16 +372,6 @@ class PreloadPlanner:
                     break
         return frozenset(released)
 
-    def _block_counts(self) -> tuple[int, int, int]:
-        """(blocks kept whole, blocks kept in part, blocks): a block streamed in parts is two
-        entries of the plan (its core and its rest)."""
-        groups: dict[tuple, list[int]] = {}
-        for b in self._blocks:
-            groups.setdefault((b.tower, b.depth) if b.tower is not None else (None, b.index), []).append(b.index)
-        held = [sum(i in self._resident for i in g) for g in groups.values()]
-        whole = sum(h == len(g) for h, g in zip(held, groups.values(), strict=True))
-        return whole, sum(h > 0 for h in held) - whole, len(groups)
-
     def _bytes(self, blocks: frozenset[int]) -> int:
         return sum(self._sizes[i] for i in blocks)
 
@@ -360,7 +380,7 @@ class PreloadPlanner:
         return MeasureKey(model_class, identity, len(self._sizes), sum(self._sizes.values()), workload)
 
     def _log_plan(self, workload: int | None) -> None:
-        whole, partly, total = self._block_counts()
+        whole, partly, total = block_counts(self._blocks, self._resident)
         self.last_plan_line = plan_line(
             kept=whole,
             partly=partly,
@@ -373,25 +393,6 @@ class PreloadPlanner:
         )
         logger.info("%s: %s", self.label, self.last_plan_line)
 
-
-def plan_line(
-    *, kept: int, total: int, kept_bytes: int, peak: int | None, workload: int | None, penalty: int,
-    buffers: int, partly: int = 0,
-) -> str:
-    """The one line a change of plan prints (and the UI shows)."""
-    if peak is not None:
-        activations = f"activations measured {_gb(peak)} (workload {workload})"
-    elif workload is not None:
-        activations = f"activations unmeasured (workload {workload})"
-    else:
-        activations = "activations unmeasured"
-    part = f", {partly} in part" if partly else ""
-    return (f"blocks kept {kept}/{total}{part} ({_gb(kept_bytes)}), {activations}, penalty {_gb(penalty)}, "
-            f"{buffers} streaming buffers")
-
-
-def _gb(nbytes: int) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
 
 
 def _unplaced() -> MemoryReading:
