@@ -37,11 +37,11 @@ class BlockGraphs:
         self.model = ""  # the model's name, for the log
         self._pending: tuple | None = None  # (owner, key, args, kwargs, len(seen) at its entry): capture at its exit
 
-    def key(self, owner: Owner) -> tuple:
-        """Which call this is: the owner and where its units' bytes lie now (kept or a ring buffer),
-        and in which form (stored, or held as compute values: `held_casts.py`)."""
+    def key(self, owner: Owner) -> tuple[tuple, tuple]:
+        """Which call this is: the owner and its units' form (stored, or held as compute values:
+        `held_casts.py`), then where their bytes lie now (kept or a ring buffer)."""
         units = owner.units if isinstance(owner, StreamBlock) else (owner,)
-        return id(owner), tuple((self.prefetch.region(u).data_ptr(), u.computed) for u in units)
+        return (id(owner), tuple(u.computed for u in units)), tuple(self.prefetch.region(u).data_ptr() for u in units)
 
     def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int]) -> CallGraph | None:
         """A kept block or a bound streamed unit is entered: its trusted graph, to replay instead of
@@ -83,9 +83,10 @@ class BlockGraphs:
             self.prefetch.end_capture()
         self.notify("captured")
 
-    def clear(self) -> None:
+    def clear(self, forget: bool = False) -> None:
+        """Drop every graph; ``forget``: the calls' trust too (a weight write, the release)."""
         self._pending = None
-        self.cache.clear()
+        self.cache.forget() if forget else self.cache.clear()
         self.prefetch.casts.unfix()
 
 

@@ -9,7 +9,9 @@ says which calls and keys); its inputs are copied into static buffers shared by 
 signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
 written (a LoRA), at a shortage and at release. A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
-capture fails or differs stays eager for that signature. Large inputs (a video's activations)
+capture fails or differs stays eager for that signature. Trust is the call's, not its place's: a
+call trusted once is captured at its first call in a new place (a denoiser's kept blocks taken
+back after the other denoiser ran), without the check replay, until a weight write. Large inputs (a video's activations)
 stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
 Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture
 (here the cache is emptied only for a capture that ran out of memory).
@@ -130,6 +132,7 @@ class GraphCache:
         self.device = device
         self.enabled = False
         self._entries: dict[tuple[Key, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
+        self._trusted: set[tuple[Key, Key]] = set()  # (what is called, signature) whose replay was checked
         self._io: dict[Key, StaticIO] = {}
         self._pool: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -145,7 +148,7 @@ class GraphCache:
         """Graphs on (where the device is CUDA) or off (every graph dropped)."""
         self.enabled = on and self.device.type == "cuda"
         if not self.enabled:
-            self.clear()
+            self.forget()
 
     def __len__(self) -> int:
         return sum(isinstance(e, CallGraph) for e in self._entries.values())
@@ -163,10 +166,10 @@ class GraphCache:
         """Whether a call with these inputs may be graphed now."""
         return self.enabled and not self.starved and describe(args, kwargs) is not None
 
-    def plan(self, owner: Key, args: tuple, kwargs: dict) -> CallGraph | str | None:
-        """For a call of ``owner`` (a hashable key: the caller and where its weights lie): its
-        trusted graph (with this call's inputs), `CAPTURE` (its second eager call with this
-        signature: capture after it), or None (run eagerly)."""
+    def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
+        """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph
+        (with this call's inputs), `CAPTURE` (its second eager call with this signature, or its
+        first in this place when the call is trusted: capture after it), or None (run eagerly)."""
         if self.starved:
             return None
         call = describe(args, kwargs)
@@ -183,14 +186,16 @@ class GraphCache:
         if not entry and len(self._entries) >= CALLS_KEPT:
             self.clear()
         self._entries[(owner, key)] = entry + 1
-        return self.CAPTURE if entry >= 1 else None
+        return self.CAPTURE if entry >= 1 or (owner[0], key) in self._trusted else None
 
     def capture(self, owner: Key, name: str, run: Callable[..., object], args: tuple, kwargs: dict,
                 reference: object, units: list[int]) -> bool:
         """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside)
         on static copies of the inputs, replay it on these inputs and keep it if it reproduces
-        ``reference`` (the eager output of this very call) bit for bit; True when kept."""
+        ``reference`` (the eager output of this very call) bit for bit, or at once when the call
+        is trusted (`plan`); True when kept."""
         key, tensors = describe(args, kwargs)
+        trusted = (owner[0], key) in self._trusted
         out_tensors: list[torch.Tensor] = []
         out_key = _describe(reference, out_tensors)
         io = self._static_io(key, tensors)
@@ -199,10 +204,10 @@ class GraphCache:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
             graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
             if graph is not None:
-                entry = CallGraph(graph, io, out_key, units, tensors)
-                entry.replay()
-                if all(torch.equal(a, b) for a, b in zip(outs, out_tensors, strict=True)):
+                entry = CallGraph(graph, io, out_key, units, [] if trusted else tensors)
+                if trusted or _replays_equal(entry, outs, out_tensors):
                     self._entries[(owner, key)] = entry
+                    self._trusted.add((owner[0], key))
                     self.captured += 1
                     if self.captured == 1:
                         log.info("%s: launches as a CUDA graph (inputs %s), and so will the calls captured after it", name, _shapes(tensors))
@@ -293,9 +298,20 @@ class GraphCache:
         self.pool_bytes = 0
         self.starved = False
 
+    def forget(self) -> None:
+        """`clear`, and no call is trusted any more (a weight write may change what a call runs)."""
+        self.clear()
+        self._trusted.clear()
+
     def details(self) -> dict[str, int]:
         return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused,
                 "graph_retries": self.retried}
+
+
+def _replays_equal(entry: CallGraph, outs: list[torch.Tensor], reference: list[torch.Tensor]) -> bool:
+    """The check replay: ``entry`` run once on its inputs writes ``outs`` equal to ``reference``."""
+    entry.replay()
+    return all(torch.equal(a, b) for a, b in zip(outs, reference, strict=True))
 
 
 def _copy_out(out: object, outs: list[torch.Tensor]) -> None:

@@ -126,7 +126,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         return self.ctx.pin_bytes
 
     def remove(self, module: torch.nn.Module) -> None:
-        self.graphs.clear()
+        self.graphs.clear(forget=True)
         remove_hook(module, MARKER)
         while self._hooked:
             remove_hook(self._hooked.pop(), STREAM_HOOK)
@@ -375,4 +375,4 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
 
     def before_write(self) -> None:
         self.drop_prefetched()  # copies made ahead of a weight write would be stale
-        self.graphs.clear()  # a LoRA's hooks are not in them
+        self.graphs.clear(forget=True)  # a LoRA's hooks are not in them, and may change what a call runs

@@ -7,8 +7,10 @@ pipeline's other components (`Engine.give_back`) for its working memory beyond w
 its peak above the call's start, measured on an earlier call with the same inputs (SPEC §13: the
 measure is this component's, never a denoiser's). An unmeasured call runs as it is; if it runs out
 of memory, everything the others can give back goes and the call runs once more (diffusers' VAE
-calls clear their caches on entry, so a repeated call computes the same result). A measured call
-that still ran out (a fragmented pool: cudaMallocAsync) asks for everything from then on.
+calls clear their caches on entry, so a repeated call computes the same result), and from then on
+that call asks for everything before it runs: measured with everything given back, its peak
+understates what it needs beside kept blocks (a Wan 2.2 decode at 12 GiB under cudaMallocAsync
+ran out again after its measured room was given back; bench/README run 39).
 """
 
 from __future__ import annotations
@@ -59,11 +61,16 @@ class Workspace:
         return entered
 
     def _ask(self, key: tuple) -> None:
-        need = self.peaks.get(key)
         available = self.memory.device_available(self.device)
-        if need is None or available is None or (key not in self.short and available >= need + MARGIN_BASE):
+        if key in self.short:
+            freed = self.make_room(EVERYTHING)
+            log.info("%s ran out of memory before: the pipeline's other components gave back %.2f GiB", key[0],
+                     freed / 2**30)
             return
-        freed = self.make_room(EVERYTHING if key in self.short else need + MARGIN_BASE - available)
+        need = self.peaks.get(key)
+        if need is None or available is None or available >= need + MARGIN_BASE:
+            return
+        freed = self.make_room(need + MARGIN_BASE - available)
         log.info("%s needs %.2f GiB of working memory, %.2f GiB free: the pipeline's other components gave back "
                  "%.2f GiB", key[0], need / 2**30, available / 2**30, freed / 2**30)
 
@@ -81,12 +88,11 @@ class Workspace:
         return make_room(nbytes) if make_room is not None else 0
 
     def _relieve(self, key: tuple, attempt: int) -> bool:
-        """After an out-of-memory error: once, everything the others keep on the device; a call
-        that failed although its measured room was free asks for everything from then on."""
+        """After an out-of-memory error: once, everything the others keep on the device, and the
+        call asks for everything from then on."""
         if attempt:
             return False
-        if key in self.peaks:
-            self.short.add(key)
+        self.short.add(key)
         freed = self.make_room(EVERYTHING)
         log.info("out of memory in an encode/decode call: the pipeline's other components gave back %.2f GiB; "
                  "running it again", freed / 2**30)

@@ -108,7 +108,7 @@ def test_a_block_that_streams_its_rest_is_graphed_whole(tiny_wan_dir, storage: s
 
     def cores_seen(streamer, k: int) -> None:
         cores(streamer, k)
-        owners.update(owner[0] for owner in streamer.graphs.cache.owners())
+        owners.update(called[0] for called, _where in streamer.graphs.cache.owners())
         streaming.update(id(b) for b in streamer.blocks if b.index not in streamer.resident_blocks())
 
     graphed, on = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=8, between=cores_seen)
@@ -136,6 +136,44 @@ def test_a_weight_write_drops_every_graph_and_the_next_ones_capture_the_new_forw
     graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), between=write)
     assert on["graphs"] == on["blocks"]
     assert not torch.equal(eager[0], eager[1])  # the hook changed the output
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def _moving_kept_blocks(counts: list[tuple[int, int]], moved: list[bool]):
+    """A `between` that, after the first run, gives every kept block back and takes it again at
+    new addresses (what a Wan 2.2 denoiser meets after the other one ran); ``counts`` gets the
+    cache's (captured, replayed) after each run but the last, ``moved`` whether every block's
+    weights lie elsewhere."""
+    def move(streamer, k: int) -> None:
+        cache = streamer.graphs.cache
+        counts.append((cache.captured, cache.replayed))
+        if k == 0:
+            streamer.events.unsubscribe("preload")  # the planner would re-plan
+            kept = streamer.resident_indices()
+            before = {b.index: streamer.graphs.key(b)[1] for b in streamer.blocks}
+            streamer.set_resident(set())
+            fillers = [torch.empty(streamer.pieces[i].nbytes, dtype=torch.uint8, device="cuda") for i in kept]
+            streamer.set_resident(kept)
+            del fillers
+            moved.append(all(streamer.graphs.key(b)[1] != before[b.index] for b in streamer.blocks))
+    return move
+
+
+def test_a_call_checked_once_is_captured_at_its_first_call_in_a_new_place(pipe, tiny_wan_dir) -> None:
+    """A kept block taken back at new addresses is captured at its first call there, without a
+    second eager forward or a check replay: the run after the move replays one call per block
+    more than the first run did (which captured at each block's second call), and every run
+    equals the eager ones bit for bit."""
+    eager, _ = placed_runs(pipe, OffloadConfig(**BASE, cuda_graphs=False), runs=3,
+                           between=_moving_kept_blocks([], []))
+    counts: list[tuple[int, int]] = []
+    moved: list[bool] = []
+    graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), runs=3,
+                              between=_moving_kept_blocks(counts, moved))
+    (captured_1, replayed_1), (captured_2, replayed_2) = counts
+    assert moved == [True] and on["graphs_refused"] == 0
+    assert captured_1 == on["blocks"] and captured_2 - captured_1 == on["blocks"]
+    assert replayed_2 - replayed_1 == replayed_1 + on["blocks"]
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
