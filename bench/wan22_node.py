@@ -214,14 +214,16 @@ def main() -> int:
     import comfy.model_management as mm
     import torch
     from benchkit.measure import Ballast, MemoryPoller, h2d_bandwidth
-    from benchkit.wan22 import DenoiserClock, aimdo_enabled, resolver
+    from benchkit.wan22 import DenoiserClock, aimdo_enabled, decode_ooms, resolver
 
     cuda = (not a.cpu) and torch.cuda.is_available()
     require_nodes(host, "DiffusersOffloadGenerateVideo")
     capture = bc.capture_class()
     host.nodes.NODE_CLASS_MAPPINGS["Wan22Capture"] = capture
     host.comfy_utils.PROGRESS_THROTTLE_MIN_INTERVAL = 0.0
-    clock = DenoiserClock(torch, cuda, resolver(host.pack_submodule("nodes.host").ENGINE, mm))
+    engine = host.pack_submodule("nodes.host").ENGINE
+    clock = DenoiserClock(torch, cuda, resolver(engine, mm))
+    decodes = decode_ooms(engine, mm)
     clock.install()
     h2d = h2d_bandwidth() if cuda else None
     env = {
@@ -255,7 +257,7 @@ def main() -> int:
         for run in (1, 2):
             clock.run = run
             stamp(f"run {run}")
-            runs.append(run_once(a, p, host, torch, capture, poller, ballast, run))
+            runs.append(run_once(a, p, host, torch, capture, poller, ballast, run, decodes))
             emit(a, runs[-1])
     finally:
         if poller is not None:
@@ -267,15 +269,16 @@ def main() -> int:
     return report(a, clock, runs, resident, h2d, ballast, poller, time.perf_counter() - t_start)
 
 
-def run_once(a, p, host, torch, capture, poller, ballast, run: int) -> dict[str, Any]:
+def run_once(a, p, host, torch, capture, poller, ballast, run: int, decodes) -> dict[str, Any]:
     """One queue of the prompt (seed = run: the generate node runs again, the loader stays cached);
-    the allocator's OOMs and retries over the whole run (text encoder and VAE included)."""
+    the allocator's OOMs and retries over the whole run (text encoder and VAE included), and the
+    OOMs the VAE's calls met (``decodes()``: the engine's count, run again after a give-back)."""
     from benchkit.measure import alloc_counts
 
     if poller is not None:
         poller.reset()
     capture.seen.clear()
-    counts0 = alloc_counts()
+    counts0, decode0 = alloc_counts(), decodes()
     t0 = time.perf_counter()
     err = queue(host, prompt(a, p, run), ["cf"], f"run {run}")
     frames = next((v for k, v in reversed(capture.seen) if k == "frames"), None)
@@ -287,6 +290,7 @@ def run_once(a, p, host, torch, capture, poller, ballast, run: int) -> dict[str,
         "output_finite": None if frames is None else bool(torch.isfinite(frames).all()),
         "alloc_ooms": alloc_counts()[0] - counts0[0],
         "alloc_retries": alloc_counts()[1] - counts0[1],
+        "decode_ooms": decodes() - decode0,
     }
     if poller is not None:
         poller.sample()
@@ -313,7 +317,7 @@ def report(a, clock, runs, resident, h2d, ballast, poller, total_s: float) -> in
     engine_ooms = sum(
         max((f["engine_ooms_total"] or 0 for f in clock.forwards if f["denoiser"] == n), default=0)
         for n in DENOISERS
-    )  # cumulative since the placement in run 1
+    ) + sum(r["decode_ooms"] for r in runs)  # cumulative since the placement in run 1; the VAE's per run
     alloc_ooms = sum(r["alloc_ooms"] for r in runs)
     ooms = alloc_ooms + engine_ooms
     flow_only = a.cpu or h2d is None  # the CPU checks the flow: its step ratios are not the GPU's
@@ -355,7 +359,7 @@ def report(a, clock, runs, resident, h2d, ballast, poller, total_s: float) -> in
         error = f"  ERROR {r['error']}" if r["error"] else ""
         print(
             f"run {r['run']}: wall {r['wall_s']:.2f} s, peak less ballast {r.get('peak_used_less_ballast_gib', '-')} "
-            f"GiB, OOMs {r['alloc_ooms']}, retries {r['alloc_retries']}, output finite {r['output_finite']}{error}"
+            f"GiB, OOMs {r['alloc_ooms']} (decode met {r['decode_ooms']}), retries {r['alloc_retries']}, output finite {r['output_finite']}{error}"
         )
     for n in DENOISERS:
         first = [round(f["seconds"], 4) for f in clock.of(1, n)]

@@ -215,6 +215,21 @@ def resolver(engine, mm) -> Callable[[Any], tuple[str, Any]]:
     return resolve
 
 
+def decode_ooms(engine, mm) -> Callable[[], int]:
+    """``() -> out-of-memory errors`` the loaded pipeline's resident VAE met in its encode/decode
+    calls so far (each run again by the engine after a give-back: `Workspace`)."""
+
+    def count() -> int:
+        for lm in mm.current_loaded_models:
+            pipe = getattr(getattr(getattr(lm, "model", None), "model", None), "pipe", None)
+            state = engine.states(pipe).get("vae") if pipe is not None else None
+            if state is not None:
+                return int(state.transport.details().get("ooms", 0))
+        return 0
+
+    return count
+
+
 def aimdo_enabled() -> bool:
     """Whether ComfyUI's DynamicVRAM is on (the 2026 tree's switch; absent from v0.3.75)."""
     try:

@@ -35,5 +35,9 @@ class ResidentTransport(TransportBase):
         move_module(module, self.ctx.offload_device)
         self._module = None
 
+    def details(self) -> dict[str, object]:
+        """Out-of-memory errors its encode/decode calls met (each run again after a give-back)."""
+        return {"ooms": self.workspace.ooms} if self.workspace is not None else {}
+
     def device_bytes(self) -> int:
         return bytes_on(self._module, self.ctx.onload_device) if self._module is not None else 0

@@ -5,12 +5,13 @@ device (too small to move) decodes into whatever they left free; with two denois
 A14B) or a long video that is not enough. Each ``encode``/``decode`` call therefore first asks the
 pipeline's other components (`Engine.give_back`) for its working memory beyond what is free:
 its peak above the call's start, measured on an earlier call with the same inputs (SPEC §13: the
-measure is this component's, never a denoiser's). An unmeasured call runs as it is; if it runs out
-of memory, everything the others can give back goes and the call runs once more (diffusers' VAE
-calls clear their caches on entry, so a repeated call computes the same result), and from then on
-that call asks for everything before it runs: measured with everything given back, its peak
-understates what it needs beside kept blocks (a Wan 2.2 decode at 12 GiB under cudaMallocAsync
-ran out again after its measured room was given back; bench/README run 39).
+measure is this component's, never a denoiser's). An unmeasured call asks for everything the others
+keep: what they keep is a speed cache the next denoise reloads at the link's speed, while running
+short costs a failed call and then the same give-back. If a call runs out of memory anyway,
+everything goes and the call runs once more (diffusers' VAE calls clear their caches on entry, so a
+repeated call computes the same result), and from then on that call asks for everything before it
+runs (a Wan 2.2 decode at 12 GiB under cudaMallocAsync ran out again after its measured room was
+given back; bench/README run 39).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Workspace:
         """``group``: the pipeline's on-demand group, whose ``make_room`` the engine binds at each placement."""
         self.memory, self.device, self.group = memory, device, group
         self.peaks: dict[tuple, int] = {}
-        self.short: set[tuple] = set()  # calls that ran out of memory with their measured room (fragmentation)
+        self.short: set[tuple] = set()  # calls that ran out of memory: they ask for everything
+        self.ooms = 0  # out-of-memory errors met (and the call run again)
         self.depth = 0
 
     def wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,14 +63,14 @@ class Workspace:
         return entered
 
     def _ask(self, key: tuple) -> None:
-        available = self.memory.device_available(self.device)
-        if key in self.short:
-            freed = self.make_room(EVERYTHING)
-            log.info("%s ran out of memory before: the pipeline's other components gave back %.2f GiB", key[0],
-                     freed / 2**30)
-            return
         need = self.peaks.get(key)
-        if need is None or available is None or available >= need + MARGIN_BASE:
+        if key in self.short or need is None:
+            freed = self.make_room(EVERYTHING)
+            log.info("%s %s: the pipeline's other components gave back %.2f GiB", key[0],
+                     "ran out of memory before" if key in self.short else "is not measured yet", freed / 2**30)
+            return
+        available = self.memory.device_available(self.device)
+        if available is None or available >= need + MARGIN_BASE:
             return
         freed = self.make_room(need + MARGIN_BASE - available)
         log.info("%s needs %.2f GiB of working memory, %.2f GiB free: the pipeline's other components gave back "
@@ -93,6 +95,7 @@ class Workspace:
         if attempt:
             return False
         self.short.add(key)
+        self.ooms += 1
         freed = self.make_room(EVERYTHING)
         log.info("out of memory in an encode/decode call: the pipeline's other components gave back %.2f GiB; "
                  "running it again", freed / 2**30)

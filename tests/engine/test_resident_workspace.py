@@ -57,57 +57,57 @@ def _run(engine, pipe):
         engine.after_run(pipe)
 
 
-def _kept_at_decode(pipe, streamers, fail_once: bool = False) -> list[int]:
-    """Kept bytes of both denoisers each time the VAE's decoder is entered; ``fail_once``: the
-    first entry with blocks kept raises an out-of-memory error, as a full card would."""
-    seen: list[int] = []
+class _Watch:
+    """Per run (``run``, set by the test): the denoisers' kept bytes at each entry of the VAE's
+    decoder (``at_decode``) and after their last forward (``after_denoise``); ``fail(run,
+    entries)`` says where to raise an out-of-memory error, as a full card would."""
 
-    def hook(module, args):
-        kept = sum(s.kept_bytes() for s in streamers)
-        seen.append(kept)
-        if fail_once and kept and len(seen) == 1:
-            raise torch.OutOfMemoryError("scripted: the card is full")
+    def __init__(self, pipe, streamers, fail=lambda run, entries: False) -> None:
+        self.run, self.at_decode, self.after_denoise = 0, {}, {}
 
-    pipe.vae.decoder.register_forward_pre_hook(hook)
-    return seen
+        def decoder_entered(module, args):
+            kept = sum(s.kept_bytes() for s in streamers)
+            self.at_decode.setdefault(self.run, []).append(kept)
+            if kept and fail(self.run, len(self.at_decode[self.run])):
+                raise torch.OutOfMemoryError("scripted: the card is full")
+
+        def denoised(module, args, out):
+            self.after_denoise[self.run] = sum(s.kept_bytes() for s in streamers)
+
+        pipe.vae.decoder.register_forward_pre_hook(decoder_entered)
+        for name in DENOISERS:
+            getattr(pipe, name).register_forward_hook(denoised)
+
+    def runs(self, engine, pipe, ref, count: int) -> None:
+        for self.run in range(1, count + 1):
+            torch.testing.assert_close(_run(engine, pipe), ref, rtol=0, atol=0)
 
 
-def test_an_out_of_memory_decode_runs_again_after_the_denoisers_give_their_kept_blocks_back(a14b, caplog):
-    """The card reads room to spare, yet the first decode runs out: it runs again with every kept
-    block given back, and so does the next run's decode before it is entered (its measure, taken
-    with everything given back, would say the room to spare is enough)."""
+def test_an_unmeasured_decode_takes_everything_before_it_runs(a14b, caplog):
+    """Run 1's decode is not measured: every kept block goes before it is entered (running short
+    would cost a failed call and then the same). Run 2's is measured and fits: they stay."""
     ref = run_wan_family(a14b)
-    engine, streamers = _placed(a14b, _Card(free=1 << 40, peak=0))
-    seen = _kept_at_decode(a14b, streamers, fail_once=True)
-    with caplog.at_level("INFO", logger="diffusers_offload"):
-        out = _run(engine, a14b)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-    assert seen[0] > 0 and seen[1] == 0, seen  # the failed call with blocks kept, the repeat without
-    assert "running it again" in caplog.text
-    first_run = len(seen)
-    torch.testing.assert_close(_run(engine, a14b), ref, rtol=0, atol=0)
-    assert seen[first_run:] and not any(seen[first_run:]), seen  # the next run's decode asked for everything first
-    engine.release(a14b)
-
-
-def test_a_measured_decode_takes_its_room_before_it_runs(a14b):
-    """Run 1 is unmeasured and fits; from run 2 the decode's measured peak is more than is free,
-    so the kept blocks go before the decoder is entered (no error needed)."""
-    ref = run_wan_family(a14b)
-    engine, streamers = _placed(a14b, _Card(free=0, peak=4 << 20))
-    seen = _kept_at_decode(a14b, streamers)
-    torch.testing.assert_close(_run(engine, a14b), ref, rtol=0, atol=0)
-    torch.testing.assert_close(_run(engine, a14b), ref, rtol=0, atol=0)
-    assert seen[0] > 0 and seen[-1] == 0, seen
-    engine.release(a14b)
-
-
-def test_a_decode_that_fits_leaves_the_kept_blocks_alone(a14b):
     engine, streamers = _placed(a14b, _Card(free=1 << 40, peak=4 << 20))
-    seen = _kept_at_decode(a14b, streamers)
-    _run(engine, a14b)
-    _run(engine, a14b)
-    assert len(seen) >= 2 and min(seen) > 0, seen
+    watch = _Watch(a14b, streamers)
+    with caplog.at_level("INFO", logger="diffusers_offload"):
+        watch.runs(engine, a14b, ref, 2)
+    assert watch.after_denoise[1] > 0 and not any(watch.at_decode[1]), watch.at_decode
+    assert "is not measured yet" in caplog.text
+    assert min(watch.at_decode[2]) == watch.after_denoise[2] > 0, (watch.at_decode, watch.after_denoise)
+    assert engine.states(a14b)["vae"].transport.details() == {"ooms": 0}
+    engine.release(a14b)
+
+
+def test_a_measured_decode_takes_its_room_before_it_runs(a14b, monkeypatch):
+    """From run 2 the decode's measured peak is more than is free: that much goes before the
+    decoder is entered (no error needed), not everything."""
+    monkeypatch.setattr(workspace, "MARGIN_BASE", 0)  # the tiny blocks: a 512 MiB margin would take them all
+    ref = run_wan_family(a14b)
+    engine, streamers = _placed(a14b, _Card(free=0, peak=1))
+    watch = _Watch(a14b, streamers)
+    watch.runs(engine, a14b, ref, 2)
+    assert 0 < watch.at_decode[2][0] < watch.after_denoise[2], (watch.at_decode, watch.after_denoise)
+    engine.release(a14b)
 
 
 def test_release_puts_the_vae_decode_back(a14b):
@@ -119,24 +119,15 @@ def test_release_puts_the_vae_decode_back(a14b):
 
 def test_a_measured_decode_that_still_ran_out_asks_for_everything_next_time(a14b, monkeypatch):
     """Found on the H200 under cudaMallocAsync: the measured room was given back and the decode
-    still ran out (a fragmented pool); it ran again, and from then on that call takes everything."""
-    monkeypatch.setattr(workspace, "MARGIN_BASE", 0)  # the tiny blocks: a 512 MiB margin would take them all
+    still ran out (a fragmented pool); it ran again with everything given back, and from then on
+    that call takes everything before it runs."""
+    monkeypatch.setattr(workspace, "MARGIN_BASE", 0)
     ref = run_wan_family(a14b)
     engine, streamers = _placed(a14b, _Card(free=0, peak=1))
-    seen: dict[int, list[int]] = {1: [], 2: [], 3: []}  # per run: kept bytes at each decoder entry
-    run = [0]
-
-    def hook(module, args):
-        kept = sum(s.kept_bytes() for s in streamers)
-        seen[run[0]].append(kept)
-        if run[0] == 2 and kept and len(seen[2]) == 1:  # run 2's decode: its measured room was not enough
-            raise torch.OutOfMemoryError("scripted: fragmented")
-
-    a14b.vae.decoder.register_forward_pre_hook(hook)
-    for i in (1, 2, 3):
-        run[0] = i
-        torch.testing.assert_close(_run(engine, a14b), ref, rtol=0, atol=0)
-    full = seen[1][0]
-    assert full > 0 and 0 < seen[2][0] < full, seen  # run 2 gave back its measured need only, then failed
-    assert seen[2][1] == 0 and seen[3][0] == 0, seen  # its repeat, and run 3 from the start: everything
+    watch = _Watch(a14b, streamers, fail=lambda run, entries: run == 2 and entries == 1)
+    watch.runs(engine, a14b, ref, 3)
+    at, full = watch.at_decode, watch.after_denoise
+    assert 0 < at[2][0] < full[2], (at, full)  # run 2 gave back its measured need only, then failed
+    assert at[2][1] == 0 and full[3] > 0 and not any(at[3]), (at, full)  # its repeat, and run 3: everything
+    assert engine.states(a14b)["vae"].transport.details() == {"ooms": 1}
     engine.release(a14b)
