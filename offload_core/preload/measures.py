@@ -20,6 +20,7 @@ from ..log import get_logger
 
 logger = get_logger("preload")
 
+NEAR = 16  # workloads within 1/16 of each other share a learnt penalty (`MeasureStore.penalty`)
 FORMAT_VERSION = 2  # 2 added penalties; files of version 1 are read as penalty-free
 
 
@@ -59,7 +60,13 @@ class MeasureStore:
             self._penalties.setdefault(key, penalty)
 
     def penalty(self, key: MeasureKey) -> int:
-        return self._penalties.get(key, 0)
+        """The workload's penalty; for one with none, the largest of the model's workloads within
+        1/``NEAR`` of its size (a new prompt length: the same activations give or take a few
+        tokens, met on every new prompt of a model whose workload counts text tokens)."""
+        if key in self._penalties:
+            return self._penalties[key]
+        return max((v for k, v in self._penalties.items()
+                    if k.model == key.model and abs(k.workload - key.workload) * NEAR <= key.workload), default=0)
 
     def record_penalty(self, key: MeasureKey, nbytes: int) -> None:
         """The workload's penalty is now ``nbytes`` (0: none)."""

@@ -174,3 +174,23 @@ def test_a_second_shortage_raises_the_penalty_again():
     planner.begin_cycle(100)
     planner.on_shortage()
     assert planner.penalty(100) > first
+
+
+def test_a_new_prompt_length_starts_from_the_penalty_its_neighbour_learnt():
+    """MiniMax-H3's workload counts the prompt's tokens: each new prompt is a new workload a few
+    tokens from the last (bench/README run 39: the reprompt planned without the penalty run 1
+    learnt and met a retry). A workload within 1/16 of a penalised one starts from its penalty and
+    keeps its own from then on; a workload twice the size does not share it."""
+    planner = make_planner()
+    for _ in range(3):  # measured once the plan the estimate shrank is stable
+        planner.begin_cycle(100_000, CycleUsage(peak=2 * GIB, weights_floor=0))
+    assert planner.resident
+    planner.on_shortage()
+    learnt = planner.penalty(100_000)
+    assert learnt > 0
+    assert planner.penalty(100_000 + 6_000) == learnt and planner.penalty(100_000 - 5_000) == learnt
+    assert planner.penalty(200_000) == 0 and planner.penalty(100_000 + 7_000) == 0
+    planner.begin_cycle(100_050)  # the new prompt's cycles: its own penalty, decaying from the one it started with
+    for _ in range(START_PATIENCE):
+        planner.begin_cycle(100_050, CycleUsage(peak=2 * GIB, weights_floor=0))
+    assert planner.penalty(100_050) == learnt // 2 and planner.penalty(100_000) == learnt
