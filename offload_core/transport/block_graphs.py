@@ -39,9 +39,15 @@ class BlockGraphs:
 
     def key(self, owner: Owner) -> tuple[tuple, tuple]:
         """Which call this is: the owner and its units' form (stored, or held as compute values:
-        `held_casts.py`), then where their bytes lie now (kept or a ring buffer)."""
+        `held_casts.py`), then where their bytes lie now (kept or a ring buffer). A call trusted
+        once is captured at its first call in a new place (`GraphCache.plan`) only when all its
+        units are kept (a denoiser's blocks taken back after the other ran): a call that reads a
+        ring buffer names the buffers in what it is, since capturing streamed units at their first
+        call in each buffer cost more warm-up than it saved (bench/README run 37)."""
         units = owner.units if isinstance(owner, StreamBlock) else (owner,)
-        return (id(owner), tuple(u.computed for u in units)), tuple(self.prefetch.region(u).data_ptr() for u in units)
+        where = tuple(self.prefetch.region(u).data_ptr() for u in units)
+        kept = all(u.piece.resident is not None for u in units)
+        return (id(owner), tuple(u.computed for u in units), *(() if kept else (where,))), where
 
     def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int]) -> CallGraph | None:
         """A kept block or a bound streamed unit is entered: its trusted graph, to replay instead of

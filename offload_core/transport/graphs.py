@@ -11,7 +11,8 @@ written (a LoRA), at a shortage and at release. A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
 capture fails or differs stays eager for that signature. Trust is the call's, not its place's: a
 call trusted once is captured at its first call in a new place (a denoiser's kept blocks taken
-back after the other denoiser ran), without the check replay, until a weight write. Large inputs (a video's activations)
+back after the other denoiser ran; `block_graphs.py` says which calls), without the check replay,
+until a weight write. Large inputs (a video's activations)
 stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
 Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture
 (here the cache is emptied only for a capture that ran out of memory).
