@@ -23,6 +23,7 @@ def plan_line(
     *, kept: int, total: int, kept_bytes: int, peak: int | None, workload: int | None, penalty: int,
     buffers: int, partly: int = 0,
 ) -> str:
+    """The plan in one line: blocks kept (whole, in part), their bytes, the activations, penalty, buffers."""
     if peak is not None:
         activations = f"activations measured {gb(peak)} (workload {workload})"
     elif workload is not None:

@@ -238,19 +238,20 @@ class PreloadPlanner:
         return relief
 
     def _learn(self, planned: int, needed: int, released: int) -> None:
-        """A plan of ``planned`` device bytes ran short and ``released`` went: the penalty rises
-        until the cycle's budget lands below that plan by the shortfall (``needed``, or half of
-        what went when unknown: midway between the plan that ran short and the one left). Why
-        not add what went: the plan left ran clean, and a budget that only just holds it loses
-        it to the next run's few MiB of drift. A plan already over its budget (room lent by an
-        idle denoiser) adds the shortfall; without the cycle's budget, what went is added."""
+        """A plan of ``planned`` device bytes ran short and ``released`` went: the penalty rises until
+        the cycle's budget lands below that plan by the shortfall (``needed``, else half of what went:
+        midway between the plan that ran short and the one left, which a budget only just holding it
+        would lose to the next run's drift). A plan over its penalised budget (room lent by an idle
+        denoiser) adds the shortfall; without the cycle's budget, what went is added."""
         penalty = self._penalty_of(self.last_workload)
         shortfall = max(needed, released // 2)
         budget = self._cycle.budget if self._cycle is not None else None
         if budget is None:
             penalty.add(released)
+        elif planned > budget - penalty.bytes:
+            penalty.add(shortfall)
         else:
-            penalty.add(max(budget - planned + shortfall - penalty.bytes, shortfall if planned > budget else 0))
+            penalty.add(budget - planned + shortfall - penalty.bytes)
         self._store.record_penalty(self._key(self.last_workload), penalty.bytes)
 
     def _plan_bytes(self) -> int:

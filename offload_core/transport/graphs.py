@@ -189,7 +189,7 @@ class GraphCache:
         self._entries[(owner, key)] = entry + 1
         return self.CAPTURE if entry >= 1 or (owner[0], key) in self._trusted else None
 
-    def capture(self, owner: Key, name: str, run: Callable[..., object], args: tuple, kwargs: dict,
+    def capture(self, owner: tuple[Key, Key], name: str, run: Callable[..., object], args: tuple, kwargs: dict,
                 reference: object, units: list[int]) -> bool:
         """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside)
         on static copies of the inputs, replay it on these inputs and keep it if it reproduces
