@@ -6,7 +6,8 @@ shortages. Pure logic: it never touches the device, so the streamer feeds it rea
 
 Modules: ``ranking`` (preload order), ``workload`` (cycle key), ``fit`` (arithmetic),
 ``penalty`` (shortage learning), ``measures`` (process-wide, file-backed store), ``registry``
-(planners of all models), ``policy`` (auto / off / fixed budget), ``planner`` (the state).
+(planners of all models), ``policy`` (auto / off / fixed budget), ``planner`` (the state),
+``plan_line`` (the plan in one line, for the log and the UI).
 
 How the streamer drives a ``PreloadPlanner``:
 
