@@ -20,7 +20,7 @@ from ..log import get_logger
 
 logger = get_logger("preload")
 
-NEAR = 16  # workloads within 1/16 of each other share a learnt penalty (`MeasureStore.penalty`)
+NEAR = 16  # workloads within 1/16 of each other share a penalty and scale a measure (`MeasureStore`)
 FORMAT_VERSION = 2  # 2 added penalties; files of version 1 are read as penalty-free
 
 
@@ -83,10 +83,17 @@ class MeasureStore:
         return self._peaks.get(key)
 
     def estimate(self, key: MeasureKey) -> int | None:
-        """A guess for an unmeasured workload of a measured model: the measure of the nearest
-        larger workload (an upper bound), else the largest smaller one scaled linearly with the
-        workload (activations grow with the token count). None when the model has no measure."""
+        """A guess for an unmeasured workload of a measured model: the measure of a workload at most
+        1/``NEAR`` smaller, scaled by the square of their ratio (a new prompt length: activations grow
+        at most with the square of the tokens; the nearest larger one may be a video's); else the
+        measure of the nearest larger workload (an upper bound), else the largest smaller one scaled
+        linearly with the workload (activations grow with the token count). None when the model has
+        no measure."""
         same = {k.workload: v for k, v in self._peaks.items() if k.model == key.model}
+        near = [w for w in same if 0 < w <= key.workload and (key.workload - w) * NEAR <= key.workload]
+        if near:
+            w = max(near)
+            return -(-same[w] * key.workload * key.workload // (w * w))
         larger = [w for w in same if w >= key.workload]
         if larger:
             return same[min(larger)]

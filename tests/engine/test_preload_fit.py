@@ -166,6 +166,21 @@ def test_unmeasured_workload_shrinks_to_an_estimate_scaled_from_a_smaller_one():
     assert planner.begin_cycle(50) <= kept  # a smaller workload borrows the larger measure: no growth
 
 
+def test_a_new_prompt_length_is_estimated_from_the_nearest_smaller_measure_not_a_video():
+    """MiniMax-H3 on the H200 (bench/README run 39): a new prompt a few tokens longer was estimated
+    at the measure of a far larger workload (3.58 against 2.39 GiB), so its first step dropped a
+    kept piece the next step took back. A workload at most 1/16 larger than a measured one is
+    estimated from it, scaled by the square of the ratio."""
+    device = Device(free=free_for(10 * GIB + GIB // 2))  # 8 blocks and 2 slots, and half a block
+    planner = planner_of_16(device)
+    planner.begin_cycle(1_000)
+    planner.end_cycle(CycleUsage(peak=PEAK + 5 * GIB + 3 * GIB, weights_floor=5 * GIB))  # a larger workload: 5 GiB
+    kept = planner.begin_cycle(100)
+    assert len(kept) == 8
+    assert planner.begin_cycle(105) == kept  # 2 GiB x 1.1025: the plan holds
+    assert planner.measured_peak(105) is None and len(planner.begin_cycle(107)) < 8  # 1/16 is 6.25: from 1,000
+
+
 def test_lookahead_slots_spend_the_room_left_up_to_the_most():
     assert lookahead_slots(kept=8 * GIB, budget=9 * GIB, slot=GIB // 4, base=2, most=5) == 4
     assert lookahead_slots(kept=8 * GIB, budget=10 * GIB, slot=GIB // 4, base=2, most=5) == 5
