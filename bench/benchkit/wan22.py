@@ -12,7 +12,7 @@ import logging
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -204,10 +204,9 @@ def resolver(engine, mm) -> Callable[[Any], tuple[str, Any]]:
 
     def resolve(module) -> tuple[str, Any]:
         if id(module) not in known:
-            for lm in mm.current_loaded_models:
-                pipe = getattr(getattr(getattr(lm, "model", None), "model", None), "pipe", None)
+            for pipe in _loaded_pipes(mm):
                 for name in DENOISERS:
-                    if pipe is not None and getattr(pipe, name, None) is module:
+                    if getattr(pipe, name, None) is module:
                         state = engine.states(pipe).get(name)
                         known[id(module)] = (name, state.transport if state is not None else None)
         return known.get(id(module), ("?", None))
@@ -220,14 +219,21 @@ def decode_ooms(engine, mm) -> Callable[[], int]:
     calls so far (each run again by the engine after a give-back: `Workspace`)."""
 
     def count() -> int:
-        for lm in mm.current_loaded_models:
-            pipe = getattr(getattr(getattr(lm, "model", None), "model", None), "pipe", None)
-            state = engine.states(pipe).get("vae") if pipe is not None else None
+        for pipe in _loaded_pipes(mm):
+            state = engine.states(pipe).get("vae")
             if state is not None:
                 return int(state.transport.details().get("ooms", 0))
         return 0
 
     return count
+
+
+def _loaded_pipes(mm) -> Iterator[Any]:
+    """The pipelines ComfyUI holds loaded (``mm.current_loaded_models``) through the pack's model."""
+    for lm in mm.current_loaded_models:
+        pipe = getattr(getattr(getattr(lm, "model", None), "model", None), "pipe", None)
+        if pipe is not None:
+            yield pipe
 
 
 def aimdo_enabled() -> bool:

@@ -65,8 +65,8 @@ class MeasureStore:
         tokens, met on every new prompt of a model whose workload counts text tokens)."""
         if key in self._penalties:
             return self._penalties[key]
-        return max((v for k, v in self._penalties.items()
-                    if k.model == key.model and abs(k.workload - key.workload) * NEAR <= key.workload), default=0)
+        return max((v for k, v in self._penalties.items() if k.model == key.model and _near(k.workload, key.workload)),
+                   default=0)
 
     def record_penalty(self, key: MeasureKey, nbytes: int) -> None:
         """The workload's penalty is now ``nbytes`` (0: none)."""
@@ -90,7 +90,7 @@ class MeasureStore:
         linearly with the workload (activations grow with the token count). None when the model has
         no measure."""
         same = {k.workload: v for k, v in self._peaks.items() if k.model == key.model}
-        near = [w for w in same if 0 < w <= key.workload and (key.workload - w) * NEAR <= key.workload]
+        near = [w for w in same if 0 < w <= key.workload and _near(w, key.workload)]
         if near:
             w = max(near)
             return -(-same[w] * key.workload * key.workload // (w * w))
@@ -159,3 +159,8 @@ _PROCESS_STORE = MeasureStore()
 def process_store() -> MeasureStore:
     """The store planners use unless given another; the host attaches its file to it once."""
     return _PROCESS_STORE
+
+
+def _near(other: int, workload: int) -> bool:
+    """``other`` lies within 1/``NEAR`` of ``workload``'s size (`MeasureStore.penalty`, `estimate`)."""
+    return abs(other - workload) * NEAR <= workload
