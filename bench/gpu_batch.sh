@@ -14,7 +14,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -86,6 +86,13 @@ for row in "$@"; do
                --json "$ROWS_DIR/noexp_$st.json"
            done ;;
     release) run release 60 python3 bench/release_probe.py ;;
+    compile) run compile 150 python3 bench/compile_probe.py --blocks 8 --workloads small,video ;;  # compiled blocks vs eager
+    compiled) run compiled 240 python3 bench/wan_bench.py --compile --sections preload --caps 24,12 \
+                --workloads small,video --warmup 6 --json "$ROWS_DIR/compiled.json" ;;  # compile_blocks, bf16
+    plain) run plain 120 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small,video --warmup 6 \
+             --json "$ROWS_DIR/plain.json" ;;  # the same rows uncompiled, the compiled rows' anchor
+    gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
+                  -v -p no:cacheprovider -p no:warnings -rs ;;
     gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;
     graphs) for st in bf16 fp8_e4m3fn; do  # CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \

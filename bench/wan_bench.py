@@ -117,11 +117,11 @@ def build(args):
 
 def resident(m, feeds: dict, args) -> dict:
     """The resident reference rows; their outputs are the parity references. fp8 storage has no
-    plain resident forward: the engine keeps every block on the device, so the reference runs the
-    same cast path (one cast per unit) as the streamed rows. GGUF layers dequantise themselves."""
+    plain resident forward, nor ``--compile`` a plain compiled one: the engine keeps every block on
+    the device, so the reference runs the same path (casts, compiled forwards) as the streamed rows."""
     refs = {}
     eng = bag = None
-    if args.storage in FP8_STORAGES:
+    if args.storage in FP8_STORAGES or args.compile:
         eng, bag = Engine(), Components(transformer=m)
         eng.place(bag, config(args, preload="1000"))
     for w, feed in feeds.items():
@@ -131,6 +131,7 @@ def resident(m, feeds: dict, args) -> dict:
             kept_gib=eng.states(bag)["transformer"].transport.kept_bytes() / GiB if eng else None, **GC.last)
     if eng is not None:
         eng.release(bag)
+    if args.storage in FP8_STORAGES:
         layerwise(m, feeds, refs, args)
     return refs
 
@@ -160,7 +161,7 @@ def config(args, **kw) -> OffloadConfig:
     no ballast: preload auto becomes a fixed budget of about one block."""
     if DEV == "cpu" and kw.get("preload") == "auto":
         kw["preload"] = args.tiny_budget_gib
-    return on_dev(stream_parts=not args.whole_blocks, prefetch_window=args.window, **kw)
+    return on_dev(stream_parts=not args.whole_blocks, prefetch_window=args.window, compile_blocks=args.compile, **kw)
 
 
 def on_dev(**kw) -> OffloadConfig:
@@ -228,7 +229,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
                 kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""), units=details.get("units"),
                 streamed_gib=streamer.streamed_bytes() / GiB, held_gib=details.get("held_bytes", 0) / GiB,
-                graphs=details.get("graphs"), alloc_retries=retries, ooms=ooms, ooms_met_by_engine=streamer.ooms,
+                graphs=details.get("graphs"), compiled_calls=details.get("compiled_calls"), alloc_retries=retries, ooms=ooms, ooms_met_by_engine=streamer.ooms,
                 expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
                 **loads.fields(args.warmup, args.repeats), **gc_timed, **host)
             del out
@@ -329,12 +330,12 @@ def main() -> None:
                     "(fp8_e4m3fn_fast: through fp8 matmuls); gguf_* makes the blocks' Linear layers diffusers' GGUF "
                     "layers (benchkit/gguf.py), w4a8 the pack's W4A8 layers over comfy-kitchen's quantization (benchkit/w4a8.py)")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
+    ap.add_argument("--compile", action="store_true", help="engine rows (and the resident reference) compile_blocks")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
     ap.add_argument("--debug", action="store_true", help="the planner's fit lines (DEBUG)")
     ap.add_argument("--self-check", action="store_true", help="check the table's ratios on hand-made rows (CPU)")
-    ap.add_argument("--tiny", action="store_true",
-                    help="CPU dry run: 2 blocks of width 128 (flux: 2 + 2, a 128x128 image), 1 latent frame, no ballast, "
-                    "preload a one-block budget")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run: 2 blocks of width 128 (flux: 2 + 2, a 128x128 "
+                    "image), 1 latent frame, no ballast, preload a one-block budget")
     output_args(ap)
     args = ap.parse_args()
     flux = args.model == "flux"
@@ -360,8 +361,7 @@ def main() -> None:
         diffusers=diffusers.__version__, h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
         host_total_gib=psutil.virtual_memory().total / GiB, python_speed_ms=python_speed_ms(),
         allocator=torch.cuda.get_allocator_backend() if cuda else None, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        stream_parts=not args.whole_blocks, window=args.window, model=args.model, storage=args.storage,
-        args=vars(args))
+        stream_parts=not args.whole_blocks, window=args.window, model=args.model, storage=args.storage, args=vars(args))
     if "modes" in sections:
         section_modes(args)
     if set(sections) - {"modes"}:

@@ -85,6 +85,10 @@ def _inputs() -> list[io.Input]:
         _input(io.Boolean.Input, "cuda_graphs", default=d.cuda_graphs, optional=True,
                tooltip="Launch the denoiser's blocks, kept or streamed, as CUDA graphs (image-sized steps): "
                        "less CPU time per step. Each graph is checked against the normal forward first."),
+        _input(io.Boolean.Input, "compile_blocks", default=d.compile_blocks, optional=True,
+               tooltip="Run the denoiser's blocks through torch.compile: faster steps once compiled. The first "
+                       "step of each new size compiles (seconds to a minute); outputs differ from uncompiled "
+                       "ones by rounding."),
     ]
 
 

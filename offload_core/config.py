@@ -79,6 +79,11 @@ class OffloadConfig:
     as CUDA graphs once they have run twice with small inputs of one shape in one place
     (``transport/block_graphs.py``), so an image-sized step is not bound by the host launching
     kernels; each graph is checked bit for bit against the eager forward first.
+
+    compile_blocks: a streamed denoiser's blocks run through ``torch.compile`` wherever all their
+    weights are bound at their entry (``transport/compiled.py``): fused kernels make the step's
+    math faster (bench/README.md). The first step of each new input shape compiles (seconds to a
+    minute); the output differs from eager by the compiler's rounding.
     """
 
     mode: Mode = field(default="auto", metadata={"rehook": True})
@@ -98,6 +103,7 @@ class OffloadConfig:
     prompt_cache_gb: float = 1.0
     host_ram_gb: float | str = "auto"
     cuda_graphs: bool = True
+    compile_blocks: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "always", _parse_list(self.always))

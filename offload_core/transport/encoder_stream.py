@@ -56,6 +56,7 @@ class EncoderStreamer(BlockStreamer):
 
     name = "encoder-stream"
     graphed = False  # a prompt runs it once: nothing to replay
+    compiles = False  # and each new prompt length would compile again
 
     def __init__(self, ctx) -> None:
         # Whole layers (see the module docstring: a T5 block's one large child has no forward).

@@ -4,9 +4,11 @@ values counts what it takes on the device). Read-only: the streamer changes the 
 
 from __future__ import annotations
 
+from .base import Masters
+
 
 class StreamAccounts:
-    """Mixed into `BlockStreamer` (its table: ``blocks``, ``pieces``, ``ring``, ``prefetch``)."""
+    """Mixed into `BlockStreamer` (its table: ``blocks``, ``units``, ``pieces``, ``ring``, ``prefetch``)."""
 
     def pieces_of(self, blocks: set[int]) -> set[int]:
         """The pieces of the blocks ``blocks`` (block-table indices): keeping blocks whole."""
@@ -54,6 +56,20 @@ class StreamAccounts:
         return (max(self.ring.capacity * self._largest_streamed() - self.ring.nbytes, 0)
                 + max(casts.nbytes - casts.held, 0))
 
+    def weights_at_peak(self) -> int:
+        """Weight bytes on the device when the allocator peaked: the resident part plus the most
+        streamed-block buffers that were alive at once this cycle (the peak happens inside a block,
+        with its successor prefetched)."""
+        return self._head_bytes + self.kept_bytes() + self._transit_peak + self.prefetch.casts.nbytes
+
+    def self_cast(self) -> set[int]:
+        """The fp8 weights its units cast themselves (one cast per unit, `cast.py`)."""
+        return {id(slot.tensor) for u in self.units if u.cast for slot in u.slots[: u.cast.count]}
+
+    def masters(self) -> Masters:
+        """Each streamed tensor's host master (a kept piece's device copy is its live ``.data``)."""
+        return {id(slot.tensor): [slot.host] for block in self.blocks for slot in block.slots}
+
     def details(self) -> dict[str, object]:
         return {
             "blocks": len(self.blocks), "pieces": len(self.pieces), "units": len(self.units),
@@ -61,6 +77,6 @@ class StreamAccounts:
             "kept_bytes": self.kept_bytes(), "streamed_per_step": self.streamed_bytes(),
             "stream": self.prefetch.copy_stream is not None, "window": self.ctx.prefetch_window,
             "buffers": self.ring.capacity, "ooms": self.ooms, "sync_loads": self.prefetch.sync_loads,
-            **self.graphs.cache.details(),
+            "compiled_calls": self.compiled.calls, **self.graphs.cache.details(),
             **self.prefetch.host_details(self.blocks),
         }

@@ -26,6 +26,8 @@ class Streamer(Protocol):
 
     def enter_block(self, block: StreamBlock, args: tuple, kwargs: dict) -> CallGraph | None: ...
 
+    def forward_of(self, block: StreamBlock, original: Callable[..., object]) -> Callable[..., object]: ...
+
     def exit_block(self, block: StreamBlock, output: object, forward: Callable[..., object] | None) -> None: ...
 
     def enter(self, unit: StreamUnit, args: tuple | None = None, kwargs: dict | None = None) -> CallGraph | None: ...
@@ -57,15 +59,17 @@ def retry_on_oom(run: Callable[[], T], relieve: Callable[[int], bool]) -> T:
 
 class BlockHook(ModelHook):
     """On each block: its units made ready and released; its CUDA graph, if it has one for this
-    call, replayed in place of its forward."""
+    call, replayed in place of its forward, else its compiled forward where the streamer chose it."""
 
     def __init__(self, streamer: Streamer, block: StreamBlock) -> None:
         super().__init__()
         self.streamer, self.block = streamer, block
         self.graph: CallGraph | None = None
+        self.forward: Callable[..., object] | None = None
 
     def pre_forward(self, module, *args, **kwargs):
         self.graph = self.streamer.enter_block(self.block, args, kwargs)
+        self.forward = self.streamer.forward_of(self.block, self.fn_ref.original_forward)
         return args, kwargs
 
     def new_forward(self, module, *args, **kwargs):
@@ -73,12 +77,13 @@ class BlockHook(ModelHook):
         the step continues while there is anything left to give up."""
         if self.graph is not None:
             return self.graph.replay()
-        return retry_on_oom(lambda: self.fn_ref.original_forward(*args, **kwargs),
-                            lambda _attempt: self.streamer.relieve_in(self.block))
+        forward = self.forward
+        return retry_on_oom(lambda: forward(*args, **kwargs), lambda _attempt: self.streamer.relieve_in(self.block))
 
     def post_forward(self, module, output):
         graph, self.graph = self.graph, None
-        self.streamer.exit_block(self.block, output, None if graph is not None else self.fn_ref.original_forward)
+        forward, self.forward = self.forward, None
+        self.streamer.exit_block(self.block, output, None if graph is not None else forward)
         return output
 
 

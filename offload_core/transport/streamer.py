@@ -17,7 +17,7 @@ import torch
 from ..formats.fp8 import table_of
 from ..log import get_logger
 from ..pinning import PinGrant, PinSet
-from .base import MARKER, STREAM_HOOK, Masters, TransportBase, TransportContext, add_hook, remove_hook
+from .base import MARKER, STREAM_HOOK, TransportBase, TransportContext, add_hook, remove_hook
 from .block_graphs import BlockGraphs
 from .blocks import (
     StoredDtypes,
@@ -32,6 +32,7 @@ from .blocks import (
     nbytes,
     shared_tensors,
 )
+from .compiled import CompiledBlocks
 from .events import Events
 from .graphs import CallGraph
 from .order import ExecutionOrder, OrderLearner
@@ -47,6 +48,7 @@ log = get_logger("streamer")
 class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
     name = "per-step"
     graphed = True  # its blocks and units may launch as CUDA graphs (`block_graphs.py`)
+    compiles = True  # its blocks may run compiled (`compiled.py`)
 
     def __init__(self, ctx: TransportContext) -> None:
         self.ctx = ctx
@@ -72,6 +74,8 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         self.graphs = BlockGraphs(self.device, self._graphs_on(ctx.config), self.prefetch, self.notify)
         self._kept_blocks: set[int] = set()  # blocks with every piece kept: graphed whole
         self._whole: list[StreamUnit] = []  # a streaming block's units bound together (`_bind_whole`)
+        self.compiled = CompiledBlocks(ctx.config.compile_blocks and self.compiles)
+        self._compiling: tuple[StreamBlock, object] | None = None  # the block entered and its compiled forward
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
@@ -118,6 +122,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
     def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
         self.graphs.cache.enable(self._graphs_on(config))
+        self.compiled.enable(config.compile_blocks and self.compiles)
 
     def _graphs_on(self, config) -> bool:
         return config.cuda_graphs and self.graphed
@@ -127,6 +132,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
 
     def remove(self, module: torch.nn.Module) -> None:
         self.graphs.clear(forget=True)
+        self.compiled.clear()
         remove_hook(module, MARKER)
         while self._hooked:
             remove_hook(self._hooked.pop(), STREAM_HOOK)
@@ -170,14 +176,38 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
             self._begin_cycle(block, args, kwargs)
         elif self.learner.guessed and self.learner.learn_parts(self.units):
             self.prefetch.prefetch_after(self.units[self.learner.seen[-1]])
-        if block.index in self._kept_blocks:
-            graph = self.graphs.enter(block, args, kwargs, self.learner.seen)
-            if graph is None and not block.in_parts:
-                self.enter(block.units[0])  # (an fp8 block's cast)
-            return graph
+        self._compiling = None
+        kept = block.index in self._kept_blocks
         if not block.in_parts:
-            return self.enter(block.units[0], args, kwargs)
-        return self.graphs.enter(block, args, kwargs, self.learner.seen) if self._bind_whole(block, args, kwargs) else None
+            graph = self.graphs.enter(block, args, kwargs, self.learner.seen) if kept else self.enter(block.units[0], args, kwargs)
+            if kept and graph is None:
+                self.enter(block.units[0])  # (an fp8 block's cast)
+        elif kept or self._bind_whole(block, args, kwargs):
+            graph = self.graphs.enter(block, args, kwargs, self.learner.seen)
+        else:
+            return None
+        if graph is None and self._compile(block) and block.in_parts:  # its parts' hooks will not run
+            self.learner.seen.extend(u.index for u in self.order.sort(block.units))
+        return graph
+
+    def _compile(self, block: StreamBlock) -> bool:
+        """Whether this call of ``block``, its units bound, runs its compiled forward."""
+        forward = self._compiled_forward(block)
+        if forward is not None:
+            self._compiling = (block, forward)
+        return forward is not None
+
+    def _compiled_forward(self, block: StreamBlock):
+        """``block``'s compiled forward (`compiled.py`) for a call, or None: compiling is off, the
+        block cannot be compiled, or a unit's weights are cast at this call."""
+        if any(u.cast is not None and not u.computed for u in block.units):
+            return None
+        return self.compiled.forward(block)
+
+    def forward_of(self, block: StreamBlock, original):
+        """The forward this call of ``block`` runs: its compiled one where its entry chose it."""
+        compiling = self._compiling
+        return compiling[1] if compiling is not None and compiling[0] is block else original
 
     def _bind_whole(self, block: StreamBlock, args: tuple, kwargs: dict) -> bool:
         """A block in parts that streams is graphed whole, like a kept one, where its call can be
@@ -185,7 +215,9 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         every unit bound now, in execution order, until the block exits (True). Else its parts
         are bound (and graphed) one by one."""
         streamed = sum(u.piece.resident is None for u in block.units)
-        if streamed >= self.ring.capacity or not self.graphs.cache.wants(args, kwargs):
+        if streamed >= self.ring.capacity:
+            return False
+        if self._compiled_forward(block) is None and not self.graphs.cache.wants(args, kwargs):
             return False
         self._whole = self.order.sort(block.units)
         for unit in self._whole:
@@ -356,23 +388,10 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         self.prefetch.release_all()
         self.learner.seen, self._whole = [], []
 
-    def weights_at_peak(self) -> int:
-        """Weight bytes on the device when the allocator peaked: the resident part plus the most
-        streamed-block buffers that were alive at once this cycle (the peak happens inside a block,
-        with its successor prefetched)."""
-        return self._head_bytes + self.kept_bytes() + self._transit_peak + self.prefetch.casts.nbytes
-
     def reset_peak(self) -> None:
         self._transit_peak = self.ring.nbytes
 
-    def self_cast(self) -> set[int]:
-        """The fp8 weights its units cast themselves (one cast per unit, `cast.py`)."""
-        return {id(slot.tensor) for u in self.units if u.cast for slot in u.slots[: u.cast.count]}
-
-    def masters(self) -> Masters:
-        """Each streamed tensor's host master (a kept piece's device copy is its live ``.data``)."""
-        return {id(slot.tensor): [slot.host] for block in self.blocks for slot in block.slots}
-
     def before_write(self) -> None:
         self.drop_prefetched()  # copies made ahead of a weight write would be stale
+        self.compiled.clear()  # a LoRA's hooks on a layer make its block run eagerly
         self.graphs.clear(forget=True)  # a LoRA's hooks are not in them, and may change what a call runs

@@ -38,7 +38,7 @@ SETTINGS = {
     "mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
     "on_demand_threshold_gb": 1.0, "resident_floor_mb": 64.0, "always": "", "never": "", "preload": "auto",
     "prefetch_window": 1, "device": "", "measures_path": "", "stream_parts": True, "prompt_cache_gb": 1.0,
-    "host_ram_gb": "auto", "cuda_graphs": True,
+    "host_ram_gb": "auto", "cuda_graphs": True, "compile_blocks": False,
 }
 RESIDENT = {"mode": "none"}
 STREAMED = {"resident_floor_mb": 0.0, "on_demand_threshold_gb": 0.0}  # tiny parts get real roles
@@ -139,7 +139,7 @@ def test_nodes_are_registered_with_their_socket_types(comfy: harness.ComfyHost, 
     widgets = {**inputs["required"], **inputs.get("optional", {})}
     assert set(widgets) == set(SETTINGS) == {f.name for f in dataclasses.fields(pack.config.OffloadConfig)}
     # added later, after every earlier widget: saved workflows lack them
-    assert set(inputs.get("optional", {})) == {"stream_parts", "prompt_cache_gb", "host_ram_gb", "cuda_graphs"}
+    assert set(inputs.get("optional", {})) == {"stream_parts", "prompt_cache_gb", "host_ram_gb", "cuda_graphs", "compile_blocks"}
 
 
 def test_outputs_flow_as_comfyui_types(clean: harness.ComfyHost, pack: SimpleNamespace, model: str,

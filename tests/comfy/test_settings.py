@@ -27,8 +27,8 @@ BASIC = ["mode", "preload", "pin_memory", "on_demand_threshold_gb", "always", "n
 # The historic widget order: saved UI workflows store widget values by position.
 ORDER = ["mode", "use_stream", "record_stream", "pin_memory", "pin_reserve_gb", "on_demand_threshold_gb",
          "resident_floor_mb", "always", "never", "preload", "prefetch_window", "device", "measures_path",
-         "stream_parts", "prompt_cache_gb", "host_ram_gb", "cuda_graphs"]
-OPTIONAL = ["stream_parts", "prompt_cache_gb", "host_ram_gb", "cuda_graphs"]  # added later: saved workflows lack them
+         "stream_parts", "prompt_cache_gb", "host_ram_gb", "cuda_graphs", "compile_blocks"]
+OPTIONAL = ["stream_parts", "prompt_cache_gb", "host_ram_gb", "cuda_graphs", "compile_blocks"]  # added later: saved workflows lack them
 Capture = capture_class()
 
 
@@ -69,7 +69,7 @@ def test_every_option_is_still_settable(comfy: harness.ComfyHost, captured: list
         "mode": "leaf", "use_stream": False, "record_stream": False, "pin_memory": False, "pin_reserve_gb": 2.5,
         "on_demand_threshold_gb": 0.5, "resident_floor_mb": 8.0, "always": "vae", "never": "text_encoder",
         "preload": "3", "prefetch_window": 3, "device": "cpu", "measures_path": "/tmp/m.json",
-        "stream_parts": False, "prompt_cache_gb": 0.25, "host_ram_gb": "24", "cuda_graphs": False,
+        "stream_parts": False, "prompt_cache_gb": 0.25, "host_ram_gb": "24", "cuda_graphs": False, "compile_blocks": True,
     }
     prompt = {"1": {"class_type": ex.SETTINGS, "inputs": values},
               "2": {"class_type": CAPTURE, "inputs": {"value": ["1", 0], "slot": 0}}}
@@ -118,6 +118,7 @@ def test_a_workflow_saved_before_the_later_options_still_runs(comfy: harness.Com
     assert (config.prompt_cache_gb, config.host_ram_gb) == (default.prompt_cache_gb, default.host_ram_gb)
     assert (config.prompt_cache_gb, config.host_ram_gb) == (1.0, "auto")  # the documented defaults
     assert config.cuda_graphs is default.cuda_graphs is True
+    assert config.compile_blocks is default.compile_blocks is False
 
 
 @pytest.mark.parametrize("text", ["", "  ", "auto", "AUTO"])

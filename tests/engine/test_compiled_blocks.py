@@ -1,0 +1,125 @@
+"""Compiled blocks (``compile_blocks``, `transport/compiled.py`), on the CPU with torch.compile's
+``aot_eager`` backend (the same tracing, no code generation; the GPU tests compile with inductor):
+the compiled forward runs wherever a block's weights are all bound at its entry and gives the
+eager output bit for bit, once compiled for every block; a hook someone else put on a layer, or
+an fp8 cast at the call, keeps the block eager; a weight write and a release drop the twins."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.transport import compiled
+from fixtures.tiny_pipes import run_wan
+from torch._dynamo.utils import counters
+
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", compile_blocks=True)
+PLACEMENTS = {
+    "every block kept": dict(preload="1000"),
+    "whole blocks streamed": dict(preload="off", stream_parts=False),
+    "parts streamed, bound whole (a ring of 4)": dict(preload="off", prefetch_window=3),
+}
+
+
+@pytest.fixture(autouse=True)
+def _aot_eager(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _streamer(engine, pipe):
+    return engine.states(pipe)["transformer"].transport
+
+
+def _compiled_run(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict]:
+    """Two runs placed; the streamer's details, with ``block_calls``: the blocks' forwards."""
+    engine = Engine()
+    engine.place(pipe, config)
+    forwards = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        out = [run_wan(pipe) for _ in range(2)][-1]
+        details = _streamer(engine, pipe).details()
+        return out, {**details, "block_calls": len(forwards) * details["blocks"]}
+    finally:
+        handle.remove()
+        engine.release(pipe)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_compiled_blocks_give_the_eager_output_compiled_once(wan_pipe, placement) -> None:
+    eager, _ = _compiled_run(wan_pipe, OffloadConfig(**BASE, **PLACEMENTS[placement]).replace(compile_blocks=False))
+    counters.clear()
+    out, details = _compiled_run(wan_pipe, OffloadConfig(**BASE, **PLACEMENTS[placement]))
+    assert details["compiled_calls"] == details["block_calls"] > 0  # every block's every call
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for every block, the weights swapped under it
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_parts_streamed_one_by_one_run_eagerly(wan_pipe) -> None:
+    """A ring of two buffers cannot bind a block's three streamed parts at once: its parts'
+    hooks bind them between its ops, so the block runs eagerly."""
+    _, details = _compiled_run(wan_pipe, OffloadConfig(**BASE, preload="off"))
+    assert details["compiled_calls"] == 0
+
+
+class _AddOne(ModelHook):
+    def post_forward(self, module, output):
+        return output + 1
+
+
+def test_a_layer_with_someone_elses_hook_keeps_its_block_eager(wan_pipe, caplog) -> None:
+    """The twin would skip the hook: the block runs eagerly, the hook runs, and the log says why."""
+    layer = wan_pipe.transformer.blocks[0].ffn.net[2]
+    HookRegistry.check_if_exists_or_initialize(layer).register_hook(_AddOne(), "user_hook")
+    try:
+        eager, _ = _compiled_run(wan_pipe, OffloadConfig(**BASE, preload="1000").replace(compile_blocks=False))
+        with caplog.at_level(logging.INFO, logger="diffusers_offload"):
+            out, details = _compiled_run(wan_pipe, OffloadConfig(**BASE, preload="1000"))
+    finally:
+        layer._diffusers_hook.remove_hook("user_hook", recurse=False)
+    assert details["compiled_calls"] == details["block_calls"] * (details["blocks"] - 1) // details["blocks"]
+    assert "runs eagerly, not compiled: hook user_hook on ffn.net.2" in caplog.text
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert not torch.equal(out, run_wan(wan_pipe))  # the hook changes the output: it ran
+
+
+def test_fp8_units_cast_at_the_call_keep_their_block_eager(tiny_wan_dir) -> None:
+    from fixtures.tiny_models import load_wan
+
+    pipe = load_wan(tiny_wan_dir)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.float32)
+    eager, _ = _compiled_run(pipe, OffloadConfig(**BASE, preload="off", stream_parts=False).replace(compile_blocks=False))
+    out, details = _compiled_run(pipe, OffloadConfig(**BASE, preload="off", stream_parts=False))
+    assert details["compiled_calls"] == 0
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(wan_pipe) -> None:
+    engine = Engine()
+    config = OffloadConfig(**BASE, preload="1000")
+    engine.place(wan_pipe, config)
+    streamer = _streamer(engine, wan_pipe)
+    run_wan(wan_pipe)
+    twins = [weakref.ref(f.twin) for f in streamer.compiled._forwards.values()]
+    assert twins and all(t() is not None for t in twins)
+    streamer.before_write()
+    assert streamer.compiled._forwards == {}
+    run_wan(wan_pipe)
+    calls = streamer.details()["compiled_calls"]
+    engine.place(wan_pipe, config.replace(compile_blocks=False))  # a retune, not a re-place
+    assert _streamer(engine, wan_pipe) is streamer
+    run_wan(wan_pipe)
+    assert streamer.details()["compiled_calls"] == calls
+    engine.release(wan_pipe)
+    gc.collect()
+    assert all(t() is None for t in twins)
