@@ -87,10 +87,10 @@ for row in "$@"; do
            done ;;
     release) run release 60 python3 bench/release_probe.py ;;
     compile) run compile 150 python3 bench/compile_probe.py --blocks 8 --workloads small,video ;;  # compiled blocks vs eager
-    compiled) run compiled 240 python3 bench/wan_bench.py --compile --sections preload --caps 24,12 \
-                --workloads small,video --warmup 6 --json "$ROWS_DIR/compiled.json" ;;  # compile_blocks, bf16
-    plain) run plain 120 python3 bench/wan_bench.py --sections preload --caps 24 --workloads small,video --warmup 6 \
-             --json "$ROWS_DIR/plain.json" ;;  # the same rows uncompiled, the compiled rows' anchor
+    compiled) run compiled 150 python3 bench/wan_bench.py --compile --sections preload --warmup 6 \
+                ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/compiled.json" ;;  # compile_blocks, bf16
+    plain) run plain 120 python3 bench/wan_bench.py --sections preload --warmup 6 \
+             ${ROW_ARGS:---caps 24 --workloads small,video} --json "$ROWS_DIR/plain.json" ;;  # uncompiled: the anchor
     gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
                   -v -p no:cacheprovider -p no:warnings -rs ;;
     gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;

@@ -86,9 +86,9 @@ def _inputs() -> list[io.Input]:
                tooltip="Launch the denoiser's blocks, kept or streamed, as CUDA graphs (image-sized steps): "
                        "less CPU time per step. Each graph is checked against the normal forward first."),
         _input(io.Boolean.Input, "compile_blocks", default=d.compile_blocks, optional=True,
-               tooltip="Run the denoiser's blocks through torch.compile: faster steps once compiled. The first "
-                       "step of each new size compiles (seconds to a minute); outputs differ from uncompiled "
-                       "ones by rounding."),
+               tooltip="Run the denoiser's blocks through torch.compile where their weights are all on the card: "
+                       "faster steps once compiled. The first step of each new size compiles (seconds to a "
+                       "minute); outputs differ from uncompiled ones by rounding."),
     ]
 
 

@@ -81,9 +81,11 @@ class OffloadConfig:
     kernels; each graph is checked bit for bit against the eager forward first.
 
     compile_blocks: a streamed denoiser's blocks run through ``torch.compile`` wherever all their
-    weights are bound at their entry (``transport/compiled.py``): fused kernels make the step's
-    math faster (bench/README.md). The first step of each new input shape compiles (seconds to a
-    minute); the output differs from eager by the compiler's rounding.
+    weights are bound at their entry (kept, streamed whole, or bound whole for a CUDA graph;
+    ``transport/compiled.py``): fused kernels make the step's math faster (bench/README.md). A
+    block whose parts stream one by one (a video step's at a small cap) runs uncompiled. The first
+    step of each new input shape compiles (seconds to a minute); outputs differ from uncompiled
+    ones by the compiler's rounding.
     """
 
     mode: Mode = field(default="auto", metadata={"rehook": True})

@@ -215,9 +215,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         every unit bound now, in execution order, until the block exits (True). Else its parts
         are bound (and graphed) one by one."""
         streamed = sum(u.piece.resident is None for u in block.units)
-        if streamed >= self.ring.capacity:
-            return False
-        if self._compiled_forward(block) is None and not self.graphs.cache.wants(args, kwargs):
+        if streamed >= self.ring.capacity or not self.graphs.cache.wants(args, kwargs):
             return False
         self._whole = self.order.sort(block.units)
         for unit in self._whole:
