@@ -94,6 +94,11 @@ class CompiledBlocks:
             self._told.add(line)
             log.info("compile: %s", line)
 
+    @property
+    def blocks(self) -> int:
+        """Blocks that have run compiled since the twins were last dropped."""
+        return sum(f is not None for f in self._forwards.values())
+
     def clear(self) -> None:
         self._forwards.clear()
 

@@ -77,6 +77,7 @@ class StreamAccounts:
             "kept_bytes": self.kept_bytes(), "streamed_per_step": self.streamed_bytes(),
             "stream": self.prefetch.copy_stream is not None, "window": self.ctx.prefetch_window,
             "buffers": self.ring.capacity, "ooms": self.ooms, "sync_loads": self.prefetch.sync_loads,
-            "compiled_calls": self.compiled.calls, **self.graphs.cache.details(),
+            "compiled_blocks": self.compiled.blocks, "compiled_calls": self.compiled.calls,
+            **self.graphs.cache.details(),
             **self.prefetch.host_details(self.blocks),
         }

@@ -49,7 +49,7 @@ def _compiled_run(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict]:
     try:
         out = [run_wan(pipe) for _ in range(2)][-1]
         details = _streamer(engine, pipe).details()
-        return out, {**details, "block_calls": len(forwards) * details["blocks"]}
+        return out, {**details, "block_calls": len(forwards) * details["blocks"], "report": engine.report(pipe).component("transformer").line()}
     finally:
         handle.remove()
         engine.release(pipe)
@@ -61,6 +61,8 @@ def test_compiled_blocks_give_the_eager_output_compiled_once(wan_pipe, placement
     counters.clear()
     out, details = _compiled_run(wan_pipe, OffloadConfig(**BASE, **PLACEMENTS[placement]))
     assert details["compiled_calls"] == details["block_calls"] > 0  # every block's every call
+    assert f"blocks kept {details['kept']}/{details['blocks']}" in details["report"]
+    assert f", {details['blocks']} compiled" in details["report"]
     assert counters["stats"]["unique_graphs"] == 1  # one graph for every block, the weights swapped under it
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
@@ -89,6 +91,7 @@ def test_a_layer_with_someone_elses_hook_keeps_its_block_eager(wan_pipe, caplog)
     finally:
         layer._diffusers_hook.remove_hook("user_hook", recurse=False)
     assert details["compiled_calls"] == details["block_calls"] * (details["blocks"] - 1) // details["blocks"]
+    assert f", {details['blocks'] - 1} compiled" in details["report"]
     assert "runs eagerly, not compiled: hook user_hook on ffn.net.2" in caplog.text
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert not torch.equal(out, run_wan(wan_pipe))  # the hook changes the output: it ran
