@@ -6,9 +6,12 @@ at its entry needs none of them, so its forward runs on a *twin*: a shallow copy
 tree that shares every parameter and buffer (whatever the streamer binds them to) but not the
 hooked ``forward`` attributes. One compiled function per block class serves every block of that
 class (dynamo reads the twin's parameters as inputs and guards on its structure, not its
-identity), so a 40-block model compiles once per input shape. A block whose layers compute
-through any other hook (fp8 matmuls, dequantising, an unfused LoRA) or hold tensor subclasses
-(GGUF) runs eagerly: a twin would skip what those hooks do. Why not diffusers'
+identity), so a 40-block model compiles once per input shape. A twin's fp8 Linear layers
+dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale``, the bits of
+the streamer's cast, `cast.py`), so the streamer casts nothing for a compiled call; a weight the
+streamer holds as compute values (`held_casts.py`) is used as it is. A block whose layers compute
+through any other hook (fp8 matmuls, dequantising, an unfused LoRA), hold tensor subclasses
+(GGUF) or int8 weights runs eagerly: a twin would skip what those do. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
 """
 
@@ -18,7 +21,9 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from ..formats.fp8 import Fp8Table
 from ..log import get_logger
 from ..state import REGISTRY, STREAM_HOOK
 from .blocks import StreamBlock
@@ -29,25 +34,53 @@ BACKEND = "inductor"  # torch.compile's backend (the CPU tests use "aot_eager": 
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def twin(module: torch.nn.Module) -> torch.nn.Module:
+def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> torch.nn.Module:
     """``module``'s tree without the hooked ``forward`` attributes and registries, sharing its
-    parameter and buffer dicts (so a weight bound by the streamer is bound in the twin too)."""
+    parameter and buffer dicts (so a weight bound by the streamer is bound in the twin too); a
+    Linear layer whose weight ``fp8`` lists dequantises it (its scale a buffer of the twin only)."""
     copy = object.__new__(type(module))
     attrs = dict(vars(module))
     attrs.pop("forward", None)
     attrs.pop(REGISTRY, None)
-    attrs["_modules"] = {name: None if child is None else twin(child) for name, child in module._modules.items()}
+    attrs["_modules"] = {name: None if child is None else twin(child, fp8, device)
+                         for name, child in module._modules.items()}
+    weight = module._parameters.get("weight")
+    if fp8 is not None and weight is not None and id(weight) in fp8.weights:
+        copy.__class__ = _dequantizing(type(module))
+        scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
+        attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
+        attrs["fp8_storage"], attrs["fp8_compute"] = fp8.storage, fp8.compute
     copy.__dict__.update(attrs)
     return copy
 
 
-def refusal(block: torch.nn.Module) -> str | None:
+def _dequantizing_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A stored fp8 weight's compute value (a held one is used as it is), then the layer."""
+    weight = self.weight
+    if weight.dtype == self.fp8_storage:
+        weight = weight.to(self.fp8_compute) * self.fp8_scale
+    return F.linear(x, weight, self.bias)
+
+
+@functools.cache
+def _dequantizing(kind: type) -> type:
+    return type(f"Dequantizing{kind.__name__}", (kind,), {"forward": _dequantizing_forward})
+
+
+def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None) -> str | None:
     """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's on it
-    or a layer under it, or a tensor subclass among its weights."""
+    or a layer under it, a tensor subclass among its weights, or a stored weight its twin cannot
+    dequantise (int8, or fp8 on a layer other than a plain Linear)."""
     for name, module in block.named_modules():
         hooks = [h for h in getattr(vars(module).get(REGISTRY), "hooks", {}) if h != STREAM_HOOK]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
+        weight = module._parameters.get("weight")
+        if fp8 is not None and weight is not None and id(weight) in fp8.weights:
+            if fp8.int8:
+                return f"int8 weight {name}.weight"
+            if type(module).forward is not torch.nn.Linear.forward:
+                return f"stored {fp8.storage} weight on {name}, a {type(module).__name__}"
     for name, tensor in (*block.named_parameters(), *block.named_buffers()):
         if type(tensor) not in PLAIN:
             return f"{type(tensor).__name__} weight {name}"
@@ -58,8 +91,10 @@ class CompiledBlocks:
     """The compiled forwards of one streamer's blocks, made at a block's first compiled call and
     dropped when the hooks under the blocks may change (a weight write: a LoRA) and at release."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, device: torch.device) -> None:
         self.enabled = enabled
+        self.device = device
+        self.fp8: Fp8Table | None = None  # the model's stored weights (set at apply)
         self.calls = 0  # compiled forwards run (eager ones and CUDA graph captures)
         self._forwards: dict[int, Callable[..., object] | None] = {}  # block index -> its compiled forward
         self._told: set[str] = set()
@@ -74,13 +109,13 @@ class CompiledBlocks:
 
     def _make(self, block: StreamBlock) -> Callable[..., object] | None:
         kind = type(block.module).__name__
-        why = refusal(block.module)
+        why = refusal(block.module, self.fp8)
         if why is not None:
             self._tell(f"{kind} runs eagerly, not compiled: {why}")
             return None
         self._tell(f"{kind} blocks run compiled ({BACKEND}) wherever all their weights are bound at their entry")
         compiled = _compiled(type(block.module), BACKEND)
-        copy = twin(block.module)
+        copy = twin(block.module, self.fp8, self.device)
 
         def run(*args, **kwargs):
             self.calls += 1

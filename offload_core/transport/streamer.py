@@ -74,13 +74,14 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         self.graphs = BlockGraphs(self.device, self._graphs_on(ctx.config), self.prefetch, self.notify)
         self._kept_blocks: set[int] = set()  # blocks with every piece kept: graphed whole
         self._whole: list[StreamUnit] = []  # a streaming block's units bound together (`_bind_whole`)
-        self.compiled = CompiledBlocks(ctx.config.compile_blocks and self.compiles)
+        self.compiled = CompiledBlocks(ctx.config.compile_blocks and self.compiles, self.device)
         self._compiling: tuple[StreamBlock, object] | None = None  # the block entered and its compiled forward
 
     # -- apply / remove -------------------------------------------------------------------
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
         self.graphs.model = type(module).__name__
+        self.compiled.fp8 = table_of(module)
         towers = find_towers(module)
         tower_ids = {id(b) for t in towers for b in t.blocks}
         shared = shared_tensors(module, towers, tower_ids)
@@ -191,18 +192,12 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         return graph
 
     def _compile(self, block: StreamBlock) -> bool:
-        """Whether this call of ``block``, its units bound, runs its compiled forward."""
-        forward = self._compiled_forward(block)
+        """Whether this call of ``block``, its units bound, runs its compiled forward
+        (`compiled.py`; its fp8 weights are dequantised inside it, not cast by the streamer)."""
+        forward = self.compiled.forward(block)
         if forward is not None:
             self._compiling = (block, forward)
         return forward is not None
-
-    def _compiled_forward(self, block: StreamBlock):
-        """``block``'s compiled forward (`compiled.py`) for a call, or None: compiling is off, the
-        block cannot be compiled, or a unit's weights are cast at this call."""
-        if any(u.cast is not None and not u.computed for u in block.units):
-            return None
-        return self.compiled.forward(block)
 
     def forward_of(self, block: StreamBlock, original):
         """The forward this call of ``block`` runs: its compiled one where its entry chose it."""

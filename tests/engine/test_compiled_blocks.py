@@ -2,8 +2,8 @@
 ``aot_eager`` backend (the same tracing, no code generation; the GPU tests compile with inductor):
 the compiled forward runs wherever a block's weights are all bound at its entry (kept, streamed
 whole, or bound whole for a CUDA graph: `tests/gpu`) and gives the eager output bit for bit, once
-compiled for every block; a hook someone else put on a layer, or an fp8 cast at the call, keeps
-the block eager; a weight write and a release drop the twins."""
+compiled for every block; fp8 layers dequantise inside it, to the streamer's bits; a hook someone
+else put on a layer keeps its block eager; a weight write and a release drop the twins."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.transport import compiled
+from fixtures.quantized import scaled_fp8
+from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import run_wan
 from torch._dynamo.utils import counters
 
@@ -49,7 +51,9 @@ def _compiled_run(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict]:
     try:
         out = [run_wan(pipe) for _ in range(2)][-1]
         details = _streamer(engine, pipe).details()
-        return out, {**details, "block_calls": len(forwards) * details["blocks"], "report": engine.report(pipe).component("transformer").line()}
+        report = engine.report(pipe).component("transformer").line()
+        casts = _streamer(engine, pipe).prefetch.casts.held
+        return out, {**details, "block_calls": len(forwards) * details["blocks"], "report": report, "casts_held": casts}
     finally:
         handle.remove()
         engine.release(pipe)
@@ -97,15 +101,27 @@ def test_a_layer_with_someone_elses_hook_keeps_its_block_eager(wan_pipe, caplog)
     assert not torch.equal(out, run_wan(wan_pipe))  # the hook changes the output: it ran
 
 
-def test_fp8_units_cast_at_the_call_keep_their_block_eager(tiny_wan_dir) -> None:
-    from fixtures.tiny_models import load_wan
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp8", "fp8 scaled"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placement, scaled: bool) -> None:
+    """A twin's fp8 layers compute ``w.to(compute) * scale`` in the graph: the bits of the
+    streamer's cast path, and of a bf16 model holding those values; kept blocks cast nothing."""
+    def fp8_pipe():
+        pipe = load_bf16(tiny_wan_dir)
+        if scaled:
+            mark_fp8(pipe.transformer, torch.bfloat16, scaled_fp8(pipe.transformer))
+        else:
+            store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+        return pipe
 
-    pipe = load_wan(tiny_wan_dir)
-    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.float32)
-    eager, _ = _compiled_run(pipe, OffloadConfig(**BASE, preload="off", stream_parts=False).replace(compile_blocks=False))
-    out, details = _compiled_run(pipe, OffloadConfig(**BASE, preload="off", stream_parts=False))
-    assert details["compiled_calls"] == 0
+    config = OffloadConfig(**BASE, **PLACEMENTS[placement])
+    eager, _ = _compiled_run(fp8_pipe(), config.replace(compile_blocks=False))
+    pipe = fp8_pipe()
+    out, details = _compiled_run(pipe, config)
+    assert details["compiled_calls"] == details["block_calls"] > 0
+    assert details["casts_held"] == 0 or placement == "whole blocks streamed"  # (those cast as they bind)
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.float8_e4m3fn}  # stored bytes left as they were
 
 
 def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(wan_pipe) -> None:

@@ -12,7 +12,7 @@ from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import placed_twice_equals, scaled_fp8, streamed_in_one_step
-from fixtures.tiny_models import load_wan, run_wan
+from fixtures.tiny_models import load_bf16, run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
 CONFIGS = PLACEMENTS
@@ -111,13 +111,6 @@ def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkey
     engine.after_run(pipe)
     assert transport.prefetch.copied == moved[id(transport.prefetch)] > 0
     engine.release(pipe)
-
-
-def load_bf16(tiny_wan_dir):
-    """The tiny Wan with its transformer in bf16 (the dtype fp8 weights compute in)."""
-    pipe = load_wan(tiny_wan_dir)
-    pipe.transformer.to(torch.bfloat16)
-    return pipe
 
 
 def test_a_scale_that_does_not_match_its_weight_is_refused(tiny_wan_dir):

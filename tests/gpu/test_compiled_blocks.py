@@ -1,14 +1,15 @@
 """Compiled blocks (``compile_blocks``) on a CUDA device, compiled by inductor: every block kept
 or streamed whole runs its compiled forward, graphed or not the outputs are the same bits, and
-they are within the compiler's rounding of the uncompiled outputs; the fp8 blocks held as compute
-values run compiled too. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
+they are within the compiler's rounding of the uncompiled outputs, fp8 storage included. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from fixtures.graph_runs import keep_first_after, placed_runs
+from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import load_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU kernels need a CUDA device")
@@ -19,16 +20,27 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _fp8(path):
+    pipe = load_bf16(path)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    return pipe
+
+
+@pytest.mark.parametrize("storage", ["model dtype", "fp8"])
 @pytest.mark.parametrize("plan", ["every block kept", "block 0 kept, the others streamed whole"])
-def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, plan: str) -> None:
+def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, plan: str,
+                                                                              storage: str) -> None:
+    """(fp8: kept blocks in parts dequantise inside the compiled graph; blocks streamed whole are cast
+    as they bind, inside their capture.)"""
     streamed: list[int] = []
     between = keep_first_after(streamed) if plan.startswith("block 0") else None
     extra = {"stream_parts": False} if between else {}
-    plain, _ = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
+    load = _fp8 if storage == "fp8" else load_wan
+    plain, _ = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
                            runs=4, between=between)
-    eager, off = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, **extra, cuda_graphs=False), runs=4,
+    eager, off = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra, cuda_graphs=False), runs=4,
                              between=between)
-    graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, **extra), runs=4, between=between)
+    graphed, on = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra), runs=4, between=between)
     assert off["compiled_calls"] > 0 and on["compiled_calls"] > 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
     assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < 2e-2
