@@ -2,8 +2,9 @@
 ``aot_eager`` backend (the same tracing, no code generation; the GPU tests compile with inductor):
 the compiled forward runs wherever a block's weights are all bound at its entry (kept, streamed
 whole, or bound whole for a CUDA graph: `tests/gpu`) and gives the eager output bit for bit, once
-compiled for every block; fp8 layers dequantise inside it, to the streamer's bits; a hook someone
-else put on a layer keeps its block eager; a weight write and a release drop the twins."""
+compiled for every block, in every family; fp8 layers dequantise inside it, to the streamer's bits;
+a hook someone else put on a layer keeps its block eager; a weight write and a release drop the
+twins."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.transport import compiled
 from fixtures.quantized import scaled_fp8
 from fixtures.tiny_models import load_bf16
-from fixtures.tiny_pipes import run_wan
+from fixtures.tiny_pipes import RUNNERS, run_wan
 from torch._dynamo.utils import counters
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", compile_blocks=True)
@@ -69,6 +70,26 @@ def test_compiled_blocks_give_the_eager_output_compiled_once(wan_pipe, placement
     assert f", {details['blocks']} compiled" in details["report"]
     assert counters["stats"]["unique_graphs"] == 1  # one graph for every block, the weights swapped under it
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["flux", "h3", "ltx2"])
+def test_every_family_compiles_to_the_eager_output(name: str, request) -> None:
+    """Flux's two towers (two block classes), H3's blocks and LTX-2's blocks streamed whole."""
+    pipe, run = request.getfixturevalue(f"{name}_pipe"), RUNNERS[name]
+    outs, compiled_blocks = [], []
+    for on in (False, True):
+        engine = Engine()
+        engine.place(pipe, OffloadConfig(**BASE, preload="1000").replace(compile_blocks=on))
+        try:
+            out = run(pipe, seed=0)
+            outs.append(out[0] if isinstance(out, tuple) else out)
+            details = _streamer(engine, pipe).details()
+            compiled_blocks.append((details["compiled_blocks"], details["blocks"]))
+        finally:
+            engine.after_run(pipe)
+            engine.release(pipe)
+    assert compiled_blocks[0][0] == 0 and compiled_blocks[1][0] == compiled_blocks[1][1] > 0
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("window", [1, 3])
