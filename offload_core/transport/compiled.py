@@ -11,7 +11,9 @@ dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale
 the streamer's cast, `cast.py`), so the streamer casts nothing for a compiled call; a weight the
 streamer holds as compute values (`held_casts.py`) is used as it is. A block whose layers compute
 through any other hook (fp8 matmuls, dequantising, an unfused LoRA), hold tensor subclasses
-(GGUF) or int8 weights runs eagerly: a twin would skip what those do. Why not diffusers'
+(GGUF) or int8 weights runs eagerly: a twin would skip what those do. Where the compiler cannot
+run at all (no working Triton, as on many Windows installs), compiling turns itself off for the
+streamer, said once, and the call runs its twin eagerly. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
 """
 
@@ -114,15 +116,28 @@ class CompiledBlocks:
             self._tell(f"{kind} runs eagerly, not compiled: {why}")
             return None
         self._tell(f"{kind} blocks run compiled ({BACKEND}) wherever all their weights are bound at their entry")
-        compiled = _compiled(type(block.module), BACKEND)
+        compiled, eager = _compiled(type(block.module), BACKEND), type(block.module).forward
         copy = twin(block.module, self.fp8, self.device)
 
         def run(*args, **kwargs):
-            self.calls += 1
-            return compiled(copy, *args, **kwargs)
+            if self.enabled:
+                try:
+                    out = compiled(copy, *args, **kwargs)
+                    self.calls += 1
+                    return out
+                except torch._dynamo.exc.BackendCompilerFailed as exc:
+                    self._off(exc)
+            return eager(copy, *args, **kwargs)
 
         run.twin = copy
         return run
+
+    def _off(self, exc: Exception) -> None:
+        """The compiler failed (not the model): every block runs eagerly from now on."""
+        cause = getattr(exc, "inner_exception", None) or exc
+        first = (str(cause).strip().splitlines() or [""])[0]
+        log.warning("compile: off, blocks run eagerly: the compiler failed (%s: %s)", type(cause).__name__, first)
+        self.enable(False)
 
     def _tell(self, line: str) -> None:
         if line not in self._told:

@@ -3,8 +3,8 @@
 the compiled forward runs wherever a block's weights are all bound at its entry (kept, streamed
 whole, or bound whole for a CUDA graph: `tests/gpu`) and gives the eager output bit for bit, once
 compiled for every block, in every family; fp8 layers dequantise inside it, to the streamer's bits;
-a hook someone else put on a layer keeps its block eager; a weight write and a release drop the
-twins."""
+a hook someone else put on a layer keeps its block eager; a compiler that cannot run turns
+compiling off; a weight write and a release drop the twins."""
 
 from __future__ import annotations
 
@@ -143,6 +143,23 @@ def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placeme
     assert details["casts_held"] == 0 or placement == "whole blocks streamed"  # (those cast as they bind)
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.float8_e4m3fn}  # stored bytes left as they were
+
+
+def _no_triton(graph, inputs):
+    raise RuntimeError("Cannot find a working triton installation")
+
+
+def test_a_compiler_that_cannot_run_turns_compiling_off_and_the_run_goes_on(wan_pipe, monkeypatch, caplog) -> None:
+    """As on a Windows install without Triton: the first compiled call fails in the backend; the
+    call runs its twin eagerly, every later one the usual eager path, and the log says so once."""
+    eager, _ = _compiled_run(wan_pipe, OffloadConfig(**BASE, preload="1000").replace(compile_blocks=False))
+    monkeypatch.setattr(compiled, "BACKEND", _no_triton)
+    with caplog.at_level(logging.WARNING, logger="diffusers_offload"):
+        out, details = _compiled_run(wan_pipe, OffloadConfig(**BASE, preload="1000"))
+    assert details["compiled_calls"] == 0 and details["compiled_blocks"] == 0
+    assert caplog.text.count("compile: off, blocks run eagerly: the compiler failed (RuntimeError: Cannot find a "
+                             "working triton installation)") == 1
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
 def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(wan_pipe) -> None:
