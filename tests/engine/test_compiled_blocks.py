@@ -2,7 +2,7 @@
 ``aot_eager`` backend (the same tracing, no code generation; the GPU tests compile with inductor):
 the compiled forward runs wherever a block's weights are all bound at its entry (kept, streamed
 whole, or bound whole for a CUDA graph: `tests/gpu`) and gives the eager output bit for bit, once
-compiled for every block, in every family; fp8 layers dequantise inside it, to the streamer's bits;
+compiled for every block, in each family; fp8 layers dequantise inside it, to the streamer's bits;
 a hook someone else put on a layer keeps its block eager; a compiler that cannot run turns
 compiling off; a weight write and a release drop the twins."""
 
@@ -72,9 +72,10 @@ def test_compiled_blocks_give_the_eager_output_compiled_once(wan_pipe, placement
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["flux", "h3", "ltx2"])
+@pytest.mark.parametrize("name", ["flux", "h3"])
 def test_every_family_compiles_to_the_eager_output(name: str, request) -> None:
-    """Flux's two towers (two block classes), H3's blocks and LTX-2's blocks streamed whole."""
+    """Flux's two towers (two block classes) and H3's blocks (LTX-2's, streamed whole, compiled to
+    the same bits in a CPU check of session 37; its pipeline takes 20 s here, so it is left out)."""
     pipe, run = request.getfixturevalue(f"{name}_pipe"), RUNNERS[name]
     outs, compiled_blocks = [], []
     for on in (False, True):
