@@ -32,7 +32,7 @@ from .blocks import StreamBlock
 
 log = get_logger("compile")
 
-BACKEND = "inductor"  # torch.compile's backend (the CPU tests use "aot_eager": no code generation there)
+BACKEND: str | Callable[..., object] = "inductor"  # torch.compile's backend (CPU tests: "aot_eager", no codegen)
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -146,7 +146,7 @@ class CompiledBlocks:
 
     @property
     def blocks(self) -> int:
-        """Blocks that have run compiled since the twins were last dropped."""
+        """Blocks given a compiled forward since the twins were last dropped."""
         return sum(f is not None for f in self._forwards.values())
 
     def clear(self) -> None:
@@ -159,6 +159,6 @@ class CompiledBlocks:
 
 
 @functools.cache
-def _compiled(kind: type, backend: str) -> Callable[..., object]:
+def _compiled(kind: type, backend: str | Callable[..., object]) -> Callable[..., object]:
     """One compiled ``forward`` per block class and backend, shared by every streamer."""
     return torch.compile(kind.forward, backend=backend)
