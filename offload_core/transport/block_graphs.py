@@ -49,10 +49,11 @@ class BlockGraphs:
         kept = all(u.piece.resident is not None for u in units)
         return (id(owner), tuple(u.computed for u in units), *(() if kept else (where,))), where
 
-    def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int]) -> CallGraph | None:
+    def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int], casts: bool = True) -> CallGraph | None:
         """A kept block or a bound streamed unit is entered: its trusted graph, to replay instead of
         its forward (the units it runs are added to ``seen``), or None: run eagerly (maybe to be
-        captured at its exit)."""
+        captured at its exit). ``casts`` False: its capture casts no fp8 unit (a compiled block in
+        parts dequantises inside its forward, `compiled.py`), so no cast buffer is fixed for it."""
         if not self.cache.enabled:
             return None
         key = self.key(owner)
@@ -62,7 +63,8 @@ class BlockGraphs:
             return plan
         if plan is GraphCache.CAPTURE:
             self._pending = (owner, key, args, kwargs, len(seen))
-            self.prefetch.fix_cast(owner.units if isinstance(owner, StreamBlock) else (owner,))
+            if casts:
+                self.prefetch.fix_cast(owner.units if isinstance(owner, StreamBlock) else (owner,))
         return None
 
     def exit(self, owner: Owner, output: object, forward: Callable[..., object], seen: list[int]) -> None:

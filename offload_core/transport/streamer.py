@@ -184,7 +184,8 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
             if kept and graph is None:
                 self.enter(block.units[0])  # (an fp8 block's cast)
         elif kept or self._bind_whole(block, args, kwargs):
-            graph = self.graphs.enter(block, args, kwargs, self.learner.seen)
+            casts = self.compiled.forward(block) is None  # (compiled, it dequantises inside its forward)
+            graph = self.graphs.enter(block, args, kwargs, self.learner.seen, casts=casts)
         else:
             return None
         if graph is None and self._compile(block) and block.in_parts:  # its parts' hooks will not run
