@@ -112,6 +112,7 @@ class CastPool:
         self._free: list[torch.Tensor] = []
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}  # (id(buffer), unit index) -> views
         self.held = 0  # bytes of compute buffers alive (free and bound)
+        self.peak = 0  # the most ``held`` since `reset_peak` (a cycle's)
         self.nbytes = 0  # the size buffers are made at: the largest unit's compute bytes
         self.fixed: torch.Tensor | None = None  # the graphs' cast buffer: never freed while fixed
         self._fixed_bound = False  # an eager unit is bound to it now
@@ -149,7 +150,7 @@ class CastPool:
                 self.fixed = self._free.pop()
             else:
                 self.fixed = torch.empty(self.nbytes // compute.itemsize, dtype=compute, device=self.device)
-                self.held += self.fixed.nbytes
+                self._hold(self.fixed)
         return self.fixed
 
     def fixed_for(self, cast: UnitCast) -> torch.Tensor | None:
@@ -184,8 +185,15 @@ class CastPool:
             return self._free.pop()
         size = max(self.nbytes, cast.compute_bytes) // cast.compute.itemsize
         buf = torch.empty(size, dtype=cast.compute, device=self.device)
-        self.held += buf.numel() * buf.element_size()
+        self._hold(buf)
         return buf
+
+    def reset_peak(self) -> None:
+        self.peak = self.held
+
+    def _hold(self, buf: torch.Tensor) -> None:
+        self.held += buf.numel() * buf.element_size()
+        self.peak = max(self.peak, self.held)
 
     def _forget(self, buf: torch.Tensor) -> None:
         self.held -= buf.numel() * buf.element_size()

@@ -9,9 +9,10 @@ class (dynamo reads the twin's parameters as inputs and guards on its structure,
 identity), so a 40-block model compiles once per input shape. A twin's fp8 Linear layers
 dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale``, the bits of
 the streamer's cast, `cast.py`), so the streamer casts nothing for a compiled call; a weight the
-streamer holds as compute values (`held_casts.py`) is used as it is. A block whose layers compute
-through any other hook (fp8 matmuls, dequantising, an unfused LoRA), hold tensor subclasses
-(GGUF) or int8 weights runs eagerly: a twin would skip what those do. Where the compiler cannot
+streamer holds as compute values (`held_casts.py`) is used as it is. Layers computing fp8 matmuls
+(`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. A block
+whose layers compute through any other hook (dequantising, an unfused LoRA), hold tensor
+subclasses (GGUF) or int8 weights runs eagerly: a twin would skip what those do. Where the compiler cannot
 run at all (no working Triton, as on many Windows installs), compiling turns itself off for the
 streamer, said once, and the call runs its twin eagerly. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
@@ -27,8 +28,9 @@ import torch.nn.functional as F
 
 from ..formats.fp8 import Fp8Table
 from ..log import get_logger
-from ..state import REGISTRY, STREAM_HOOK
+from ..state import DEQUANT_HOOK, REGISTRY, STREAM_HOOK
 from .blocks import StreamBlock
+from .fp8_matmul import FP8, HALF, Fp8MatmulHook, runs_here, scaled_linear, torch_quantise
 
 log = get_logger("compile")
 
@@ -48,10 +50,17 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
                          for name, child in module._modules.items()}
     weight = module._parameters.get("weight")
     if fp8 is not None and weight is not None and id(weight) in fp8.weights:
-        copy.__class__ = _dequantizing(type(module))
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
         attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
         attrs["fp8_storage"], attrs["fp8_compute"] = fp8.storage, fp8.compute
+        copy.__class__ = _dequantizing(type(module))
+        if isinstance(_hooks(module).get(DEQUANT_HOOK), Fp8MatmulHook):
+            copy.__class__ = _fp8_matmul(type(module))
+            exact, static = fp8.exact.get(id(weight)), fp8.inputs.get(id(weight))
+            one = torch.ones((), dtype=torch.float32, device=device)
+            attrs["_buffers"].update(fp8_one=one, fp8_wscale=one if exact is None else torch.full_like(one, exact),
+                                     fp8_static=None if static is None else torch.full_like(one, static))
+            attrs["fp8_unscaled"] = exact is None and static is None
     copy.__dict__.update(attrs)
     return copy
 
@@ -64,17 +73,39 @@ def _dequantizing_forward(self, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight, self.bias)
 
 
+def _fp8_matmul_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The fp8 matmul `Fp8MatmulHook` computes, its input quantised in torch's ops; where the
+    matmul cannot take the call, the hook's fallback (the weight dequantised, the input cast)."""
+    weight = self.weight
+    if weight.dtype == FP8 and x.dtype in HALF and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+        scales = (self.fp8_one, self.fp8_wscale, self.fp8_static)
+        return scaled_linear(x, weight, self.bias, scales, self.fp8_unscaled, torch_quantise)
+    compute, bias = self.fp8_compute, self.bias
+    value = weight.to(compute) * self.fp8_scale if weight.dtype == self.fp8_storage else weight
+    return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
+
+
 @functools.cache
 def _dequantizing(kind: type) -> type:
     return type(f"Dequantizing{kind.__name__}", (kind,), {"forward": _dequantizing_forward})
 
 
-def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None) -> str | None:
-    """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's on it
-    or a layer under it, a tensor subclass among its weights, or a stored weight its twin cannot
-    dequantise (int8, or fp8 on a layer other than a plain Linear)."""
+@functools.cache
+def _fp8_matmul(kind: type) -> type:
+    return type(f"Fp8Matmul{kind.__name__}", (kind,), {"forward": _fp8_matmul_forward})
+
+
+def _hooks(module: torch.nn.Module) -> dict[str, object]:
+    return getattr(vars(module).get(REGISTRY), "hooks", {})
+
+
+def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> str | None:
+    """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's (or
+    a Linear's fp8 matmul where ``device`` has them) on it or a layer under it, a tensor subclass
+    among its weights, or a stored weight its twin cannot dequantise (int8, or fp8 on a layer
+    other than a plain Linear)."""
     for name, module in block.named_modules():
-        hooks = [h for h in getattr(vars(module).get(REGISTRY), "hooks", {}) if h != STREAM_HOOK]
+        hooks = [key for key, hook in _hooks(module).items() if key != STREAM_HOOK and not _matmul(module, hook, device)]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
         weight = module._parameters.get("weight")
@@ -87,6 +118,12 @@ def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None) -> str | None:
         if type(tensor) not in PLAIN:
             return f"{type(tensor).__name__} weight {name}"
     return None
+
+
+def _matmul(module: torch.nn.Module, hook: object, device: torch.device | None) -> bool:
+    """Whether ``hook`` is the fp8 matmul of a plain Linear on a device that has them (its twin computes it)."""
+    return isinstance(hook, Fp8MatmulHook) and type(module).forward is torch.nn.Linear.forward \
+        and (device is None or runs_here(device))
 
 
 class CompiledBlocks:
@@ -111,7 +148,7 @@ class CompiledBlocks:
 
     def _make(self, block: StreamBlock) -> Callable[..., object] | None:
         kind = type(block.module).__name__
-        why = refusal(block.module, self.fp8)
+        why = refusal(block.module, self.fp8, self.device)
         if why is not None:
             self._tell(f"{kind} runs eagerly, not compiled: {why}")
             return None

@@ -16,6 +16,7 @@ weight and calls ``F.linear``, as fp8 storage does elsewhere.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +57,31 @@ def quantise(rows: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
         fused = fp8_kernel.quantized(rows, inv)
         if fused is not None:
             return fused
+    return torch_quantise(rows, inv)
+
+
+def torch_quantise(rows: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
+    """`quantise` in torch's ops (what a compiled block traces: `compiled.py`)."""
     scaled = rows if inv is None else rows * inv
     return scaled.clamp(-LIMIT, LIMIT).to(FP8)
+
+
+def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], unscaled: bool,
+                  quantiser: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = quantise) -> torch.Tensor:
+    """The fp8 matmul of ``x`` with the stored ``weight``; ``scales``: 1, the weight's scale and
+    the file's static input scale (None: none), float32 scalars on the weight's device;
+    ``unscaled``: the input at scale 1 (ComfyUI's ``fp8_e4m3fn_fast``), else quantised per tensor."""
+    one, scale, static = scales
+    rows = x.reshape(-1, x.shape[-1])
+    if unscaled:
+        in_scale, inv = one, None
+    else:  # a scaled file's weight: its layer quantises the input per tensor (comfy-kitchen's)
+        in_scale = static if static is not None else (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
+        inv = (1.0 / in_scale).to(rows.dtype)
+    out = torch._scaled_mm(quantiser(rows, inv), weight.t(), scale_a=in_scale, scale_b=scale,
+                           bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 class Fp8MatmulHook(ModelHook):
@@ -68,7 +92,7 @@ class Fp8MatmulHook(ModelHook):
     def __init__(self, table: Fp8Table) -> None:
         super().__init__()
         self.table = table
-        self._scales: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see `_device_scales`
+        self._scales: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see `device_scales`
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -81,18 +105,10 @@ class Fp8MatmulHook(ModelHook):
             compute = self.table.compute
             value = weight_value(self.table, weight)
             return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
-        rows = x.reshape(-1, x.shape[-1])
-        one, scale, static = self._device_scales(weight)
-        if scale is one and static is None:  # an unscaled weight: ComfyUI's fp8_e4m3fn_fast, the input at scale 1
-            in_scale, inv = one, None
-        else:  # a scaled file's weight: its layer quantises the input per tensor (comfy-kitchen's)
-            in_scale = static if static is not None else (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
-            inv = (1.0 / in_scale).to(rows.dtype)
-        out = torch._scaled_mm(quantise(rows, inv), weight.t(), scale_a=in_scale, scale_b=scale,
-                               bias=None if bias is None else bias.to(x.dtype), out_dtype=x.dtype)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        scales = self.device_scales(weight)
+        return scaled_linear(x, weight, bias, scales, unscaled=scales[1] is scales[0] and scales[2] is None)
 
-    def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """1, the weight's scale (the file's float32 value; 1 itself where it has none) and the
         file's static input scale (None: none), float32 scalars on its device, made once (an eager
         call comes before any capture: `graphs.py`)."""

@@ -59,8 +59,10 @@ class StreamAccounts:
     def weights_at_peak(self) -> int:
         """Weight bytes on the device when the allocator peaked: the resident part plus the most
         streamed-block buffers that were alive at once this cycle (the peak happens inside a block,
-        with its successor prefetched)."""
-        return self._head_bytes + self.kept_bytes() + self._transit_peak + self.prefetch.casts.nbytes
+        with its successor prefetched), and a cast buffer if one was alive this cycle (compiled fp8
+        blocks dequantise inside their graph instead: that shows as their activations)."""
+        casts = self.prefetch.casts
+        return self._head_bytes + self.kept_bytes() + self._transit_peak + min(casts.nbytes, casts.peak)
 
     def self_cast(self) -> set[int]:
         """The fp8 weights its units cast themselves (one cast per unit, `cast.py`)."""

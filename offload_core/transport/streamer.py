@@ -384,6 +384,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
 
     def reset_peak(self) -> None:
         self._transit_peak = self.ring.nbytes
+        self.prefetch.casts.reset_peak()
 
     def before_write(self) -> None:
         self.drop_prefetched()  # copies made ahead of a weight write would be stale

@@ -18,6 +18,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.transport import compiled
+from fixtures.fp8_matmul import wide_wan
 from fixtures.quantized import scaled_fp8
 from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import RUNNERS, run_wan
@@ -53,8 +54,11 @@ def _compiled_run(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict]:
         out = [run_wan(pipe) for _ in range(2)][-1]
         details = _streamer(engine, pipe).details()
         report = engine.report(pipe).component("transformer").line()
-        casts = _streamer(engine, pipe).prefetch.casts.held
-        return out, {**details, "block_calls": len(forwards) * details["blocks"], "report": report, "casts_held": casts}
+        streamer = _streamer(engine, pipe)
+        casts = streamer.prefetch.casts
+        floor = streamer.weights_at_peak() - streamer.head_bytes() - streamer.kept_bytes() - streamer._transit_peak
+        return out, {**details, "block_calls": len(forwards) * details["blocks"], "report": report,
+                     "casts_held": casts.held, "cast_size": casts.nbytes, "cast_in_floor": floor}
     finally:
         handle.remove()
         engine.release(pipe)
@@ -127,7 +131,9 @@ def test_a_layer_with_someone_elses_hook_keeps_its_block_eager(wan_pipe, caplog)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placement, scaled: bool) -> None:
     """A twin's fp8 layers compute ``w.to(compute) * scale`` in the graph: the bits of the
-    streamer's cast path, and of a bf16 model holding those values; kept blocks cast nothing."""
+    streamer's cast path, and of a bf16 model holding those values; kept blocks cast nothing, so
+    the weights the planner counts at a forward's peak hold no cast buffer (its activations
+    measure the dequantised weights instead)."""
     def fp8_pipe():
         pipe = load_bf16(tiny_wan_dir)
         if scaled:
@@ -137,13 +143,35 @@ def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placeme
         return pipe
 
     config = OffloadConfig(**BASE, **PLACEMENTS[placement])
-    eager, _ = _compiled_run(fp8_pipe(), config.replace(compile_blocks=False))
+    eager, eager_details = _compiled_run(fp8_pipe(), config.replace(compile_blocks=False))
     pipe = fp8_pipe()
     out, details = _compiled_run(pipe, config)
     assert details["compiled_calls"] == details["block_calls"] > 0
-    assert details["casts_held"] == 0 or placement == "whole blocks streamed"  # (those cast as they bind)
+    assert eager_details["cast_in_floor"] == eager_details["cast_size"] > 0
+    if placement == "every block kept":
+        assert details["casts_held"] == details["cast_in_floor"] == 0
+    else:  # those cast as they bind
+        assert details["cast_in_floor"] == details["cast_size"] > 0
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.float8_e4m3fn}  # stored bytes left as they were
+
+
+@pytest.mark.parametrize("kind", ["plain", "scaled", "static"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_fp8_matmuls_run_inside_the_compiled_forward(tiny_wan_dir, placement, kind) -> None:
+    """A twin computes its layers' fp8 matmuls (``fp8_e4m3fn_fast``; a scaled file's, with and
+    without static input scales) in the graph, its inputs quantised in torch's ops: every block
+    compiles and gives the eager hooks' output bit for bit (not the dequantised math's:
+    `test_fp8_matmul.py`)."""
+    def pipe():
+        return wide_wan(tiny_wan_dir, scaled=kind == "scaled", static=kind == "static")
+
+    config = OffloadConfig(**BASE, **PLACEMENTS[placement])
+    eager, _ = _compiled_run(pipe(), config.replace(compile_blocks=False))
+    out, details = _compiled_run(pipe(), config)
+    assert details["compiled_calls"] == details["block_calls"] > 0
+    assert details["cast_in_floor"] == 0  # fp8 matmuls cast nothing
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
 def _no_triton(graph, inputs):
