@@ -1,6 +1,6 @@
 """Compiled blocks (``compile_blocks``) on a CUDA device, compiled by inductor: every block kept
 or streamed whole runs its compiled forward, graphed or not the outputs are the same bits, and
-they are within the compiler's rounding of the uncompiled outputs, fp8 storage included. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
+they are within the compiler's rounding of the uncompiled outputs, fp8 storage and fp8 matmuls included. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from fixtures.fp8_matmul import wide_wan
 from fixtures.graph_runs import keep_first_after, placed_runs
 from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import load_wan
@@ -26,16 +27,17 @@ def _fp8(path):
     return pipe
 
 
-@pytest.mark.parametrize("storage", ["model dtype", "fp8"])
+@pytest.mark.parametrize("storage", ["model dtype", "fp8", "fp8 matmuls", "fp8 scaled matmuls"])
 @pytest.mark.parametrize("plan", ["every block kept", "block 0 kept, the others streamed whole"])
 def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, plan: str,
                                                                               storage: str) -> None:
     """(fp8: kept blocks in parts dequantise inside the compiled graph; blocks streamed whole are cast
-    as they bind, inside their capture.)"""
+    as they bind, inside their capture. fp8 matmuls: ``_scaled_mm`` inside the graph.)"""
     streamed: list[int] = []
     between = keep_first_after(streamed) if plan.startswith("block 0") else None
     extra = {"stream_parts": False} if between else {}
-    load = _fp8 if storage == "fp8" else load_wan
+    load = {"fp8": _fp8, "fp8 matmuls": wide_wan, "fp8 scaled matmuls": lambda p: wide_wan(p, scaled=True)}.get(
+        storage, load_wan)
     plain, _ = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
                            runs=4, between=between)
     eager, off = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra, cuda_graphs=False), runs=4,
