@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
-from fixtures.fp8_matmul import wide_wan
+from fixtures.fp8_matmul import REL_L2, wide_wan
 from fixtures.graph_runs import keep_first_after, placed_runs
 from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import load_wan
@@ -45,4 +45,7 @@ def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(ti
     graphed, on = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra), runs=4, between=between)
     assert off["compiled_calls"] > 0 and on["compiled_calls"] > 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
-    assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < 2e-2
+    # fp8 matmuls round their inputs to fp8 (steps of 6 %): the compiler's rounding upstream moves
+    # some across a step, so the bound is the format's own error against bf16 compute
+    bound = REL_L2 if "matmuls" in storage else 2e-2
+    assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < bound
