@@ -12,9 +12,9 @@ the streamer's cast, `cast.py`), so the streamer casts nothing for a compiled ca
 streamer holds as compute values (`held_casts.py`) is used as it is. Layers computing fp8 matmuls
 (`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. A block
 whose layers compute through any other hook (dequantising, an unfused LoRA), hold tensor
-subclasses (GGUF) or int8 weights runs eagerly: a twin would skip what those do. Where the compiler cannot
-run at all (no working Triton, as on many Windows installs), compiling turns itself off for the
-streamer, said once, and the call runs its twin eagerly. Why not diffusers'
+subclasses (GGUF) or int8 weights runs eagerly: a twin would skip what those do. Where the
+compiler cannot run at all (no working Triton, as on many Windows installs), compiling turns
+itself off for the streamer, said once, and the call runs its twin eagerly. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
 """
 

@@ -92,7 +92,7 @@ class Fp8MatmulHook(ModelHook):
     def __init__(self, table: Fp8Table) -> None:
         super().__init__()
         self.table = table
-        self._scales: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see `device_scales`
+        self._scales: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see `_device_scales`
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -105,10 +105,10 @@ class Fp8MatmulHook(ModelHook):
             compute = self.table.compute
             value = weight_value(self.table, weight)
             return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
-        scales = self.device_scales(weight)
+        scales = self._device_scales(weight)
         return scaled_linear(x, weight, bias, scales, unscaled=scales[1] is scales[0] and scales[2] is None)
 
-    def device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """1, the weight's scale (the file's float32 value; 1 itself where it has none) and the
         file's static input scale (None: none), float32 scalars on its device, made once (an eager
         call comes before any capture: `graphs.py`)."""
