@@ -14,7 +14,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step's eager streaming within 1.02 × the compiled reference?), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -89,6 +89,8 @@ for row in "$@"; do
     compile) run compile 150 python3 bench/compile_probe.py --blocks 8 --workloads small,video ;;  # compiled blocks vs eager
     compiled) run compiled 150 python3 bench/wan_bench.py --compile --sections preload --warmup 6 \
                 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/compiled.json" ;;  # compile_blocks, bf16
+    fastcompiled) run fastcompiled 200 python3 bench/wan_bench.py --storage fp8_e4m3fn_fast --compile --sections preload \
+                    --warmup 10 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/fastcompiled.json" ;;  # fp8 matmuls compiled
     plain) run plain 120 python3 bench/wan_bench.py --sections preload --warmup 6 \
              ${ROW_ARGS:---caps 24 --workloads small,video} --json "$ROWS_DIR/plain.json" ;;  # uncompiled: the anchor
     gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
