@@ -317,10 +317,11 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         the non-block part is even launched: into the buffers the ring holds, then again once the
         listeners have settled the plan (a new workload may change it; else nothing is left to
         copy). Why before: where the host waits for each step's end, the copy engine idles until
-        this copy is queued."""
+        this copy is queued (the check that no streamed weight was cast since placement reads every
+        one: it runs after that first copy is queued)."""
+        self._prefetch_first(made_only=True)
         self.stored.check(type(self.module).__name__)
         self._forward_open = self._via_model = True
-        self._prefetch_first(made_only=True)
         self.notify("forward", args=args, kwargs=kwargs)
         self._prefetch_first()
 
