@@ -30,7 +30,7 @@ from ..formats.fp8 import Fp8Table
 from ..log import get_logger
 from ..state import DEQUANT_HOOK, REGISTRY, STREAM_HOOK
 from .blocks import StreamBlock
-from .fp8_matmul import FP8, HALF, Fp8MatmulHook, runs_here, scaled_linear, torch_quantise
+from .fp8_matmul import Fp8MatmulHook, runs_here, scale_tensors, scaled_linear, takes, torch_quantise
 
 log = get_logger("compile")
 
@@ -56,33 +56,30 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
         copy.__class__ = _dequantizing(type(module))
         if isinstance(_hooks(module).get(DEQUANT_HOOK), Fp8MatmulHook):
             copy.__class__ = _fp8_matmul(type(module))
-            exact, static = fp8.exact.get(id(weight)), fp8.inputs.get(id(weight))
-            one = torch.ones((), dtype=torch.float32, device=device)
-            attrs["_buffers"].update(fp8_one=one, fp8_wscale=one if exact is None else torch.full_like(one, exact),
-                                     fp8_static=None if static is None else torch.full_like(one, static))
-            attrs["fp8_unscaled"] = exact is None and static is None
+            one, wscale, static = scale_tensors(fp8, weight, device)
+            attrs["_buffers"].update(fp8_one=one, fp8_wscale=wscale, fp8_static=static)
     copy.__dict__.update(attrs)
     return copy
 
 
-def _dequantizing_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """A stored fp8 weight's compute value (a held one is used as it is), then the layer."""
+def _compute_value(self) -> torch.Tensor:
+    """A stored fp8 weight's compute value (a held one is used as it is)."""
     weight = self.weight
-    if weight.dtype == self.fp8_storage:
-        weight = weight.to(self.fp8_compute) * self.fp8_scale
-    return F.linear(x, weight, self.bias)
+    return weight.to(self.fp8_compute) * self.fp8_scale if weight.dtype == self.fp8_storage else weight
+
+
+def _dequantizing_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, _compute_value(self), self.bias)
 
 
 def _fp8_matmul_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The fp8 matmul `Fp8MatmulHook` computes, its input quantised in torch's ops; where the
     matmul cannot take the call, the hook's fallback (the weight dequantised, the input cast)."""
-    weight = self.weight
-    if weight.dtype == FP8 and x.dtype in HALF and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0:
+    if takes(x, self.weight):
         scales = (self.fp8_one, self.fp8_wscale, self.fp8_static)
-        return scaled_linear(x, weight, self.bias, scales, self.fp8_unscaled, torch_quantise)
+        return scaled_linear(x, self.weight, self.bias, scales, torch_quantise)
     compute, bias = self.fp8_compute, self.bias
-    value = weight.to(compute) * self.fp8_scale if weight.dtype == self.fp8_storage else weight
-    return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
+    return F.linear(x.to(compute), _compute_value(self), None if bias is None else bias.to(compute)).to(x.dtype)
 
 
 @functools.cache

@@ -42,10 +42,25 @@ def runs_here(device: torch.device) -> bool:
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """`takes` the call, on a device that has fp8 matmuls."""
+    return takes(x, weight) and runs_here(x.device)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """``_scaled_mm`` takes an fp8 ``e4m3fn`` weight, widths that are multiples of 16 and (with a
     bias) a bf16 or fp16 output, which is the input's dtype as in ComfyUI's layer."""
     return weight.dtype == FP8 and weight.ndim == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 \
-        and x.shape[-1] == weight.shape[1] and x.dtype in HALF and runs_here(x.device)
+        and x.shape[-1] == weight.shape[1] and x.dtype in HALF
+
+
+def scale_tensors(table: Fp8Table, weight: torch.Tensor, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """1, ``weight``'s scale (the file's float32 value; 1 itself where it has none) and the file's
+    static input scale (None: none), float32 scalars on ``device``."""
+    value, static = table.exact.get(id(weight)), table.inputs.get(id(weight))
+    one = torch.ones((), dtype=torch.float32, device=device)
+    return (one, one if value is None else torch.full_like(one, value),
+            None if static is None else torch.full_like(one, static))
 
 
 def quantise(rows: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor:
@@ -67,14 +82,12 @@ def torch_quantise(rows: torch.Tensor, inv: torch.Tensor | None) -> torch.Tensor
 
 
 def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], unscaled: bool,
+                  scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
                   quantiser: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = quantise) -> torch.Tensor:
-    """The fp8 matmul of ``x`` with the stored ``weight``; ``scales``: 1, the weight's scale and
-    the file's static input scale (None: none), float32 scalars on the weight's device;
-    ``unscaled``: the input at scale 1 (ComfyUI's ``fp8_e4m3fn_fast``), else quantised per tensor."""
+    """The fp8 matmul of ``x`` with the stored ``weight``; ``scales`` from `scale_tensors`."""
     one, scale, static = scales
     rows = x.reshape(-1, x.shape[-1])
-    if unscaled:
+    if scale is one and static is None:  # an unscaled weight: ComfyUI's fp8_e4m3fn_fast, the input at scale 1
         in_scale, inv = one, None
     else:  # a scaled file's weight: its layer quantises the input per tensor (comfy-kitchen's)
         in_scale = static if static is not None else (rows.abs().amax() / LIMIT).float().clamp_(min=TINY)
@@ -105,18 +118,13 @@ class Fp8MatmulHook(ModelHook):
             compute = self.table.compute
             value = weight_value(self.table, weight)
             return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
-        scales = self._device_scales(weight)
-        return scaled_linear(x, weight, bias, scales, unscaled=scales[1] is scales[0] and scales[2] is None)
+        return scaled_linear(x, weight, bias, self._device_scales(weight))
 
     def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """1, the weight's scale (the file's float32 value; 1 itself where it has none) and the
-        file's static input scale (None: none), float32 scalars on its device, made once (an eager
-        call comes before any capture: `graphs.py`)."""
+        """`scale_tensors` on the weight's device, made once (an eager call comes before any
+        capture: `graphs.py`)."""
         if weight.device not in self._scales:
-            value, static = self.table.exact.get(id(weight)), self.table.inputs.get(id(weight))
-            one = torch.ones((), dtype=torch.float32, device=weight.device)
-            self._scales[weight.device] = (one, one if value is None else torch.full_like(one, value),
-                                           None if static is None else torch.full_like(one, static))
+            self._scales[weight.device] = scale_tensors(self.table, weight, weight.device)
         return self._scales[weight.device]
 
     def deinitalize_hook(self, module: torch.nn.Module) -> torch.nn.Module:  # diffusers' spelling
