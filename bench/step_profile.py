@@ -313,6 +313,7 @@ def main() -> None:
     ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_STORAGES],
                     help="fp8: Linear weights stored in fp8 (bf16 compute; _fast: fp8 matmuls); its resident row is "
                          "the engine keeping every block")
+    ap.add_argument("--compile", action="store_true", help="the engine rows and fp8's reference compile_blocks")
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
     ap.add_argument("--window", default="1", help="prefetch window(s) of the engine rows, comma-separated: "
@@ -333,8 +334,9 @@ def main() -> None:
     m = build_wan(40)
     feeds = wan_inputs(args.workload, 21)
     reading_costs()
-    if args.storage in FP8_STORAGES:
-        store_fp8_as(m, args.storage)
+    if args.storage in FP8_STORAGES or args.compile:
+        if args.storage in FP8_STORAGES:
+            store_fp8_as(m, args.storage)
         fp8_resident(m, feeds, args)
     else:
         row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1],
@@ -351,12 +353,12 @@ def main() -> None:
 
 
 def fp8_resident(m, feeds, args) -> None:
-    """fp8's reference row: every block kept by a fixed budget (one cast per unit each forward,
+    """fp8's (and compile's) reference row: every block kept by a fixed budget (one cast per unit each forward,
     its kept blocks graphed whole; nothing held as compute values), timed and traced like the
     capped rows, so their gaps can be told apart from the reference's."""
     eng, bag = Engine(), Components(transformer=m)
     try:
-        eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks))
+        eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks, compile_blocks=args.compile))
         launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=args.warmup)
         row(section="fp8_resident", launch_s=launch, step_s=step, loop_s=loop, **clocked(m, feeds))
         if args.trace:
@@ -372,7 +374,8 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bo
     ballast = Ballast(cap) if cap else None
     eng, bag = Engine(), Components(transformer=m)
     try:
-        eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window))
+        eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window,
+                                     compile_blocks=args.compile))
         streamer = eng.states(bag)["transformer"].transport
         if per_part:
             streamer._bind_whole = lambda *_: False  # this instance only

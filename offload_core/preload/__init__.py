@@ -31,9 +31,10 @@ The host calls ``notify_model_load()`` whenever any other model loads, and attac
 file once: ``process_store().attach(path)``. ``planner.last_plan_line`` is the plan for the UI.
 """
 
-from .fit import MemoryReading
+
+from .fit import CycleUsage, MemoryReading
 from .measures import MeasureKey, MeasureStore, process_store
-from .planner import CycleUsage, MemoryReadingFn, PreloadPlanner, Relief
+from .planner import MemoryReadingFn, PreloadPlanner, Relief
 from .policy import AUTO, OFF, Policy, parse_policy
 from .ranking import BlockInfo, rank_blocks
 from .registry import notify_model_load

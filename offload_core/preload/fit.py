@@ -40,6 +40,18 @@ class MemoryReading:
         return self.free + self.cached_unused + self.resident + self.opening
 
 
+@dataclass(frozen=True)
+class CycleUsage:
+    """Allocator readings over one cycle, taken by the streamer."""
+
+    peak: int  # max_memory_allocated() since the cycle began (peak stats reset at its start)
+    weights_floor: int  # least bytes of this model's weights on the device during the cycle
+
+    @property
+    def activations(self) -> int:
+        return max(0, self.peak - self.weights_floor)
+
+
 def margin(peak: int) -> int:
     return MARGIN_BASE + int(peak * MARGIN_FRACTION)
 

@@ -15,7 +15,15 @@ from dataclasses import dataclass
 
 from ..log import get_logger
 from . import registry
-from .fit import MemoryReading, fit_prefix, growth_threshold, lookahead_slots, margin, weight_budget
+from .fit import (
+    CycleUsage,
+    MemoryReading,
+    fit_prefix,
+    growth_threshold,
+    lookahead_slots,
+    margin,
+    weight_budget,
+)
 from .measures import MeasureKey, MeasureStore, process_store
 from .penalty import Penalty
 from .plan_line import block_counts, gb, plan_line
@@ -25,18 +33,6 @@ from .ranking import BlockInfo, rank_blocks, spread_kept
 logger = get_logger("preload")
 
 MemoryReadingFn = Callable[[], MemoryReading]
-
-
-@dataclass(frozen=True)
-class CycleUsage:
-    """Allocator readings over one cycle, taken by the streamer."""
-
-    peak: int  # max_memory_allocated() since the cycle began (peak stats reset at its start)
-    weights_floor: int  # least bytes of this model's weights on the device during the cycle
-
-    @property
-    def activations(self) -> int:
-        return max(0, self.peak - self.weights_floor)
 
 
 @dataclass(frozen=True)
@@ -65,7 +61,8 @@ class PreloadPlanner:
     shrunk on shortage; and how many streaming buffers the streamer may fill ahead
     (``ring_slots``). ``blocks`` index the streamer's block table; ``model_class`` and
     ``identity`` (with the blocks' count and size) key the measures; ``prefetch_window`` is the
-    streamer's, for the slots its streamed blocks need."""
+    streamer's, for the slots its streamed blocks need; ``whole``: a streamed block's parts are
+    bound together at its entry (its compiled forward, `transport/compiled.py`)."""
 
     def __init__(
         self,
@@ -76,6 +73,7 @@ class PreloadPlanner:
         identity: str = "",
         policy: Policy | str | int | float = "auto",
         prefetch_window: int = 1,
+        whole: bool = False,
         store: MeasureStore | None = None,
         label: str | None = None,
     ) -> None:
@@ -90,7 +88,7 @@ class PreloadPlanner:
         self._largest = max(self._sizes.values(), default=0)
         self._reader = reader
         self._units = max((b.units for b in blocks), default=1)
-        self._set_window(prefetch_window)
+        self._set_window(prefetch_window, whole)
         self._store = process_store() if store is None else store
         self._model = (model_class, identity)
         self._resident: frozenset[int] = frozenset()
@@ -101,12 +99,13 @@ class PreloadPlanner:
         self._penalties: dict[int, Penalty] = {}
         registry.register(self)
 
-    def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float, prefetch_window: int) -> None:
+    def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float, prefetch_window: int,
+               whole: bool = False) -> None:
         """Attach the live transport's readings, policy and window: the planner outlives
         transports (it lives on the model), so a re-placement hands it fresh ones."""
         self._reader = reader
         self.policy = parse_policy(policy)
-        self._set_window(prefetch_window)
+        self._set_window(prefetch_window, whole)
 
     def unbind(self) -> None:
         """The transport is gone: drop its reading (its driver's method, which holds the streamer
@@ -114,10 +113,12 @@ class PreloadPlanner:
         holds its measures only and a release frees the device without a garbage collection."""
         self._reader = _unplaced
 
-    def _set_window(self, prefetch_window: int) -> None:
-        """The streaming buffers: ``window + 1`` always, up to a whole block ahead of the unit
-        running when there is room (``_ring_for``)."""
-        self._slot_count = prefetch_window + 1
+    def _set_window(self, prefetch_window: int, whole: bool) -> None:
+        """The streaming buffers: ``window + 1`` always (``whole``: a streamed piece's units bound
+        together, and ``window`` more), up to a whole block ahead of the unit running when there
+        is room (``_ring_for``)."""
+        self.whole = whole
+        self._slot_count = prefetch_window + (self._units if whole else 1)
         self._most_slots = max(self._slot_count, prefetch_window + self._units)
         self.ring_slots = self._slot_count
 

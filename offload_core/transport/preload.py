@@ -42,8 +42,9 @@ class PreloadingStreamer(BlockStreamer):
     def retune(self, config: OffloadConfig) -> None:
         """A new preload policy on a placed model: re-planned in place, no re-hooking."""
         super().retune(config)
-        if self.driver is not None and config.preload != self.driver.planner.policy:
-            self.driver.planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window)
+        planner = self.driver.planner if self.driver is not None else None
+        if planner is not None and (config.preload != planner.policy or self.compiled.enabled != planner.whole):
+            planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window, self.compiled.enabled)
             self.driver.load()
 
     def remove(self, module: torch.nn.Module) -> None:
@@ -302,7 +303,8 @@ def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, poli
     if planner is None or len(planner.ranking) != len(blocks) or planner.slot_sizes != slots:
         identity = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
         planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
-                                 policy=policy, prefetch_window=streamer.ctx.prefetch_window)
+                                 policy=policy, prefetch_window=streamer.ctx.prefetch_window,
+                                 whole=streamer.compiled.enabled)
         PLANNER.set(module, planner)
-    planner.rebind(reading, policy, streamer.ctx.prefetch_window)
+    planner.rebind(reading, policy, streamer.ctx.prefetch_window, streamer.compiled.enabled)
     return planner

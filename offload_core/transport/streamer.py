@@ -206,12 +206,15 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         return compiling[1] if compiling is not None and compiling[0] is block else original
 
     def _bind_whole(self, block: StreamBlock, args: tuple, kwargs: dict) -> bool:
-        """A block in parts that streams is graphed whole, like a kept one, where its call can be
-        graphed and its streamed parts fit the ring with a buffer to spare for the copies ahead:
-        every unit bound now, in execution order, until the block exits (True). Else its parts
-        are bound (and graphed) one by one."""
+        """A block in parts that streams is bound whole, like a kept one, where its call can be
+        graphed or its forward runs compiled (a video's call, too large to graph, would otherwise
+        run its parts eagerly), and its streamed parts fit the ring with a buffer to spare for
+        the copies ahead: every unit bound now, in execution order, until the block exits (True).
+        Else its parts are bound (and graphed) one by one."""
         streamed = sum(u.piece.resident is None for u in block.units)
-        if streamed >= self.ring.capacity or not self.graphs.cache.wants(args, kwargs):
+        if streamed >= self.ring.capacity:
+            return False
+        if not self.graphs.cache.wants(args, kwargs) and self.compiled.forward(block) is None:
             return False
         self._whole = self.order.sort(block.units)
         for unit in self._whole:

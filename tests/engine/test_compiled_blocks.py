@@ -1,8 +1,8 @@
 """Compiled blocks (``compile_blocks``, `transport/compiled.py`), on the CPU with torch.compile's
 ``aot_eager`` backend (the same tracing, no code generation; the GPU tests compile with inductor):
 the compiled forward runs wherever a block's weights are all bound at its entry (kept, streamed
-whole, or bound whole for a CUDA graph: `tests/gpu`) and gives the eager output bit for bit, once
-compiled for every block, in each family; fp8 layers dequantise inside it, to the streamer's bits;
+whole, or its parts bound whole) and gives the eager output bit for bit, once compiled for every
+block, in each family; fp8 layers dequantise inside it, to the streamer's bits;
 a hook someone else put on a layer keeps its block eager; a compiler that cannot run turns
 compiling off; a weight write and a release drop the twins."""
 
@@ -44,10 +44,14 @@ def _streamer(engine, pipe):
     return engine.states(pipe)["transformer"].transport
 
 
-def _compiled_run(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict]:
-    """Two runs placed; the streamer's details, with ``block_calls``: the blocks' forwards."""
+def _compiled_run(pipe, config: OffloadConfig, cores_kept: bool = False) -> tuple[torch.Tensor, dict]:
+    """Two runs placed; the streamer's details, with ``block_calls``: the blocks' forwards.
+    ``cores_kept``: every block's core kept, its other parts streamed (as a plan at a small cap)."""
     engine = Engine()
     engine.place(pipe, config)
+    if cores_kept:  # a fixed budget of exactly the cores (ranked first)
+        cores = sum(p.nbytes for p in _streamer(engine, pipe).pieces if p.core)
+        engine.place(pipe, config.replace(preload=f"{cores}b"))
     forwards = []
     handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
@@ -97,12 +101,20 @@ def test_every_family_compiles_to_the_eager_output(name: str, request) -> None:
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("window", [1, 3])
-def test_parts_streamed_one_by_one_run_eagerly(wan_pipe, window: int) -> None:
-    """A block whose parts stream one by one (not bound whole for a CUDA graph: none on the CPU)
-    has its parts' hooks bind them between its ops: it runs eagerly, whatever the ring holds."""
-    _, details = _compiled_run(wan_pipe, OffloadConfig(**BASE, preload="off", prefetch_window=window))
-    assert details["compiled_calls"] == 0
+@pytest.mark.parametrize(("window", "cores_kept", "compiles"), [(1, False, False), (3, False, True), (1, True, True)])
+def test_parts_streamed_run_compiled_where_the_ring_holds_them_all(wan_pipe, window, cores_kept, compiles) -> None:
+    """A block streamed in parts is bound whole and runs compiled (no CUDA graph here: on the GPU,
+    a video's call too large to graph) where its streamed parts fit the ring with a buffer to
+    spare; else its parts' hooks bind them between its ops and it runs eagerly. Compiling, the
+    plan keeps a piece's parts and the window's buffers (window 1: three): a block whose core is
+    kept streams its two other parts bound together; one streaming all three needs window 3."""
+    config = OffloadConfig(**BASE, preload="off", prefetch_window=window)
+    eager, _ = _compiled_run(wan_pipe, config.replace(compile_blocks=False), cores_kept)
+    out, details = _compiled_run(wan_pipe, config, cores_kept)
+    assert details["units"] == 3 * details["blocks"] and details["kept"] == 0
+    assert details["kept_pieces"] == (details["blocks"] if cores_kept else 0)
+    assert details["compiled_calls"] == (details["block_calls"] if compiles else 0)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
 class _AddOne(ModelHook):

@@ -218,6 +218,20 @@ def test_after_giving_up_a_buffer_the_next_cycle_keeps_the_blocks_with_the_windo
     assert planner.begin_cycle(100) == kept and planner.ring_slots == 2
 
 
+def test_parts_bound_together_keep_buffers_for_a_whole_block_and_the_window():
+    """Compiled blocks bind a streamed block's parts together (`BlockStreamer._bind_whole`): the
+    plan fits a block's four parts and the window's one more, even where that keeps a block less,
+    and a shortage never gives those buffers up (a block would run its parts eagerly)."""
+    device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)  # 8 blocks and 3 slots of 0.25 GiB
+    planner = measured(parts_planner(device, whole=True))
+    assert len(planner.resident) == 7 and planner.ring_slots == 5
+    assert "5 streaming buffers" in planner.last_plan_line
+    assert planner.on_shortage().blocks  # a block goes, not a buffer
+    assert planner.ring_slots == 5
+    planner.rebind(device, "auto", prefetch_window=1, whole=False)  # compiling turned off
+    assert planner.ring_slots == 2
+
+
 @pytest.mark.parametrize("policy", ["off", "4 GiB"])
 def test_off_and_fixed_budgets_fill_only_the_windows_buffers(policy):
     planner = measured(parts_planner(Device(budget=9 * GIB), policy=policy))
