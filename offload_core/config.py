@@ -81,9 +81,10 @@ class OffloadConfig:
     kernels; each graph is checked bit for bit against the eager forward first.
 
     compile_blocks: a streamed denoiser's blocks run through ``torch.compile`` wherever all their
-    weights are bound at their entry (kept, streamed whole, or bound whole for a CUDA graph;
-    ``transport/compiled.py``): fused kernels make the step's math faster (bench/README.md). A
-    block whose parts stream one by one (a video step's at a small cap) runs uncompiled. The first
+    weights are bound at their entry (kept, streamed whole, or a block's streamed parts bound
+    together, which the plan keeps buffers for; ``transport/compiled.py``): fused kernels make the
+    step's math faster (bench/README.md). A block whose parts stream one by one (every part
+    streamed, on a card too small for the plan's buffers) runs uncompiled. The first
     step of each new input shape compiles (seconds to a minute); outputs differ from uncompiled
     ones by the compiler's rounding.
     """
