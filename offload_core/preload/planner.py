@@ -28,7 +28,7 @@ from .measures import MeasureKey, MeasureStore, process_store
 from .penalty import Penalty
 from .plan_line import block_counts, gb, plan_line
 from .policy import Policy, parse_policy
-from .ranking import BlockInfo, rank_blocks, spread_kept
+from .ranking import BlockInfo, lowest_first, rank_blocks, shrink, spread_kept
 
 logger = get_logger("preload")
 
@@ -156,23 +156,24 @@ class PreloadPlanner:
             raise RuntimeError(f"{self.label}: begin_cycle before on_load")
         self.end_cycle(ended)
         registry.close_cycles(keep=self)
-        target = self._cycle_target(workload)
+        reading = self._reader()  # one for the fit, the buffers and the budget: the step's first block waits
+        target = self._cycle_target(workload, reading=reading)
         stable = target == self._resident
         self.last_workload = workload
-        slots = self._ring_for(target, workload)
+        slots = self._ring_for(target, workload, reading)
         if not stable or slots != self.ring_slots:
             self._resident, self.ring_slots = target, slots
             self._log_plan(workload)
-        self._cycle = _Cycle(workload, stable, self._budget_before_penalty(workload))
+        self._cycle = _Cycle(workload, stable, self._budget_before_penalty(workload, reading))
         return target
 
-    def _budget_before_penalty(self, workload: int) -> int | None:
+    def _budget_before_penalty(self, workload: int, reading: MemoryReading) -> int | None:
         """The weight budget a cycle of ``workload`` plans with, less no penalty (auto with a
         measure); what a shortage in it compares the plan against (`_learn`)."""
         peak = self.measured_peak(workload)
         if self.policy.mode != "auto" or peak is None:
             return None
-        return weight_budget(self._reader(), peak, 0)
+        return weight_budget(reading, peak, 0)
 
     def preview(self, workload: int) -> frozenset[int]:
         """The resident set a cycle of ``workload`` would start with, changing nothing."""
@@ -188,8 +189,9 @@ class PreloadPlanner:
         peak = self._store.estimate(self._key(workload)) if peak is None else peak
         if peak is None:
             return 0
-        needs = self._footprint(self._cycle_target(workload, extra))
-        return max(0, needs - weight_budget(self._reader(), peak, self.penalty(workload)))
+        reading = self._reader()
+        needs = self._footprint(self._cycle_target(workload, extra, reading))
+        return max(0, needs - weight_budget(reading, peak, self.penalty(workload)))
 
     def spare(self, workload: int) -> int:
         """Bytes the plan for ``workload`` leaves unused beside its kept blocks and streaming
@@ -226,7 +228,9 @@ class PreloadPlanner:
         (at least one block). The workload's penalty learns from it (`_learn`). An empty
         answer means nothing can go: a true out-of-memory."""
         planned = self._plan_bytes()
-        relief = self._release_buffers() or Relief(blocks=self._release(running, needed))
+        relief = self._release_buffers()
+        if not relief:
+            relief = Relief(blocks=lowest_first(self._resident, self.ranking, self._sizes, running, needed))
         if not relief:
             return relief
         self._resident -= relief.blocks
@@ -293,14 +297,14 @@ class PreloadPlanner:
         kept = [i for i in self.ranking if i in self._kept]
         return self._fit(kept, self.measured_peak(self.last_workload) or 0, self.last_workload)
 
-    def _cycle_target(self, workload: int, extra: int = 0) -> frozenset[int]:
+    def _cycle_target(self, workload: int, extra: int = 0, reading: MemoryReading | None = None) -> frozenset[int]:
         """Auto with a measure: the fitted prefix's blocks per tower, spread evenly, unless it
         grows by too little to be worth the transfer; a shrink releases (lowest-ranked first),
         and a set kept or shrunk for the workload the last cycle ran is spread evenly too
         (`_even`). Unmeasured: the set already resident, shrunk to what fits beside an estimate
         from the model's other workloads (so a first video step after images does not run out of
         memory). Off and fixed: the set already resident. ``extra``: bytes assumed free beyond
-        the reading (`room_wanted`)."""
+        the reading (`room_wanted`), ``reading`` the device's (None: read now)."""
         if self.policy.mode != "auto":
             return self._resident
         peak = self.measured_peak(workload)
@@ -308,12 +312,14 @@ class PreloadPlanner:
             guess = self._store.estimate(self._key(workload))
             if guess is None:
                 return self._resident
-            return self._shrunk(self._resident, self._bytes(self._fit(self.ranking, guess, workload, extra)))
-        fitted = self._fit(self.ranking, peak, workload, extra)
+            fitted = self._fit(self.ranking, guess, workload, extra, reading)
+            return shrink(self._resident, self.ranking, self._sizes, self._bytes(fitted))
+        fitted = self._fit(self.ranking, peak, workload, extra, reading)
         growth = self._bytes(fitted) - self._bytes(self._resident)
         if growth >= growth_threshold(self._largest):
             return spread_kept(fitted, self._blocks)
-        return self._even(self._shrunk(self._resident, self._bytes(fitted)) if growth < 0 else self._resident, workload)
+        shrunk = shrink(self._resident, self.ranking, self._sizes, self._bytes(fitted))
+        return self._even(shrunk if growth < 0 else self._resident, workload)
 
     def _even(self, target: frozenset[int], workload: int) -> frozenset[int]:
         """``target`` with its streamed blocks spread evenly (`spread_kept`) when the workload is
@@ -326,10 +332,11 @@ class PreloadPlanner:
         self._evened = spread_kept(target, self._blocks)
         return self._evened
 
-    def _fit(self, order: Sequence[int], peak: int, workload: int | None, extra: int = 0) -> frozenset[int]:
+    def _fit(self, order: Sequence[int], peak: int, workload: int | None, extra: int = 0,
+             reading: MemoryReading | None = None) -> frozenset[int]:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty (with
         ``extra`` bytes more than the reading's)."""
-        reading, penalty = self._reader(), self.penalty(workload)
+        reading, penalty = reading or self._reader(), self.penalty(workload)
         budget = weight_budget(reading, peak, penalty) + extra
         chosen = set(order)
         outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
@@ -340,7 +347,7 @@ class PreloadPlanner:
                                             penalty, budget)), k, len(order))
         return frozenset(order[:k])
 
-    def _ring_for(self, resident: frozenset[int], workload: int | None) -> int:
+    def _ring_for(self, resident: frozenset[int], workload: int | None, reading: MemoryReading | None = None) -> int:
         """Streaming buffers beside ``resident``: the window's, plus as many more as the room the
         fit left holds, up to a whole streamed block ahead of the unit running. Why: with most
         blocks kept, the kept runs between streamed blocks outlast the copies two part-buffers
@@ -349,30 +356,8 @@ class PreloadPlanner:
         streamed = [s for i, s in self.slot_sizes.items() if i not in resident]
         if self.policy.mode != "auto" or peak is None or not streamed:
             return self._slot_count
-        budget = weight_budget(self._reader(), peak, self.penalty(workload))
+        budget = weight_budget(reading or self._reader(), peak, self.penalty(workload))
         return lookahead_slots(self._bytes(resident), budget, max(streamed), self._slot_count, self._most_slots)
-
-    def _shrunk(self, resident: frozenset[int], nbytes: int) -> frozenset[int]:
-        """``resident`` less its lowest-ranked blocks until it holds at most ``nbytes``."""
-        out, held = set(resident), self._bytes(resident)
-        for index in reversed(self.ranking):
-            if held <= nbytes:
-                break
-            if index in out:
-                out.discard(index)
-                held -= self._sizes[index]
-        return frozenset(out)
-
-    def _release(self, running: Collection[int], needed: int) -> frozenset[int]:
-        released: list[int] = []
-        freed = 0
-        for index in reversed(self.ranking):
-            if index in self._resident and index not in running:
-                released.append(index)
-                freed += self._sizes[index]
-                if freed >= needed:
-                    break
-        return frozenset(released)
 
     def _bytes(self, blocks: frozenset[int]) -> int:
         return sum(self._sizes[i] for i in blocks)

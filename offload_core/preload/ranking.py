@@ -23,7 +23,7 @@ buffers can copy ahead. So the ranking decides how many blocks of each tower sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -123,3 +123,30 @@ def _spread_tower(tower: list[BlockInfo], kept: frozenset[int], out: set[int]) -
         gaps = {j * n // streamed for j in range(streamed)}
         out -= {b.index for b in by_depth}
         out |= {b.index for d, b in enumerate(by_depth) if d not in gaps}
+
+
+def shrink(resident: frozenset[int], ranking: Sequence[int], sizes: Mapping[int, int], nbytes: int) -> frozenset[int]:
+    """``resident`` less its lowest-ranked blocks until it holds at most ``nbytes``."""
+    out, held = set(resident), sum(sizes[i] for i in resident)
+    for index in reversed(ranking):
+        if held <= nbytes:
+            break
+        if index in out:
+            out.discard(index)
+            held -= sizes[index]
+    return frozenset(out)
+
+
+def lowest_first(resident: frozenset[int], ranking: Sequence[int], sizes: Mapping[int, int],
+                 running: Collection[int], needed: int) -> frozenset[int]:
+    """Blocks of ``resident`` to release, lowest-ranked first and none ``running``, until
+    ``needed`` bytes (at least one block)."""
+    released: list[int] = []
+    freed = 0
+    for index in reversed(ranking):
+        if index in resident and index not in running:
+            released.append(index)
+            freed += sizes[index]
+            if freed >= needed:
+                break
+    return frozenset(released)

@@ -18,8 +18,10 @@ USAGE = CycleUsage(peak=7 * GIB, weights_floor=5 * GIB)  # 2 GiB of activations
 @dataclass
 class Device:
     budget: int = 10 * GIB  # left for weights and slots beside a 2 GiB peak
+    reads: int = 0
 
     def __call__(self) -> MemoryReading:
+        self.reads += 1
         return MemoryReading(self.budget + 2 * GIB + PEAK_MARGIN, 0, 0)
 
 
@@ -216,6 +218,18 @@ def test_after_giving_up_a_buffer_the_next_cycle_keeps_the_blocks_with_the_windo
     planner.on_shortage()
     assert planner.begin_cycle(100) == kept and planner.ring_slots == 2
     assert planner.begin_cycle(100) == kept and planner.ring_slots == 2
+
+
+def test_a_cycle_reads_the_device_once():
+    """Its fit, its buffers and its budget come from one reading (each a driver call and an
+    allocator table, before the step's first block is launched)."""
+    device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)
+    planner = measured(parts_planner(device))
+    for budget in (9 * GIB + GIB // 4, 6 * GIB):  # a cycle that grows its buffers, one that shrinks
+        device.budget, device.reads = budget, 0
+        before = (planner.resident, planner.ring_slots)
+        planner.begin_cycle(100)
+        assert device.reads == 1 and (planner.resident, planner.ring_slots) != before
 
 
 def test_parts_bound_together_keep_buffers_for_a_whole_block_and_the_window():
