@@ -31,7 +31,6 @@ The host calls ``notify_model_load()`` whenever any other model loads, and attac
 file once: ``process_store().attach(path)``. ``planner.last_plan_line`` is the plan for the UI.
 """
 
-
 from .fit import CycleUsage, MemoryReading
 from .measures import MeasureKey, MeasureStore, process_store
 from .planner import MemoryReadingFn, PreloadPlanner, Relief

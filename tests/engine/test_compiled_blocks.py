@@ -220,8 +220,10 @@ def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(w
     assert streamer.compiled._forwards == {}
     run_wan(wan_pipe)
     calls = streamer.details()["compiled_calls"]
+    assert streamer.driver.planner.ring_slots == 3  # a block's two streamed parts bound together, and one more
     engine.place(wan_pipe, config.replace(compile_blocks=False))  # a retune, not a re-place
     assert _streamer(engine, wan_pipe) is streamer
+    assert streamer.driver.planner.ring_slots == 2  # the window's
     run_wan(wan_pipe)
     assert streamer.details()["compiled_calls"] == calls
     engine.release(wan_pipe)
