@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import timeit
 from bisect import bisect_left, bisect_right
 from pathlib import Path
 
@@ -64,14 +65,9 @@ def reading_costs(repeats: int = 200) -> None:
         "MemoryReader.device_free": lambda: MemoryReader().device_free(torch.device("cuda")),
         "MemoryReader.allocated": lambda: MemoryReader().allocated(torch.device("cuda")),
     }
-    out = {}
-    for name, call in calls.items():
+    for call in calls.values():  # warm
         call()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        out[name] = (time.perf_counter() - t0) / repeats * 1e6
-    row(section="reading_us", **out)
+    row(section="reading_us", **{name: timeit.timeit(call, number=repeats) / repeats * 1e6 for name, call in calls.items()})
 
 
 def trace_summary(path: str) -> None:
@@ -353,9 +349,9 @@ def main() -> None:
 
 
 def fp8_resident(m, feeds, args) -> None:
-    """fp8's (and compile's) reference row: every block kept by a fixed budget (one cast per unit each forward,
-    its kept blocks graphed whole; nothing held as compute values), timed and traced like the
-    capped rows, so their gaps can be told apart from the reference's."""
+    """fp8's (and compile's) reference row: every block kept by a fixed budget (one cast per unit
+    each forward, its kept blocks graphed whole; nothing held as compute values), timed and traced
+    like the capped rows, so their gaps can be told apart from the reference's."""
     eng, bag = Engine(), Components(transformer=m)
     try:
         eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks, compile_blocks=args.compile))
