@@ -30,7 +30,15 @@ from ..formats.fp8 import Fp8Table
 from ..log import get_logger
 from ..state import DEQUANT_HOOK, REGISTRY, STREAM_HOOK
 from .blocks import StreamBlock
-from .fp8_matmul import Fp8MatmulHook, runs_here, scale_tensors, scaled_linear, takes, torch_quantise
+from .fp8_matmul import (
+    Fp8MatmulHook,
+    dequantised_linear,
+    runs_here,
+    scale_tensors,
+    scaled_linear,
+    takes,
+    torch_quantise,
+)
 
 log = get_logger("compile")
 
@@ -53,9 +61,9 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
         attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
         attrs["fp8_storage"], attrs["fp8_compute"] = fp8.storage, fp8.compute
-        copy.__class__ = _dequantizing(type(module))
-        if isinstance(_hooks(module).get(DEQUANT_HOOK), Fp8MatmulHook):
-            copy.__class__ = _fp8_matmul(type(module))
+        matmul = isinstance(_hooks(module).get(DEQUANT_HOOK), Fp8MatmulHook)
+        copy.__class__ = (_fp8_matmul if matmul else _dequantizing)(type(module))
+        if matmul:
             one, wscale, static = scale_tensors(fp8, weight, device)
             attrs["_buffers"].update(fp8_one=one, fp8_wscale=wscale, fp8_static=static)
     copy.__dict__.update(attrs)
@@ -78,8 +86,7 @@ def _fp8_matmul_forward(self, x: torch.Tensor) -> torch.Tensor:
     if takes(x, self.weight):
         scales = (self.fp8_one, self.fp8_wscale, self.fp8_static)
         return scaled_linear(x, self.weight, self.bias, scales, torch_quantise)
-    compute, bias = self.fp8_compute, self.bias
-    return F.linear(x.to(compute), _compute_value(self), None if bias is None else bias.to(compute)).to(x.dtype)
+    return dequantised_linear(x, _compute_value(self), self.bias, self.fp8_compute)
 
 
 @functools.cache

@@ -97,6 +97,13 @@ def scaled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def dequantised_linear(x: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+                       compute: torch.dtype) -> torch.Tensor:
+    """Where the matmul cannot take the call: the layer on the weight's compute ``value``, its
+    input cast to ``compute`` and its output back to the input's dtype."""
+    return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
+
+
 class Fp8MatmulHook(ModelHook):
     """One fp8 Linear's forward as an fp8 matmul (under the dequantising hook's name: `dequant.py`)."""
 
@@ -115,9 +122,7 @@ class Fp8MatmulHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         weight, bias = module.weight, module.bias
         if not fits(x, weight):
-            compute = self.table.compute
-            value = weight_value(self.table, weight)
-            return F.linear(x.to(compute), value, None if bias is None else bias.to(compute)).to(x.dtype)
+            return dequantised_linear(x, weight_value(self.table, weight), bias, self.table.compute)
         return scaled_linear(x, weight, bias, self._device_scales(weight))
 
     def _device_scales(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
