@@ -14,7 +14,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), compiledprof / compiledprof12 (step_profile: fp8 matmuls compiled at 24 / 12 GiB against every block kept, traced), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step within 1.02 × the compiled reference?), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), compiledprof / compiledprof12 (step_profile: fp8 matmuls compiled at 24 / 12 GiB against every block kept, traced), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step within 1.02 × the compiled reference?), cyclecost (cycle_cost.py: the driver's calls at a step's start and its variants, 12 GiB compiled), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -97,6 +97,10 @@ for row in "$@"; do
                     --warmup 10 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/fastcompiled.json" ;;  # fp8 matmuls compiled
     plain) run plain 120 python3 bench/wan_bench.py --sections preload --warmup 6 \
              ${ROW_ARGS:---caps 24 --workloads small,video} --json "$ROWS_DIR/plain.json" ;;  # uncompiled: the anchor
+    cyclecost) for st in fp8_e4m3fn_fast fp8_e4m3fn; do  # a step's start at 12 GiB, compiled: the driver's calls, variants
+                 run "cyclecost_$st" 150 python3 bench/cycle_cost.py --storage "$st" --compile --cap 12 \
+                   --json "$ROWS_DIR/cyclecost_$st.jsonl"
+               done ;;
     gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
                   -v -p no:cacheprovider -p no:warnings -rs ;;
     gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;
