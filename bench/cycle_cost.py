@@ -81,7 +81,9 @@ def breakdown(m, feeds, streamer, forwards: int) -> dict:
 
 
 def variants(m, feeds, streamer, rounds: int, steps: int) -> dict:
-    """Each variant's synchronized step and back-to-back loop, alternated ``rounds`` times."""
+    """Each variant's synchronized step, interleaved: ``rounds`` times, each variant runs ``steps``
+    synchronized steps and its first is dropped (it starts from the last variant's copies across
+    the forward's end); then one back-to-back loop each."""
     order, driver = streamer.order, streamer.driver
     upcoming, on_event = order.upcoming, driver.on_event
     spare = [1]  # buffers left for the next forward's entry (the engine's: 1)
@@ -97,20 +99,34 @@ def variants(m, feeds, streamer, rounds: int, steps: int) -> dict:
             return False
         return on_event(event, source, **info)
 
+    def use(left: int, noplan: bool) -> None:
+        spare[0] = left
+        streamer.events._listeners["preload"] = skip_cycle if noplan else on_event
+
     order.upcoming = crossing
     names = {"engine": (1, False), "spare2": (2, False), "nocross": (streamer.ring.capacity, False),
-             "noplan": (1, True), "spare2_noplan": (2, True)}
-    out: dict[str, list] = {n: [] for n in names}
-    for _ in range(rounds):
-        for name, (left, noplan) in names.items():
-            spare[0] = left
-            streamer.events._listeners["preload"] = skip_cycle if noplan else on_event
-            _launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), repeats=steps, warmup=2)
-            out[name].append([round(step * 1e3, 2), round(loop * 1e3, 2)])
-    streamer.events._listeners["preload"] = on_event
-    order.upcoming = upcoming
-    return {n: {"runs": v, "step_ms": statistics.median(s for s, _ in v), "loop_ms": statistics.median(lp for _, lp in v)}
-            for n, v in out.items()}
+             "noplan": (1, True)}
+    steps_ms: dict[str, list[float]] = {n: [] for n in names}
+    try:
+        for _ in range(rounds):
+            for name, variant in names.items():
+                use(*variant)
+                for k in range(steps):
+                    sync()
+                    t0 = time.perf_counter()
+                    wan_forward(m, *feeds)
+                    sync()
+                    if k:
+                        steps_ms[name].append((time.perf_counter() - t0) * 1e3)
+        loops = {}
+        for name, variant in names.items():
+            use(*variant)
+            loops[name] = launch_and_step(lambda: wan_forward(m, *feeds), repeats=12, warmup=2)[2] * 1e3
+    finally:
+        use(1, False)
+        order.upcoming = upcoming
+    return {n: {"step_ms": round(statistics.median(v), 2), "q1_q3": [round(q, 2) for q in statistics.quantiles(v, n=4)[::2]],
+                "loop_ms": round(loops[n], 2), "n": len(v)} for n, v in steps_ms.items()}
 
 
 def main() -> None:
@@ -120,8 +136,8 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=12.0)
     ap.add_argument("--workload", default="small")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=4)
     output_args(ap)
     args = ap.parse_args()
     row = open_output(args, "cycle_cost", lines=True)

@@ -97,13 +97,14 @@ for row in "$@"; do
                     --warmup 10 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/fastcompiled.json" ;;  # fp8 matmuls compiled
     plain) run plain 120 python3 bench/wan_bench.py --sections preload --warmup 6 \
              ${ROW_ARGS:---caps 24 --workloads small,video} --json "$ROWS_DIR/plain.json" ;;  # uncompiled: the anchor
-    cyclecost) for st in fp8_e4m3fn_fast fp8_e4m3fn; do  # a step's start at 12 GiB, compiled: the driver's calls, variants
-                 run "cyclecost_$st" 150 python3 bench/cycle_cost.py --storage "$st" --compile --cap 12 \
-                   --json "$ROWS_DIR/cyclecost_$st.jsonl"
-               done ;;
+    cyclecost) for set in ${CYCLE_SETS:-fp8_e4m3fn_fast:12:--compile fp8_e4m3fn:12:--compile}; do  # storage:cap[:flag]
+                 IFS=: read -r st cap flag <<< "$set"
+                 run "cyclecost_${st}_$cap" 150 python3 bench/cycle_cost.py --storage "$st" --cap "$cap" $flag \
+                   --json "$ROWS_DIR/cyclecost_${st}_$cap.jsonl"
+               done ;;  # a step's start: the driver's calls, and variants of the copies across a forward's end
     gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
                   -v -p no:cacheprovider -p no:warnings -rs ;;
-    gputests) run gputests 60 python3 -m pytest tests/gpu -v -p no:cacheprovider -p no:warnings -rs ;;
+    gputests) run gputests 60 python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -p no:warnings -rs ;;
     graphs) for st in bf16 fp8_e4m3fn; do  # CUDA graphs: off/on alternated, bits compared
               run "graphs_$st" 150 python3 bench/graph_bench.py --storage "$st" --caps "${GRAPH_CAPS:-0,24,12}" \
                 $([ "$st" = bf16 ] && echo --video-cap 24) --out "$ROWS_DIR"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
@@ -21,6 +23,36 @@ log = get_logger("memory")
 class MemoryReader:
     """Live readings; subclass (or assign attributes) to script them in tests."""
 
+    _held: dict | None = None  # the allocator's counters, read once inside `one_reading`
+
+    @contextmanager
+    def one_reading(self) -> Iterator[None]:
+        """Inside it, the allocator's counters are read once per device and every reading comes
+        from that table. Why: a cycle's start reads them several times on the launch path
+        (a synchronized step's first block waits for it), each read a full table from C; nothing
+        inside may allocate or free what a reading should see."""
+        if self._held is not None:
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
+
+    def _forget(self) -> None:
+        """A change the held table would not show (the peak reset, the cache emptied)."""
+        if self._held:
+            self._held.clear()
+
+    def _stats(self, device: torch.device) -> dict:
+        held = self._held
+        if held is None:
+            return _allocator_stats(device)
+        if device not in held:
+            held[device] = _allocator_stats(device)
+        return held[device]
+
     def host_available(self) -> int:
         return int(psutil.virtual_memory().available)
 
@@ -29,7 +61,7 @@ class MemoryReader:
         if device.type != "cuda":
             return (0, 0)
         free, _total = torch.cuda.mem_get_info(device)
-        stats = _allocator_stats(device)
+        stats = self._stats(device)
         return int(free), _stat(stats, "reserved_bytes") - _stat(stats, "allocated_bytes")
 
     def device_available(self, device: torch.device) -> int | None:
@@ -41,12 +73,13 @@ class MemoryReader:
 
     def peak_allocated(self, device: torch.device) -> int | None:
         """Allocator peak since the last ``reset_peak``; None where there is no allocator to read."""
-        return _stat(_allocator_stats(device), "allocated_bytes", "peak") if device.type == "cuda" else None
+        return _stat(self._stats(device), "allocated_bytes", "peak") if device.type == "cuda" else None
 
     def allocated(self, device: torch.device) -> int:
-        return _stat(_allocator_stats(device), "allocated_bytes") if device.type == "cuda" else 0
+        return _stat(self._stats(device), "allocated_bytes") if device.type == "cuda" else 0
 
     def reset_peak(self, device: torch.device) -> None:
+        self._forget()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
@@ -54,7 +87,7 @@ class MemoryReader:
         """PyTorch's own shortage signals: cache-flush-and-retry count plus OOMs."""
         if device.type != "cuda":
             return 0
-        stats = _allocator_stats(device)
+        stats = self._stats(device)
         return int(stats.get("num_alloc_retries", 0)) + int(stats.get("num_ooms", 0))
 
     def pin_limit(self) -> PinLimit | None:
@@ -63,6 +96,7 @@ class MemoryReader:
         return None
 
     def empty_cache(self, device: torch.device) -> None:
+        self._forget()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -31,6 +31,20 @@ class Penalty:
         self.clean = 0
         self.just_decreased = False
 
+    def learn(self, planned: int, needed: int, released: int, budget: int | None) -> None:
+        """A plan of ``planned`` device bytes ran short and ``released`` went: the penalty rises until
+        the cycle's ``budget`` lands below that plan by the shortfall (``needed``, else half of what
+        went: midway between the plan that ran short and the one left, which a budget only just
+        holding it would lose to the next run's drift). A plan over its penalised budget (room lent
+        by an idle denoiser) adds the shortfall; without the cycle's budget, what went is added."""
+        shortfall = max(needed, released // 2)
+        if budget is None:
+            self.add(released)
+        elif planned > budget - self.bytes:
+            self.add(shortfall)
+        else:
+            self.add(budget - planned + shortfall - self.bytes)
+
     def close_cycle(self, clean: bool) -> None:
         """A cycle of this workload ended; ``clean``: it saw no shortage."""
         if not clean:

@@ -97,6 +97,8 @@ class PreloadPlanner:
         self._cycle: _Cycle | None = None
         self._loaded = False
         self._penalties: dict[int, Penalty] = {}
+        self._planned: tuple | None = None  # (the last cycle's plan inputs, its plan)
+        self._keys: dict[int, MeasureKey] = {}
         registry.register(self)
 
     def rebind(self, reader: MemoryReadingFn, policy: Policy | str | int | float, prefetch_window: int,
@@ -149,23 +151,40 @@ class PreloadPlanner:
         self._kept, self._resident = self._resident, frozenset()
         self._loaded = False
 
-    def begin_cycle(self, workload: int, ended: CycleUsage | None = None) -> frozenset[int]:
+    def begin_cycle(self, workload: int, ended: CycleUsage | None = None,
+                    reading: MemoryReading | None = None) -> frozenset[int]:
         """The first block of the first tower is entered: close the open cycle with ``ended``
-        (its usage), end other models' cycles, and return the resident set for this cycle."""
+        (its usage), end other models' cycles, and return the resident set for this cycle.
+        ``reading``: the device's now (None: read here); one serves the fit, the buffers and the
+        budget, and a cycle that starts as the last one did keeps its plan unworked: a
+        synchronized step's first block waits for this."""
         if not self._loaded:
             raise RuntimeError(f"{self.label}: begin_cycle before on_load")
         self.end_cycle(ended)
         registry.close_cycles(keep=self)
-        reading = self._reader()  # one for the fit, the buffers and the budget: the step's first block waits
-        target = self._cycle_target(workload, reading=reading)
+        reading = reading or self._reader()
+        inputs = self._plan_inputs(workload, reading)
+        if self._planned is not None and self._planned[0] == inputs:
+            target, slots, budget = self._planned[1]
+        else:
+            target = self._cycle_target(workload, reading=reading)
+            slots = self._ring_for(target, workload, reading)
+            budget = self._budget_before_penalty(workload, reading)
         stable = target == self._resident
         self.last_workload = workload
-        slots = self._ring_for(target, workload, reading)
         if not stable or slots != self.ring_slots:
             self._resident, self.ring_slots = target, slots
             self._log_plan(workload)
-        self._cycle = _Cycle(workload, stable, self._budget_before_penalty(workload, reading))
+        self._planned = (inputs, (target, slots, budget))
+        self._cycle = _Cycle(workload, stable, budget)
         return target
+
+    def _plan_inputs(self, workload: int, reading: MemoryReading) -> tuple:
+        """Everything a cycle's plan is worked from: equal ones give the same plan."""
+        peak = self.measured_peak(workload)
+        guess = self._store.estimate(self._key(workload)) if peak is None else None
+        return (workload, reading, self._resident, self.last_workload, self._evened, self.policy, self._slot_count,
+                self._most_slots, peak, guess, self.penalty(workload))
 
     def _budget_before_penalty(self, workload: int, reading: MemoryReading) -> int | None:
         """The weight budget a cycle of ``workload`` plans with, less no penalty (auto with a
@@ -203,8 +222,7 @@ class PreloadPlanner:
 
     def _footprint(self, resident: frozenset[int]) -> int:
         """Device bytes a plan keeping ``resident`` takes: those blocks and the window's streaming slots."""
-        slot = max((s for i, s in self.slot_sizes.items() if i not in resident), default=0)
-        return self._bytes(resident) + self._slot_count * slot
+        return self._bytes(resident) + self._slot_count * self._slot(resident)
 
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
@@ -243,34 +261,21 @@ class PreloadPlanner:
         return relief
 
     def _learn(self, planned: int, needed: int, released: int) -> None:
-        """A plan of ``planned`` device bytes ran short and ``released`` went: the penalty rises until
-        the cycle's budget lands below that plan by the shortfall (``needed``, else half of what went:
-        midway between the plan that ran short and the one left, which a budget only just holding it
-        would lose to the next run's drift). A plan over its penalised budget (room lent by an idle
-        denoiser) adds the shortfall; without the cycle's budget, what went is added."""
+        """A plan of ``planned`` device bytes ran short and ``released`` went (`Penalty.learn`)."""
         penalty = self._penalty_of(self.last_workload)
-        shortfall = max(needed, released // 2)
-        budget = self._cycle.budget if self._cycle is not None else None
-        if budget is None:
-            penalty.add(released)
-        elif planned > budget - penalty.bytes:
-            penalty.add(shortfall)
-        else:
-            penalty.add(budget - planned + shortfall - penalty.bytes)
+        penalty.learn(planned, needed, released, self._cycle.budget if self._cycle is not None else None)
         self._store.record_penalty(self._key(self.last_workload), penalty.bytes)
 
     def _plan_bytes(self) -> int:
         """Device bytes the plan takes now: its kept blocks and all its streaming buffers."""
-        slot = max((s for i, s in self.slot_sizes.items() if i not in self._resident), default=0)
-        return self._bytes(self._resident) + self.ring_slots * slot
+        return self._bytes(self._resident) + self.ring_slots * self._slot(self._resident)
 
     def _release_buffers(self) -> Relief:
         """The lookahead's buffers beyond the window's, as a relief (empty when there are none)."""
         extra = self.ring_slots - self._slot_count
         if extra <= 0:
             return Relief()
-        slot = max((s for i, s in self.slot_sizes.items() if i not in self._resident), default=0)
-        return Relief(buffer_bytes=extra * slot)
+        return Relief(buffer_bytes=extra * self._slot(self._resident))
 
     def penalty(self, workload: int | None) -> int:
         if workload is None:
@@ -352,19 +357,26 @@ class PreloadPlanner:
         fit left holds, up to a whole streamed block ahead of the unit running. Why: with most
         blocks kept, the kept runs between streamed blocks outlast the copies two part-buffers
         hold, and the copy engine idles."""
-        peak = self.measured_peak(workload)
-        streamed = [s for i, s in self.slot_sizes.items() if i not in resident]
-        if self.policy.mode != "auto" or peak is None or not streamed:
+        peak, slot = self.measured_peak(workload), self._slot(resident)
+        if self.policy.mode != "auto" or peak is None or not slot:
             return self._slot_count
         budget = weight_budget(reading or self._reader(), peak, self.penalty(workload))
-        return lookahead_slots(self._bytes(resident), budget, max(streamed), self._slot_count, self._most_slots)
+        return lookahead_slots(self._bytes(resident), budget, slot, self._slot_count, self._most_slots)
+
+    def _slot(self, resident: frozenset[int]) -> int:
+        """A streaming buffer's size beside ``resident``: the largest streamed block's slot (0: none streams)."""
+        return max((s for i, s in self.slot_sizes.items() if i not in resident), default=0)
 
     def _bytes(self, blocks: frozenset[int]) -> int:
         return sum(self._sizes[i] for i in blocks)
 
     def _key(self, workload: int) -> MeasureKey:
-        model_class, identity = self._model
-        return MeasureKey(model_class, identity, len(self._sizes), sum(self._sizes.values()), workload)
+        key = self._keys.get(workload)
+        if key is None:
+            model_class, identity = self._model
+            key = self._keys[workload] = MeasureKey(model_class, identity, len(self._sizes), sum(self._sizes.values()),
+                                                    workload)
+        return key
 
     def _log_plan(self, workload: int | None) -> None:
         whole, partly, total = block_counts(self._blocks, self._resident)

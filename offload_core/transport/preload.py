@@ -121,17 +121,19 @@ class PreloadDriver:
         blocks and streaming buffers, which a plan reuses; not the non-block part, which stays
         (counting it would over-commit by its size), nor the cached memory of the kept blocks'
         CUDA graphs, which only they use."""
-        free, cached = self.memory.device_free(self.streamer.device)
-        reusable = self.streamer.device_bytes() - self.streamer.head_bytes()
-        cached = max(cached - self.streamer.graphs.cache.pool_bytes, 0)
-        return MemoryReading(free=free, cached_unused=cached, resident=max(reusable, 0), opening=self._opening())
+        with self.memory.one_reading():
+            free, cached = self.memory.device_free(self.streamer.device)
+            ours = self.streamer.device_bytes()
+            cached = max(cached - self.streamer.graphs.cache.pool_bytes, 0)
+            return MemoryReading(free=free, cached_unused=cached, resident=max(ours - self.streamer.head_bytes(), 0),
+                                 opening=self._opening(ours))
 
-    def _opening(self) -> int:
+    def _opening(self, ours: int) -> int:
         """Between a forward's start and its first block: what the forward has allocated so far
-        beyond what others held at its start."""
+        beyond what others held at its start (``ours``: this model's device bytes)."""
         if not self._entering:
             return 0
-        return max(0, self.memory.allocated(self.streamer.device) - self.streamer.device_bytes() - self._others)
+        return max(0, self.memory.allocated(self.streamer.device) - ours - self._others)
 
     def load(self) -> None:
         self._apply(self.planner.on_load())
@@ -154,13 +156,14 @@ class PreloadDriver:
         would pick, and keep for the process, another convolution algorithm for it), and take what
         others hold, and the allocator's retries so far, as the baselines: what the non-block part
         makes before the first block counts as ours, what ran between forwards (a VAE) does not."""
-        self._retries = self.memory.allocator_retries(self.streamer.device)
         self._peak_before = 0
         self._entry = entry_signature(args, kwargs)
         self._entering = False
         coming = self._coming_workload()
         self._take_idle(coming if coming is not None else self.planner.last_workload)
-        self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
+        with self.memory.one_reading():
+            self._retries = self.memory.allocator_retries(self.streamer.device)
+            self._others = self.memory.allocated(self.streamer.device) - self.streamer.device_bytes()
         self._entering = True
         if coming is not None and coming != self.planner.last_workload:
             self._apply(self.streamer.resident_indices() & self.planner.preview(coming))
@@ -186,11 +189,15 @@ class PreloadDriver:
         if event == "forward":
             self._forward_begins(info["args"], info["kwargs"])
         elif event == "cycle":
-            self._check_shortage()
+            with self.memory.one_reading():  # the shortage check and the plan's reading
+                relieved = self._check_shortage()
+                reading = self.reading()
+            if relieved:  # what the relief gave up is room now
+                reading = self.reading()
             workload = int(workload_fn(self.streamer.module)(info["args"], info["kwargs"]))
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
-            target = self.planner.begin_cycle(workload)
+            target = self.planner.begin_cycle(workload, reading=reading)
             self._apply(target)
             self._hold_casts(workload)
             self._entering = False
@@ -209,8 +216,9 @@ class PreloadDriver:
             self.memory.reset_peak(streamer.device)
             self._retries = self.memory.allocator_retries(streamer.device)  # nor a shortage
         elif event == "forward_end":  # the cycle's measure is the denoiser's forward alone
-            self._check_shortage()
-            usage = self._usage()
+            with self.memory.one_reading():
+                self._check_shortage()
+                usage = self._usage()
             if logger.isEnabledFor(logging.DEBUG):
                 self._log_terms(usage)
             self.planner.end_cycle(usage)
@@ -253,11 +261,12 @@ class PreloadDriver:
             self.memory.empty_cache(s.device)
             self._retries = self.memory.allocator_retries(s.device)
 
-    def _check_shortage(self) -> None:
+    def _check_shortage(self) -> bool:
+        """The allocator retried since the last look: a shortage, relieved (True when it was)."""
         retries = self.memory.allocator_retries(self.streamer.device)
-        if retries > self._retries:
-            self.relieve(set())
+        relieved = retries > self._retries and self.relieve(set())
         self._retries = retries
+        return relieved
 
     def relieve(self, running: set[int]) -> bool:
         """A shortage: give up what the planner lets go (streaming buffers beyond the window, or

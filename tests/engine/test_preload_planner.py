@@ -232,6 +232,37 @@ def test_a_cycle_reads_the_device_once():
         assert device.reads == 1 and (planner.resident, planner.ring_slots) != before
 
 
+def test_a_cycle_that_starts_as_the_last_keeps_its_plan_unworked(monkeypatch):
+    """The same workload, reading, resident set and measures as the last cycle: its plan stands
+    and is not worked again (a synchronized step's first block waits for it); any change of them
+    (the room, a new measure, a penalty) is worked anew, and a reading given is the one used."""
+    from diffusers_offload.offload_core.preload import planner as planner_module
+
+    device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)
+    planner = measured(parts_planner(device))
+    fits = []
+    real_fit = planner_module.fit_prefix
+    monkeypatch.setattr(planner_module, "fit_prefix", lambda *a, **k: fits.append(1) or real_fit(*a, **k))
+    for _ in range(2):  # the plan settles (its streamed blocks spread evenly)
+        planner.begin_cycle(100, USAGE)
+    fits.clear()
+    kept, slots = planner.resident, planner.ring_slots
+    for _ in range(3):
+        assert planner.begin_cycle(100, USAGE) == kept and planner.ring_slots == slots
+    assert not fits
+    device.budget = 6 * GIB  # less room
+    assert planner.begin_cycle(100, USAGE) != kept and fits
+    for _ in range(2):
+        planner.begin_cycle(100, USAGE)
+    fits.clear()
+    planner.begin_cycle(100, CycleUsage(peak=8 * GIB, weights_floor=5 * GIB))  # a larger measure recorded
+    assert planner.measured_peak(100) == 3 * GIB and fits
+    fits.clear()
+    reads = device.reads
+    assert planner.begin_cycle(100, reading=MemoryReading(20 * GIB, 0, 0)) == frozenset(range(16))
+    assert fits and device.reads == reads
+
+
 def test_parts_bound_together_keep_buffers_for_a_whole_block_and_the_window():
     """Compiled blocks bind a streamed block's parts together (`BlockStreamer._bind_whole`): the
     plan fits a block's four parts and the window's one more, even where that keeps a block less,
