@@ -69,8 +69,12 @@ class OrderLearner:
 
     def learn(self) -> None:
         """``seen``'s order (unless under half ran) is the order to prefetch by; units a partial
-        forward skipped (an interrupt, an unused tower) keep their known order after those it ran."""
-        if self.seen and len(self.seen) >= len(self.order.units) // 2:
+        forward skipped (an interrupt, an unused tower) keep their known order after those it ran.
+        A forward that ran the known order changes nothing (the usual case, met twice a forward:
+        at its end and at the next one's first block, on the launch path)."""
+        if self.seen == self.order.units:
+            self.guessed.clear()
+        elif self.seen and len(self.seen) >= len(self.order.units) // 2:
             ran = dict.fromkeys(self.seen)
             self.order.set([*ran, *(u for u in self.order.units if u not in ran)])
             self.guessed.clear()

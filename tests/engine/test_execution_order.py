@@ -50,3 +50,23 @@ def test_refresh_reads_the_new_resident_set_and_set_the_new_order():
     assert eo.upcoming(1, 1) == [2]
     eo.set([3, 2, 1, 0])
     assert eo.upcoming(1, 3) == [3, 2] and eo.first() == 3
+
+
+def test_a_forward_in_the_known_order_rebuilds_nothing_and_another_order_is_learnt(monkeypatch):
+    """Learning runs twice a forward (at its end, and at the next one's first block, on the launch
+    path): a forward that ran the known order leaves the index as it is; one that ran another
+    order (kept units too) is learnt."""
+    from diffusers_offload.offload_core.transport.order import OrderLearner
+
+    eo = ExecutionOrder([0, 1, 2, 3], {1, 3}.__contains__)
+    learner = OrderLearner(eo)
+    sets = []
+    real_set = eo.set
+    monkeypatch.setattr(eo, "set", lambda units: sets.append(list(units)) or real_set(units))
+    learner.seen = [0, 1, 2, 3]
+    learner.learn()
+    learner.learn()
+    assert sets == [] and eo.units == [0, 1, 2, 3]
+    learner.seen = [0, 3, 2, 1]
+    learner.learn()
+    assert sets == [[0, 3, 2, 1]] and eo.upcoming(None, 2) == [3, 1]
