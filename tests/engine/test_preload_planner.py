@@ -234,8 +234,8 @@ def test_a_cycle_reads_the_device_once():
 
 def test_a_cycle_that_starts_as_the_last_keeps_its_plan_unworked(monkeypatch):
     """The same workload, reading, resident set and measures as the last cycle: its plan stands
-    and is not worked again (a synchronized step's first block waits for it); any change of them
-    (the room, a new measure, a penalty) is worked anew, and a reading given is the one used."""
+    and is not worked again (a synchronized step's first block waits for it); a change of them
+    (less room, a larger measure) is worked anew, and a reading given is the one used."""
     from diffusers_offload.offload_core.preload import planner as planner_module
 
     device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)
