@@ -189,11 +189,8 @@ class PreloadDriver:
         if event == "forward":
             self._forward_begins(info["args"], info["kwargs"])
         elif event == "cycle":
-            with self.memory.one_reading():  # the shortage check and the plan's reading
-                relieved = self._check_shortage()
-                reading = self.reading()
-            if relieved:  # what the relief gave up is room now
-                reading = self.reading()
+            with self.memory.one_reading():  # the shortage check and the plan's reading, from one table
+                reading = None if self._check_shortage() else self.reading()  # (a relief: the planner reads anew)
             workload = int(workload_fn(self.streamer.module)(info["args"], info["kwargs"]))
             self._workload_by_entry[self._entry] = workload
             self._last = (self._entry, workload)
