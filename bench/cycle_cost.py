@@ -4,8 +4,8 @@ Where the host waits for each step's end, the copy engine idles at the next step
 the first streamed block is released (bench/README.md, run 42: 2.9 ms of a 57.6 ms step at 12
 GiB). This times the preload driver's work per forward, call by call (`breakdown`), and runs the
 same placement side by side in one process with variants of the step's start (`variants`): the
-copies queued across a forward's end, and the cycle's planning skipped (what planning elsewhere
-could save at most).
+copies queued across a forward's end, the cycle's planning skipped (what planning elsewhere
+could save at most), the non-block part eager (its graphs unused, `head_graphs.py`).
 
     python bench/cycle_cost.py --storage fp8_e4m3fn_fast --compile --cap 12 --out $OUT
 """
@@ -99,13 +99,14 @@ def variants(m, feeds, streamer, rounds: int, steps: int) -> dict:
             return False
         return on_event(event, source, **info)
 
-    def use(left: int, noplan: bool) -> None:
+    def use(left: int, noplan: bool, head: bool = True) -> None:
         spare[0] = left
         streamer.events._listeners["preload"] = skip_cycle if noplan else on_event
+        streamer.graphs.head.enabled = head  # (its graphs kept: off, the non-block part runs eagerly)
 
     order.upcoming = crossing
     names = {"engine": (1, False), "spare2": (2, False), "nocross": (streamer.ring.capacity, False),
-             "noplan": (1, True)}
+             "noplan": (1, True), "nohead": (1, False, False)}
     steps_ms: dict[str, list[float]] = {n: [] for n in names}
     try:
         for _ in range(rounds):

@@ -32,6 +32,7 @@ class BlockGraphs:
     def __init__(self, device: torch.device, enabled: bool, prefetch: Prefetcher,
                  notify: Callable[[str], object]) -> None:
         self.cache = GraphCache(device, enabled)
+        self.head = GraphCache(device, enabled)  # the non-block part's calls (`head_graphs.py`), counted apart
         self.prefetch = prefetch
         self.notify = notify  # the streamer's listeners hear ``capturing`` and ``captured``
         self.model = ""  # the model's name, for the log
@@ -91,11 +92,25 @@ class BlockGraphs:
             self.prefetch.end_capture()
         self.notify("captured")
 
+    def enable(self, on: bool) -> None:
+        self.cache.enable(on)
+        self.head.enable(on)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Cached device memory only the graphs use (their pools)."""
+        return self.cache.pool_bytes + self.head.pool_bytes
+
     def clear(self, forget: bool = False) -> None:
         """Drop every graph; ``forget``: the calls' trust too (a weight write, the release)."""
         self._pending = None
-        self.cache.forget() if forget else self.cache.clear()
+        for cache in (self.cache, self.head):
+            cache.forget() if forget else cache.clear()
         self.prefetch.casts.unfix()
+
+    def details(self) -> dict[str, int]:
+        return {**self.cache.details(), "head_graphs": len(self.head), "head_graphs_refused": self.head.refused,
+                "head_graph_retries": self.head.retried}
 
 
 def owner_name(owner: Owner) -> str:

@@ -124,7 +124,7 @@ class PreloadDriver:
         with self.memory.one_reading():
             free, cached = self.memory.device_free(self.streamer.device)
             ours = self.streamer.device_bytes()
-            cached = max(cached - self.streamer.graphs.cache.pool_bytes, 0)
+            cached = max(cached - self.streamer.graphs.pool_bytes, 0)
             return MemoryReading(free=free, cached_unused=cached, resident=max(ours - self.streamer.head_bytes(), 0),
                                  opening=self._opening(ours))
 

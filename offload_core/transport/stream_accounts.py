@@ -80,6 +80,6 @@ class StreamAccounts:
             "stream": self.prefetch.copy_stream is not None, "window": self.ctx.prefetch_window,
             "buffers": self.ring.capacity, "ooms": self.ooms, "sync_loads": self.prefetch.sync_loads,
             "compiled_blocks": self.compiled.blocks, "compiled_calls": self.compiled.calls,
-            **self.graphs.cache.details(),
+            **self.graphs.details(),
             **self.prefetch.host_details(self.blocks),
         }

@@ -35,6 +35,7 @@ from .blocks import (
 from .compiled import CompiledBlocks
 from .events import Events
 from .graphs import CallGraph
+from .head_graphs import HeadGraphHook, head_children
 from .order import ExecutionOrder, OrderLearner
 from .prefetch import Prefetcher
 from .stream_accounts import StreamAccounts
@@ -103,6 +104,8 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
                 self._hook(unit.module, PartHook(self, unit))
             for child in () if block.in_parts else children_streamed(block):
                 self._hook(child, OutsideHook(self, block.units[0]))
+        for name, child in head_children(module, tower_ids) if self.graphed else ():
+            self._hook(child, HeadGraphHook(self.graphs.head, f"{type(module).__name__} {name}", self.notify))
         add_hook(module, ModelEntryHook(self), MARKER)
         slots = [slot for block in self.blocks for slot in block.slots]
         self.stored.set(slots)
@@ -122,7 +125,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
 
     def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
-        self.graphs.cache.enable(self._graphs_on(config))
+        self.graphs.enable(self._graphs_on(config))
         self.compiled.enable(config.compile_blocks and self.compiles)
 
     def _graphs_on(self, config) -> bool:

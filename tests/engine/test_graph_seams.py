@@ -34,15 +34,42 @@ def test_the_option_reaches_the_streamer_and_a_retune_turns_it_off(wan_pipe) -> 
     streamer.graphs.cache.enabled = True  # as on a GPU
     engine.place(wan_pipe, OffloadConfig(**BASE, preload="1000", cuda_graphs=False))  # a retune, not a re-place
     assert engine.states(wan_pipe)["transformer"].transport is streamer
-    assert not streamer.graphs.cache.enabled
+    assert not streamer.graphs.cache.enabled and not streamer.graphs.head.enabled
     engine.release(wan_pipe)
+
+
+def test_the_non_block_part_is_hooked_child_by_child_and_left_clean(wan_pipe) -> None:
+    """Each direct child of the denoiser outside its block tower carries the head-graph hook
+    (`head_graphs.py`: graphed on a GPU, a plain call here), the tower and its blocks do not, the
+    output is the eager one, and a release leaves nothing of ours."""
+    from diffusers_offload.offload_core.state import leftovers
+    from diffusers_offload.offload_core.transport.base import STREAM_HOOK
+    from diffusers_offload.offload_core.transport.head_graphs import HeadGraphHook
+
+    def hook_of(module):
+        registry = getattr(module, "_diffusers_hook", None)
+        return registry.get_hook(STREAM_HOOK) if registry is not None else None
+
+    torch.manual_seed(0)
+    eager = run_wan(wan_pipe)
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="off"))
+    model = wan_pipe.transformer
+    head = {name for name, child in model.named_children() if isinstance(hook_of(child), HeadGraphHook)}
+    assert head == {name for name, _child in model.named_children()} - {"blocks"} and head
+    assert not isinstance(hook_of(model.blocks), HeadGraphHook)
+    assert not any(isinstance(hook_of(b), HeadGraphHook) for b in model.blocks)
+    torch.manual_seed(0)
+    assert torch.equal(run_wan(wan_pipe), eager)
+    engine.release(wan_pipe)
+    assert leftovers(model) == []
 
 
 def test_the_text_encoder_streamer_is_never_graphed(wan_pipe) -> None:
     engine = Engine()
     engine.place(wan_pipe, OffloadConfig(**BASE, mode="auto"))
     encoder = engine.states(wan_pipe)["text_encoder"].transport
-    assert type(encoder).graphed is False and not encoder.graphs.cache.enabled
+    assert type(encoder).graphed is False and not encoder.graphs.cache.enabled and not encoder.graphs.head.enabled
     engine.release(wan_pipe)
 
 
