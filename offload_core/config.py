@@ -78,7 +78,9 @@ class OffloadConfig:
     cuda_graphs: a streamed denoiser's kept blocks, and the units of the blocks it streams, launch
     as CUDA graphs once they have run twice with small inputs of one shape in one place
     (``transport/block_graphs.py``), so an image-sized step is not bound by the host launching
-    kernels; each graph is checked bit for bit against the eager forward first.
+    kernels; so do the children of its non-block part (``transport/head_graphs.py``: the copies
+    of a synchronized step's start wait for them). Each graph is checked bit for bit against the
+    eager forward first.
 
     compile_blocks: a streamed denoiser's blocks run through ``torch.compile`` wherever all their
     weights are bound at their entry (kept, streamed whole, or a block's streamed parts bound
