@@ -72,12 +72,14 @@ def test_mode_switch_auto_leaf_auto_leaves_no_hooks_of_the_old_mode(wan_pipe):
     engine.place(wan_pipe, CFG)
     back = _hooks(wan_pipe)
     tr = [k for k in back if k[0] == "transformer"]
-    # only the marker on the top-level module plus one stream hook per tower block and per part
+    # only the marker on the top-level module plus one stream hook per tower block, per part and
+    # per child of the non-block part (its graphs)
     assert ("transformer", "", GROUP) in tr
     assert not [k for k in tr if k[2] == GROUP and k[1]], "leaf groups left inside the transformer"
     blocks = [f"blocks.{i}" for i in range(len(wan_pipe.transformer.blocks))]
     parts = [f"{b}.{child}" for b in blocks for child in ("attn1", "attn2", "ffn")]
-    assert sorted(k[1] for k in tr if k[2] == STREAM) == sorted([*blocks, *parts])
+    head = [name for name, _child in wan_pipe.transformer.named_children() if name != "blocks"]
+    assert sorted(k[1] for k in tr if k[2] == STREAM) == sorted([*blocks, *parts, *head])
     assert set(k[2] for k in tr) == {GROUP, STREAM}
     vae = [k for k in back if k[0] == "vae"]
     assert vae == [("vae", "", GROUP)], "vae must only carry the on-demand marker"
