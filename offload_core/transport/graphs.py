@@ -139,6 +139,7 @@ class GraphCache:
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
         self.captured = self.refused = 0
+        self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
         self.replayed = 0  # graphs handed out to replay, over the cache's life
         self.starved = False  # a capture ran out of memory: none until the next `clear`
@@ -283,7 +284,7 @@ class GraphCache:
     def _static_io(self, key: Key, tensors: list[torch.Tensor]) -> StaticIO:
         io = self._io.get(key)
         if io is None:
-            if len(self._io) >= SIGNATURES:
+            if len(self._io) >= self.signatures:
                 self.clear()
             io = self._io[key] = StaticIO([torch.empty_like(t) for t in tensors])
         return io

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from diffusers.hooks import ModelHook
 
-from .graphs import INPUT_LIMIT, CallGraph, GraphCache, _describe
+from .graphs import INPUT_LIMIT, SIGNATURES, CallGraph, GraphCache, _describe
 
 
 class HeadGraphHook(ModelHook):
@@ -40,6 +40,17 @@ class HeadGraphHook(ModelHook):
             self.cache.capture(self.owner, self.name, forward, args, kwargs, output, [])
             self.notify("captured")
         return output
+
+
+def graph_head(model: torch.nn.Module, tower_ids: set[int], cache: GraphCache,
+               hook: Callable[[torch.nn.Module, ModelHook], object], notify: Callable[[str], object]) -> None:
+    """A `HeadGraphHook` on each child of the non-block part (`head_children`), and room in
+    ``cache`` for two input signatures a child (a batch with and without guidance): fewer would
+    drop every graph each forward where the part has many children (H3 has ten, LTX-2 eighteen)."""
+    children = head_children(model, tower_ids)
+    cache.signatures = max(SIGNATURES, 2 * len(children))
+    for name, child in children:
+        hook(child, HeadGraphHook(cache, f"{type(model).__name__} {name}", notify))
 
 
 def head_children(model: torch.nn.Module, tower_ids: set[int]) -> list[tuple[str, torch.nn.Module]]:

@@ -35,7 +35,7 @@ from .blocks import (
 from .compiled import CompiledBlocks
 from .events import Events
 from .graphs import CallGraph
-from .head_graphs import HeadGraphHook, head_children
+from .head_graphs import graph_head
 from .order import ExecutionOrder, OrderLearner
 from .prefetch import Prefetcher
 from .stream_accounts import StreamAccounts
@@ -104,8 +104,8 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
                 self._hook(unit.module, PartHook(self, unit))
             for child in () if block.in_parts else children_streamed(block):
                 self._hook(child, OutsideHook(self, block.units[0]))
-        for name, child in head_children(module, tower_ids) if self.graphed else ():
-            self._hook(child, HeadGraphHook(self.graphs.head, f"{type(module).__name__} {name}", self.notify))
+        if self.graphed:
+            graph_head(module, tower_ids, self.graphs.head, self._hook, self.notify)
         add_hook(module, ModelEntryHook(self), MARKER)
         slots = [slot for block in self.blocks for slot in block.slots]
         self.stored.set(slots)
