@@ -9,7 +9,8 @@
 #   bash bench/fp8_native.sh [CAPS="12 24"] [LAYERS=40] [OURS_ARGS="--sections stream,preload"] [GGUF="gguf_q8_0"]
 # (NATIVE_WORKLOADS=small times native on the image-like workload only; STORAGE=fp8_e4m3fn_fast runs
 # our rows with fp8 matmuls; NATIVE_DTYPES="fp8_e4m3fn fp8_e4m3fn_fast" times native at each dtype;
-# NATIVE_ARGS="--runs 5" passes more options to native_bench.py.)
+# NATIVE_ARGS="--runs 5" passes more options to native_bench.py; OURS_CAPS="0,24,12" gives our rows
+# other caps, 0 for every block kept: the resident reference.)
 # Then, while time is left, each GGUF storage of GGUF (one image-like row at the first cap).
 # Output: $OUT/fp8_native.log, $OUT/native.jsonl, $OUT/cast_probe.json, $OUT/wan_bench_<storage>.json (+ .log).
 set -u
@@ -27,7 +28,7 @@ python3 bench/cast_probe.py | tee "$OUT/cast_probe.json"
 STORAGE=${STORAGE:-fp8_e4m3fn}
 echo "== [$((SECONDS-T0))s] ours: wan_bench --storage $STORAGE --caps ${CAPS// /,}"
 timeout -k 10 $(( $(left) - 150 )) python3 bench/wan_bench.py --storage "$STORAGE" $OURS_ARGS \
-  --caps "${CAPS// /,}" --out "$OUT"
+  --caps "${OURS_CAPS:-${CAPS// /,}}" --out "$OUT"
 echo "ours rc=$?"
 
 M=/tmp/wan14b_L${LAYERS}_bf16.safetensors
