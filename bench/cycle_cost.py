@@ -23,6 +23,7 @@ from benchkit.models import FP8_STORAGES, build_wan, store_fp8_as, wan_forward, 
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core.transport import blocks  # noqa: E402
 
 DRIVER = ("_forward_begins", "_check_shortage", "_apply", "_hold_casts", "_usage", "_take_idle", "_coming_workload")
 PLANNER = ("begin_cycle", "end_cycle", "preview", "room_wanted", "spare")
@@ -139,8 +140,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--pack-below", type=int, default=blocks.PACK_BELOW,
+                    help="a pinned unit's tensors under this many bytes copied as one packet (0: each alone)")
     output_args(ap)
     args = ap.parse_args()
+    blocks.PACK_BELOW = args.pack_below
     row = open_output(args, "cycle_cost", lines=True)
     m = build_wan(40)
     feeds = wan_inputs(args.workload, 21)
@@ -161,7 +165,7 @@ def main() -> None:
         moved = streamer.prefetch.copied - copied
         row(section="plan", plan=streamer.details()["plan"], buffers=streamer.ring.capacity, moved_gib=moved / 2**30,
             h2d_gbs=h2d / 1e9, copy_bound_ms=moved / h2d * 1e3)
-        row(section="variants", cap_gib=args.cap, storage=args.storage, compile=args.compile,
+        row(section="variants", cap_gib=args.cap, storage=args.storage, compile=args.compile, pack_below=args.pack_below,
             **variants(m, feeds, streamer, args.rounds, args.steps))
         row(section="breakdown", us_per_forward=breakdown(m, feeds, streamer, forwards=20))
     finally:

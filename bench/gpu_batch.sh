@@ -97,10 +97,11 @@ for row in "$@"; do
                     --warmup 10 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/fastcompiled.json" ;;  # fp8 matmuls compiled
     plain) run plain 120 python3 bench/wan_bench.py --sections preload --warmup 6 \
              ${ROW_ARGS:---caps 24 --workloads small,video} --json "$ROWS_DIR/plain.json" ;;  # uncompiled: the anchor
-    cyclecost) for set in ${CYCLE_SETS:-fp8_e4m3fn_fast:12:--compile fp8_e4m3fn:12:--compile}; do  # storage:cap[:flag]
-                 IFS=: read -r st cap flag <<< "$set"
-                 run "cyclecost_${st}_$cap" 150 python3 bench/cycle_cost.py --storage "$st" --cap "$cap" $flag \
-                   --json "$ROWS_DIR/cyclecost_${st}_$cap.jsonl"
+    cyclecost) for set in ${CYCLE_SETS:-fp8_e4m3fn_fast:12:--compile fp8_e4m3fn:12:--compile}; do  # storage:cap[:flags,...]
+                 IFS=: read -r st cap flags <<< "$set"
+                 tag=$(echo "${st}_${cap}_${flags}" | tr -cs 'A-Za-z0-9\n' _ | sed 's/_*$//')
+                 run "cyclecost_$tag" 150 python3 bench/cycle_cost.py --storage "$st" --cap "$cap" ${flags//,/ } \
+                   --json "$ROWS_DIR/cyclecost_$tag.jsonl"
                done ;;  # a step's start: the driver's calls, and variants of the copies across a forward's end
     gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
                   -v -p no:cacheprovider -p no:warnings -rs ;;

@@ -26,6 +26,7 @@ from .cast import UnitCast, unit_cast
 ALIGN = 512
 PART_FRACTION = 8  # a child of at least 1/8 of its block's bytes streams as its own part
 REST_FRACTION = 16  # a block streams in parts only if what stays resident is at most 1/16 of it
+PACK_BELOW = 1 << 20  # a pinned unit's tensors under this size are copied as one packet (`StreamUnit.packet`)
 
 _DTYPE = attrgetter("dtype")
 
@@ -58,6 +59,8 @@ class StreamUnit:
     kept: torch.Tensor | None = None  # its bytes in its piece's device buffer while kept
     kept_views: list[torch.Tensor] | None = None  # its tensors there
     computed: bool = False  # kept as compute values, its fp8 weights cast once (`held_casts.py`)
+    packet: torch.Tensor | None = None  # the host masters of its last `packed` slots, laid out as on the device
+    packed: int = 0
 
     @cached_property
     def tensor_bytes(self) -> int:
@@ -67,6 +70,16 @@ class StreamUnit:
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""
         return [slot.view(buf, self.start) for slot in self.slots]
+
+    def copy_pairs(self, views: list[torch.Tensor], buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device region, host source) pairs that copy the unit into ``buf`` (holding it alone;
+        ``views`` as `views` made them): one per tensor, its packet as one."""
+        single = len(self.slots) - self.packed
+        pairs = [(view, slot.host) for view, slot in zip(views[:single], self.slots[:single], strict=True)]
+        if self.packet is not None:
+            at = self.slots[single].offset - self.start
+            pairs.append((buf[at : at + self.packet.numel()], self.packet))
+        return pairs
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Bind the tensors to ``views`` (as made by `views`, in slot order)."""
@@ -100,8 +113,13 @@ class StreamBlock:
         return max(u.nbytes for u in self.units)
 
     def release(self, offload_device: torch.device) -> None:
-        """Back to the host masters for good, except a weight the user cast after placement,
-        which stays cast (moved to ``offload_device``): a release never restores a stale dtype."""
+        """Back to the host masters for good (pageable copies of those in a packet), except a
+        weight the user cast after placement, which stays cast (moved to ``offload_device``): a
+        release never restores a stale dtype."""
+        for unit in self.units:
+            for slot in unit.slots[len(unit.slots) - unit.packed :]:  # out of the pinned packet
+                slot.host = torch.empty_like(slot.host, pin_memory=False).copy_(slot.host)
+            unit.packet, unit.packed = None, 0
         for slot in self.slots:
             cast = slot.tensor.dtype != slot.host.dtype
             slot.tensor.data = slot.tensor.data.to(offload_device) if cast else slot.host
@@ -188,25 +206,44 @@ def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, p
         t.data = t.data.to(device)
     block.rest_bytes = sum(nbytes(t) for t in rest if id(t) not in shared)
     offset = 0
+    def packs(t: torch.Tensor) -> bool:  # copied in the unit's packet, not alone
+        return pinned and type(t.data) is torch.Tensor and nbytes(t) < PACK_BELOW and not (fp8 and fp8.holds(t))
+
     for owner, tensors in pieces:
-        if fp8 is not None:
-            tensors = sorted(tensors, key=lambda t: not fp8.holds(t))
+        tensors = sorted(tensors, key=lambda t: (packs(t), not (fp8 and fp8.holds(t))))  # fp8 first, packed last
         start = offset
         slots = []
         fp8_end = 0
         for t in tensors:
-            host = host_of(t)
+            host = t.data.cpu() if packs(t) else host_of(t)
             t.data = host
             slots.append(TensorSlot(t, host, offset, nbytes(host)))
             offset += -(-nbytes(host) // ALIGN) * ALIGN
             if fp8 is not None and fp8.holds(t):
                 fp8_end = offset - start
         unit = StreamUnit(first_unit + len(block.units), block, owner, slots, start, offset - start)
+        _pack(unit, sum(map(packs, tensors)))
         unit.cast = unit_cast(fp8, [s.tensor for s in slots], [s.offset - start for s in slots], fp8_end)
         block.units.append(unit)
         block.slots.extend(slots)
     block.nbytes = offset
     return block
+
+
+def _pack(unit: StreamUnit, count: int) -> None:
+    """The unit's last ``count`` slots get their host masters in one pinned packet laid out as
+    on the device, so that one copy moves them. Why: a copy of a small tensor costs a few
+    microseconds of the copy engine whatever its size (bench/README.md, run 44)."""
+    if count < 2:
+        return
+    first = unit.slots[-count]
+    packet = torch.empty(unit.start + unit.nbytes - first.offset, dtype=torch.uint8,
+                         pin_memory=torch.cuda.is_available())
+    for slot in unit.slots[-count:]:
+        view = slot.view(packet, first.offset)
+        view.copy_(slot.host)
+        slot.host = slot.tensor.data = view
+    unit.packet, unit.packed = packet, count
 
 
 def _pieces(block: torch.nn.Module, shared: frozenset[int]

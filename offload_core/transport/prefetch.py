@@ -211,7 +211,9 @@ class Prefetcher:
         if self.staged(unit):
             slot.written = self.staging.copy(unit, slot.buf[: unit.nbytes], after=slot.read)
             return slot
-        pairs = zip(self.views(unit, slot), (s.host for s in unit.slots), strict=True)
+        pairs = slot.pairs.get(unit.index)
+        if pairs is None:
+            pairs = slot.pairs[unit.index] = unit.copy_pairs(self.views(unit, slot), slot.buf[: unit.nbytes])
         slot.written = self.copy(pairs, unit.block.pinned, after=slot.read)
         return slot
 
@@ -268,8 +270,7 @@ class Prefetcher:
             for unit in piece.units:
                 ready = self.staging.copy(unit, unit.kept, after=after)
         else:
-            pairs = [(view, slot.host) for unit in piece.units
-                     for view, slot in zip(unit.kept_views, unit.slots, strict=True)]
+            pairs = [pair for unit in piece.units for pair in unit.copy_pairs(unit.kept_views, unit.kept)]
             ready = self.copy(pairs, piece.block.pinned, after)
         if ready is not None:
             compute.wait_event(ready)

@@ -20,6 +20,7 @@ class RingSlot:
     written: torch.cuda.Event | None = None  # the last copy into it, on the side stream
     read: torch.cuda.Event | None = None  # the last compute work that may read it
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per unit: its tensors in ``buf``
+    pairs: dict[int, list] = field(default_factory=dict)  # per unit: its copy's (region, host) pairs
 
 
 class BufferRing:

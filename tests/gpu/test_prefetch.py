@@ -30,3 +30,22 @@ def test_the_first_copies_are_queued_before_the_planner_runs_at_the_entry(tiny_w
         assert seen and all(n == streamer.ring.capacity for n in seen)
     finally:
         engine.release(pipe)
+
+
+def test_pinned_units_copy_their_small_tensors_as_one_pinned_packet(tiny_wan_dir) -> None:
+    """Streamed from pinned masters, the same bits as unplaced; each unit's small tensors in one
+    page-locked packet, one copy each; after release no weight of the model is page-locked."""
+    pipe = load_wan(tiny_wan_dir)
+    expected = run_wan(pipe).cpu()
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="off"))
+    streamer = engine.states(pipe)["transformer"].transport
+    try:
+        assert all(b.pinned for b in streamer.blocks)
+        assert all(u.packet is not None and u.packet.is_pinned() for u in streamer.units)
+        placed = run_wan(pipe).cpu()
+    finally:
+        engine.release(pipe)
+    assert torch.equal(placed, expected)
+    assert not any(t.is_pinned() for t in pipe.transformer.parameters())
+    assert all(u.packet is None for u in streamer.units)

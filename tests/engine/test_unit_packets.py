@@ -1,0 +1,53 @@
+"""A pinned unit's small tensors (biases, norms, tables) travel as one packet (`StreamUnit.packet`):
+their host masters are views of one buffer laid out as on the device, so one copy gives each its
+value; a release gives them back as pageable copies. Built here on the CPU with the real tiny Wan
+block (``pinned`` is what a CUDA placement passes; the packet is page-locked only there)."""
+
+import pytest
+import torch
+from diffusers_offload.offload_core.transport.blocks import PACK_BELOW, make_block
+
+
+def _block(pipe, pinned: bool, parts: bool = True):
+    module = pipe.transformer.blocks[0]
+    before = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    made = make_block(0, "blocks", 0, module, parts=parts, host_of=lambda t: t.data, pinned=pinned,
+                      device=torch.device("cpu"), first_unit=0)
+    return module, made, before
+
+
+@pytest.mark.parametrize("parts", [True, False])
+def test_one_copy_of_the_packet_gives_every_small_tensor_its_value(wan_pipe, parts: bool) -> None:
+    module, block, before = _block(wan_pipe, pinned=True, parts=parts)
+    for unit in block.units:
+        small = [s for s in unit.slots if s.nbytes < PACK_BELOW]
+        assert unit.packed == len(small) >= 2 and unit.slots[-unit.packed :] == small
+        assert all(s.host.untyped_storage().data_ptr() == unit.packet.untyped_storage().data_ptr() for s in small)
+        buf = torch.zeros(unit.nbytes, dtype=torch.uint8)
+        views = unit.views(buf)
+        pairs = unit.copy_pairs(views, buf)
+        assert len(pairs) == len(unit.slots) - unit.packed + 1
+        for dst, src in pairs:
+            dst.copy_(src)
+        unit.bind(views)
+    assert {name: t for name, t in module.state_dict().items()}.keys() == before.keys()
+    for name, t in module.state_dict().items():
+        assert torch.equal(t, before[name]), name
+
+
+def test_an_unpinned_block_copies_tensor_by_tensor(wan_pipe) -> None:
+    _module, block, _ = _block(wan_pipe, pinned=False)
+    assert all(u.packet is None and u.packed == 0 for u in block.units)
+    unit = block.units[0]
+    buf = torch.zeros(unit.nbytes, dtype=torch.uint8)
+    assert len(unit.copy_pairs(unit.views(buf), buf)) == len(unit.slots)
+
+
+def test_a_release_gives_the_packed_tensors_back_apart_from_the_packet(wan_pipe) -> None:
+    module, block, before = _block(wan_pipe, pinned=True)
+    packets = {u.packet.untyped_storage().data_ptr() for u in block.units}
+    block.release(torch.device("cpu"))
+    assert all(u.packet is None for u in block.units)
+    for name, t in module.state_dict().items():
+        assert t.untyped_storage().data_ptr() not in packets, name
+        assert torch.equal(t, before[name]), name
