@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.transport import blocks
 from fixtures.tiny_pipes import load_wan, run_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a CUDA device")
@@ -32,20 +33,29 @@ def test_the_first_copies_are_queued_before_the_planner_runs_at_the_entry(tiny_w
         engine.release(pipe)
 
 
-def test_pinned_units_copy_their_small_tensors_as_one_pinned_packet(tiny_wan_dir) -> None:
-    """Streamed from pinned masters, the same bits as unplaced; each unit's small tensors in one
-    page-locked packet, one copy each; after release no weight of the model is page-locked."""
+
+def _streamed_run(tiny_wan_dir) -> tuple[torch.Tensor, list, object]:
     pipe = load_wan(tiny_wan_dir)
-    expected = run_wan(pipe).cpu()
     engine = Engine()
     engine.place(pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="off"))
     streamer = engine.states(pipe)["transformer"].transport
     try:
         assert all(b.pinned for b in streamer.blocks)
-        assert all(u.packet is not None and u.packet.is_pinned() for u in streamer.units)
-        placed = run_wan(pipe).cpu()
+        packets = [u.packet for u in streamer.units]
+        out = run_wan(pipe).cpu()
     finally:
         engine.release(pipe)
-    assert torch.equal(placed, expected)
     assert not any(t.is_pinned() for t in pipe.transformer.parameters())
     assert all(u.packet is None for u in streamer.units)
+    return out, packets, streamer
+
+
+def test_pinned_units_copy_their_small_tensors_as_one_pinned_packet(tiny_wan_dir, monkeypatch) -> None:
+    """Each unit's small tensors in one page-locked packet, one copy each: the same bits as each
+    tensor copied alone; after release no weight of the model is page-locked."""
+    packed, packets, _ = _streamed_run(tiny_wan_dir)
+    assert all(p is not None and p.is_pinned() for p in packets)
+    monkeypatch.setattr(blocks, "PACK_BELOW", 0)
+    alone, packets, _ = _streamed_run(tiny_wan_dir)
+    assert all(p is None for p in packets)
+    assert torch.equal(packed, alone)
