@@ -34,7 +34,7 @@ def test_the_first_copies_are_queued_before_the_planner_runs_at_the_entry(tiny_w
 
 
 
-def _streamed_run(tiny_wan_dir) -> tuple[torch.Tensor, list, object]:
+def _streamed_run(tiny_wan_dir) -> tuple[torch.Tensor, list]:
     pipe = load_wan(tiny_wan_dir)
     engine = Engine()
     engine.place(pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="off"))
@@ -47,15 +47,15 @@ def _streamed_run(tiny_wan_dir) -> tuple[torch.Tensor, list, object]:
         engine.release(pipe)
     assert not any(t.is_pinned() for t in pipe.transformer.parameters())
     assert all(u.packet is None for u in streamer.units)
-    return out, packets, streamer
+    return out, packets
 
 
 def test_pinned_units_copy_their_small_tensors_as_one_pinned_packet(tiny_wan_dir, monkeypatch) -> None:
     """Each unit's small tensors in one page-locked packet, one copy each: the same bits as each
     tensor copied alone; after release no weight of the model is page-locked."""
-    packed, packets, _ = _streamed_run(tiny_wan_dir)
+    packed, packets = _streamed_run(tiny_wan_dir)
     assert all(p is not None and p.is_pinned() for p in packets)
     monkeypatch.setattr(blocks, "PACK_BELOW", 0)
-    alone, packets, _ = _streamed_run(tiny_wan_dir)
+    alone, packets = _streamed_run(tiny_wan_dir)
     assert all(p is None for p in packets)
     assert torch.equal(packed, alone)
