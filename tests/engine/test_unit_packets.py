@@ -51,3 +51,30 @@ def test_a_release_gives_the_packed_tensors_back_apart_from_the_packet(wan_pipe)
     for name, t in module.state_dict().items():
         assert t.untyped_storage().data_ptr() not in packets, name
         assert torch.equal(t, before[name]), name
+
+
+@pytest.mark.parametrize("preload", ["off", "1000"])
+def test_the_engine_streams_and_keeps_packed_units_to_the_unplaced_bits(wan_pipe, monkeypatch, preload) -> None:
+    """The whole placement with every block granted pinned masters (what a CUDA device gets; here
+    the packets are plain CPU memory): streamed (``off``) or kept (``1000``), the same output as
+    unplaced, and after release the same again, no packet left."""
+    from diffusers_offload.offload_core import Engine, OffloadConfig
+    from diffusers_offload.offload_core.pinning import PinGrant
+    from diffusers_offload.offload_core.transport import streamer as streamer_module
+    from fixtures.tiny_pipes import run_wan
+
+    monkeypatch.setattr(streamer_module, "PinGrant", lambda allowed, nbytes: PinGrant(True, None))
+    expected = run_wan(wan_pipe, seed=0)
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", preload=preload))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    try:
+        assert all(u.packed >= 2 for u in streamer.units)
+        placed = [run_wan(wan_pipe, seed=0) for _ in range(2)]
+    finally:
+        engine.after_run(wan_pipe)
+        engine.release(wan_pipe)
+    assert all(u.packet is None for u in streamer.units)
+    for out in placed:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(run_wan(wan_pipe, seed=0), expected, rtol=0, atol=0)
