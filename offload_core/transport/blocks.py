@@ -63,9 +63,11 @@ class StreamUnit:
     packed: int = 0
 
     @cached_property
-    def tensor_bytes(self) -> int:
-        """Its tensors' bytes (``nbytes`` less the alignment gaps): what a copy of it moves."""
-        return sum(slot.nbytes for slot in self.slots)
+    def copy_bytes(self) -> int:
+        """What a copy of it from its host masters moves: its tensors' bytes (``nbytes`` less
+        the alignment gaps), its packet whole (the gaps between its tensors too)."""
+        single = len(self.slots) - self.packed
+        return sum(slot.nbytes for slot in self.slots[:single]) + (0 if self.packet is None else self.packet.numel())
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""

@@ -207,7 +207,7 @@ class Prefetcher:
         """Copy a streamed unit into a ring slot, once the compute work that last read the
         slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
         slot = self.ring.acquire()
-        self.copied += unit.tensor_bytes
+        self.copied += unit.copy_bytes
         if self.staged(unit):
             slot.written = self.staging.copy(unit, slot.buf[: unit.nbytes], after=slot.read)
             return slot
@@ -257,7 +257,7 @@ class Prefetcher:
         from it at each bind). From the compute stream's pool: the copy waits for the compute
         work queued so far, which may still read that memory, and the compute stream for the copy."""
         buf = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
-        self.copied += sum(unit.tensor_bytes for unit in piece.units)
+        self.copied += sum(unit.copy_bytes for unit in piece.units)
         compute = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         offset = 0
         for unit in piece.units:

@@ -10,7 +10,7 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
-from fixtures.placements import PLACEMENTS
+from fixtures.placements import PLACEMENTS, grant_pinned_masters
 from fixtures.quantized import placed_twice_equals, scaled_fp8, streamed_in_one_step
 from fixtures.tiny_models import load_bf16, run_wan
 
@@ -54,6 +54,15 @@ def test_fp8_output_equals_the_dequantised_bf16_model_in_every_mode(fp8_wan, con
     placed_twice_equals(fp8_wan, OffloadConfig(**CONFIGS[config], **BASE), run_wan(_dequantised_twin(fp8_wan, scales)))
 
 
+@pytest.mark.parametrize("config", ["auto-keep-some", "auto-keep-none"])
+def test_fp8_units_with_packets_equal_the_dequantised_bf16_model(fp8_wan, config, monkeypatch):
+    """Pinned masters (as on a CUDA device): a unit's fp8 weights lie first, cast as one region,
+    its small tensors last, in one packet; the same output."""
+    grant_pinned_masters(monkeypatch)
+    fp8_wan, scales = fp8_wan
+    placed_twice_equals(fp8_wan, OffloadConfig(**CONFIGS[config], **BASE), run_wan(_dequantised_twin(fp8_wan, scales)))
+
+
 def test_scales_are_applied(tiny_wan_dir):
     """The scaled file's output differs from the unscaled fp8 values (what diffusers'
     from_single_file silently loads): a pack that dropped the scales fails here."""
@@ -88,9 +97,13 @@ def test_streamer_moves_and_keeps_fp8_bytes(tiny_wan_dir, monkeypatch):
     engine.release(pipe)
 
 
-def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkeypatch):
+@pytest.mark.parametrize("masters", ["pageable", "pinned"])
+def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkeypatch, masters):
     """The streamer's count of copied bytes (what the benches divide by the H2D bandwidth for their
-    bound) is the bytes every copy of the transformer's streamer moved, kept pieces included."""
+    bound) is the bytes every copy of the transformer's streamer moved, kept pieces included, a
+    unit's packet whole where its masters are pinned."""
+    if masters == "pinned":
+        grant_pinned_masters(monkeypatch)
     pipe = load_bf16(tiny_wan_dir)
     store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
     moved: dict[int, int] = {}  # by prefetcher (a streamed text encoder copies too)
@@ -107,6 +120,7 @@ def test_the_count_of_copied_bytes_is_what_the_copies_moved(tiny_wan_dir, monkey
     transport = engine.states(pipe)["transformer"].transport
     transport.events.unsubscribe("preload")  # (no planner: the test sets what is kept)
     transport.set_resident(transport.pieces_of({0}))  # block 0 copied once, the others every forward
+    assert all(u.packed >= 2 for u in transport.units) == (masters == "pinned")
     run_wan(pipe, num_inference_steps=1)
     engine.after_run(pipe)
     assert transport.prefetch.copied == moved[id(transport.prefetch)] > 0

@@ -13,6 +13,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.components import iter_modules
 from diffusers_offload.offload_core.lora import LoraError, LoraSpec, activate
+from fixtures.placements import grant_pinned_masters
 from fixtures.side_stream import stand_in_side_stream
 from fixtures.tiny_pipes import load_wan, run_wan
 
@@ -24,6 +25,7 @@ CONFIGS = {
     "auto-preload-off": OffloadConfig(mode="auto", preload="off", **BASE),
     "auto-preload-fixed": OffloadConfig(mode="auto", preload=ONE_BLOCK_GB, **BASE),
     "auto-parts-fixed": OffloadConfig(mode="auto", preload=ONE_BLOCK_GB, stream_parts=True, **BASE),
+    "auto-packed": OffloadConfig(mode="auto", preload=ONE_BLOCK_GB, **BASE),  # pinned masters granted: packets
     "model": OffloadConfig(mode="model", **BASE),
     "leaf": OffloadConfig(mode="leaf", **BASE),
     "none": OffloadConfig(mode="none", **BASE),
@@ -69,13 +71,16 @@ def covered(pipe) -> int:
 
 @pytest.mark.parametrize("mode", list(CONFIGS))
 def test_lora_under_offload_matches_unplaced_stacks_changes_and_restores(
-        mode: str, wan_pipe, wan_loras: dict[str, Path], references: dict[str, torch.Tensor]) -> None:
+        mode: str, wan_pipe, wan_loras: dict[str, Path], references: dict[str, torch.Tensor], monkeypatch) -> None:
+    if mode == "auto-packed":  # what a CUDA device grants: each unit's small tensors in one packet
+        grant_pinned_masters(monkeypatch)
     base = originals(wan_pipe)
     engine = Engine()
     engine.place(wan_pipe, CONFIGS[mode])
-    if mode == "auto-preload-fixed":
+    if mode in ("auto-preload-fixed", "auto-packed"):
         streamer = engine.states(wan_pipe)["transformer"].transport
         assert 0 < len(streamer.resident_indices()) < len(streamer.pieces)  # some kept, some streamed
+        assert all(u.packed for u in streamer.units) == (mode == "auto-packed")
 
     def run(*loras: LoraSpec) -> torch.Tensor:
         activate(wan_pipe, loras)

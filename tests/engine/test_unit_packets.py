@@ -5,7 +5,10 @@ block (``pinned`` is what a CUDA placement passes; the packet is page-locked onl
 
 import pytest
 import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.transport.blocks import PACK_BELOW, make_block
+from fixtures.placements import grant_pinned_masters
+from fixtures.tiny_pipes import run_wan
 
 
 def _block(pipe, pinned: bool, parts: bool = True):
@@ -58,12 +61,7 @@ def test_the_engine_streams_and_keeps_packed_units_to_the_unplaced_bits(wan_pipe
     """The whole placement with every block granted pinned masters (what a CUDA device gets; here
     the packets are plain CPU memory): streamed (``off``) or kept (``1000``), the same output as
     unplaced, and after release the same again, no packet left."""
-    from diffusers_offload.offload_core import Engine, OffloadConfig
-    from diffusers_offload.offload_core.pinning import PinGrant
-    from diffusers_offload.offload_core.transport import streamer as streamer_module
-    from fixtures.tiny_pipes import run_wan
-
-    monkeypatch.setattr(streamer_module, "PinGrant", lambda allowed, nbytes: PinGrant(True, None))
+    grant_pinned_masters(monkeypatch)
     expected = run_wan(wan_pipe, seed=0)
     engine = Engine()
     engine.place(wan_pipe, OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", preload=preload))
