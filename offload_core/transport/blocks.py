@@ -7,6 +7,8 @@
 - a **unit**: what moves to the device as one: a whole block, or one part;
 - a **piece**: what the preload plan keeps or streams as one: a whole block, or, of a block in
   parts, its largest part (the core) or the rest of its parts.
+- a **packet**: a unit's small tensors' host masters (pinned masters only) in one buffer laid out
+  as on the device, copied as one.
 Why parts: the streaming buffers are sized to the largest unit, so smaller units leave more
 room for kept blocks on a small card. A block whose rest would be large streams whole.
 """
