@@ -14,7 +14,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), compiledprof / compiledprof12 (step_profile: fp8 matmuls compiled at 24 / 12 GiB against every block kept, traced), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step within 1.02 × the compiled reference?), cyclecost (cycle_cost.py: the driver's calls at a step's start and its variants, 12 GiB compiled), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), compiledprof / compiledprof12 (step_profile: fp8 matmuls compiled at 24 / 12 GiB against every block kept, traced), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step within 1.02 × the compiled reference?), cyclecost (cycle_cost.py: the driver's calls at a step's start and its variants, 12 GiB compiled), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu), castref (fp8 storage, bf16 compute compiled, every unit cast at each forward: the every-block-kept reference on the capped rows' cast path, then 12 and 24 GiB). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -95,6 +95,8 @@ for row in "$@"; do
                 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/compiled.json" ;;  # compile_blocks, bf16
     fastcompiled) run fastcompiled 200 python3 bench/wan_bench.py --storage fp8_e4m3fn_fast --compile --sections preload \
                     --warmup 10 ${ROW_ARGS:---caps 24,12 --workloads small,video} --json "$ROWS_DIR/fastcompiled.json" ;;  # fp8 matmuls compiled
+    castref) run castref 200 python3 bench/wan_bench.py --storage fp8_e4m3fn --compile --cast-each-forward \
+               --sections preload --workloads small --warmup 10 --caps 0,12,24 ;;  # bf16 compute: the reference on the capped rows' cast path
     plain) run plain 120 python3 bench/wan_bench.py --sections preload --warmup 6 \
              ${ROW_ARGS:---caps 24 --workloads small,video} --json "$ROWS_DIR/plain.json" ;;  # uncompiled: the anchor
     cyclecost) for set in ${CYCLE_SETS:-fp8_e4m3fn_fast:12:--compile fp8_e4m3fn:12:--compile}; do  # storage:cap[:flags,...]

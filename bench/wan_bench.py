@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import logging
 import os
 import sys
@@ -107,7 +108,7 @@ def build(args):
     """The model; with ``--storage fp8_*`` its Linear weights stored as the loader's fp8 dtypes do."""
     m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
     if args.storage in FP8_STORAGES:
-        store_fp8_as(m, args.storage)
+        store_fp8_as(m, args.storage, args.cast_each_forward)
     elif args.storage in GGUF_TYPES:
         row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
     elif args.storage == W4A8:
@@ -325,10 +326,10 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
-    ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8), default="bf16",
-                    help="weight storage (main model only): fp8 stores the Linear weights in fp8, computing in bf16 "
-                    "(fp8_e4m3fn_fast: through fp8 matmuls); gguf_* makes the blocks' Linear layers diffusers' GGUF "
-                    "layers (benchkit/gguf.py), w4a8 the pack's W4A8 layers over comfy-kitchen's quantization (benchkit/w4a8.py)")
+    ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8), default="bf16", help="weight "
+                    "storage (main model only): fp8 Linear weights computing in bf16 (_fast: fp8 matmuls); gguf_* diffusers' "
+                    "GGUF layers (benchkit/gguf.py); w4a8 the pack's W4A8 layers over comfy-kitchen's (benchkit/w4a8.py)")
+    ap.add_argument("--cast-each-forward", action="store_true", help="fp8: no kept piece held as compute values")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--compile", action="store_true", help="engine rows (and the resident reference) compile_blocks")
     ap.add_argument("--mmgp-kept", type=int, default=0, help="blocks mmgp keeps (mmgp section)")
@@ -354,11 +355,9 @@ def main() -> None:
     sections = args.sections.split(",")
     caps = [float(c) for c in args.caps.split(",") if c]
     workloads = tuple(args.workloads.split(","))
-    import diffusers
-
     cuda = DEV == "cuda"
     row(section="env", gpu=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-        diffusers=diffusers.__version__, h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
+        diffusers=importlib.metadata.version("diffusers"), h2d_pinned_gbs=h2d_bandwidth() / GB if cuda else None,
         host_total_gib=psutil.virtual_memory().total / GiB, python_speed_ms=python_speed_ms(),
         allocator=torch.cuda.get_allocator_backend() if cuda else None, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         stream_parts=not args.whole_blocks, window=args.window, model=args.model, storage=args.storage, args=vars(args))

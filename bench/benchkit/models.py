@@ -42,12 +42,18 @@ def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> tor
 FP8_STORAGES = ("fp8_e4m3fn", "fp8_e5m2", "fp8_e4m3fn_fast")  # the loader's fp8 dtypes (_fast: fp8 matmuls)
 
 
-def store_fp8_as(m: torch.nn.Module, storage: str) -> None:
-    """``m``'s Linear weights stored as the loader's fp8 dtype ``storage`` does, computing in bf16."""
+def store_fp8_as(m: torch.nn.Module, storage: str, cast_each_forward: bool = False) -> None:
+    """``m``'s Linear weights stored as the loader's fp8 dtype ``storage`` does, computing in bf16.
+    ``cast_each_forward``: no kept piece is ever held as compute values (`held_casts.py`), so every
+    unit casts at each forward, as at a small card: the every-block-kept row is then the reference
+    on the capped rows' cast path (issue 23 asks for it), not the faster held one."""
     from diffusers_offload.offload_core.formats.fp8 import store_fp8  # after `benchkit.pack()`
+    from diffusers_offload.offload_core.transport.held_casts import HeldCasts
 
     dtype = torch.float8_e5m2 if storage == "fp8_e5m2" else torch.float8_e4m3fn
     store_fp8(m, dtype, torch.bfloat16, matmul=storage.endswith("_fast"))
+    if cast_each_forward:
+        HeldCasts.fit = lambda self, room: self.drop() > 0
 
 
 def wan_config(blocks: int, tiny: bool = False) -> dict[str, Any]:
