@@ -210,6 +210,7 @@ def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, p
         t.data = t.data.to(device)
     block.rest_bytes = sum(nbytes(t) for t in rest if id(t) not in shared)
     offset = 0
+
     def packs(t: torch.Tensor) -> bool:  # copied in the unit's packet, not alone
         return pinned and type(t.data) is torch.Tensor and nbytes(t) < PACK_BELOW and not (fp8 and fp8.holds(t))
 

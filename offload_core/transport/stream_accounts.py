@@ -46,7 +46,9 @@ class StreamAccounts:
         return self.ring.nbytes + self.prefetch.casts.held
 
     def pinned_bytes(self) -> int:
-        return self.pins.nbytes
+        """Page-locked host bytes: the masters registered in place and the units' packets."""
+        packets = (u.packet for u in self.units if u.packet is not None)
+        return self.pins.nbytes + sum(p.numel() for p in packets if p.is_pinned())
 
     def run_bytes(self) -> int:
         """The streaming slots (the unit being run plus those filled ahead) and, for fp8 units,
