@@ -57,6 +57,7 @@ def test_the_non_block_part_is_hooked_child_by_child_and_left_clean(wan_pipe) ->
     model = wan_pipe.transformer
     head = {name for name, child in model.named_children() if isinstance(hook_of(child), HeadGraphHook)}
     assert head == {name for name, _child in model.named_children()} - {"blocks"} and head
+    assert engine.states(wan_pipe)["transformer"].transport.graphs.head.signatures == 2 * len(head)  # two a child
     assert not isinstance(hook_of(model.blocks), HeadGraphHook)
     assert not any(isinstance(hook_of(b), HeadGraphHook) for b in model.blocks)
     torch.manual_seed(0)
