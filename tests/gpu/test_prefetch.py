@@ -1,6 +1,7 @@
 """The streamer's copies at a forward's entry, on a CUDA device (a side stream; skipped in CI):
 the first streamed units are queued into the buffers the ring holds before the planner's work at
-the entry, so where the host waits for each step's end the copy engine does not wait for it."""
+the entry, so where the host waits for each step's end the copy engine does not wait for it; a
+unit's small tensors copied as one pinned packet give the bits of each copied alone."""
 
 from __future__ import annotations
 
