@@ -64,12 +64,17 @@ class StreamUnit:
     packet: torch.Tensor | None = None  # the host masters of its last `packed` slots, laid out as on the device
     packed: int = 0
 
+    @property
+    def single(self) -> int:
+        """How many of its slots (the first) are copied one by one; the rest lie in its packet."""
+        return len(self.slots) - self.packed
+
     @cached_property
     def copy_bytes(self) -> int:
         """What a copy of it from its host masters moves: its tensors' bytes (``nbytes`` less
         the alignment gaps), its packet whole (the gaps between its tensors too)."""
-        single = len(self.slots) - self.packed
-        return sum(slot.nbytes for slot in self.slots[:single]) + (0 if self.packet is None else self.packet.numel())
+        packet = 0 if self.packet is None else self.packet.numel()
+        return sum(slot.nbytes for slot in self.slots[: self.single]) + packet
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         """The unit's tensors as views of ``buf``, a buffer holding this unit alone."""
@@ -78,7 +83,7 @@ class StreamUnit:
     def copy_pairs(self, views: list[torch.Tensor], buf: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device region, host source) pairs that copy the unit into ``buf`` (holding it alone;
         ``views`` as `views` made them): one per tensor, its packet as one."""
-        single = len(self.slots) - self.packed
+        single = self.single
         pairs = [(view, slot.host) for view, slot in zip(views[:single], self.slots[:single], strict=True)]
         if self.packet is not None:
             at = self.slots[single].offset - self.start
@@ -121,7 +126,7 @@ class StreamBlock:
         weight the user cast after placement, which stays cast (moved to ``offload_device``): a
         release never restores a stale dtype."""
         for unit in self.units:
-            for slot in unit.slots[len(unit.slots) - unit.packed :]:  # out of the pinned packet
+            for slot in unit.slots[unit.single :]:  # out of the pinned packet
                 slot.host = torch.empty_like(slot.host, pin_memory=False).copy_(slot.host)
             unit.packet, unit.packed = None, 0
         for slot in self.slots:

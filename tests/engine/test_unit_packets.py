@@ -33,7 +33,7 @@ def test_one_copy_of_the_packet_gives_every_small_tensor_its_value(wan_pipe, par
         for dst, src in pairs:
             dst.copy_(src)
         unit.bind(views)
-    assert {name: t for name, t in module.state_dict().items()}.keys() == before.keys()
+    assert module.state_dict().keys() == before.keys()
     for name, t in module.state_dict().items():
         assert torch.equal(t, before[name]), name
 
