@@ -10,9 +10,11 @@ identity), so a 40-block model compiles once per input shape. A twin's fp8 Linea
 dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale``, the bits of
 the streamer's cast, `cast.py`), so the streamer casts nothing for a compiled call; a weight the
 streamer holds as compute values (`held_casts.py`) is used as it is. Layers computing fp8 matmuls
-(`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. A block
-whose layers compute through any other hook (dequantising, an unfused LoRA), hold tensor
-subclasses (GGUF) or int8 weights runs eagerly: a twin would skip what those do. Where the
+(`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. diffusers'
+GGUF layers dequantise their packed bytes in the graph with diffusers' own functions, so the
+compiler fuses the dozen small ops a layer runs eagerly (`gguf_twin.py`). A block whose layers
+compute through any other hook (dequantising, an unfused LoRA), hold other tensor subclasses or
+int8 weights runs eagerly: a twin would skip what those do. Where the
 compiler cannot run at all (no working Triton, as on many Windows installs), compiling turns
 itself off for the streamer, said once, and the call runs its twin eagerly. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
@@ -39,6 +41,7 @@ from .fp8_matmul import (
     takes,
     torch_quantise,
 )
+from .gguf_twin import gguf_bound, gguf_layer, gguf_twin
 
 log = get_logger("compile")
 
@@ -57,7 +60,9 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     attrs["_modules"] = {name: None if child is None else twin(child, fp8, device)
                          for name, child in module._modules.items()}
     weight = module._parameters.get("weight")
-    if fp8 is not None and weight is not None and id(weight) in fp8.weights:
+    if gguf_layer(module):
+        gguf_twin(copy, attrs, weight)
+    elif fp8 is not None and weight is not None and id(weight) in fp8.weights:
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
         attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
         attrs["fp8_storage"], attrs["fp8_compute"] = fp8.storage, fp8.compute
@@ -118,8 +123,9 @@ def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.d
                 return f"int8 weight {name}.weight"
             if type(module).forward is not torch.nn.Linear.forward:
                 return f"stored {fp8.storage} weight on {name}, a {type(module).__name__}"
+    gguf = {id(m._parameters["weight"]) for m in block.modules() if gguf_layer(m)}
     for name, tensor in (*block.named_parameters(), *block.named_buffers()):
-        if type(tensor) not in PLAIN:
+        if type(tensor) not in PLAIN and id(tensor) not in gguf:
             return f"{type(tensor).__name__} weight {name}"
     return None
 
@@ -159,16 +165,18 @@ class CompiledBlocks:
         self._tell(f"{kind} blocks run compiled ({BACKEND}) wherever all their weights are bound at their entry")
         compiled, eager = _compiled(type(block.module), BACKEND), type(block.module).forward
         copy = twin(block.module, self.fp8, self.device)
+        bound = gguf_bound(copy)
 
         def run(*args, **kwargs):
-            if self.enabled:
-                try:
-                    out = compiled(copy, *args, **kwargs)
-                    self.calls += 1
-                    return out
-                except torch._dynamo.exc.BackendCompilerFailed as exc:
-                    self._off(exc)
-            return eager(copy, *args, **kwargs)
+            with bound():
+                if self.enabled:
+                    try:
+                        out = compiled(copy, *args, **kwargs)
+                        self.calls += 1
+                        return out
+                    except torch._dynamo.exc.BackendCompilerFailed as exc:
+                        self._off(exc)
+                return eager(copy, *args, **kwargs)
 
         run.twin = copy
         return run

@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from diffusers import GGUFQuantizationConfig, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers.quantizers.gguf import utils as gguf_utils
 from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
@@ -41,11 +41,12 @@ from fixtures.gguf_files import (  # noqa: F401  (session fixtures)
     QTYPES,
     WanGguf,
     dequantized_state_dict,
+    load_gguf_wan,
     wan_gguf_fixture,
 )
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import two_runs_placed
-from fixtures.tiny_models import load_wan, run_wan
+from fixtures.tiny_models import run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0)
 # The onload devices here: the CPU always (same kernels, so bit-exact and fast); an accelerator
@@ -65,20 +66,6 @@ _REFERENCE: dict[tuple[str, str], torch.Tensor] = {}
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
-
-
-def load_gguf_wan(tiny_wan_dir: Path, file: WanGguf):
-    """The tiny Wan pipeline with its transformer loaded from the GGUF ``file`` (bf16 compute)."""
-    pipe = load_wan(tiny_wan_dir)
-    model = WanTransformer3DModel.from_single_file(
-        str(file.file),
-        config=str(file.config_dir),
-        subfolder="transformer",
-        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.bfloat16),
-        local_files_only=True,
-    )
-    pipe.register_modules(transformer=model)
-    return pipe
 
 
 def packed(model: torch.nn.Module) -> dict[str, tuple[object, tuple[int, ...], torch.Tensor]]:

@@ -1,0 +1,112 @@
+"""GGUF blocks compiled (``compile_blocks``, `transport/gguf_twin.py`), on the CPU with torch.compile's
+``aot_eager`` backend (the same tracing, no code generation; tests/gpu compiles with inductor): a
+block of diffusers' GGUF layers runs compiled wherever its weights are bound at its entry, its
+layers dequantising their packed bytes inside the graph to the eager layers' bits; the twin views
+no weight bytes between calls; compiled by inductor (where a C++ compiler is there) they compute
+the file's exact values; layers computing through diffusers' optional CUDA kernels keep their
+block eager."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from diffusers.quantizers.gguf import utils as gguf_utils
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.transport import compiled
+from fixtures.gguf_files import QTYPES, exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
+from fixtures.tiny_models import run_wan
+from torch._dynamo.utils import counters
+
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", compile_blocks=True)
+PLACEMENTS = {
+    "every block kept": dict(preload="1000"),
+    "whole blocks streamed": dict(preload="off", stream_parts=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def _aot_eager(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _packed(model: torch.nn.Module) -> dict[str, tuple[object, torch.Tensor]]:
+    return {n: (p.quant_type, p.as_tensor().clone()) for n, p in model.named_parameters() if hasattr(p, "quant_type")}
+
+
+def _runs(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict, list[torch.Tensor]]:
+    """Two runs placed: the last output, the streamer's details with the blocks' forward count, and
+    the weights the compiled twins' GGUF layers hold after the runs."""
+    engine = Engine()
+    engine.place(pipe, config)
+    streamer = engine.states(pipe)["transformer"].transport
+    forwards = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        out = [run_wan(pipe) for _ in range(2)][-1]
+        details = streamer.details()
+        twins = [f.twin for f in streamer.compiled._forwards.values() if f is not None]
+        held = [m._parameters["weight"] for t in twins for m in t.modules() if "gguf_source" in vars(m)]
+        return out, {**details, "block_calls": len(forwards) * details["blocks"]}, held
+    finally:
+        handle.remove()
+        engine.release(pipe)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_gguf_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, wan_gguf, qtype, placement) -> None:
+    """(The tiny Wan's GGUF layer in each block is its ``ffn.2``, the only width a quant block tiles.)"""
+    file = wan_gguf(qtype)
+    config = OffloadConfig(**BASE, **PLACEMENTS[placement])
+    eager, eager_details, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config.replace(compile_blocks=False))
+    pipe = load_gguf_wan(tiny_wan_dir, file)
+    before = _packed(pipe.transformer)
+    out, details, held = _runs(pipe, config)
+    assert eager_details["compiled_calls"] == 0
+    assert details["compiled_calls"] == details["block_calls"] > 0  # every block's every call
+    assert counters["stats"]["unique_graphs"] == 1  # one graph for every block, the packed bytes swapped under it
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert held and all(w.numel() == 0 for w in held)  # between calls a twin views no weight bytes
+    after = _packed(pipe.transformer)  # the packed weights are left as they were
+    assert after.keys() == before.keys() and len(before) > 0
+    assert all(after[n][0] == q and torch.equal(after[n][1], b) for n, (q, b) in before.items())
+
+
+def test_gguf_layers_on_diffusers_cuda_kernels_keep_their_block_eager(tiny_wan_dir, wan_gguf, monkeypatch,
+                                                                      caplog) -> None:
+    """With ``DIFFUSERS_GGUF_CUDA_KERNELS`` diffusers computes GGUF layers by its downloaded kernels
+    (on CUDA inputs), which a twin would replace by torch's dequantisation: those blocks stay eager."""
+    file = wan_gguf("Q8_0")
+    config = OffloadConfig(**BASE, preload="1000")
+    eager, _, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config.replace(compile_blocks=False))
+    monkeypatch.setattr(gguf_utils, "ops", object())  # as if the kernels were loaded (CPU inputs never use them)
+    with caplog.at_level(logging.INFO, logger="diffusers_offload"):
+        out, details, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config)
+    assert details["compiled_calls"] == 0 and details["compiled_blocks"] == 0
+    assert "runs eagerly, not compiled: GGUFParameter weight ffn.net.2.weight" in caplog.text
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="inductor's CPU code needs a C++ compiler")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_inductor_compiles_gguf_blocks_to_the_files_exact_values(tiny_wan_dir, wan_gguf, qtype, monkeypatch) -> None:
+    """Inductor rounds each dequantised weight once, to what the `gguf` package's dequantiser gives
+    (diffusers' eager layers round through fp16 first): the blocks compute as a model whose blocks
+    hold those exact values in bf16, bit for bit (streamed whole, so the bytes move under the graph)."""
+    monkeypatch.setattr(compiled, "BACKEND", "inductor")
+    file = wan_gguf(qtype)
+    config = OffloadConfig(**BASE, **PLACEMENTS["whole blocks streamed"])
+    exact_pipe = load_gguf_wan(tiny_wan_dir, file)
+    exactly_dequantised(exact_pipe.transformer.blocks)  # the non-block part stays diffusers' eager layers
+    exact, exact_details, _ = _runs(exact_pipe, config)
+    out, details, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config)
+    assert details["compiled_calls"] == details["block_calls"] == exact_details["compiled_calls"] > 0
+    torch.testing.assert_close(out, exact, rtol=0, atol=0)
