@@ -10,7 +10,7 @@
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
 # wan22 (wan22_node.py at 12 GiB), single (single_file_node.py at 12 GiB; SINGLE_ARGS adds flags), gguf (Q8_0 and Q4_K at
-# 12 GiB), noexp (the fresh 24 GiB bf16 row and the GGUF Q4_K row with expandable segments left off:
+# 12 GiB), ggufcompiled (the same compiled and not, with every block kept too), noexp (the fresh 24 GiB bf16 row and the GGUF Q4_K row with expandable segments left off:
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
@@ -79,6 +79,12 @@ for row in "$@"; do
             run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps 12 --workloads small \
               --out "$ROWS_DIR"
           done ;;
+    ggufcompiled) for st in gguf_q8_0 gguf_q4_k; do  # GGUF blocks compiled against uncompiled, every block kept (0) and 12 GiB
+                    for c in "" --compile; do
+                      run "${st}${c:+_compiled}" 90 python3 bench/wan_bench.py --storage "$st" $c --sections preload --caps 0,12 \
+                        --workloads small --warmup 10 --out "$ROWS_DIR"
+                    done
+                  done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
     h2d) for i in 1 2 3; do  # three fresh processes: is a slow one a slow copy source (registered pages)?
