@@ -18,26 +18,12 @@ from diffusers.hooks import HookRegistry, ModelHook
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
 from diffusers_offload.offload_core.transport import compiled
+from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
 from fixtures.fp8_matmul import wide_wan
 from fixtures.quantized import scaled_fp8
 from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import RUNNERS, run_wan
 from torch._dynamo.utils import counters
-
-BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", compile_blocks=True)
-PLACEMENTS = {
-    "every block kept": dict(preload="1000"),
-    "whole blocks streamed": dict(preload="off", stream_parts=False),
-}
-
-
-@pytest.fixture(autouse=True)
-def _aot_eager(monkeypatch):
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _streamer(engine, pipe):

@@ -16,24 +16,10 @@ import torch
 from diffusers.quantizers.gguf import utils as gguf_utils
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.transport import compiled
+from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
 from fixtures.gguf_files import QTYPES, exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
 from fixtures.tiny_models import run_wan
 from torch._dynamo.utils import counters
-
-BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu", compile_blocks=True)
-PLACEMENTS = {
-    "every block kept": dict(preload="1000"),
-    "whole blocks streamed": dict(preload="off", stream_parts=False),
-}
-
-
-@pytest.fixture(autouse=True)
-def _aot_eager(monkeypatch):
-    monkeypatch.setattr(compiled, "BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _packed(model: torch.nn.Module) -> dict[str, tuple[object, torch.Tensor]]:
