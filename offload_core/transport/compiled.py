@@ -8,13 +8,14 @@ hooked ``forward`` attributes. One compiled function per block class serves ever
 class (dynamo reads the twin's parameters as inputs and guards on its structure, not its
 identity), so a 40-block model compiles once per input shape. A twin's fp8 Linear layers
 dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale``, the bits of
-the streamer's cast, `cast.py`), so the streamer casts nothing for a compiled call; a weight the
+the streamer's cast, `cast.py`; int8 weights ``(q.float() * scale).to(compute)``, those of
+`fp8.dequantize_int8`), so the streamer casts nothing for a compiled call; a weight the
 streamer holds as compute values (`held_casts.py`) is used as it is. Layers computing fp8 matmuls
 (`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. diffusers'
 GGUF layers dequantise their packed bytes in the graph with diffusers' own functions, so the
 compiler fuses the dozen small ops a layer runs eagerly (`gguf_twin.py`). A block whose layers
-compute through any other hook (dequantising, an unfused LoRA), hold other tensor subclasses or
-int8 weights runs eagerly: a twin would skip what those do. Where the
+compute through any other hook (dequantising, an unfused LoRA) or hold other tensor subclasses
+runs eagerly: a twin would skip what those do. Where the
 compiler cannot run at all (no working Triton, as on many Windows installs), compiling turns
 itself off for the streamer, said once, and the call runs its twin eagerly. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
@@ -62,6 +63,10 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     weight = module._parameters.get("weight")
     if gguf_layer(module):
         gguf_twin(copy, attrs, weight)
+    elif fp8 is not None and weight is not None and id(weight) in fp8.weights and fp8.int8:
+        attrs["_buffers"] = {**module._buffers, "int8_scale": fp8.int8_scale(weight, device)}
+        attrs["int8_compute"] = fp8.compute
+        copy.__class__ = _int8_dequantizing(type(module))
     elif fp8 is not None and weight is not None and id(weight) in fp8.weights:
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
         attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
@@ -99,6 +104,19 @@ def _dequantizing(kind: type) -> type:
     return type(f"Dequantizing{kind.__name__}", (kind,), {"forward": _dequantizing_forward})
 
 
+def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """An int8 weight's compute value as `fp8.dequantize_int8` makes it: a float32 product rounded once."""
+    weight = self.weight
+    if weight.dtype == torch.int8:
+        weight = (weight.float() * self.int8_scale).to(self.int8_compute)
+    return F.linear(x, weight, self.bias)
+
+
+@functools.cache
+def _int8_dequantizing(kind: type) -> type:
+    return type(f"Int8Dequantizing{kind.__name__}", (kind,), {"forward": _int8_forward})
+
+
 @functools.cache
 def _fp8_matmul(kind: type) -> type:
     return type(f"Fp8Matmul{kind.__name__}", (kind,), {"forward": _fp8_matmul_forward})
@@ -111,18 +129,16 @@ def _hooks(module: torch.nn.Module) -> dict[str, object]:
 def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> str | None:
     """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's (or
     a Linear's fp8 matmul where ``device`` has them) on it or a layer under it, a tensor subclass
-    among its weights, or a stored weight its twin cannot dequantise (int8, or fp8 on a layer
-    other than a plain Linear)."""
+    among its weights (but diffusers' GGUF layers'), or a stored weight on a layer other than a
+    plain Linear."""
     for name, module in block.named_modules():
         hooks = [key for key, hook in _hooks(module).items() if key != STREAM_HOOK and not _matmul(module, hook, device)]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
         weight = module._parameters.get("weight")
-        if fp8 is not None and weight is not None and id(weight) in fp8.weights:
-            if fp8.int8:
-                return f"int8 weight {name}.weight"
-            if type(module).forward is not torch.nn.Linear.forward:
-                return f"stored {fp8.storage} weight on {name}, a {type(module).__name__}"
+        stored = fp8 is not None and weight is not None and id(weight) in fp8.weights
+        if stored and type(module).forward is not torch.nn.Linear.forward:
+            return f"stored {fp8.storage} weight on {name}, a {type(module).__name__}"
     gguf = {id(m._parameters["weight"]) for m in block.modules() if gguf_layer(m)}
     for name, tensor in (*block.named_parameters(), *block.named_buffers()):
         if type(tensor) not in PLAIN and id(tensor) not in gguf:

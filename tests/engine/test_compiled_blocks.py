@@ -2,7 +2,7 @@
 ``aot_eager`` backend (the same tracing, no code generation; the GPU tests compile with inductor):
 the compiled forward runs wherever a block's weights are all bound at its entry (kept, streamed
 whole, or its parts bound whole) and gives the eager output bit for bit, once compiled for every
-block, in each family; fp8 layers dequantise inside it, to the streamer's bits;
+block, in each family; fp8 and int8 layers dequantise inside it, to the streamer's bits;
 a hook someone else put on a layer keeps its block eager; a compiler that cannot run turns
 compiling off; a weight write and a release drop the twins."""
 
@@ -17,13 +17,18 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import mark_fp8, store_fp8
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.transport import compiled
+from fixtures import comfy_files
 from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
 from fixtures.fp8_matmul import wide_wan
 from fixtures.quantized import scaled_fp8
+from fixtures.quantized import wan_pipe as with_transformer
 from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import RUNNERS, run_wan
 from torch._dynamo.utils import counters
+
+_comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
 
 
 def _streamer(engine, pipe):
@@ -152,6 +157,23 @@ def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placeme
         assert details["cast_in_floor"] == details["cast_size"] > 0
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.float8_e4m3fn}  # stored bytes left as they were
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["per-tensor", "per-row"])
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_int8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, comfy_int8_wan, placement, per_row) -> None:
+    """A ComfyUI int8_tensorwise file's layers compute ``(q.float() * scale).to(compute)`` in the
+    graph: every block compiles, to the bits of the streamer's torch cast; the int8 bytes stay."""
+    def int8_pipe():
+        return with_transformer(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=per_row), tiny_wan_dir, torch.bfloat16))
+
+    config = OffloadConfig(**BASE, **PLACEMENTS[placement])
+    eager, _ = _compiled_run(int8_pipe(), config.replace(compile_blocks=False))
+    pipe = int8_pipe()
+    out, details = _compiled_run(pipe, config)
+    assert details["compiled_calls"] == details["block_calls"] > 0
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.int8}  # stored bytes left as they were
 
 
 @pytest.mark.parametrize("kind", ["plain", "scaled", "static", "narrow"])

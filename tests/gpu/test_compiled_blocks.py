@@ -1,6 +1,6 @@
 """Compiled blocks (``compile_blocks``) on a CUDA device, compiled by inductor: every block kept
 or streamed whole runs its compiled forward, graphed or not the outputs are the same bits, and
-they are within the compiler's rounding of the uncompiled outputs, fp8 storage and fp8 matmuls included;
+they are within the compiler's rounding of the uncompiled outputs, fp8 and int8 storage and fp8 matmuls included;
 GGUF blocks compute the file's exact values. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from fixtures import comfy_files
 from fixtures.fp8_matmul import REL_L2, wide_wan
 from fixtures.gguf_files import exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
 from fixtures.graph_runs import keep_first_after, placed_runs
+from fixtures.quantized import wan_pipe as with_transformer
 from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import load_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU kernels need a CUDA device")
+_comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000", compile_blocks=True)
 
 
@@ -29,17 +33,19 @@ def _fp8(path):
     return pipe
 
 
-@pytest.mark.parametrize("storage", ["model dtype", "fp8", "fp8 matmuls", "fp8 scaled matmuls"])
+@pytest.mark.parametrize("storage", ["model dtype", "fp8", "fp8 matmuls", "fp8 scaled matmuls", "int8"])
 @pytest.mark.parametrize("plan", ["every block kept", "block 0 kept, the others streamed whole"])
-def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, plan: str,
+def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, comfy_int8_wan, plan: str,
                                                                               storage: str) -> None:
     """(fp8: kept blocks in parts dequantise inside the compiled graph; blocks streamed whole are cast
-    as they bind, inside their capture. fp8 matmuls: ``_scaled_mm`` inside the graph.)"""
+    as they bind, inside their capture. fp8 matmuls: ``_scaled_mm`` inside the graph. int8: a
+    ComfyUI int8_tensorwise file, per-row scales, dequantised inside the graph.)"""
     streamed: list[int] = []
     between = keep_first_after(streamed) if plan.startswith("block 0") else None
     extra = {"stream_parts": False} if between else {}
-    load = {"fp8": _fp8, "fp8 matmuls": wide_wan, "fp8 scaled matmuls": lambda p: wide_wan(p, scaled=True)}.get(
-        storage, load_wan)
+    load = {"fp8": _fp8, "fp8 matmuls": wide_wan, "fp8 scaled matmuls": lambda p: wide_wan(p, scaled=True),
+            "int8": lambda p: with_transformer(p, load_denoiser(comfy_int8_wan(per_row=True), p, torch.bfloat16)),
+            }.get(storage, load_wan)
     plain, _ = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
                            runs=4, between=between)
     eager, off = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra, cuda_graphs=False), runs=4,
