@@ -15,11 +15,15 @@ import pytest
 import torch
 from diffusers.quantizers.gguf import utils as gguf_utils
 from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from diffusers_offload.offload_core.transport import compiled
+from fixtures import flux_files
 from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
 from fixtures.gguf_files import QTYPES, exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
-from fixtures.tiny_models import run_wan
+from fixtures.tiny_models import run_flux, run_wan
 from torch._dynamo.utils import counters
+
+_bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width  # fixtures, under their names
 
 
 def _packed(model: torch.nn.Module) -> dict[str, tuple[object, torch.Tensor]]:
@@ -96,3 +100,23 @@ def test_inductor_compiles_gguf_blocks_to_the_files_exact_values(tiny_wan_dir, w
     out, details, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config)
     assert details["compiled_calls"] == details["block_calls"] == exact_details["compiled_calls"] > 0
     torch.testing.assert_close(out, exact, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("flux_tiny_width")
+def test_flux_gguf_blocks_compile_to_the_eager_output(bfl_flux, tiny_flux_dir) -> None:
+    """A city96-style Flux GGUF file: both block classes compile, their projections split from
+    BFL's fused GGUF matrices included, to the eager output."""
+    path = bfl_flux("Q8_0")
+    outs, compiled_blocks = [], []
+    for on in (False, True):
+        pipe = load_pipeline_with_denoiser(tiny_flux_dir, path, torch.bfloat16)
+        engine = Engine()
+        engine.place(pipe, OffloadConfig(**BASE, preload="1000").replace(compile_blocks=on))
+        try:
+            outs.append(run_flux(pipe))
+            details = engine.states(pipe)["transformer"].transport.details()
+            compiled_blocks.append((details["compiled_blocks"], details["blocks"]))
+        finally:
+            engine.release(pipe)
+    assert compiled_blocks[0][0] == 0 and compiled_blocks[1][0] == compiled_blocks[1][1] > 0
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
