@@ -61,13 +61,14 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     attrs["_modules"] = {name: None if child is None else twin(child, fp8, device)
                          for name, child in module._modules.items()}
     weight = module._parameters.get("weight")
+    stored = fp8 is not None and weight is not None and id(weight) in fp8.weights
     if gguf_layer(module):
         gguf_twin(copy, attrs, weight)
-    elif fp8 is not None and weight is not None and id(weight) in fp8.weights and fp8.int8:
+    elif stored and fp8.int8:
         attrs["_buffers"] = {**module._buffers, "int8_scale": fp8.int8_scale(weight, device)}
         attrs["int8_compute"] = fp8.compute
         copy.__class__ = _int8_dequantizing(type(module))
-    elif fp8 is not None and weight is not None and id(weight) in fp8.weights:
+    elif stored:
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
         attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
         attrs["fp8_storage"], attrs["fp8_compute"] = fp8.storage, fp8.compute

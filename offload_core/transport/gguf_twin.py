@@ -3,10 +3,13 @@
 Why not the layer's own forward: dynamo traces a ``GGUFParameter`` through its
 ``__torch_function__``, which wraps every result of an op on it back into a ``GGUFParameter``
 (the eager layer unwraps it first), so a graph break downstream rebuilds one without a quant type
-and fails. The twin's layer instead holds a plain view of the packed bytes, re-read from the
-streamer's parameter before each call (the streamer rebinds that parameter's storage), and
+and fails. The twin's layer instead holds a plain view of the packed bytes, taken from the
+streamer's parameter for each call and dropped after it (the streamer rebinds that parameter), and
 dequantises it with diffusers' own functions for the quant type: the ops of ``forward_native``.
-Not with diffusers' optional CUDA kernels (``DIFFUSERS_GGUF_CUDA_KERNELS``): such layers stay eager.
+Inductor rounds each dequantised weight once (to what the `gguf` package's dequantiser gives), where
+the eager layer rounds through fp16 first. A block class compiles once per mix of quant types among
+its layers. Not with diffusers' optional CUDA kernels (``DIFFUSERS_GGUF_CUDA_KERNELS``): those
+layers keep their block eager.
 """
 
 from __future__ import annotations
