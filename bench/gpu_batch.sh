@@ -79,7 +79,7 @@ for row in "$@"; do
             run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps 12 --workloads small \
               --out "$ROWS_DIR"
           done ;;
-    ggufcompiled) for st in gguf_q8_0 gguf_q4_k; do  # GGUF blocks compiled against uncompiled, every block kept (0) and 12 GiB
+    ggufcompiled) for st in ${GGUF_ROWS:-gguf_q8_0 gguf_q4_k}; do  # GGUF blocks compiled against uncompiled, every block kept (0) and 12 GiB
                     for c in "" --compile; do
                       run "${st}${c:+_compiled}" 90 python3 bench/wan_bench.py --storage "$st" $c --sections preload --caps 0,12 \
                         --workloads small --warmup 10 --out "$ROWS_DIR"
