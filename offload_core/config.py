@@ -86,7 +86,7 @@ class OffloadConfig:
     weights are bound at their entry (kept, streamed whole, or a block's streamed parts bound
     together, which the plan keeps buffers for; ``transport/compiled.py``): fused kernels make the
     step's math faster (bench/README.md); fp8, int8 and GGUF weights are dequantised inside the
-    compiled graph. A block whose parts stream one by one (every part
+    compiled graph, and an unfused LoRA on them adds its product there. A block whose parts stream one by one (every part
     streamed, on a card too small for the plan's buffers) runs uncompiled. The first
     step of each new input shape compiles (seconds to a minute); outputs differ from uncompiled
     ones by the compiler's rounding.

@@ -81,7 +81,7 @@ class LoraHook(ModelHook):
 
     def post_forward(self, module: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
         x, self._x = self._x, None
-        down, up, bias = self._on(out.device, out.dtype)
+        down, up, bias = self.on_device(out.device, out.dtype)
         if down is not None:
             h = F.linear(x.to(out.device, out.dtype), down)
             if out.is_contiguous() and not torch.is_grad_enabled():  # no (tokens, out) temporary
@@ -92,8 +92,9 @@ class LoraHook(ModelHook):
             out = out + bias
         return out
 
-    def _on(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
-        """The factors on ``device`` in ``dtype``, copied once and kept while the hook is on."""
+    def on_device(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+        """The factors (down, up, bias) on ``device`` in ``dtype``, copied once and kept while the
+        hook is on (a compiled block's twin computes from them too, `transport/lora_twin.py`)."""
         if self._resident is None or self._resident[:2] != (device, dtype):
             moved = tuple(None if t is None else t.to(dtype).to(device) for t in self.factors.tensors())
             self._resident = (device, dtype, moved)

@@ -13,9 +13,10 @@ the streamer's cast, `cast.py`; int8 weights ``(q.float() * scale).to(compute)``
 streamer holds as compute values (`held_casts.py`) is used as it is. Layers computing fp8 matmuls
 (`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. diffusers'
 GGUF layers dequantise their packed bytes in the graph with diffusers' own functions, so the
-compiler fuses the dozen small ops a layer runs eagerly (`gguf_twin.py`). A block whose layers
-compute through any other hook (dequantising, an unfused LoRA) or hold other tensor subclasses
-runs eagerly: a twin would skip what those do. Where the
+compiler fuses the dozen small ops a layer runs eagerly (`gguf_twin.py`); an unfused LoRA on such
+a layer adds its product in the graph (`lora_twin.py`). A block whose layers compute through any
+other hook (a per-layer dequantising one) or hold other tensor subclasses runs eagerly: a twin
+would skip what those do. Where the
 compiler cannot run at all (no working Triton, as on many Windows installs), compiling turns
 itself off for the streamer, said once, and the call runs its twin eagerly. Why not diffusers'
 ``compile_repeated_blocks``: it compiles the module's call, hooks and all.
@@ -43,6 +44,7 @@ from .fp8_matmul import (
     torch_quantise,
 )
 from .gguf_twin import gguf_bound, gguf_layer, gguf_twin
+from .lora_twin import lora_of, lora_twin
 
 log = get_logger("compile")
 
@@ -77,8 +79,19 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
         if matmul:
             one, wscale, static = scale_tensors(fp8, weight, device)
             attrs["_buffers"].update(fp8_one=one, fp8_wscale=wscale, fp8_static=static)
+    lora = lora_of(module, _hooks(module))
+    if lora is not None:
+        lora_twin(copy, attrs, lora, device, _compute_of(module, fp8))
     copy.__dict__.update(attrs)
     return copy
+
+
+def _compute_of(module: torch.nn.Module, fp8: Fp8Table | None) -> torch.dtype | None:
+    """The dtype a quantized Linear computes in (GGUF: its own; fp8 / int8: the table's), or None."""
+    weight = module._parameters.get("weight")
+    if gguf_layer(module):
+        return module.compute_dtype
+    return fp8.compute if fp8 is not None and weight is not None and id(weight) in fp8.weights else None
 
 
 def _compute_value(self) -> torch.Tensor:
@@ -129,11 +142,14 @@ def _hooks(module: torch.nn.Module) -> dict[str, object]:
 
 def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> str | None:
     """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's (or
-    a Linear's fp8 matmul where ``device`` has them) on it or a layer under it, a tensor subclass
+    a Linear's fp8 matmul where ``device`` has them, or an unfused LoRA on a quantized Linear) on
+    it or a layer under it, a tensor subclass
     among its weights (but diffusers' GGUF layers'), or a stored weight on a layer other than a
     plain Linear."""
     for name, module in block.named_modules():
-        hooks = [key for key, hook in _hooks(module).items() if key != STREAM_HOOK and not _matmul(module, hook, device)]
+        lora = lora_of(module, _hooks(module)) if _compute_of(module, fp8) is not None else None
+        hooks = [key for key, hook in _hooks(module).items()
+                 if key != STREAM_HOOK and hook is not lora and not _matmul(module, hook, device)]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
         weight = module._parameters.get("weight")

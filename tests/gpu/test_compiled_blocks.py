@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.lora import LoraSpec, activate
+from diffusers_offload.offload_core.state import LORA_HOOK
 from fixtures import comfy_files
 from fixtures.fp8_matmul import REL_L2, wide_wan
 from fixtures.gguf_files import exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
 from fixtures.graph_runs import keep_first_after, placed_runs
 from fixtures.quantized import wan_pipe as with_transformer
-from fixtures.tiny_models import load_bf16
+from fixtures.tiny_models import load_bf16, run_wan
 from fixtures.tiny_pipes import load_wan
 
+pytest_plugins = ["fixtures.tiny_loras"]
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's GPU kernels need a CUDA device")
 _comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000", compile_blocks=True)
@@ -83,3 +86,35 @@ def test_gguf_blocks_compiled_compute_the_files_exact_values(tiny_wan_dir, wan_g
     assert off["compiled_calls"] > 0 and on["compiled_calls"] > 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
     assert max(_close(a, b) for a, b in zip(graphed, exact, strict=True)) < 2e-2
+
+
+def _lora_runs(tiny_wan_dir, lora, compile_blocks: bool) -> tuple[list[torch.Tensor], dict, set[int], int]:
+    """Three runs of the fp8 tiny Wan with ``lora`` (unfused), every block kept: the outputs, the
+    streamer's details, the ids of every LoRA hook's device factors after each run, the hooks."""
+    pipe = _fp8(tiny_wan_dir)
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**BASE).replace(compile_blocks=compile_blocks))
+    activate(pipe, [LoraSpec(str(lora))])
+    hooks = [vars(m)["_diffusers_hook"].hooks[LORA_HOOK] for m in pipe.transformer.modules()
+             if LORA_HOOK in getattr(vars(m).get("_diffusers_hook"), "hooks", {})]
+    outs, copies = [], set()
+    try:
+        for _ in range(3):
+            outs.append(run_wan(pipe).cpu())
+            engine.after_run(pipe)
+            copies |= {id(t) for h in hooks for t in h._resident[2] if t is not None}
+        return outs, engine.states(pipe)["transformer"].transport.details(), copies, len(hooks)
+    finally:
+        activate(pipe, [])
+        engine.release(pipe)
+
+
+def test_an_unfused_lora_runs_inside_the_compiled_blocks_from_the_hooks_copies(tiny_wan_dir, wan_loras) -> None:
+    """A LoRA on fp8 layers (a hook each) no longer keeps the blocks eager: they run compiled and
+    graphed, within the compiler's rounding of the eager hooks, and the twins compute from the
+    hooks' own device copies of the factors (made once: none is copied again run after run)."""
+    eager, _, _, _ = _lora_runs(tiny_wan_dir, wan_loras["a"], compile_blocks=False)
+    outs, details, copies, hooks = _lora_runs(tiny_wan_dir, wan_loras["a"], compile_blocks=True)
+    assert details["compiled_calls"] > 0 and details["compiled_blocks"] == details["blocks"]
+    assert hooks > 0 and len(copies) == 2 * hooks  # down and up per layer, the same tensors every run
+    assert max(_close(a, b) for a, b in zip(outs, eager, strict=True)) < 2e-2

@@ -1,0 +1,78 @@
+"""Unfused LoRAs in compiled blocks (``compile_blocks``, `transport/lora_twin.py`), on the CPU with
+torch.compile's ``aot_eager`` backend: a LoRA on quantized layers (fp8, fp8 matmuls, GGUF: the
+unfused path, a hook per layer) no longer keeps the blocks eager; every block's every call runs
+compiled, to the bits of the eager hooks, with the LoRA on and after it comes off."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.lora import LoraSpec, activate
+from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
+from fixtures.fp8_matmul import wide_wan
+from fixtures.gguf_files import load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
+from fixtures.tiny_loras import wan_lora
+from fixtures.tiny_models import load_wan, run_wan
+
+pytest_plugins = ["fixtures.tiny_loras"]
+
+
+def _fp8(tiny_wan_dir: Path):
+    pipe = load_wan(tiny_wan_dir)
+    pipe.transformer.to(torch.bfloat16)
+    store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    return pipe
+
+
+def _with_and_without(pipe, config: OffloadConfig, lora: Path) -> tuple[list[torch.Tensor], list[int], int, str]:
+    """A run with ``lora``, then one after it came off: both outputs, the compiled calls and the
+    blocks' forwards of each run, and the LoRA path the report gives for the first."""
+    engine = Engine()
+    engine.place(pipe, config)
+    streamer = engine.states(pipe)["transformer"].transport
+    forwards = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    outs, calls = [], []
+    try:
+        for loras in ([LoraSpec(str(lora))], []):
+            before = streamer.details()["compiled_calls"]
+            activate(pipe, loras)
+            outs.append(run_wan(pipe))
+            if loras:
+                path = engine.report(pipe).component("transformer").details["lora"]["path"]
+            engine.after_run(pipe)
+            calls.append(streamer.details()["compiled_calls"] - before)
+        return outs, calls, len(forwards) * streamer.details()["blocks"] // 2, path
+    finally:
+        handle.remove()
+        activate(pipe, [])
+        engine.release(pipe)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("storage", ["fp8", "fp8 matmuls", "gguf"])
+def test_unfused_loras_run_inside_the_compiled_forward(tiny_wan_dir, wan_gguf, wan_loras, tmp_path, storage,
+                                                       placement) -> None:
+    """(fp8: LoRA ``a`` on every attention projection, all unfused; GGUF Q8_0: a LoRA on ``to_q``,
+    ``to_k`` (float in the file: fused) and ``ffn.net.2`` (Q8_0: unfused).)"""
+    if storage == "gguf":
+        load = lambda: load_gguf_wan(tiny_wan_dir, wan_gguf("Q8_0"))  # noqa: E731
+        lora = wan_lora(load_wan(tiny_wan_dir).transformer, tmp_path, seed=5, targets=("to_q", "to_k", "ffn.net.2"))
+        path = "fused+unfused"
+    else:
+        load = (lambda: wide_wan(tiny_wan_dir)) if storage == "fp8 matmuls" else (lambda: _fp8(tiny_wan_dir))  # noqa: E731
+        lora, path = wan_loras["a"], "unfused"
+        if storage == "fp8 matmuls":  # the wide transformer's widths: a LoRA of its own
+            lora = wan_lora(wide_wan(tiny_wan_dir).transformer, tmp_path, seed=6, targets=("to_q", "to_out.0"))
+    config = OffloadConfig(**BASE, **PLACEMENTS[placement])
+    eager, eager_calls, _, _ = _with_and_without(load(), config.replace(compile_blocks=False), lora)
+    outs, calls, block_calls, got_path = _with_and_without(load(), config, lora)
+    assert got_path == path
+    assert eager_calls == [0, 0] and calls == [block_calls, block_calls] and block_calls > 0
+    assert not torch.equal(outs[0], outs[1])  # the LoRA moved the output
+    torch.testing.assert_close(outs[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1], eager[1], rtol=0, atol=0)
