@@ -1,5 +1,5 @@
 """Unfused LoRAs in compiled blocks (``compile_blocks``, `transport/lora_twin.py`), on the CPU with
-torch.compile's ``aot_eager`` backend: a LoRA on quantized layers (fp8, fp8 matmuls, GGUF: the
+torch.compile's ``aot_eager`` backend: a LoRA on quantized layers (fp8, fp8 matmuls, int8, GGUF: the
 unfused path, a hook per layer) no longer keeps the blocks eager; every block's every call runs
 compiled, to the bits of the eager hooks, with the LoRA on and after it comes off."""
 
@@ -11,14 +11,18 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.lora import LoraSpec, activate
+from fixtures import comfy_files
 from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
 from fixtures.fp8_matmul import wide_wan
 from fixtures.gguf_files import load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
+from fixtures.quantized import wan_pipe as with_transformer
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 
 pytest_plugins = ["fixtures.tiny_loras"]
+_comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
 
 
 def _fp8(tiny_wan_dir: Path):
@@ -54,12 +58,16 @@ def _with_and_without(pipe, config: OffloadConfig, lora: Path) -> tuple[list[tor
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("storage", ["fp8", "fp8 matmuls", "gguf"])
-def test_unfused_loras_run_inside_the_compiled_forward(tiny_wan_dir, wan_gguf, wan_loras, tmp_path, storage,
-                                                       placement) -> None:
-    """(fp8: LoRA ``a`` on every attention projection, all unfused; GGUF Q8_0: a LoRA on ``to_q``,
-    ``to_k`` (float in the file: fused) and ``ffn.net.2`` (Q8_0: unfused).)"""
-    if storage == "gguf":
+@pytest.mark.parametrize("storage", ["fp8", "fp8 matmuls", "int8", "gguf"])
+def test_unfused_loras_run_inside_the_compiled_forward(tiny_wan_dir, wan_gguf, comfy_int8_wan, wan_loras, tmp_path,
+                                                       storage, placement) -> None:
+    """(fp8, int8: LoRA ``a`` on every attention projection, all unfused; GGUF Q8_0: a LoRA on
+    ``to_q``, ``to_k`` (float in the file: fused) and ``ffn.net.2`` (Q8_0: unfused).)"""
+    if storage == "int8":
+        load = lambda: with_transformer(  # noqa: E731
+            tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, torch.bfloat16))
+        lora, path = wan_loras["a"], "unfused"
+    elif storage == "gguf":
         load = lambda: load_gguf_wan(tiny_wan_dir, wan_gguf("Q8_0"))  # noqa: E731
         lora = wan_lora(load_wan(tiny_wan_dir).transformer, tmp_path, seed=5, targets=("to_q", "to_k", "ffn.net.2"))
         path = "fused+unfused"
