@@ -55,7 +55,8 @@ PLAIN = (torch.Tensor, torch.nn.Parameter)
 def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> torch.nn.Module:
     """``module``'s tree without the hooked ``forward`` attributes and registries, sharing its
     parameter and buffer dicts (so a weight bound by the streamer is bound in the twin too); a
-    Linear layer whose weight ``fp8`` lists dequantises it (its scale a buffer of the twin only)."""
+    Linear layer whose weight ``fp8`` lists dequantises it (its scale a buffer of the twin only), a
+    GGUF layer its packed bytes (`gguf_twin.py`), and an unfused LoRA adds its product (`lora_twin.py`)."""
     copy = object.__new__(type(module))
     attrs = dict(vars(module))
     attrs.pop("forward", None)
@@ -63,7 +64,7 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     attrs["_modules"] = {name: None if child is None else twin(child, fp8, device)
                          for name, child in module._modules.items()}
     weight = module._parameters.get("weight")
-    stored = fp8 is not None and weight is not None and id(weight) in fp8.weights
+    stored = _stored(module, fp8)
     if gguf_layer(module):
         gguf_twin(copy, attrs, weight)
     elif stored and fp8.int8:
@@ -86,12 +87,17 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     return copy
 
 
+def _stored(module: torch.nn.Module, fp8: Fp8Table | None) -> bool:
+    """Whether ``module``'s weight is one the model's table holds (fp8 or int8 storage)."""
+    weight = module._parameters.get("weight")
+    return fp8 is not None and weight is not None and id(weight) in fp8.weights
+
+
 def _compute_of(module: torch.nn.Module, fp8: Fp8Table | None) -> torch.dtype | None:
     """The dtype a quantized Linear computes in (GGUF: its own; fp8 / int8: the table's), or None."""
-    weight = module._parameters.get("weight")
     if gguf_layer(module):
         return module.compute_dtype
-    return fp8.compute if fp8 is not None and weight is not None and id(weight) in fp8.weights else None
+    return fp8.compute if _stored(module, fp8) else None
 
 
 def _compute_value(self) -> torch.Tensor:
@@ -152,9 +158,7 @@ def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.d
                  if key != STREAM_HOOK and hook is not lora and not _matmul(module, hook, device)]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
-        weight = module._parameters.get("weight")
-        stored = fp8 is not None and weight is not None and id(weight) in fp8.weights
-        if stored and type(module).forward is not torch.nn.Linear.forward:
+        if _stored(module, fp8) and type(module).forward is not torch.nn.Linear.forward:
             return f"stored {fp8.storage} weight on {name}, a {type(module).__name__}"
     gguf = {id(m._parameters["weight"]) for m in block.modules() if gguf_layer(m)}
     for name, tensor in (*block.named_parameters(), *block.named_buffers()):
