@@ -116,5 +116,6 @@ def test_an_unfused_lora_runs_inside_the_compiled_blocks_from_the_hooks_copies(t
     eager, _, _, _ = _lora_runs(tiny_wan_dir, wan_loras["a"], compile_blocks=False)
     outs, details, copies, hooks = _lora_runs(tiny_wan_dir, wan_loras["a"], compile_blocks=True)
     assert details["compiled_calls"] > 0 and details["compiled_blocks"] == details["blocks"]
+    assert details["graphs"] > 0 and details["graphs_refused"] == 0
     assert hooks > 0 and len(copies) == 2 * hooks  # down and up per layer, the same tensors every run
     assert max(_close(a, b) for a, b in zip(outs, eager, strict=True)) < 2e-2
