@@ -216,23 +216,26 @@ def make_block(index: int, tower: str, depth: int, module: torch.nn.Module, *, p
     block.rest_bytes = sum(nbytes(t) for t in rest if id(t) not in shared)
     offset = 0
 
-    def packs(t: torch.Tensor) -> bool:  # copied in the unit's packet, not alone
+    def small(t: torch.Tensor) -> bool:  # may be copied in the unit's packet, not alone
         return pinned and type(t.data) is torch.Tensor and nbytes(t) < PACK_BELOW and not (fp8 and fp8.holds(t))
 
     for owner, tensors in pieces:
-        tensors = sorted(tensors, key=lambda t: (packs(t), not (fp8 and fp8.holds(t))))  # fp8 first, packed last
+        packed = {id(t) for t in tensors if small(t)}
+        packed = packed if len(packed) > 1 else set()  # one alone is a copy either way: its master as the others'
+        tensors = sorted(tensors, key=lambda t: (id(t) in packed, not (fp8 and fp8.holds(t))))  # fp8 first, packed last
         start = offset
         slots = []
         fp8_end = 0
         for t in tensors:
-            host = t.data.cpu() if packs(t) else host_of(t)
+            host = t.data.cpu() if id(t) in packed else host_of(t)
             t.data = host
             slots.append(TensorSlot(t, host, offset, nbytes(host)))
             offset += -(-nbytes(host) // ALIGN) * ALIGN
             if fp8 is not None and fp8.holds(t):
                 fp8_end = offset - start
         unit = StreamUnit(first_unit + len(block.units), block, owner, slots, start, offset - start)
-        _pack(unit, sum(map(packs, tensors)))
+        if packed:
+            _pack(unit, len(packed))
         unit.cast = unit_cast(fp8, [s.tensor for s in slots], [s.offset - start for s in slots], fp8_end)
         block.units.append(unit)
         block.slots.extend(slots)
@@ -244,8 +247,6 @@ def _pack(unit: StreamUnit, count: int) -> None:
     """The unit's last ``count`` slots get their host masters in one pinned packet laid out as
     on the device, so that one copy moves them. Why: a copy of a small tensor costs a few
     microseconds of the copy engine whatever its size (bench/README.md, run 44)."""
-    if count < 2:
-        return
     first = unit.slots[-count]
     packet = torch.empty(unit.start + unit.nbytes - first.offset, dtype=torch.uint8,
                          pin_memory=torch.cuda.is_available())

@@ -46,6 +46,18 @@ def test_an_unpinned_block_copies_tensor_by_tensor(wan_pipe) -> None:
     assert len(unit.copy_pairs(unit.views(buf), buf)) == len(unit.slots)
 
 
+def test_a_units_only_small_tensor_gets_its_master_as_the_others_do() -> None:
+    """A unit with one small tensor (a Linear's bias beside its 2 MiB weight) has no packet: both
+    masters come from ``host_of`` (what pins them in a CUDA placement), none is a plain copy."""
+    layer = torch.nn.Linear(1024, 1024)
+    given = []
+    block = make_block(0, "blocks", 0, layer, parts=False, host_of=lambda t: given.append(t) or t.data,
+                       pinned=True, device=torch.device("cpu"), first_unit=0)
+    (unit,) = block.units
+    assert unit.packet is None and unit.packed == 0 and unit.single == 2
+    assert {id(t) for t in given} == {id(layer.weight), id(layer.bias)}
+
+
 def test_a_release_gives_the_packed_tensors_back_apart_from_the_packet(wan_pipe) -> None:
     module, block, before = _block(wan_pipe, pinned=True)
     packets = {u.packet.untyped_storage().data_ptr() for u in block.units}
