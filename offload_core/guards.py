@@ -21,8 +21,9 @@ log = get_logger("guards")
 
 
 def onload_device(config: OffloadConfig) -> torch.device:
-    """The device the config asks for (default: the current CUDA device, else the CPU),
-    refused by name when this machine does not have it."""
+    """The device the config asks for (default: the current CUDA device, else the CPU), with its
+    index (``cuda`` is ``cuda:<current>``, the device its tensors name: copies kept per device,
+    as an unfused LoRA's factors, are keyed by it), refused by name when this machine lacks it."""
     if not config.device:
         return (
             torch.device("cuda", torch.cuda.current_device())
@@ -46,7 +47,8 @@ def onload_device(config: OffloadConfig) -> torch.device:
             f"device {config.device!r} is not available: this machine has "
             f"{backend.device_count()} {device.type} device(s)"
         )
-    return device
+    current = getattr(backend, "current_device", None)
+    return torch.device(device.type, current()) if device.index is None and current is not None else device
 
 
 def refuse_foreign_offload(components: Iterable[tuple[str, torch.nn.Module]]) -> None:

@@ -28,17 +28,9 @@ def lora_of(module: torch.nn.Module, hooks: dict[str, object]) -> object | None:
 def lora_twin(copy: torch.nn.Module, attrs: dict, hook: object, device: torch.device | None,
               compute: torch.dtype) -> None:
     """Make ``copy`` (its class already chosen, its attributes in ``attrs``) add ``hook``'s LoRA."""
-    down, up, bias = hook.on_device(_indexed(device or torch.device("cpu")), compute)
+    down, up, bias = hook.on_device(device or torch.device("cpu"), compute)  # (the engine's device has its index)
     attrs["lora_down"], attrs["lora_up"], attrs["lora_bias"] = down, up, bias
     copy.__class__ = _with_lora(copy.__class__)
-
-
-def _indexed(device: torch.device) -> torch.device:
-    """``cuda`` as ``cuda:<current>``: the device a layer's output names, which the hook's copies
-    are keyed by (else the twin and an eager call would each copy them anew)."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _lora_forward(self, x: torch.Tensor) -> torch.Tensor:

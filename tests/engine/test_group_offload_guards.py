@@ -242,3 +242,16 @@ def test_after_the_first_forward_every_streamed_unit_is_copied_ahead(toy, mode, 
     assert learnt == (toy is DummyModelWithMultipleBlocks)  # the registration order's one wrong guess
     assert streamer.details()["sync_loads"] == learnt
     engine.release(pipe)
+
+
+def test_a_device_named_without_index_is_the_current_one(monkeypatch):
+    """``cuda`` places on ``cuda:<current>``, the device its tensors name (copies kept per device,
+    as an unfused LoRA's factors, are keyed by it); ``cuda:0`` stays as asked."""
+    from diffusers_offload.offload_core.guards import onload_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert onload_device(MODES["auto-parts"].replace(device="cuda")) == torch.device("cuda", 1)
+    assert onload_device(MODES["auto-parts"].replace(device="cuda:0")) == torch.device("cuda", 0)
+    assert onload_device(MODES["auto-parts"].replace(device="cpu")) == torch.device("cpu")
