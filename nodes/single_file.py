@@ -1,5 +1,6 @@
 """Load diffusion model file (diffusers): a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled,
-int8_tensorwise, W4A8, GGUF) in the pipeline of a diffusers config folder of the same family.
+int8_tensorwise, W4A8, GGUF) in the pipeline of a diffusers config folder of the same family (Wan
+2.2 A14B: its two experts' files).
 
 Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not bf16 diffusers
 folders. Files are listed through ``folder_paths`` (so ``extra_model_paths.yaml`` works); the
@@ -38,7 +39,8 @@ class LoadDiffusionModelFile(io.ComfyNode):
             category=CATEGORY,
             description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8 or GGUF) into the "
                         "pipeline of a diffusers folder of the same family; a configs-only folder is enough when "
-                        "the text-encoder and VAE files are picked. The file's storage (fp8, GGUF) is kept.",
+                        "the text-encoder and VAE files are picked. The file's storage (fp8, GGUF) is kept. "
+                        "Wan 2.2 A14B: the high-noise file in denoiser, the low-noise one in denoiser_2.",
             inputs=[
                 io.Combo.Input("config", options=list_models(),
                                tooltip="A diffusers folder of the file's family under models/diffusers (configs, "
@@ -62,6 +64,9 @@ class LoadDiffusionModelFile(io.ComfyNode):
                                          "(GPUs with fp8 tensor cores; inputs rounded to fp8): an fp8_e4m3fn file "
                                          "keeps its weights, a bf16/fp16 file is stored in fp8_e4m3fn first; "
                                          "GGUF and other quantized files are left as they are."),
+                io.Combo.Input("denoiser_2", options=[NONE, *denoiser_files()], default=NONE, optional=True,
+                               tooltip="Wan 2.2 A14B's low-noise expert (transformer_2), e.g. a *low_noise* file; "
+                                       "the high-noise file goes in denoiser. 'none' uses the config folder's."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
@@ -69,13 +74,14 @@ class LoadDiffusionModelFile(io.ComfyNode):
     @classmethod
     def execute(cls, config: str, denoiser: str, text_encoder: str, vae: str, dtype: str,
                 offload: OffloadConfig | None = None, text_encoder_2: str = NONE,
-                fp8_matmul: bool = False) -> io.NodeOutput:
+                fp8_matmul: bool = False, denoiser_2: str = NONE) -> io.NodeOutput:
         settings = offload or OffloadConfig()
         folder = resolve_model(config)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
         pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
                                            optional("text_encoders", text_encoder), optional("vae", vae),
-                                           optional("text_encoders", text_encoder_2))
+                                           optional("text_encoders", text_encoder_2),
+                                           None if denoiser_2 == NONE else full_path(DENOISER_FOLDERS, denoiser_2))
         if fp8_matmul and host.fp8_matmul(settings):
             _store(pipe, torch.float8_e4m3fn, compute, matmul=True)
         return _handle(pipe, folder, compute, settings)

@@ -53,7 +53,7 @@ class Example:
     name: str
     pipeline: str
     model: str
-    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (or h3_ref: tests/fixtures/tiny_h3_ref.py)
+    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (h3_ref: tiny_h3_ref.py; wan22_*: tiny_wan_families.py)
     repo: str  # Hugging Face repository of the diffusers-format model
     title: str  # what the Note and the thumbnail call it
     tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example
@@ -102,6 +102,10 @@ EXAMPLES = (
             repo="Wan-AI/Wan2.1-T2V-14B-Diffusers", title="Wan 2.1 14B, GGUF Q8_0 file: text to video",
             skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
             files=(sf.WAN_14B_GGUF_Q8_0, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
+    Example("wan22_a14b_single_files", "WanPipeline", "Wan2.2-T2V-A14B-Diffusers", "wan22_a14b",
+            repo="Wan-AI/Wan2.2-T2V-A14B-Diffusers", title="Wan 2.2 A14B, two fp8_scaled experts: text to video",
+            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
+            files=(sf.WAN22_HIGH_FP8_SCALED, sf.WAN22_LOW_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
 )
 
 

@@ -51,6 +51,14 @@ WAN_14B_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN21,
                                "split_files/diffusion_models/wan2.1_t2v_14B_fp8_scaled.safetensors", "fp8_scaled")
 WAN_14B_GGUF_Q8_0 = ComfyFile("denoiser", "diffusion_models", "city96/Wan2.1-T2V-14B-gguf",
                               "wan2.1-t2v-14b-Q8_0.gguf", "Q8_0")
+COMFY_WAN22 = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+# Wan 2.2 A14B's two experts: the high-noise one runs the first steps (transformer), the low-noise one the rest
+WAN22_HIGH_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN22,
+                                  "split_files/diffusion_models/wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+                                  "fp8_scaled")
+WAN22_LOW_FP8_SCALED = ComfyFile("denoiser_2", "diffusion_models", COMFY_WAN22,
+                                 "split_files/diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
+                                 "fp8_scaled")
 
 
 def note_text(example: Any, models_dir: str) -> str:
@@ -73,6 +81,8 @@ def note_text(example: Any, models_dir: str) -> str:
     ]
     for file in example.files:
         lines += [f"{COMFY_MODELS}/{file.folder}/{file.name}", f"  {file.url}"]
+    if any(file.input == "denoiser_2" for file in example.files):
+        lines += ["", "The high-noise expert goes in denoiser (it runs the first steps), the low-noise one in denoiser_2."]
     if any(file.name.endswith(".gguf") for file in example.files):
         lines += ["", "The loader lists .gguf files in diffusion_models (and unet) itself: ComfyUI-GGUF is not needed."]
     lines += [

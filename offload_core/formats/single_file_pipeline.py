@@ -38,21 +38,24 @@ from .single_file import (
 log = get_logger("single_file")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
-FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file"}
+FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file",
+              "transformer_2": "second denoiser file (Wan 2.2 A14B's low-noise expert)"}
 
 
 def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
                                 text_encoder_file: Path | None = None, vae_file: Path | None = None,
-                                text_encoder_2_file: Path | None = None) -> Any:
+                                text_encoder_2_file: Path | None = None, denoiser_2_file: Path | None = None) -> Any:
     """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
     one is enough when the text-encoder and VAE files are given: Flux's T5 is ``text_encoder_2``)
-    with the denoiser from ``denoiser_file``, computing in ``dtype``."""
+    with the denoiser from ``denoiser_file``, computing in ``dtype``; Wan 2.2 A14B's second denoiser
+    (``transformer_2``, the low-noise expert) from ``denoiser_2_file``."""
     folder = Path(config_folder)
     index = _read_index(folder)
     if "transformer" not in index:
         raise SingleFileError(f"{folder} has no transformer component: single-file denoisers load into "
                               "transformer pipelines (Wan, Flux, LTX-2, ...); pick such a config folder")
-    files = {"text_encoder": text_encoder_file, "text_encoder_2": text_encoder_2_file, "vae": vae_file}
+    files = {"text_encoder": text_encoder_file, "text_encoder_2": text_encoder_2_file, "vae": vae_file,
+             "transformer_2": denoiser_2_file}
     components = dict(_model_components(folder, index))
     extra = [n for n, f in files.items() if f is not None and n not in components]
     if extra:
@@ -70,6 +73,7 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
             pick = f"pick a {kind} for it" if kind else "use a diffusers folder that has them"
             raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
     parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
+    _check_experts(denoiser_file, denoiser_2_file)
     try:
         pipe = _assemble(folder, index, parts, dtype)
     except Exception as exc:
@@ -78,6 +82,25 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
     log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
              "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
     return pipe
+
+
+def _check_experts(denoiser_file: Path, denoiser_2_file: Path | None) -> None:
+    """Wan 2.2 A14B's files name their expert (``high_noise`` / ``HighNoise``): the high-noise one
+    runs the first steps as ``transformer``. Picked the other way round, the video is wrong with
+    no error, so say it (names are only a hint: warned, not refused)."""
+    if denoiser_2_file is None:
+        return
+    noise = [_noise_in_name(Path(f)) for f in (denoiser_file, denoiser_2_file)]
+    if noise == ["low", "high"]:
+        log.warning("the denoiser %s looks like Wan 2.2 A14B's low-noise expert and the second denoiser %s like "
+                    "its high-noise one: the high-noise file goes in denoiser (it runs the first steps)",
+                    Path(denoiser_file).name, Path(denoiser_2_file).name)
+
+
+def _noise_in_name(path: Path) -> str | None:
+    name = path.stem.lower().replace("-", "_")
+    found = [kind for kind in ("high", "low") if f"{kind}_noise" in name or f"{kind}noise" in name]
+    return found[0] if len(found) == 1 else None
 
 
 def _assemble(folder: Path, index: dict, parts: dict[str, Any], dtype: torch.dtype) -> Any:
@@ -146,7 +169,9 @@ class Fit:
 
 
 def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.dtype) -> Any:
-    """A text encoder or VAE from its single file, into the class and config of ``folder/name``."""
+    """A text encoder, VAE or second denoiser from its single file, into the class and config of ``folder/name``."""
+    if name == "transformer_2":
+        return load_denoiser(path, folder, dtype, subfolder=name)
     if name != "vae":
         return load_text_encoder(path, folder / name, cls_name, dtype, kind=FILE_KINDS.get(name, name))
     _inspected(path, "vae", FILE_KINDS["vae"], cls_name)

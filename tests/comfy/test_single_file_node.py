@@ -1,7 +1,7 @@
 """Load diffusion model file (diffusers) in a real ComfyUI: it lists denoiser files from ComfyUI's
 folders (an extra path too, as extra_model_paths.yaml adds), loads the tiny Wan fp8_scaled file
 into a configs-only folder with text-encoder and VAE files (ComfyUI int8_tensorwise and W4A8 files too, run
-through Generate), and a bad file comes back as a prompt error naming it, the file unchanged, the
+through Generate; Wan 2.2 A14B's two experts run in test_workflows' template), and a bad file comes back as a prompt error naming it, the file unchanged, the
 next prompt running."""
 
 from __future__ import annotations
@@ -99,6 +99,18 @@ def test_a_bad_file_is_a_prompt_error_naming_it_and_the_next_prompt_runs(
     assert hashlib.sha256(bad.read_bytes()).hexdigest() == before
     te = comfy.run_prompt(prompt(placed, denoiser=placed["denoiser"], text_encoder="none"))
     assert not te.success and "pick a text-encoder file" in te.error["exception_message"]
+    comfy.run_prompt(prompt(placed)).raise_for_error()
+
+
+def test_a_second_denoiser_for_a_folder_without_one_is_a_prompt_error_naming_it(comfy: harness.ComfyHost,
+                                                                               placed: dict) -> None:
+    """``denoiser_2`` (Wan 2.2 A14B's low-noise expert) lists the denoiser files; on a Wan 2.1 folder,
+    which has one denoiser, it is refused by name and the next prompt runs."""
+    _type, opts = comfy.nodes.NODE_CLASS_MAPPINGS[LOADER].INPUT_TYPES()["optional"]["denoiser_2"]
+    assert opts["default"] == "none" and placed["denoiser"] in opts["options"]
+    result = comfy.run_prompt(prompt(placed, denoiser_2=placed["denoiser"]))
+    assert not result.success
+    assert "has no transformer_2: leave its second denoiser file" in result.error["exception_message"]
     comfy.run_prompt(prompt(placed)).raise_for_error()
 
 

@@ -126,7 +126,9 @@ def test_single_file_note_names_each_file_its_folder_and_address(name: str) -> N
     (text,) = next(n for n in ui(name)["nodes"] if n["type"] in ex.UI_ONLY)["widgets_values"]
     loader = next(n for n in ex.api_prompt(name, "m").values() if n["class_type"] == ex.sf.SINGLE_FILE_LOADER)
     assert loader["inputs"]["config"] == "m"  # the model placeholder: the Note's folder
-    assert [f.input for f in example.files] == ["denoiser", "text_encoder", "vae"]
+    experts = ["denoiser", "denoiser_2"] if "a14b" in name else ["denoiser"]  # Wan 2.2 A14B: two experts' files
+    assert [f.input for f in example.files] == [*experts, "text_encoder", "vae"]
+    assert ("the low-noise one in denoiser_2" in text) == (len(experts) == 2)
     for file in example.files:
         assert loader["inputs"][file.input] == file.name
         assert f"{ex.sf.COMFY_MODELS}/{file.folder}/{file.name}\n  {file.url}" in text

@@ -33,7 +33,7 @@ _comfy_wan, _configs_only, _component_files, _wan_gguf = (comfy_files.comfy_wan,
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
 FILE_LISTS = {(ex.LOADER, "model"), ("DiffusersOffloadLoadModularPipeline", "model"), ("LoadImage", "image"),
-              *((ex.sf.SINGLE_FILE_LOADER, name) for name in ("config", "denoiser", "text_encoder", "vae"))}
+              *((ex.sf.SINGLE_FILE_LOADER, name) for name in ("config", "denoiser", "denoiser_2", "text_encoder", "vae"))}
 
 
 def ui(name: str) -> dict[str, Any]:
@@ -151,13 +151,29 @@ def test_ui_workflow_queues_exactly_its_api_twin(name: str, schemas: dict[str, d
     assert api_from_ui(ui(name), schemas) == ex.api_prompt(name, ex.example(name).model)
 
 
-def tiny_stand_in(file: Any, request: pytest.FixtureRequest) -> Path:
-    """The tiny Wan file of a template file's role and format (``ComfyFile.tiny``)."""
+def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
+    """The tiny file of a template file's role and format (``ComfyFile.tiny``): the tiny Wan's, or
+    for a Wan family (A14B) one written from its tiny folder, each expert from its own transformer."""
+    if example.tiny != "wan":
+        folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
+        if file.input in ("text_encoder", "vae"):
+            return comfy_files.write_component_file(folder, file.tiny, tmp / f"{example.tiny}-{file.tiny}.safetensors")
+        component = {"denoiser": "transformer", "denoiser_2": "transformer_2"}[file.input]
+        return comfy_files.write_comfy_wan(folder, tmp / f"{example.tiny}-{component}-{file.tiny}.safetensors",
+                                           file.tiny, component=component)
     if file.input != "denoiser":
         return request.getfixturevalue("wan_component_files")[file.tiny]
     if file.name.endswith(".gguf"):
         return request.getfixturevalue("wan_gguf")(file.tiny).file
     return request.getfixturevalue("comfy_wan")(file.tiny)
+
+
+def configs_only(example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
+    """The configs-only copy of the example's tiny folder."""
+    if example.tiny == "wan":
+        return request.getfixturevalue("wan_configs_only")
+    folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
+    return comfy_files.configs_only_copy(folder, tmp / f"{folder.name}-configs")
 
 
 @pytest.fixture
@@ -173,18 +189,18 @@ def gguf_listed(comfy: harness.ComfyHost) -> Any:
         table.pop("unet_gguf", None)
 
 
-def place_single_files(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest
+def place_single_files(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path
                        ) -> tuple[str, dict[str, dict[str, Any]]]:
-    """A single-file template on tiny files: the configs-only tiny Wan linked into models/diffusers,
+    """A single-file template on tiny files: the configs-only tiny folder linked into models/diffusers,
     and for each file the template picks, its tiny stand-in copied into the ComfyUI folder the Note
     names; returns the config's name and the loader inputs that pick the stand-ins."""
     fp = comfy.folder_paths
-    config = ex.link_model(Path(fp.get_folder_paths("diffusers")[0]), request.getfixturevalue("wan_configs_only"))
+    config = ex.link_model(Path(fp.get_folder_paths("diffusers")[0]), configs_only(example, request, tmp))
     if any(file.name.endswith(".gguf") for file in example.files):
         request.getfixturevalue("gguf_listed")
     picks = {}
     for file in example.files:
-        source = tiny_stand_in(file, request)
+        source = tiny_stand_in(file, example, request, tmp)
         folder = Path(fp.models_dir) / file.folder  # ComfyUI/models/<folder>, as the Note says
         assert str(folder) in fp.get_folder_paths(file.folder), f"ComfyUI does not list {folder}"
         target = folder / f"tiny-template-{source.name}"
@@ -194,11 +210,12 @@ def place_single_files(example: ex.Example, comfy: harness.ComfyHost, request: p
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, request: pytest.FixtureRequest) -> None:
+def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, request: pytest.FixtureRequest,
+                                         tmp_path: Path) -> None:
     example = ex.example(name)
     overrides = example.tiny_overrides()
     if example.files:  # single-file templates: the configs-only folder, the files in ComfyUI's folders
-        model, picks = place_single_files(example, comfy, request)
+        model, picks = place_single_files(example, comfy, request, tmp_path)
         overrides |= picks
     else:
         folder = request.getfixturevalue(f"tiny_{example.tiny}_dir")
