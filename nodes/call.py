@@ -96,6 +96,16 @@ class Call:
         if guidance > 0:
             self.offer(self.guidance_key(), guidance, f"{self.name} takes no guidance scale: ignored")
 
+    def second_guidance(self, guidance_2: float) -> None:
+        """Wan 2.2 A14B's guidance for its second expert (``transformer_2``, below the pipeline's
+        ``boundary_ratio``); 0 leaves it as the first's. A pipeline with one denoiser notes it ignored."""
+        if guidance_2 <= 0:
+            return
+        if self.takes("guidance_scale_2") and getattr(self.pipe.config, "boundary_ratio", None) is not None:
+            self.kwargs["guidance_scale_2"] = guidance_2
+        else:
+            self.notes.append(f"{self.name} has one denoiser: guidance_2 ignored")
+
     def guidance_key(self) -> str:
         """``true_cfg_scale`` where the pipeline has real CFG beside a ``guidance_scale`` that only a
         guidance-distilled denoiser reads (Flux, Qwen-Image); ``guidance_scale`` everywhere else."""

@@ -106,6 +106,10 @@ class GenerateVideo(io.ComfyNode):
                     tooltip="Playback (and, where the model takes it, conditioning) frame rate; 0: the model's own.",
                 ),
                 io.Image.Input("start_image", optional=True, tooltip="First frame, for image-to-video."),
+                io.Float.Input(
+                    "guidance_2", default=0.0, min=0.0, max=100.0, step=0.1, optional=True,
+                    tooltip="Wan 2.2 A14B: the guidance scale of its low-noise expert (the last steps); 0: as guidance.",
+                ),
             ],
             outputs=[
                 io.Video.Output("video", display_name="video"),
@@ -120,6 +124,7 @@ class GenerateVideo(io.ComfyNode):
     def execute(
         cls, pipe: PipeHandle, prompt: str, negative_prompt: str, seed: int, steps: int, guidance: float,
         width: int, height: int, frames: int, fps: float, start_image: torch.Tensor | None = None,
+        guidance_2: float = 0.0,
     ) -> io.NodeOutput:
         call = Call(pipeline_for(pipe.pipe, start_image))
         call.require("prompt", "num_frames", hint=f"Generate video runs text/image-to-video pipelines{MODULAR_HINT}.")
@@ -131,6 +136,7 @@ class GenerateVideo(io.ComfyNode):
             call.kwargs["frame_rate"] = rate
         call.start_image(start_image)
         call.text(prompt, negative_prompt, guidance)
+        call.second_guidance(guidance_2)
         call.sampling(seed, steps)
         run = Run(pipe, cls.hidden.unique_id)
         notes = run.show(call.notes)

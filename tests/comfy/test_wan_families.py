@@ -157,6 +157,27 @@ def test_a14b_report_names_both_denoisers_in_its_preload_line(
         assert "blocks kept" in line, line  # both streamed by blocks
 
 
+def test_guidance_2_guides_a14b_s_second_expert_and_is_noted_ignored_with_one_denoiser(
+    comfy: harness.ComfyHost, models: Callable[[str], str], captured: list[tuple[int, Any]],
+) -> None:
+    """``guidance_2`` is A14B's ``guidance_scale_2`` (its second step runs ``transformer_2``): equal to
+    guidance, the frames of 0 (as guidance); another value, other frames. TI2V-5B (one denoiser)
+    notes it ignored."""
+    def frames_with(family: str, guidance_2: float) -> tuple[torch.Tensor, str]:
+        prompt = graph(comfy, models(family), None, None)
+        prompt[GEN]["inputs"]["guidance_2"] = guidance_2
+        frames, notes, _ = run(comfy, captured, prompt)
+        return frames, notes
+
+    same, notes = frames_with("wan22_a14b", 0.0)
+    assert notes == ""
+    assert torch.equal(frames_with("wan22_a14b", 5.0)[0], same)  # graph()'s guidance is 5.0
+    assert not torch.equal(frames_with("wan22_a14b", 1.5)[0], same)
+    one, one_notes = frames_with("wan22_ti2v", 1.5)
+    assert "WanPipeline has one denoiser: guidance_2 ignored" in one_notes
+    assert torch.equal(one, frames_with("wan22_ti2v", 0.0)[0])
+
+
 @pytest.mark.parametrize(
     ("family", "with_image", "message"),
     [
