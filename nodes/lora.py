@@ -11,7 +11,7 @@ from __future__ import annotations
 import folder_paths
 from comfy_api.latest import io
 
-from ..offload_core.lora import LoraSpec, check
+from ..offload_core.lora import INTO, LoraSpec, check
 from .types import CATEGORY, DiffusersPipe, PipeHandle
 
 
@@ -32,13 +32,17 @@ class LoadLora(io.ComfyNode):
                                tooltip="A .safetensors file in models/loras (or an extra_model_paths location)."),
                 io.Float.Input("strength", default=1.0, min=-10.0, max=10.0, step=0.01,
                                tooltip="Multiplies the LoRA's delta; 0 leaves the model unchanged."),
+                io.Combo.Input("into", options=list(INTO), default="denoiser", optional=True,
+                               tooltip="The denoiser it goes into: Wan 2.2 A14B's LoRAs come in pairs, the "
+                                       "high-noise one into denoiser, the low-noise one into denoiser_2 "
+                                       "(transformer_2); both: the same LoRA into each."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
-    def execute(cls, pipe: PipeHandle, lora_name: str, strength: float) -> io.NodeOutput:
-        spec = LoraSpec(folder_paths.get_full_path_or_raise("loras", lora_name), float(strength))
+    def execute(cls, pipe: PipeHandle, lora_name: str, strength: float, into: str = "denoiser") -> io.NodeOutput:
+        spec = LoraSpec(folder_paths.get_full_path_or_raise("loras", lora_name), float(strength), into)
         check(pipe.pipe, spec)
         return io.NodeOutput(pipe.with_lora(spec))
 

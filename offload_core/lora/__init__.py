@@ -1,6 +1,6 @@
 """LoRA under offload: reading files (``files``) and making a set effective (``apply``)."""
 
-from .apply import LoraSpec, activate, check, set_signature
+from .apply import INTO, LoraSpec, activate, check, set_signature
 from .files import LoraError
 
-__all__ = ["LoraError", "LoraSpec", "activate", "check", "set_signature"]
+__all__ = ["INTO", "LoraError", "LoraSpec", "activate", "check", "set_signature"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..components import iter_modules
+from ..components import denoisers, iter_modules
 from ..formats.w4a8 import W4A8Linear
 from ..log import get_logger
 from ..state import COMPONENT, LORA, LORA_REPORT, PIPELINE
@@ -36,15 +36,24 @@ from .restore import FileSource, WeightFiles, check_unchanged
 log = get_logger("lora")
 LINEAR = (torch.nn.Linear, W4A8Linear)  # layers an unfused LoRA adds its product to
 
-__all__ = ["LoraError", "LoraSpec", "activate", "check", "set_signature"]
+__all__ = ["INTO", "LoraError", "LoraSpec", "activate", "check", "set_signature"]
+
+# Where a LoRA's denoiser layers go: the pipeline's first denoiser, its second (Wan 2.2 A14B's
+# low-noise expert, ``transformer_2``: its LoRAs come in high/low-noise pairs), or both.
+INTO = ("denoiser", "denoiser_2", "both")
 
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """One LoRA of a set: a file and its strength (stacked LoRAs add up)."""
+    """One LoRA of a set: a file, its strength (stacked LoRAs add up) and the denoiser(s) it goes into."""
 
     path: str
     strength: float = 1.0
+    into: str = "denoiser"
+
+    def __post_init__(self) -> None:
+        if self.into not in INTO:
+            raise ValueError(f"LoRA {self.path}: into={self.into!r} is not one of {INTO}")
 
 
 @dataclass
@@ -82,7 +91,7 @@ class _Plan:
 
 def set_signature(specs: Sequence[LoraSpec]) -> tuple:
     """Identity of a set: each file's real path, size and mtime, with its strength, in order."""
-    return tuple((identity(s.path), float(s.strength)) for s in specs)
+    return tuple((identity(s.path), float(s.strength), s.into) for s in specs)
 
 
 def activate(pipe: object, specs: Sequence[LoraSpec]) -> None:
@@ -100,7 +109,7 @@ def activate(pipe: object, specs: Sequence[LoraSpec]) -> None:
         _reattach(name, module)
     if all(_carried(m) == signature for m in components.values()):
         return
-    files = [(read_lora(s.path, pipe), s.strength) for s in specs if s.strength != 0]
+    files = [(_read(pipe, s), s.strength) for s in specs if s.strength != 0]
     plans = _plan(pipe, components, files)
     for module in components.values():
         state: _ComponentLora | None = LORA.get(module)
@@ -111,12 +120,29 @@ def activate(pipe: object, specs: Sequence[LoraSpec]) -> None:
         for name, module in components.items():
             _apply(name, module, plans.get(name, _Plan()), signature, device)
     log.info("%s: LoRA set %s", type(pipe).__name__,
-             ", ".join(f"{s.path} x{s.strength:g}" for s in specs) or "cleared (base weights)")
+             ", ".join(f"{s.path} x{s.strength:g}{'' if s.into == 'denoiser' else ' into ' + s.into}"
+                       for s in specs) or "cleared (base weights)")
 
 
 def check(pipe: object, spec: LoraSpec) -> None:
     """Read and match one LoRA without writing anything (raises `LoraError`, warns on a partial match)."""
-    _plan(pipe, dict(iter_modules(pipe)), [(read_lora(spec.path, pipe), spec.strength)])
+    _plan(pipe, dict(iter_modules(pipe)), [(_read(pipe, spec), spec.strength)])
+
+
+def _read(pipe: object, spec: LoraSpec) -> LoraFile:
+    """``spec``'s file read for ``pipe``, its first denoiser's layers moved where ``spec.into`` says."""
+    lora = read_lora(spec.path, pipe)
+    if spec.into == "denoiser":
+        return lora
+    names = list(denoisers(pipe))
+    if len(names) < 2:
+        raise LoraError(f"LoRA {spec.path}: {type(pipe).__name__} has one denoiser ({', '.join(names) or 'none'}), "
+                        f"not two: set into to 'denoiser'")
+    first, second = names[:2]
+    layers = dict(lora.layers)
+    moved = layers.pop(first, {}) if spec.into == "denoiser_2" else layers.get(first, {})
+    layers[second] = {**layers.get(second, {}), **moved}
+    return LoraFile(lora.path, layers, lora.skipped)
 
 
 def _carried(module: torch.nn.Module) -> tuple:

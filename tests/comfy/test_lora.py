@@ -82,3 +82,18 @@ def test_a_file_that_is_not_a_lora_fails_on_the_lora_node(comfy: harness.ComfyHo
     assert not result.success
     assert result.error["node_id"] == "lora"
     assert "tiny_wan_not_a_lora.safetensors is not a LoRA" in result.error["exception_message"]
+
+
+def test_into_denoiser_2_on_a_one_denoiser_pipeline_fails_on_the_lora_node(comfy: harness.ComfyHost,
+                                                                         names: dict[str, str]) -> None:
+    """``into`` (Wan 2.2 A14B's low-noise expert: denoiser_2) is checked on the node, by name;
+    the same graph with the default runs."""
+    _type, opts = comfy.nodes.NODE_CLASS_MAPPINGS["DiffusersOffloadLoadLora"].INPUT_TYPES()["optional"]["into"]
+    assert opts["default"] == "denoiser" and opts["options"] == ["denoiser", "denoiser_2", "both"]
+    prompt = branches(names, 0)
+    prompt["lora"]["inputs"]["into"] = "denoiser_2"
+    result = comfy.run_prompt(prompt, ["cap_lora"])
+    assert not result.success and result.error["node_id"] == "lora"
+    assert "WanPipeline has one denoiser (transformer), not two" in result.error["exception_message"]
+    prompt["lora"]["inputs"]["into"] = "denoiser"
+    comfy.run_prompt(prompt, ["cap_lora"]).raise_for_error()
