@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ..log import get_logger
 from . import w4a8
-from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, scale_value
+from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
 from .inspect import (
     SingleFileError,
     SingleFileInfo,
@@ -197,11 +197,12 @@ def _inspected(path: Path, role: str, kind: str, cls_name: str) -> SingleFileInf
 
 def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype,
                        fit: Fit | None = None) -> Any:
-    """A transformers text encoder from a single file in its own key names; fp8 weights (scaled or
-    not) and ComfyUI int8_tensorwise layers are dequantised to ``dtype`` here, as comfy-kitchen
-    decodes them (text encoders run once per prompt); W4A8 layers stay W4A8 (`w4a8.W4A8Linear`:
-    decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant
-    formats are refused by name."""
+    """A transformers text encoder from a single file in its own key names. Its fp8 Linear weights
+    (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
+    half the RAM and pinned bytes of a decoded copy); ComfyUI int8_tensorwise layers are decoded to
+    ``dtype`` here, as comfy-kitchen decodes them; W4A8 layers stay W4A8 (`w4a8.W4A8Linear`: decoded,
+    a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant formats are
+    refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)
@@ -213,15 +214,17 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
         state = fit.keys(state)
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
-    stored = w4a8.stored_keys(layers)  # as the file holds them
-    for key in [k for k in state if k.endswith(INPUT_KEY)]:  # (weights are dequantised: no fp8 matmuls here)
+    for key in [k for k in state if k.endswith(INPUT_KEY)]:  # (no fp8 matmuls in text encoders)
         state.pop(key)
+    scales = {}  # fp8 weights' scales, by layer
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
-        state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
-    state = {k: dequantize(v, None, dtype) if is_fp8(v) and k not in stored else v for k, v in state.items()}
-    if layers or fit is not None:
-        return _built_empty(path, info, cls, config, state, layers, dtype, fit)
+        if is_fp8(state[layer + ".weight"]):
+            scales[layer] = scale
+        else:
+            state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
+    if layers or fit is not None or any(is_fp8(t) for t in state.values()):
+        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -237,10 +240,11 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
 
 
 def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
-                 layers: list[str], dtype: torch.dtype, fit: Fit | None) -> Any:
-    """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, and the
-    file's tensors assigned: transformers' own loader would allocate every layer in ``dtype``
-    (and fill what a fitted file lacks with weights no one reads)."""
+                 layers: list[str], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor]) -> Any:
+    """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, the file's
+    tensors assigned (fp8 ones as stored, then marked with their ``scales``): transformers' own
+    loader would allocate every layer in ``dtype`` (and fill what a fitted file lacks with weights
+    no one reads)."""
     from accelerate import init_empty_weights
 
     settings = cls.config_class.from_pretrained(str(config))
@@ -255,8 +259,8 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     keep32 = [*(getattr(cls, "_keep_in_fp32_modules_strict", None) or []),
               *((getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
     stored = w4a8.stored_keys(layers)
-    state = {k: v.to(dtype) if v.is_floating_point() and k not in stored and not any(m in k.split(".") for m in keep32)
-             else v for k, v in state.items()}
+    state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
+             and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     absent = fit.absent if fit is not None else ()
@@ -264,20 +268,34 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     if empty or result.unexpected_keys:
         raise SingleFileError(f"{path} does not match the {cls.__name__} config in {config}: missing {empty[:3]}, "
                               f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")
+    fp8 = _marked(path, model, dtype, scales)
     log.info("%s: %s text encoder (%s) loaded %s%s", path.name, cls.__name__, info.format,
-             f"with {len(layers)} W4A8 layers, the rest in " if layers else "as ", short_dtype(dtype))
+             f"with {len(layers)} W4A8 layers, the rest in " if layers else
+             f"with {fp8} fp8 Linear weights kept, the rest in " if fp8 else "as ", short_dtype(dtype))
     return model.eval()
 
 
+def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict[str, torch.Tensor]) -> int:
+    """How many fp8 Linear weights the model keeps (`fp8.mark_fp8`; its other fp8 tensors are
+    decoded: an embedding table, and a layer the model keeps in float32, such as T5's ``wo``, whose
+    caller casts its input to the weight's dtype); 0 for a model without fp8 tensors."""
+    if not scales and not any(is_fp8(t) for t in model.state_dict().values()):
+        return 0
+    try:
+        return len(mark_fp8(model, dtype, scales, source=str(path)).weights)
+    except ValueError as exc:
+        raise SingleFileError(str(exc)) from exc
+
+
 def _dequantized(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A text encoder's scaled weight in ``dtype``: int8 as ``(q.float() * scale).to(dtype)`` (per
-    tensor or per row), fp8 as ``w.to(dtype) * scale`` (per tensor only)."""
+    """A text encoder's scaled weight that is not fp8, in ``dtype``: int8 as ``(q.float() * scale).to(dtype)``
+    (per tensor or per row), another float as ``w.to(dtype) * scale`` (per tensor only)."""
     try:
         if weight.dtype == INT8:
             return dequantize_int8(weight, check_int8_scale(scale, layer, weight, str(path)), dtype)
         if scale.numel() != 1:
-            raise ValueError(f"{path}: the scale of {layer} has shape {tuple(scale.shape)}; fp8 text-encoder weights "
-                             "take per-tensor scales only")
+            raise ValueError(f"{path}: the scale of {layer} has shape {tuple(scale.shape)}; scaled float "
+                             "text-encoder weights take per-tensor scales only")
         return dequantize(weight, scale_value(scale, dtype), dtype)
     except ValueError as exc:
         raise SingleFileError(str(exc)) from exc

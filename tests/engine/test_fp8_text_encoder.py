@@ -1,0 +1,85 @@
+"""fp8 text-encoder files (Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled, t5xxl_fp8_e4m3fn) keep their fp8
+storage: the loaded encoder holds the file's fp8 matrices (half the host RAM and pinned bytes of a
+decoded copy), its embedding table decoded, and encodes as ComfyUI does (``w.to(compute) * scale``
+at compute) in every placement (the engine dequantises at compute: an fp8 model runs placed);
+the file is left unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import table_of
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
+from fixtures import comfy_files
+from fixtures.tiny_models import run_wan
+from transformers import UMT5EncoderModel
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+PLACEMENTS = {"none": OffloadConfig(mode="none", **BASE), "auto": OffloadConfig(mode="auto", **BASE),
+              "leaf": OffloadConfig(mode="leaf", **BASE)}
+_comfy_wan, _configs_only, _component_files = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
+                                               comfy_files.wan_component_files)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module", params=["scaled", "plain"])
+def te_file(request, wan_component_files, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fp8-te") / f"umt5-tiny-fp8-{request.param}.safetensors"
+    return comfy_files.write_fp8_text_encoder(wan_component_files["text_encoder"], out, request.param == "scaled")
+
+
+def _pipe(te_file: Path, comfy_wan, wan_configs_only, wan_component_files):
+    return load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, te_file, wan_component_files["vae"])
+
+
+def _twin(tiny_wan_dir: Path, te_file: Path) -> UMT5EncoderModel:
+    """The tiny UMT5 holding the file's values as ComfyUI computes with them."""
+    twin = UMT5EncoderModel.from_pretrained(str(tiny_wan_dir / "text_encoder"), dtype=BF16)
+    values = comfy_files.comfy_dequantised(te_file, BF16)
+    missing, unexpected = twin.load_state_dict({k: v.to(BF16) for k, v in values.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"encoder.embed_tokens.weight"}  # tied to shared
+    return twin
+
+
+def test_the_encoder_keeps_the_files_fp8_matrices(te_file, comfy_wan, wan_configs_only, wan_component_files) -> None:
+    before = _digest(te_file)
+    encoder = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files).text_encoder
+    table = table_of(encoder)
+    linears = {n for n, m in encoder.named_modules()  # T5's wo stays out: its caller casts inputs to its dtype
+               if isinstance(m, torch.nn.Linear) and not n.endswith(".wo")}
+    fp8 = {k.removesuffix(".weight") for k, t in comfy_files.load_file(str(te_file)).items() if t.dtype == FP8}
+    assert table is not None and table.storage == FP8 and len(table.weights) == len(fp8 & linears) > 0
+    assert {n for n, p in encoder.named_parameters() if p.dtype == FP8} == {f"{n}.weight" for n in fp8 & linears}
+    assert bool(table.scales) == ("scaled" in te_file.name)
+    assert encoder.shared.weight.dtype == BF16 and encoder.dtype == BF16  # the embedding decoded
+    assert _digest(te_file) == before
+
+
+def _run_placed(pipe, config: OffloadConfig) -> torch.Tensor:
+    pipe.set_progress_bar_config(disable=True)
+    engine = Engine()
+    engine.place(pipe, config)
+    try:
+        out = run_wan(pipe)
+        assert any(p.dtype == FP8 for p in pipe.text_encoder.parameters()) == (table_of(pipe.text_encoder) is not None)
+        return out
+    finally:
+        engine.release(pipe)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_the_pipeline_runs_as_with_the_decoded_encoder_in_every_placement(
+        placement, te_file, comfy_wan, wan_configs_only, wan_component_files, tiny_wan_dir) -> None:
+    reference = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files)
+    reference.register_modules(text_encoder=_twin(tiny_wan_dir, te_file))  # (its fp8 denoiser runs placed too)
+    expected = _run_placed(reference, PLACEMENTS["none"])
+    assert torch.equal(_run_placed(_pipe(te_file, comfy_wan, wan_configs_only, wan_component_files),
+                                   PLACEMENTS[placement]), expected)
