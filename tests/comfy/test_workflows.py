@@ -152,8 +152,17 @@ def test_ui_workflow_queues_exactly_its_api_twin(name: str, schemas: dict[str, d
 
 
 def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
-    """The tiny file of a template file's role and format (``ComfyFile.tiny``): the tiny Wan's, or
-    for a Wan family (A14B) one written from its tiny folder, each expert from its own transformer."""
+    """The tiny file of a template file's role and format (``ComfyFile.tiny``; a text encoder in fp8
+    as the named file is): the tiny Wan's, or for a Wan family (A14B) one written from its tiny
+    folder, each expert from its own transformer."""
+    source = _stand_in(file, example, request, tmp)
+    if file.input == "text_encoder" and "fp8" in file.name:
+        out = tmp / f"{example.tiny}-fp8-{source.name}"
+        return comfy_files.write_fp8_text_encoder(source, out, scaled="scaled" in file.name)
+    return source
+
+
+def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
     if example.tiny != "wan":
         folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
         if file.input in ("text_encoder", "vae"):
