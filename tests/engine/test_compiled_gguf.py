@@ -19,7 +19,15 @@ from diffusers_offload.offload_core.formats.single_file_pipeline import load_pip
 from diffusers_offload.offload_core.transport import compiled
 from fixtures import flux_files
 from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
-from fixtures.gguf_files import QTYPES, exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
+from fixtures.gguf_files import (  # noqa: F401  (session fixture)
+    QTYPES,
+    WanGguf,
+    exactly_dequantised,
+    load_gguf_wan,
+    wan_gguf_fixture,
+    wide_ffn_wan_dir,
+    write_wan_gguf,
+)
 from fixtures.tiny_models import run_flux, run_wan
 from torch._dynamo.utils import counters
 
@@ -81,6 +89,25 @@ def test_gguf_layers_on_diffusers_cuda_kernels_keep_their_block_eager(tiny_wan_d
         out, details, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config)
     assert details["compiled_calls"] == 0 and details["compiled_blocks"] == 0
     assert "runs eagerly, not compiled: GGUFParameter weight ffn.net.2.weight" in caplog.text
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_blocks_mixing_quant_types_compile_once_per_mix(tiny_wan_dir, tmp_path) -> None:
+    """city96's K-quant rules give a few blocks other types (Q4_K_S: the first blocks' attention
+    values in Q5_K; Q3_K_M alike): a block class compiles once per mix of its layers' types, and
+    every block of every mix still runs compiled, to the eager bits."""
+    config_dir = wide_ffn_wan_dir(tiny_wan_dir, tmp_path / "wide")
+    file = WanGguf(write_wan_gguf(config_dir, tmp_path / "mixed.gguf", "Q4_K", by_block={0: "Q6_K"}), config_dir,
+                   "Q4_K")
+    config = OffloadConfig(**BASE, **PLACEMENTS["whole blocks streamed"])
+    pipe = load_gguf_wan(tiny_wan_dir, file)
+    types = {i: {p.quant_type.name for p in b.parameters() if hasattr(p, "quant_type")}
+             for i, b in enumerate(pipe.transformer.blocks)}
+    assert types[0] == {"Q6_K"} and all(t == {"Q4_K"} for i, t in types.items() if i)
+    eager, _, _ = _runs(load_gguf_wan(tiny_wan_dir, file), config.replace(compile_blocks=False))
+    out, details, _ = _runs(pipe, config)
+    assert details["compiled_calls"] == details["block_calls"] > 0
+    assert counters["stats"]["unique_graphs"] == 2
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
 
 
