@@ -7,9 +7,11 @@ sizes to the model's grid, and notes each change or omission for the user instea
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +107,28 @@ class Call:
             self.kwargs["guidance_scale_2"] = guidance_2
         else:
             self.notes.append(f"{self.name} has one denoiser: guidance_2 ignored")
+
+    @contextmanager
+    def expert_split(self, steps: int, high: int) -> Iterator[None]:
+        """Wan 2.2 A14B: its high-noise expert runs the first ``high`` of ``steps`` (0: as the
+        pipeline's ``boundary_ratio`` splits them), as ComfyUI's two-sampler workflows split them.
+        diffusers switches experts at a timestep, so the ratio is set for this call between the
+        two steps' timesteps (the scheduler's own for ``steps``), and restored after it."""
+        ratio = getattr(self.pipe.config, "boundary_ratio", None)
+        if high <= 0 or ratio is None:
+            if high > 0:
+                self.notes.append(f"{self.name} has one denoiser: high_noise_steps ignored")
+            yield
+            return
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        scheduler.set_timesteps(steps)
+        times = [float(t) for t in scheduler.timesteps]
+        cut = (times[high - 1] + times[high]) / 2 if high < len(times) else 0.0
+        self.pipe.register_to_config(boundary_ratio=cut / scheduler.config.num_train_timesteps)
+        try:
+            yield
+        finally:
+            self.pipe.register_to_config(boundary_ratio=ratio)
 
     def guidance_key(self) -> str:
         """``true_cfg_scale`` where the pipeline has real CFG beside a ``guidance_scale`` that only a

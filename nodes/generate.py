@@ -110,6 +110,11 @@ class GenerateVideo(io.ComfyNode):
                     "guidance_2", default=0.0, min=0.0, max=100.0, step=0.1, optional=True,
                     tooltip="Wan 2.2 A14B: the guidance scale of its low-noise expert (the last steps); 0: as guidance.",
                 ),
+                io.Int.Input(
+                    "high_noise_steps", default=0, min=0, max=1000, optional=True,
+                    tooltip="Wan 2.2 A14B: how many of the steps its high-noise expert runs (the rest: the "
+                            "low-noise one); 0: the model's own split (boundary_ratio).",
+                ),
             ],
             outputs=[
                 io.Video.Output("video", display_name="video"),
@@ -124,7 +129,7 @@ class GenerateVideo(io.ComfyNode):
     def execute(
         cls, pipe: PipeHandle, prompt: str, negative_prompt: str, seed: int, steps: int, guidance: float,
         width: int, height: int, frames: int, fps: float, start_image: torch.Tensor | None = None,
-        guidance_2: float = 0.0,
+        guidance_2: float = 0.0, high_noise_steps: int = 0,
     ) -> io.NodeOutput:
         call = Call(pipeline_for(pipe.pipe, start_image))
         call.require("prompt", "num_frames", hint=f"Generate video runs text/image-to-video pipelines{MODULAR_HINT}.")
@@ -139,9 +144,10 @@ class GenerateVideo(io.ComfyNode):
         call.second_guidance(guidance_2)
         call.sampling(seed, steps)
         run = Run(pipe, cls.hidden.unique_id)
-        notes = run.show(call.notes)
-        with run:
-            out = call.pipe(**call.kwargs, callback_on_step_end=run.step_callback(steps, call.kwargs))
+        with call.expert_split(steps, high_noise_steps):
+            notes = run.show(call.notes)
+            with run:
+                out = call.pipe(**call.kwargs, callback_on_step_end=run.step_callback(steps, call.kwargs))
         audio = to_audio(getattr(out, "audio", None), sample_rate(call.pipe))
         return video_output(out.frames, audio, rate, notes)
 

@@ -90,7 +90,7 @@ class _Plan:
 
 
 def set_signature(specs: Sequence[LoraSpec]) -> tuple:
-    """Identity of a set: each file's real path, size and mtime, with its strength, in order."""
+    """Identity of a set: each file's real path, size and mtime, with its strength and denoiser(s), in order."""
     return tuple((identity(s.path), float(s.strength), s.into) for s in specs)
 
 

@@ -178,6 +178,32 @@ def test_guidance_2_guides_a14b_s_second_expert_and_is_noted_ignored_with_one_de
     assert torch.equal(one, frames_with("wan22_ti2v", 0.0)[0])
 
 
+def test_high_noise_steps_split_a14b_s_steps_between_its_experts_for_one_call(
+    comfy: harness.ComfyHost, tiny_wan_family: Callable[[str], Path],
+) -> None:
+    """``Call.expert_split``: of 4 steps, the high-noise expert (``transformer``) runs exactly the
+    first ``high`` (each step one CFG forward pair), the low-noise one the rest; the folder's
+    ``boundary_ratio`` is back after the call; a one-denoiser pipeline notes it ignored."""
+    from fixtures.tiny_wan_families import WAN22_CALL, load_wan_family
+
+    calls = comfy.pack_submodule("nodes.call")
+    pipe = load_wan_family(tiny_wan_family("wan22_a14b"))
+    ran: list[str] = []
+    for name in ("transformer", "transformer_2"):
+        getattr(pipe, name).register_forward_pre_hook(lambda *_, n=name: ran.append(n))
+    for high in (1, 2, 3, 4):
+        ran.clear()
+        call = calls.Call(pipe)
+        with call.expert_split(4, high):
+            pipe(**{**WAN22_CALL, "num_inference_steps": 4, "guidance_scale": 1.0})
+        assert ran == ["transformer"] * high + ["transformer_2"] * (4 - high), high  # guidance 1: no CFG pass
+        assert pipe.config.boundary_ratio == 0.9 and call.notes == []
+    one = calls.Call(load_wan_family(tiny_wan_family("wan22_ti2v")))
+    with one.expert_split(4, 2):
+        pass
+    assert one.notes == ["WanPipeline has one denoiser: high_noise_steps ignored"]
+
+
 @pytest.mark.parametrize(
     ("family", "with_image", "message"),
     [

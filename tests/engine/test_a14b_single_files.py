@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures.comfy_files import configs_only_copy, write_comfy_wan, write_component_file
 from fixtures.gguf_files import write_wan_gguf
+from fixtures.placements import run_placed
 from fixtures.tiny_wan_families import run_wan_family
 
 BF16 = torch.bfloat16
@@ -53,12 +54,7 @@ def _load(a14b: dict[str, Path], denoiser: Path, denoiser_2: Path | None, folder
 
 def _run_placed(pipe) -> torch.Tensor:
     pipe.set_progress_bar_config(disable=True)
-    engine = Engine()
-    engine.place(pipe, CONFIG)
-    try:
-        return run_wan_family(pipe)
-    finally:
-        engine.release(pipe)
+    return run_placed(pipe, CONFIG, run_wan_family)
 
 
 def _with_experts(folder: Path, high, low):

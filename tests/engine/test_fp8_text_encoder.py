@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files
-from fixtures.tiny_models import run_wan
+from fixtures.placements import run_placed
 from transformers import UMT5EncoderModel
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -65,14 +65,7 @@ def test_the_encoder_keeps_the_files_fp8_matrices(te_file, comfy_wan, wan_config
 
 def _run_placed(pipe, config: OffloadConfig) -> torch.Tensor:
     pipe.set_progress_bar_config(disable=True)
-    engine = Engine()
-    engine.place(pipe, config)
-    try:
-        out = run_wan(pipe)
-        assert any(p.dtype == FP8 for p in pipe.text_encoder.parameters()) == (table_of(pipe.text_encoder) is not None)
-        return out
-    finally:
-        engine.release(pipe)
+    return run_placed(pipe, config)
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
@@ -81,5 +74,6 @@ def test_the_pipeline_runs_as_with_the_decoded_encoder_in_every_placement(
     reference = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files)
     reference.register_modules(text_encoder=_twin(tiny_wan_dir, te_file))  # (its fp8 denoiser runs placed too)
     expected = _run_placed(reference, PLACEMENTS["none"])
-    assert torch.equal(_run_placed(_pipe(te_file, comfy_wan, wan_configs_only, wan_component_files),
-                                   PLACEMENTS[placement]), expected)
+    pipe = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files)
+    assert torch.equal(_run_placed(pipe, PLACEMENTS[placement]), expected)
+    assert any(p.dtype == FP8 for p in pipe.text_encoder.parameters())  # released: still stored in fp8

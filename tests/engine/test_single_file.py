@@ -12,13 +12,14 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8, table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files, gguf_files
 from fixtures.comfy_files import comfy_quant_wan_tensors, comfy_wan_tensors
+from fixtures.placements import run_placed
 from fixtures.tiny_models import run_wan
 from safetensors.torch import load_file, save_file
 
@@ -57,12 +58,7 @@ def _dequantised_reference(path: Path, folder: Path, tmp: Path) -> WanTransforme
 
 
 def _run_placed(pipe) -> torch.Tensor:
-    engine = Engine()
-    engine.place(pipe, CONFIG)
-    try:
-        return run_wan(pipe)
-    finally:
-        engine.release(pipe)
+    return run_placed(pipe, CONFIG)
 
 
 def _reference_pipe(tiny_wan_dir: Path, transformer) -> object:
