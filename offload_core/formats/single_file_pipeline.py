@@ -278,8 +278,11 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
 def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict[str, torch.Tensor]) -> int:
     """How many fp8 Linear weights the model keeps (`fp8.mark_fp8`; its other fp8 tensors are
     decoded: an embedding table, and a layer the model keeps in float32, such as T5's ``wo``, whose
-    caller casts its input to the weight's dtype); 0 for a model without fp8 tensors."""
-    if not scales and not any(is_fp8(t) for t in model.state_dict().values()):
+    caller casts its input to the weight's dtype); 0 for a model without fp8 tensors outside its
+    W4A8 layers (whose group scales are fp8)."""
+    plain = [m for m in model.modules() if not isinstance(m, w4a8.W4A8Linear)]
+    if not scales and not any(t is not None and is_fp8(t) for m in plain
+                              for t in (*m._parameters.values(), *m._buffers.values())):
         return 0
     try:
         return len(mark_fp8(model, dtype, scales, source=str(path)).weights)

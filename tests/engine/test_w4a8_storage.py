@@ -15,6 +15,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
@@ -267,6 +268,7 @@ def test_a_w4a8_text_encoder_file_keeps_its_layers_and_encodes_as_comfyui(
     layers = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
     assert layers and all(isinstance(encoder.get_submodule(n), W4A8Linear) for n in layers)
     assert not any(t.is_meta for t in _tensors(encoder).values()) and encoder.dtype == BF16
+    assert table_of(encoder) is None  # (its fp8 group scales are the W4A8 layers' own: no fp8 table)
     twin = UMT5EncoderModel.from_pretrained(str(tiny_wan_dir / "text_encoder"), dtype=BF16)
     for layer in layers:
         linear = twin.get_submodule(layer)
