@@ -243,7 +243,7 @@ class LoadModularPipeline(io.ComfyNode):
         folder = resolve_model(model)
         torch_dtype, storage, matmul = _dtypes(dtype, config)
         file = None if transformer_file == NONE else Path(full_path(DENOISER_FOLDERS, transformer_file))
-        text, vae = optional("text_encoders", text_encoder_file), optional("vae", vae_file)
+        text, vae = optional(("text_encoders",), text_encoder_file), optional(("vae",), vae_file)
         pipe = load_modular(folder, workflow, torch_dtype, file, Path(text) if text else None,
                             Path(vae) if vae else None)
         pipe = map_weights(_store(pipe, storage, torch_dtype, matmul))

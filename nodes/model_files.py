@@ -1,7 +1,7 @@
 """The model files a loader node offers from ComfyUI's folders: denoiser files (diffusion_models,
-which covers unet, and unet_gguf where a GGUF pack registered it, plus the ``.gguf`` files plain
-ComfyUI does not list), listed and resolved through ``folder_paths`` so that
-``extra_model_paths.yaml`` works."""
+which covers unet, and unet_gguf where a GGUF pack registered it) and text-encoder files
+(text_encoders, and clip_gguf where registered), each plus the ``.gguf`` files plain ComfyUI does
+not list, listed and resolved through ``folder_paths`` so that ``extra_model_paths.yaml`` works."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ..offload_core.formats.inspect import SingleFileError
 
 NONE = "none"
 DENOISER_FOLDERS = ("diffusion_models", "unet_gguf")
+TEXT_ENCODER_FOLDERS = ("text_encoders", "clip_gguf")
 
 
 def _registered(name: str) -> bool:
@@ -22,18 +23,28 @@ def _registered(name: str) -> bool:
 def denoiser_files() -> list[str]:
     """Files in diffusion_models (which covers unet) and unet_gguf where a GGUF pack registered it,
     plus the ``.gguf`` files of diffusion_models, which plain ComfyUI does not list."""
-    names: set[str] = set(_gguf_files())
-    for folder in DENOISER_FOLDERS:
+    return _listed(DENOISER_FOLDERS)
+
+
+def text_encoder_files() -> list[str]:
+    """Files in text_encoders (which covers clip) and clip_gguf where registered, plus the ``.gguf``
+    files of text_encoders (T5 / UMT5 encoders in llama.cpp's layout)."""
+    return _listed(TEXT_ENCODER_FOLDERS)
+
+
+def _listed(folders: tuple[str, ...]) -> list[str]:
+    names: set[str] = set(_gguf_files(folders[0]))
+    for folder in folders:
         if _registered(folder):
             names.update(folder_paths.get_filename_list(folder))
     return sorted(names)
 
 
-def _gguf_files() -> dict[str, str]:
-    """name -> path of the ``.gguf`` files under the diffusion_models folders (read-only listing:
-    ComfyUI's own folder table is left as it is)."""
+def _gguf_files(folder: str) -> dict[str, str]:
+    """name -> path of the ``.gguf`` files under ``folder``'s paths (read-only listing: ComfyUI's
+    own folder table is left as it is)."""
     found: dict[str, str] = {}
-    for root in folder_paths.get_folder_paths("diffusion_models") if _registered("diffusion_models") else ():
+    for root in folder_paths.get_folder_paths(folder) if _registered(folder) else ():
         files, _dirs = folder_paths.recursive_search(root, excluded_dir_names=[".git"])
         for name in folder_paths.filter_files_extensions(files, {".gguf"}):
             found.setdefault(name, os.path.join(root, name))
@@ -46,11 +57,12 @@ def full_path(folders: tuple[str, ...], name: str) -> str:
             path = folder_paths.get_full_path(folder, name)
             if path:
                 return path
-    if "diffusion_models" in folders and name in _gguf_files():
-        return _gguf_files()[name]
+    gguf = _gguf_files(folders[0])
+    if name in gguf:
+        return gguf[name]
     raise SingleFileError(f"no file {name!r} in ComfyUI's {' / '.join(folders)} folders: put it there (or in an "
                           "extra_model_paths.yaml location) and refresh")
 
 
-def optional(folder: str, name: str) -> str | None:
-    return None if name == NONE else full_path((folder,), name)
+def optional(folders: tuple[str, ...], name: str) -> str | None:
+    return None if name == NONE else full_path(folders, name)

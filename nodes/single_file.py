@@ -19,7 +19,15 @@ from ..offload_core.formats.single_file_pipeline import load_pipeline_with_denoi
 from . import host
 from .folders import list_models, resolve_model
 from .loaders import _handle, _store
-from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path, optional
+from .model_files import (
+    DENOISER_FOLDERS,
+    NONE,
+    TEXT_ENCODER_FOLDERS,
+    denoiser_files,
+    full_path,
+    optional,
+    text_encoder_files,
+)
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType
 from .web_api import search_aliases
 
@@ -47,15 +55,15 @@ class LoadDiffusionModelFile(io.ComfyNode):
                                        "tokenizer and scheduler; weights optional)."),
                 io.Combo.Input("denoiser", options=denoiser_files(),
                                tooltip="The denoiser file, from models/diffusion_models (or unet, unet_gguf)."),
-                io.Combo.Input("text_encoder", options=[NONE, *folder_paths.get_filename_list("text_encoders")],
-                               default=NONE, tooltip="A text-encoder file from models/text_encoders; 'none' uses "
-                                                     "the config folder's."),
+                io.Combo.Input("text_encoder", options=[NONE, *text_encoder_files()],
+                               default=NONE, tooltip="A text-encoder file from models/text_encoders (safetensors, "
+                                                     "or a T5/UMT5 GGUF); 'none' uses the config folder's."),
                 io.Combo.Input("vae", options=[NONE, *folder_paths.get_filename_list("vae")], default=NONE,
                                tooltip="A VAE file from models/vae; 'none' uses the config folder's."),
                 io.Combo.Input("dtype", options=list(DTYPES), default="auto",
                                tooltip="Compute dtype; the denoiser's storage stays the file's (fp8, GGUF)."),
                 OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
-                io.Combo.Input("text_encoder_2", options=[NONE, *folder_paths.get_filename_list("text_encoders")],
+                io.Combo.Input("text_encoder_2", options=[NONE, *text_encoder_files()],
                                default=NONE, optional=True,
                                tooltip="Flux's second text encoder (T5-XXL, e.g. t5xxl_fp8_e4m3fn.safetensors; "
                                        "CLIP-L goes in text_encoder); 'none' uses the config folder's."),
@@ -79,9 +87,9 @@ class LoadDiffusionModelFile(io.ComfyNode):
         folder = resolve_model(config)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
         pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
-                                           optional("text_encoders", text_encoder), optional("vae", vae),
-                                           optional("text_encoders", text_encoder_2),
-                                           None if denoiser_2 == NONE else full_path(DENOISER_FOLDERS, denoiser_2))
+                                           optional(TEXT_ENCODER_FOLDERS, text_encoder), optional(("vae",), vae),
+                                           optional(TEXT_ENCODER_FOLDERS, text_encoder_2),
+                                           optional(DENOISER_FOLDERS, denoiser_2))
         if fp8_matmul and host.fp8_matmul(settings):
             _store(pipe, torch.float8_e4m3fn, compute, matmul=True)
         return _handle(pipe, folder, compute, settings)

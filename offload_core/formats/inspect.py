@@ -52,6 +52,7 @@ ACCEPTED_QUANT = (
 KEY_SIGNS: tuple[tuple[str, str, str], ...] = (
     (r"(^|\.)lora_(A|B|up|down)\.|\.lora\.(up|down)\.", "a LoRA", "lora"),
     (r"(^|\.)encoder\.block\.\d+\.layer\.\d+\.SelfAttention\.", "a T5/UMT5 text encoder", "text_encoder"),
+    (r"^enc\.blk\.\d+\.attn_q\.", "a T5/UMT5 text encoder (llama.cpp names)", "text_encoder"),
     (r"(^|\.)text_model\.encoder\.layers\.\d+\.", "a CLIP text encoder", "text_encoder"),
     (r"(^|\.)vision_model\.encoder\.layers\.\d+\.", "a CLIP vision (image) encoder", "image_encoder"),
     (

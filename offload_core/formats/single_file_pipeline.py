@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from ..log import get_logger
 from . import w4a8
 from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
+from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
     SingleFileError,
     SingleFileInfo,
@@ -181,7 +182,10 @@ def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.
 def load_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtype, fit: Fit | None = None,
                       kind: str = "text-encoder file") -> Any:
     """A transformers text encoder of class ``cls_name`` from its single file, into the config in
-    ``config`` (see `_load_text_encoder`), the file first checked to be a text encoder."""
+    ``config`` (see `_load_text_encoder`; a T5 GGUF file: `gguf_text_encoder`), the file first
+    checked to be a text encoder."""
+    if path.suffix.lower() == ".gguf" and fit is None:
+        return load_gguf_text_encoder(path, config, cls_name, dtype)
     info = _inspected(path, "text_encoder", kind, cls_name)
     return _load_text_encoder(path, info, config, cls_name, dtype, fit)
 

@@ -143,10 +143,23 @@ def test_a_w4a8_file_loads_and_generates(
               comfy_files.write_comfy_w4a8_wan(tiny_wan_dir, tmp_path / "w4a8.safetensors"))
 
 
-def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path) -> None:
-    """``source`` copied into the extra diffusion_models folder as ``name``, listed, loaded and
-    run through Generate (one step); the file unchanged."""
-    shutil.copyfile(source, placed["extra"] / name)
+def test_a_gguf_text_encoder_in_text_encoders_is_listed_and_generates(comfy: harness.ComfyHost, placed: dict,
+                                                                     wan_component_files) -> None:
+    """city96's umt5-xxl-encoder GGUFs (ComfyUI-GGUF's CLIPLoaderGGUF reads them): picked from
+    models/text_encoders, where plain ComfyUI lists no .gguf file."""
+    from fixtures.gguf_text_encoders import t5_state, write_t5_gguf
+
+    folder = Path(comfy.folder_paths.get_folder_paths("text_encoders")[0])
+    te = write_t5_gguf(t5_state(wan_component_files["text_encoder"]), folder / "umt5-tiny-encoder-Q8_0.gguf")
+    assert te.name in options(comfy, "text_encoder")
+    generates(comfy, placed, placed["denoiser"], None, text_encoder=te.name)
+
+
+def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path | None, **change: Any) -> None:
+    """``source`` copied into the extra diffusion_models folder as ``name`` (None: already there),
+    listed, loaded with ``change`` and run through Generate (one step); the file unchanged."""
+    if source is not None:
+        shutil.copyfile(source, placed["extra"] / name)
     before = hashlib.sha256((placed["extra"] / name).read_bytes()).hexdigest()
     assert name in options(comfy, "denoiser")
     gen = {
@@ -161,7 +174,7 @@ def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path) -
         "frames": 5,
         "fps": 0.0,
     }
-    run = prompt(placed, denoiser=name) | {
+    run = prompt(placed, denoiser=name, **change) | {
         "3": {"class_type": "DiffusersOffloadGenerateVideo", "inputs": gen},
         "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 3]}},
     }

@@ -1,0 +1,106 @@
+"""T5 / UMT5 text encoders from llama.cpp GGUF files: city96's ``umt5-xxl-encoder-*.gguf`` (Wan)
+and ``t5-v1_1-xxl-encoder-*.gguf`` (Flux), which ComfyUI users load with ComfyUI-GGUF.
+
+The file names its tensors as llama.cpp does (``enc.blk.0.attn_q.weight``); the `gguf` package's
+own name map for its ``t5encoder`` architecture gives each one its transformers name. diffusers'
+GGUF reader loads the packed tensors and its ``GGUFLinear`` layers hold them, dequantised at
+compute, as in a GGUF denoiser. The embedding table (as ComfyUI-GGUF does) and T5's ``wo`` layers
+(their caller casts the input to the weight's dtype, a packed uint8 here) are decoded at load.
+Why not transformers' own GGUF loader: it decodes every weight (10.6 GiB for a UMT5-XXL whose
+Q8_0 file holds 5.7).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..log import get_logger
+from .gguf import GgufFileError, inspect_gguf
+from .inspect import SingleFileError, describe_keys
+from .single_file import short_dtype
+
+log = get_logger("gguf")
+
+T5_ARCHS = ("t5", "t5encoder")
+T5_CLASSES = ("T5EncoderModel", "UMT5EncoderModel")
+DECODED = ["wo"]  # Linear layers whose caller casts their input to the weight's dtype
+
+
+def load_gguf_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtype) -> Any:
+    """The T5-family text encoder of class ``cls_name`` (config in ``config``) from GGUF file
+    ``path``, its Linear layers packed (diffusers' ``GGUFLinear``), computing in ``dtype``."""
+    import transformers
+    from accelerate import init_empty_weights
+    from diffusers.models.model_loading_utils import load_gguf_checkpoint
+    from diffusers.quantizers.gguf.utils import _replace_with_gguf_linear
+
+    try:
+        info = inspect_gguf(path)
+    except GgufFileError as exc:
+        raise SingleFileError(str(exc)) from exc
+    if info.arch not in T5_ARCHS:
+        looks = describe_keys(path, info.shapes).looks_like or f"a GGUF {info.arch} model"
+        raise SingleFileError(f"{path} looks like {looks}, not a text-encoder file: GGUF text encoders load as "
+                              "T5 / UMT5 ('t5encoder') only")
+    if cls_name not in T5_CLASSES:
+        raise SingleFileError(f"{path} is a T5 text encoder (GGUF), but the text encoder of {config.parent} is a "
+                              f"{cls_name}: pick the text encoder this model uses")
+    cls = getattr(transformers, cls_name)
+    with init_empty_weights():
+        model = cls(cls.config_class.from_pretrained(str(config)))
+    state = _renamed(path, load_gguf_checkpoint(str(path)), model)
+    _replace_with_gguf_linear(model, dtype, state, modules_to_not_convert=DECODED)
+    linears = {n: m for n, m in model.named_modules() if type(m).__name__ == "GGUFLinear"}
+    for name, linear in linears.items():  # packed: set as diffusers' GGUF loader sets them (no shape check)
+        linear.weight = state.pop(f"{name}.weight")
+    state = {k: _decoded(v, dtype, keep32=_keep32(cls, k, dtype)) for k, v in state.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    empty = [n for n, t in model.state_dict().items() if t.is_meta]
+    if empty or result.unexpected_keys:
+        raise SingleFileError(f"{path} does not match the {cls_name} config in {config}: missing {empty[:3]}: pick "
+                              "the text encoder this model uses")
+    log.info("%s: %s text encoder (GGUF %s) loaded with %d packed Linear layers, the rest in %s", path.name,
+             cls_name, "/".join(info.quantized_types) or "unquantized", len(linears), short_dtype(dtype))
+    return model.eval()
+
+
+def _renamed(path: Path, raw: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The file's tensors under the model's names (the `gguf` package's ``t5encoder`` name map),
+    each checked against the shape the config gives it."""
+    import gguf
+
+    expected = model.state_dict()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5ENCODER, model.config.num_layers)
+    ours = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in expected}
+    ours.pop(None, None)  # tied weights (encoder.embed_tokens) have no name of their own
+    state, other = {}, []
+    for key, tensor in raw.items():
+        if key not in ours:
+            other.append(key)
+            continue
+        shape = tuple(getattr(tensor, "quant_shape", tensor.shape))
+        if shape != tuple(expected[ours[key]].shape):
+            raise SingleFileError(f"{path}: {key} has shape {shape}, the {type(model).__name__} config gives "
+                                  f"{tuple(expected[ours[key]].shape)}: pick the text encoder this model uses")
+        state[ours[key]] = tensor
+    if other:
+        raise SingleFileError(f"{path} holds tensors a {type(model).__name__} has no place for "
+                              f"({', '.join(sorted(other)[:3])}): pick the text encoder this model uses")
+    return state
+
+
+def _keep32(cls: type, key: str, dtype: torch.dtype) -> bool:
+    """transformers' rule: ``_keep_in_fp32_modules`` stay float32 under fp16 (T5's ``wo``)."""
+    return dtype == torch.float16 and any(m in key.split(".") for m in getattr(cls, "_keep_in_fp32_modules", None) or [])
+
+
+def _decoded(tensor: torch.Tensor, dtype: torch.dtype, keep32: bool) -> torch.Tensor:
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+
+    if isinstance(tensor, GGUFParameter):
+        tensor = dequantize_gguf_tensor(tensor)
+    return tensor.to(torch.float32 if keep32 else dtype) if tensor.is_floating_point() else tensor
