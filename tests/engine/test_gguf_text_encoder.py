@@ -48,12 +48,12 @@ def _pipe(te: Path, comfy_wan, wan_configs_only, wan_component_files):
     return load_pipeline_with_denoiser(wan_configs_only, comfy_wan("bf16"), BF16, te, wan_component_files["vae"])
 
 
-def _decoded_twin(tiny_wan_dir: Path, te: Path) -> UMT5EncoderModel:
-    """The tiny UMT5 holding the file's values as diffusers' GGUF layers compute with them."""
+def _decoded_twin(config: Path, te: Path, cls: type = UMT5EncoderModel) -> torch.nn.Module:
+    """The tiny encoder of ``config`` holding the file's values as diffusers' GGUF layers compute with them."""
     from gguf import get_tensor_name_map
     from gguf.constants import MODEL_ARCH
 
-    twin = UMT5EncoderModel.from_pretrained(str(tiny_wan_dir / "text_encoder"), dtype=BF16)
+    twin = cls.from_pretrained(str(config), dtype=BF16)
     names = get_tensor_name_map(MODEL_ARCH.T5ENCODER, twin.config.num_layers)
     ours = {names.get_name(k, try_suffixes=(".weight",)): k for k in twin.state_dict()}
     values = {ours[k]: dequantize_gguf_tensor(v).to(BF16) for k, v in load_gguf_checkpoint(str(te)).items()}
@@ -77,7 +77,7 @@ def test_the_encoder_keeps_the_files_packed_linear_layers(te_gguf, comfy_wan, wa
 def test_the_pipeline_runs_as_with_the_decoded_encoder_in_every_placement(
         placement, te_gguf, comfy_wan, wan_configs_only, wan_component_files, tiny_wan_dir) -> None:
     reference = _pipe(te_gguf, comfy_wan, wan_configs_only, wan_component_files)
-    reference.register_modules(text_encoder=_decoded_twin(tiny_wan_dir, te_gguf))
+    reference.register_modules(text_encoder=_decoded_twin(tiny_wan_dir / "text_encoder", te_gguf))
     reference.set_progress_bar_config(disable=True)
     expected = run_placed(reference, PLACEMENTS["none"])
     pipe, seen = _pipe(te_gguf, comfy_wan, wan_configs_only, wan_component_files), []
@@ -112,3 +112,20 @@ def test_files_of_another_kind_class_or_shape_are_refused_by_name(
     with pytest.raises(SingleFileError, match=r"umt5-narrow\.gguf: enc\.blk\.0\.ffn_gate\.weight has shape \(16, 32\), "
                                               r"the UMT5EncoderModel config gives \(37, 32\)"):
         _pipe(bad, comfy_wan, wan_configs_only, wan_component_files)
+
+
+def test_a_t5_file_for_flux_encodes_as_the_decoded_t5(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    """Flux's T5 (city96's t5-v1_1-xxl-encoder GGUFs: a T5EncoderModel, one relative-attention bias,
+    a ReLU feed-forward ``wi``), straight from the loader (GGUF layers compute unplaced too)."""
+    from diffusers_offload.offload_core.formats.gguf_text_encoder import load_gguf_text_encoder
+    from transformers import T5EncoderModel
+
+    config = tiny_flux_dir / "text_encoder_2"
+    te = write_t5_gguf(t5_state(next(config.glob("*.safetensors"))), tmp_path / "t5-tiny-encoder-Q8_0.gguf",
+                       name="t5-v1_1-xxl")
+    encoder = load_gguf_text_encoder(te, config, "T5EncoderModel", BF16)
+    assert any(isinstance(p, GGUFParameter) for p in encoder.parameters())
+    ids = torch.tensor([[3, 7, 11, 2, 9, 1]])
+    with torch.inference_mode():
+        got = encoder(ids).last_hidden_state
+        assert torch.equal(got, _decoded_twin(config, te, T5EncoderModel)(ids).last_hidden_state)
