@@ -14,10 +14,8 @@ import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
-from diffusers_offload.offload_core.state import COMPONENT
 from fixtures import comfy_files
-from fixtures.placements import run_placed
-from fixtures.tiny_models import run_wan
+from fixtures.placements import run_placed_seeing
 from transformers import UMT5EncoderModel
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -66,25 +64,13 @@ def test_the_encoder_keeps_the_files_fp8_matrices(te_file, comfy_wan, wan_config
     assert _digest(te_file) == before
 
 
-def _run_placed(pipe, config: OffloadConfig, seen: list[str] | None = None) -> torch.Tensor:
-    """One placed run; ``seen`` gets the name of the transport that moved the text encoder."""
-    def run(pipe) -> torch.Tensor:
-        out = run_wan(pipe)
-        if seen is not None:
-            seen.append(type(COMPONENT.get(pipe.text_encoder).transport).__name__)
-        return out
-
-    pipe.set_progress_bar_config(disable=True)
-    return run_placed(pipe, config, run)
-
-
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_the_pipeline_runs_as_with_the_decoded_encoder_in_every_placement(
         placement, te_file, comfy_wan, wan_configs_only, wan_component_files, tiny_wan_dir) -> None:
     reference = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files)
     reference.register_modules(text_encoder=_twin(tiny_wan_dir, te_file))  # (its fp8 denoiser runs placed too)
-    expected = _run_placed(reference, PLACEMENTS["none"])
-    pipe, seen = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files), []
-    assert torch.equal(_run_placed(pipe, PLACEMENTS[placement], seen), expected)
-    assert seen == [TRANSPORTS[placement]]
+    expected, _ = run_placed_seeing(reference, PLACEMENTS["none"], "text_encoder")
+    pipe = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files)
+    out, transport = run_placed_seeing(pipe, PLACEMENTS[placement], "text_encoder")
+    assert torch.equal(out, expected) and transport == TRANSPORTS[placement]
     assert any(p.dtype == FP8 for p in pipe.text_encoder.parameters())  # released: still stored in fp8

@@ -17,11 +17,9 @@ from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
-from diffusers_offload.offload_core.state import COMPONENT
 from fixtures import comfy_files, gguf_files
 from fixtures.gguf_text_encoders import TYPES, t5_state, write_t5_gguf
-from fixtures.placements import run_placed
-from fixtures.tiny_models import run_wan
+from fixtures.placements import run_placed_seeing
 from transformers import UMT5EncoderModel
 
 BF16 = torch.bfloat16
@@ -78,18 +76,10 @@ def test_the_pipeline_runs_as_with_the_decoded_encoder_in_every_placement(
         placement, te_gguf, comfy_wan, wan_configs_only, wan_component_files, tiny_wan_dir) -> None:
     reference = _pipe(te_gguf, comfy_wan, wan_configs_only, wan_component_files)
     reference.register_modules(text_encoder=_decoded_twin(tiny_wan_dir / "text_encoder", te_gguf))
-    reference.set_progress_bar_config(disable=True)
-    expected = run_placed(reference, PLACEMENTS["none"])
-    pipe, seen = _pipe(te_gguf, comfy_wan, wan_configs_only, wan_component_files), []
-
-    def run(pipe) -> torch.Tensor:
-        out = run_wan(pipe)
-        seen.append(type(COMPONENT.get(pipe.text_encoder).transport).__name__)
-        return out
-
-    pipe.set_progress_bar_config(disable=True)
-    assert torch.equal(run_placed(pipe, PLACEMENTS[placement], run), expected)
-    assert seen == [TRANSPORTS[placement]]
+    expected, _ = run_placed_seeing(reference, PLACEMENTS["none"], "text_encoder")
+    pipe = _pipe(te_gguf, comfy_wan, wan_configs_only, wan_component_files)
+    out, transport = run_placed_seeing(pipe, PLACEMENTS[placement], "text_encoder")
+    assert torch.equal(out, expected) and transport == TRANSPORTS[placement]
     assert any(isinstance(p, GGUFParameter) for p in pipe.text_encoder.parameters())  # released: still packed
 
 
