@@ -204,6 +204,33 @@ def test_high_noise_steps_split_a14b_s_steps_between_its_experts_for_one_call(
     assert one.notes == ["WanPipeline has one denoiser: high_noise_steps ignored"]
 
 
+def test_a_lora_goes_into_the_expert_its_into_names(
+    comfy: harness.ComfyHost, models: Callable[[str], str], captured: list[tuple[int, Any]],
+    tiny_wan_family: Callable[[str], Path], tmp_path: Path,
+) -> None:
+    """Load LoRA's ``into`` on A14B through the nodes: into the high-noise expert, the low-noise
+    one, or both, each gives frames of its own (and none is the base's)."""
+    import shutil
+
+    from fixtures.tiny_loras import wan_lora
+    from fixtures.tiny_wan_families import load_wan_family
+
+    source = wan_lora(load_wan_family(tiny_wan_family("wan22_a14b")).transformer, tmp_path / "lora", seed=5)
+    name = "tiny_a14b_expert_lora.safetensors"
+    shutil.copyfile(source, Path(comfy.folder_paths.get_folder_paths("loras")[0]) / name)
+
+    def frames(into: str | None) -> torch.Tensor:
+        prompt = graph(comfy, models("wan22_a14b"), None, None)
+        if into is not None:
+            prompt["lora"] = {"class_type": "DiffusersOffloadLoadLora",
+                              "inputs": {"pipe": [LOAD, 0], "lora_name": name, "strength": 1.0, "into": into}}
+            prompt[GEN]["inputs"]["pipe"] = ["lora", 0]
+        return run(comfy, captured, prompt)[0]
+
+    outs = [frames(into) for into in (None, "denoiser", "denoiser_2", "both")]
+    assert all(not torch.equal(a, b) for i, a in enumerate(outs) for b in outs[i + 1:])
+
+
 @pytest.mark.parametrize(
     ("family", "with_image", "message"),
     [
