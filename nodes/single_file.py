@@ -75,6 +75,10 @@ class LoadDiffusionModelFile(io.ComfyNode):
                 io.Combo.Input("denoiser_2", options=[NONE, *denoiser_files()], default=NONE, optional=True,
                                tooltip="Wan 2.2 A14B's low-noise expert (transformer_2), e.g. a *low_noise* file; "
                                        "the high-noise file goes in denoiser. 'none' uses the config folder's."),
+                io.Combo.Input("image_encoder", options=[NONE, *folder_paths.get_filename_list("clip_vision")],
+                               default=NONE, optional=True,
+                               tooltip="Wan 2.1 image-to-video's CLIP vision encoder from models/clip_vision "
+                                       "(clip_vision_h.safetensors); 'none' uses the config folder's."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
@@ -82,14 +86,14 @@ class LoadDiffusionModelFile(io.ComfyNode):
     @classmethod
     def execute(cls, config: str, denoiser: str, text_encoder: str, vae: str, dtype: str,
                 offload: OffloadConfig | None = None, text_encoder_2: str = NONE,
-                fp8_matmul: bool = False, denoiser_2: str = NONE) -> io.NodeOutput:
+                fp8_matmul: bool = False, denoiser_2: str = NONE, image_encoder: str = NONE) -> io.NodeOutput:
         settings = offload or OffloadConfig()
         folder = resolve_model(config)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
         pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder), optional(("vae",), vae),
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder_2),
-                                           optional(DENOISER_FOLDERS, denoiser_2))
+                                           optional(DENOISER_FOLDERS, denoiser_2), optional(("clip_vision",), image_encoder))
         if fp8_matmul and host.fp8_matmul(settings):
             _store(pipe, torch.float8_e4m3fn, compute, matmul=True)
         return _handle(pipe, folder, compute, settings)

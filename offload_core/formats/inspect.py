@@ -55,6 +55,7 @@ KEY_SIGNS: tuple[tuple[str, str, str], ...] = (
     (r"^enc\.blk\.\d+\.attn_q\.", "a T5/UMT5 text encoder (llama.cpp names)", "text_encoder"),
     (r"(^|\.)text_model\.encoder\.layers\.\d+\.", "a CLIP text encoder", "text_encoder"),
     (r"(^|\.)vision_model\.encoder\.layers\.\d+\.", "a CLIP vision (image) encoder", "image_encoder"),
+    (r"^embeddings\.patch_embedding\.", "a CLIP vision (image) encoder", "image_encoder"),  # as transformers 5 saves it
     (
         r"(^|\.)(language_model\.)?(model\.)?layers\.\d+\.self_attn\.(q_proj|qkv_proj)\.",
         "a Qwen/Llama/Gemma-style language model (a text encoder)",

@@ -40,23 +40,27 @@ log = get_logger("single_file")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
 FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file",
-              "transformer_2": "second denoiser file (Wan 2.2 A14B's low-noise expert)"}
+              "transformer_2": "second denoiser file (Wan 2.2 A14B's low-noise expert)",
+              "image_encoder": "image-encoder file (CLIP vision, e.g. clip_vision_h)"}
+ROLES = {"image_encoder": "image_encoder"}  # the role a component's file must have, where not a text encoder's
 
 
 def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
                                 text_encoder_file: Path | None = None, vae_file: Path | None = None,
-                                text_encoder_2_file: Path | None = None, denoiser_2_file: Path | None = None) -> Any:
+                                text_encoder_2_file: Path | None = None, denoiser_2_file: Path | None = None,
+                                image_encoder_file: Path | None = None) -> Any:
     """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
     one is enough when the text-encoder and VAE files are given: Flux's T5 is ``text_encoder_2``)
     with the denoiser from ``denoiser_file``, computing in ``dtype``; Wan 2.2 A14B's second denoiser
-    (``transformer_2``, the low-noise expert) from ``denoiser_2_file``."""
+    (``transformer_2``, the low-noise expert) from ``denoiser_2_file``; Wan 2.1 I2V's CLIP vision
+    encoder from ``image_encoder_file``."""
     folder = Path(config_folder)
     index = _read_index(folder)
     if "transformer" not in index:
         raise SingleFileError(f"{folder} has no transformer component: single-file denoisers load into "
                               "transformer pipelines (Wan, Flux, LTX-2, ...); pick such a config folder")
     files = {"text_encoder": text_encoder_file, "text_encoder_2": text_encoder_2_file, "vae": vae_file,
-             "transformer_2": denoiser_2_file}
+             "transformer_2": denoiser_2_file, "image_encoder": image_encoder_file}
     components = dict(_model_components(folder, index))
     extra = [n for n, f in files.items() if f is not None and n not in components]
     if extra:
@@ -71,7 +75,7 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
             parts[name] = _load_part(name, Path(chosen), folder, cls_name, dtype)
         elif not _has_weights(folder / name):
             kind = FILE_KINDS.get(name)
-            pick = f"pick a {kind} for it" if kind else "use a diffusers folder that has them"
+            pick = f"pick {_a(kind)} for it" if kind else "use a diffusers folder that has them"
             raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
     parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
     _check_experts(denoiser_file, denoiser_2_file)
@@ -174,29 +178,34 @@ def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.
     if name == "transformer_2":
         return load_denoiser(path, folder, dtype, subfolder=name)
     if name != "vae":
-        return load_text_encoder(path, folder / name, cls_name, dtype, kind=FILE_KINDS.get(name, name))
+        return load_text_encoder(path, folder / name, cls_name, dtype, kind=FILE_KINDS.get(name, name),
+                                 role=ROLES.get(name, "text_encoder"))
     _inspected(path, "vae", FILE_KINDS["vae"], cls_name)
     return from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
 
 
 def load_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtype, fit: Fit | None = None,
-                      kind: str = "text-encoder file") -> Any:
-    """A transformers text encoder of class ``cls_name`` from its single file, into the config in
-    ``config`` (see `_load_text_encoder`; a T5 GGUF file: `gguf_text_encoder`), the file first
-    checked to be a text encoder."""
-    if path.suffix.lower() == ".gguf" and fit is None:
+                      kind: str = "text-encoder file", role: str = "text_encoder") -> Any:
+    """A transformers text encoder (or, ``role`` "image_encoder", a CLIP vision encoder) of class
+    ``cls_name`` from its single file, into the config in ``config`` (see `_load_text_encoder`; a
+    T5 GGUF file: `gguf_text_encoder`), the file first checked to have that role."""
+    if path.suffix.lower() == ".gguf" and fit is None and role == "text_encoder":
         return load_gguf_text_encoder(path, config, cls_name, dtype)
-    info = _inspected(path, "text_encoder", kind, cls_name)
+    info = _inspected(path, role, kind, cls_name)
     return _load_text_encoder(path, info, config, cls_name, dtype, fit)
 
 
 def _inspected(path: Path, role: str, kind: str, cls_name: str) -> SingleFileInfo:
     if not path.is_file():
-        raise SingleFileError(f"{path} does not exist: pick a {kind} from ComfyUI's folders")
+        raise SingleFileError(f"{path} does not exist: pick {_a(kind)} from ComfyUI's folders")
     info = inspect_safetensors(path)
     if info.role != role and not (role == "vae" and info.role == "unknown"):
-        raise SingleFileError(f"{path} looks like {info.looks_like}, not a {kind} ({cls_name})")
+        raise SingleFileError(f"{path} looks like {info.looks_like}, not {_a(kind)} ({cls_name})")
     return info
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"
 
 
 def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name: str, dtype: torch.dtype,

@@ -32,8 +32,9 @@ _comfy_wan, _configs_only, _component_files, _wan_gguf = (comfy_files.comfy_wan,
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
+SINGLE_FILE_LISTS = ("config", "denoiser", "denoiser_2", "text_encoder", "vae", "image_encoder")
 FILE_LISTS = {(ex.LOADER, "model"), ("DiffusersOffloadLoadModularPipeline", "model"), ("LoadImage", "image"),
-              *((ex.sf.SINGLE_FILE_LOADER, name) for name in ("config", "denoiser", "denoiser_2", "text_encoder", "vae"))}
+              *((ex.sf.SINGLE_FILE_LOADER, name) for name in SINGLE_FILE_LISTS)}
 
 
 def ui(name: str) -> dict[str, Any]:
