@@ -114,6 +114,20 @@ def test_a_second_denoiser_for_a_folder_without_one_is_a_prompt_error_naming_it(
     comfy.run_prompt(prompt(placed)).raise_for_error()
 
 
+def test_an_image_encoder_file_lists_clip_vision_and_a_t2v_folder_refuses_it(comfy: harness.ComfyHost,
+                                                                            placed: dict, wan_component_files) -> None:
+    """``image_encoder`` (Wan 2.1 I2V's CLIP vision file) lists models/clip_vision; a text-to-video
+    folder, which has no image encoder, refuses one by name and the next prompt runs."""
+    folder = Path(comfy.folder_paths.get_folder_paths("clip_vision")[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(wan_component_files["text_encoder"], folder / "clip_vision_tiny.safetensors")
+    _type, opts = comfy.nodes.NODE_CLASS_MAPPINGS[LOADER].INPUT_TYPES()["optional"]["image_encoder"]
+    assert opts["default"] == "none" and "clip_vision_tiny.safetensors" in opts["options"]
+    result = comfy.run_prompt(prompt(placed, image_encoder="clip_vision_tiny.safetensors"))
+    assert not result.success and "has no image_encoder: leave its image-encoder file" in result.error["exception_message"]
+    comfy.run_prompt(prompt(placed)).raise_for_error()
+
+
 def test_a_gguf_file_in_diffusion_models_is_listed_and_loads_without_a_gguf_pack(
     comfy: harness.ComfyHost, placed: dict, wan_gguf
 ) -> None:
