@@ -106,6 +106,10 @@ EXAMPLES = (
             repo="Wan-AI/Wan2.2-T2V-A14B-Diffusers", title="Wan 2.2 A14B, two fp8_scaled experts: text to video",
             skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
             files=(sf.WAN22_HIGH_FP8_SCALED, sf.WAN22_LOW_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
+    Example("wan22_a14b_i2v_single_files", "WanImageToVideoPipeline", "Wan2.2-I2V-A14B-Diffusers", "wan22_a14b_i2v",
+            repo="Wan-AI/Wan2.2-I2V-A14B-Diffusers", title="Wan 2.2 A14B, two fp8_scaled experts: image to video",
+            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
+            files=(sf.WAN22_I2V_HIGH_FP8_SCALED, sf.WAN22_I2V_LOW_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
 )
 
 

@@ -59,6 +59,12 @@ WAN22_HIGH_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN22,
 WAN22_LOW_FP8_SCALED = ComfyFile("denoiser_2", "diffusion_models", COMFY_WAN22,
                                  "split_files/diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
                                  "fp8_scaled")
+WAN22_I2V_HIGH_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN22,
+                                      "split_files/diffusion_models/wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
+                                      "fp8_scaled")
+WAN22_I2V_LOW_FP8_SCALED = ComfyFile("denoiser_2", "diffusion_models", COMFY_WAN22,
+                                     "split_files/diffusion_models/wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",
+                                     "fp8_scaled")
 
 
 def note_text(example: Any, models_dir: str) -> str:
