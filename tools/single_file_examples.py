@@ -52,19 +52,18 @@ WAN_14B_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN21,
 WAN_14B_GGUF_Q8_0 = ComfyFile("denoiser", "diffusion_models", "city96/Wan2.1-T2V-14B-gguf",
                               "wan2.1-t2v-14b-Q8_0.gguf", "Q8_0")
 COMFY_WAN22 = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
-# Wan 2.2 A14B's two experts: the high-noise one runs the first steps (transformer), the low-noise one the rest
-WAN22_HIGH_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN22,
-                                  "split_files/diffusion_models/wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
-                                  "fp8_scaled")
-WAN22_LOW_FP8_SCALED = ComfyFile("denoiser_2", "diffusion_models", COMFY_WAN22,
-                                 "split_files/diffusion_models/wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors",
-                                 "fp8_scaled")
-WAN22_I2V_HIGH_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN22,
-                                      "split_files/diffusion_models/wan2.2_i2v_high_noise_14B_fp8_scaled.safetensors",
-                                      "fp8_scaled")
-WAN22_I2V_LOW_FP8_SCALED = ComfyFile("denoiser_2", "diffusion_models", COMFY_WAN22,
-                                     "split_files/diffusion_models/wan2.2_i2v_low_noise_14B_fp8_scaled.safetensors",
-                                     "fp8_scaled")
+
+
+def wan22_expert(task: str, noise: str) -> ComfyFile:
+    """Comfy-Org's fp8_scaled Wan 2.2 A14B expert (``task`` t2v / i2v, ``noise`` high / low): the
+    high-noise one runs the first steps (denoiser, transformer), the low-noise one the rest."""
+    return ComfyFile("denoiser" if noise == "high" else "denoiser_2", "diffusion_models", COMFY_WAN22,
+                     f"split_files/diffusion_models/wan2.2_{task}_{noise}_noise_14B_fp8_scaled.safetensors",
+                     "fp8_scaled")
+
+
+WAN22_HIGH_FP8_SCALED, WAN22_LOW_FP8_SCALED = wan22_expert("t2v", "high"), wan22_expert("t2v", "low")
+WAN22_I2V_HIGH_FP8_SCALED, WAN22_I2V_LOW_FP8_SCALED = wan22_expert("i2v", "high"), wan22_expert("i2v", "low")
 
 
 def note_text(example: Any, models_dir: str) -> str:
