@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import store_fp8
+from diffusers_offload.offload_core.formats.fp8 import dequantize_int8, store_fp8, table_of
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.lora import LoraSpec, activate
-from diffusers_offload.offload_core.state import LORA_HOOK
+from diffusers_offload.offload_core.state import FP8, LORA_HOOK
 from fixtures import comfy_files
 from fixtures.fp8_matmul import REL_L2, wide_wan
 from fixtures.gguf_files import exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
@@ -30,6 +30,19 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def _decoded(pipe):
+    """``pipe`` with each int8 weight of its transformer replaced by its compute value
+    (`fp8.dequantize_int8`, the streamer's own cast) and no table left: a bf16 model."""
+    table = table_of(pipe.transformer)
+    for module in pipe.transformer.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and id(weight) in table.weights:
+            value = dequantize_int8(weight.data, table.int8_scale(weight, weight.device), torch.bfloat16)
+            module.weight = torch.nn.Parameter(value, requires_grad=False)
+    FP8.pop(pipe.transformer)
+    return pipe
+
+
 def _fp8(path):
     pipe = load_bf16(path)
     store_fp8(pipe.transformer, torch.float8_e4m3fn, torch.bfloat16)
@@ -42,15 +55,21 @@ def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(ti
                                                                               storage: str) -> None:
     """(fp8: kept blocks in parts dequantise inside the compiled graph; blocks streamed whole are cast
     as they bind, inside their capture. fp8 matmuls: ``_scaled_mm`` inside the graph. int8: a
-    ComfyUI int8_tensorwise file, per-row scales, dequantised inside the graph.)"""
+    ComfyUI int8_tensorwise file, per-row scales, dequantised inside the graph; against its
+    uncompiled run the compiler's rounding moved the tiny int8 model's frames by 4.2 % (run 46), as
+    it moved the tiny GGUF model's on the CPU, so its reference is a bf16 model holding the
+    int8 weights' compute values, compiled alike.)"""
     streamed: list[int] = []
     between = keep_first_after(streamed) if plan.startswith("block 0") else None
     extra = {"stream_parts": False} if between else {}
     load = {"fp8": _fp8, "fp8 matmuls": wide_wan, "fp8 scaled matmuls": lambda p: wide_wan(p, scaled=True),
             "int8": lambda p: with_transformer(p, load_denoiser(comfy_int8_wan(per_row=True), p, torch.bfloat16)),
             }.get(storage, load_wan)
-    plain, _ = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
-                           runs=4, between=between)
+    if storage == "int8":  # the reference: a bf16 model holding the int8 weights' compute values, compiled alike
+        plain, _ = placed_runs(_decoded(load(tiny_wan_dir)), OffloadConfig(**BASE, **extra), runs=4, between=between)
+    else:
+        plain, _ = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
+                               runs=4, between=between)
     eager, off = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra, cuda_graphs=False), runs=4,
                              between=between)
     graphed, on = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra), runs=4, between=between)
@@ -83,7 +102,10 @@ def test_gguf_blocks_compiled_compute_the_files_exact_values(tiny_wan_dir, wan_g
                              runs=4, between=between)
     graphed, on = placed_runs(load_gguf_wan(tiny_wan_dir, file), OffloadConfig(**BASE, **extra), runs=4,
                               between=between)
-    assert off["compiled_calls"] > 0 and on["compiled_calls"] > 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
+    assert off["compiled_calls"] > 0 and on["compiled_calls"] > 0
+    # diffusers' K-quant dequantisers make small index tensors on the host at each call, which a CUDA
+    # graph capture refuses: those blocks run compiled, not graphed (run 46); Q8_0's are graphed
+    assert (on["graphs"] > 0) == (qtype == "Q8_0")
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
     assert max(_close(a, b) for a, b in zip(graphed, exact, strict=True)) < 2e-2
 
