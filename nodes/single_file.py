@@ -93,7 +93,8 @@ class LoadDiffusionModelFile(io.ComfyNode):
         pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder), optional(("vae",), vae),
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder_2),
-                                           optional(DENOISER_FOLDERS, denoiser_2), optional(("clip_vision",), image_encoder))
+                                           optional(DENOISER_FOLDERS, denoiser_2),
+                                           optional(("clip_vision",), image_encoder))
         if fp8_matmul and host.fp8_matmul(settings):
             _store(pipe, torch.float8_e4m3fn, compute, matmul=True)
         return _handle(pipe, folder, compute, settings)

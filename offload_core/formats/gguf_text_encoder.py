@@ -95,7 +95,8 @@ def _renamed(path: Path, raw: dict[str, torch.Tensor], model: torch.nn.Module) -
 
 def _keep32(cls: type, key: str, dtype: torch.dtype) -> bool:
     """transformers' rule: ``_keep_in_fp32_modules`` stay float32 under fp16 (T5's ``wo``)."""
-    return dtype == torch.float16 and any(m in key.split(".") for m in getattr(cls, "_keep_in_fp32_modules", None) or [])
+    kept = getattr(cls, "_keep_in_fp32_modules", None) or []
+    return dtype == torch.float16 and any(m in key.split(".") for m in kept)
 
 
 def _decoded(tensor: torch.Tensor, dtype: torch.dtype, keep32: bool) -> torch.Tensor:

@@ -8,8 +8,9 @@ streamer's parameter for each call and dropped after it (the streamer rebinds th
 dequantises it with diffusers' own functions for the quant type: the ops of ``forward_native``.
 Inductor rounds each dequantised weight once (to what the `gguf` package's dequantiser gives), where
 the eager layer rounds through fp16 first. A block class compiles once per mix of quant types among
-its layers (city96's K-quant rules make one to three mixes in a Wan file; dynamo allows eight). Not with diffusers' optional CUDA kernels (``DIFFUSERS_GGUF_CUDA_KERNELS``): those
-layers keep their block eager.
+its layers (city96's K-quant rules make one to three mixes in a Wan file; dynamo allows eight). Not
+with diffusers' optional CUDA kernels (``DIFFUSERS_GGUF_CUDA_KERNELS``): those layers keep their
+block eager.
 """
 
 from __future__ import annotations
