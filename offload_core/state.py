@@ -59,6 +59,7 @@ LORA_REPORT = Key("lora_report", kept=True)  # the LoRA path a component took, f
 PROMPT_CACHE = Key("prompt_cache")  # run.prompt_cache.PromptCache, on the pipeline object
 BLOCK_CLASS = Key("block_class")  # a modular block's own class, while a caching subclass stands in
 FP8 = Key("fp8", kept=True)  # formats.fp8.Fp8Table: the model's fp8 weights and scales (set by a loader)
+COMPILED = Key("compiled", kept=True)  # the model's compiled block forwards (transport/compiled.py)
 
 KEPT_ON_PURPOSE = {
     PLANNER.attr: "the preload planner survives a release so that a reload plans from its measures",
@@ -66,6 +67,7 @@ KEPT_ON_PURPOSE = {
                "whose hooks a teardown strips and the next activation re-attaches)",
     LORA_REPORT.attr: "goes with the LoRA set",
     FP8.attr: "the weights' storage format, set by the loader: it lives as long as the weights",
+    COMPILED.attr: "a re-placement runs what was compiled for the model instead of compiling it again",
 }
 
 # Hooks in diffusers' per-module HookRegistry. The marker sits under diffusers' own

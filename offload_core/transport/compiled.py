@@ -6,7 +6,10 @@ at its entry needs none of them, so its forward runs on a *twin*: a shallow copy
 tree that shares every parameter and buffer (whatever the streamer binds them to) but not the
 hooked ``forward`` attributes. One compiled function per block class serves every block of that
 class (dynamo reads the twin's parameters as inputs and guards on its structure, not its
-identity), so a 40-block model compiles once per input shape. A twin's fp8 Linear layers
+identity), so a 40-block model compiles once per input shape. Each model compiles its own copy
+of the forward's code: dynamo keeps at most 8 compiled variants per code object and runs the
+code eagerly beyond them (said only in its warning), so models sharing one would use up each
+other's variants (bf16, fp8, GGUF twins, LoRA sets, shapes); a model's own die with it. A twin's fp8 Linear layers
 dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale``, the bits of
 the streamer's cast, `cast.py`; int8 weights ``(q.float() * scale).to(compute)``, those of
 `fp8.dequantize_int8`), so the streamer casts nothing for a compiled call; a weight the
@@ -25,6 +28,7 @@ itself off for the streamer, said once, and the call runs its twin eagerly. Why 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -32,7 +36,7 @@ import torch.nn.functional as F
 
 from ..formats.fp8 import Fp8Table
 from ..log import get_logger
-from ..state import DEQUANT_HOOK, REGISTRY, STREAM_HOOK
+from ..state import COMPILED, DEQUANT_HOOK, REGISTRY, STREAM_HOOK
 from .blocks import StreamBlock
 from .fp8_matmul import (
     Fp8MatmulHook,
@@ -180,6 +184,7 @@ class CompiledBlocks:
     def __init__(self, enabled: bool, device: torch.device) -> None:
         self.enabled = enabled
         self.device = device
+        self.model: torch.nn.Module | None = None  # whose blocks these are (set at apply)
         self.fp8: Fp8Table | None = None  # the model's stored weights (set at apply)
         self.calls = 0  # compiled forwards run (eager ones and CUDA graph captures)
         self._forwards: dict[int, Callable[..., object] | None] = {}  # block index -> its compiled forward
@@ -200,7 +205,7 @@ class CompiledBlocks:
             self._tell(f"{kind} runs eagerly, not compiled: {why}")
             return None
         self._tell(f"{kind} blocks run compiled ({BACKEND}) wherever all their weights are bound at their entry")
-        compiled, eager = _compiled(type(block.module), BACKEND), type(block.module).forward
+        compiled, eager = _compiled(self.model, type(block.module), BACKEND), type(block.module).forward
         copy = twin(block.module, self.fp8, self.device)
         bound = gguf_bound(copy)
 
@@ -244,7 +249,18 @@ class CompiledBlocks:
             self.clear()
 
 
-@functools.cache
-def _compiled(kind: type, backend: str | Callable[..., object]) -> Callable[..., object]:
-    """One compiled ``forward`` per block class and backend, shared by every streamer."""
-    return torch.compile(kind.forward, backend=backend)
+def _compiled(model: torch.nn.Module, kind: type, backend: str | Callable[..., object]) -> Callable[..., object]:
+    """``kind.forward`` compiled for ``model``'s blocks, from a copy of its code object (dynamo's
+    cache of compiled variants is per code object), made once per model, block class and backend."""
+    forwards = COMPILED.get(model)
+    if forwards is None:
+        forwards = {}
+        COMPILED.set(model, forwards)
+    key = (kind, backend)
+    if key not in forwards:
+        forward = kind.forward
+        copy = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
+                                  forward.__defaults__, forward.__closure__)
+        copy.__kwdefaults__ = forward.__kwdefaults__
+        forwards[key] = torch.compile(copy, backend=backend)
+    return forwards[key]

@@ -82,7 +82,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
     def apply(self, module: torch.nn.Module) -> None:
         self.module = module
         self.graphs.model = type(module).__name__
-        self.compiled.fp8 = table_of(module)
+        self.compiled.model, self.compiled.fp8 = module, table_of(module)
         towers = find_towers(module)
         tower_ids = {id(b) for t in towers for b in t.blocks}
         shared = shared_tensors(module, towers, tower_ids)

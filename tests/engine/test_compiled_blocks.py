@@ -4,7 +4,7 @@ the compiled forward runs wherever a block's weights are all bound at its entry 
 whole, or its parts bound whole) and gives the eager output bit for bit, once compiled for every
 block, in each family; fp8 and int8 layers dequantise inside it, to the streamer's bits;
 a hook someone else put on a layer keeps its block eager; a compiler that cannot run turns
-compiling off; a weight write and a release drop the twins."""
+compiling off; a weight write and a release drop the twins; each model compiles its own variants."""
 
 from __future__ import annotations
 
@@ -237,3 +237,22 @@ def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(w
     engine.release(wan_pipe)
     gc.collect()
     assert all(t() is None for t in twins)
+
+
+def test_each_model_compiles_its_own_variants_and_a_replacement_reuses_them(tiny_wan_dir, monkeypatch) -> None:
+    """dynamo runs a code object eagerly once it holds ``recompile_limit`` compiled variants: with
+    one allowed, a bf16 model's blocks compiled first must not leave an fp8 model's (another twin,
+    so another variant) eager; placed again, a model runs what it compiled (no new graph)."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    config = OffloadConfig(**BASE, preload="1000")
+    bf16 = load_bf16(tiny_wan_dir)
+    fp8 = load_bf16(tiny_wan_dir)
+    store_fp8(fp8.transformer, torch.float8_e4m3fn, torch.bfloat16)
+    _compiled_run(bf16, config)
+    assert counters["stats"]["unique_graphs"] == 1
+    _, details = _compiled_run(fp8, config)
+    assert details["compiled_calls"] == details["block_calls"] > 0
+    assert counters["stats"]["unique_graphs"] == 2  # the fp8 twin compiled, not run eagerly past the limit
+    again, _ = _compiled_run(bf16, config)
+    assert counters["stats"]["unique_graphs"] == 2
+    torch.testing.assert_close(again, _compiled_run(bf16, config.replace(compile_blocks=False))[0], rtol=0, atol=0)
