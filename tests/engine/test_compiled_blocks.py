@@ -28,7 +28,8 @@ from fixtures.tiny_models import load_bf16
 from fixtures.tiny_pipes import RUNNERS, run_wan
 from torch._dynamo.utils import counters
 
-_comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
+_comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixtures, under their own names
+_wide_wan_dir = comfy_files.wide_wan_dir
 
 
 def _streamer(engine, pipe):
@@ -161,17 +162,25 @@ def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placeme
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["per-tensor", "per-row"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_int8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, comfy_int8_wan, placement, per_row) -> None:
+def test_int8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, wide_wan_dir, comfy_int8_wan, placement,
+                                                            per_row) -> None:
     """A ComfyUI int8_tensorwise file's layers compute ``(q.float() * scale).to(compute)`` in the
-    graph: every block compiles, to the bits of the streamer's torch cast; the int8 bytes stay."""
+    graph: every block compiles, to the bits of the streamer's torch cast; kept blocks (in parts:
+    the wide model's) cast nothing, blocks streamed whole are cast as they bind; the int8 bytes stay."""
     def int8_pipe():
-        return with_transformer(tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=per_row), tiny_wan_dir, torch.bfloat16))
+        file = comfy_int8_wan(per_row=per_row, wide=wide_wan_dir)
+        return with_transformer(tiny_wan_dir, load_denoiser(file, wide_wan_dir, torch.bfloat16))
 
     config = OffloadConfig(**BASE, **PLACEMENTS[placement])
-    eager, _ = _compiled_run(int8_pipe(), config.replace(compile_blocks=False))
+    eager, eager_details = _compiled_run(int8_pipe(), config.replace(compile_blocks=False))
     pipe = int8_pipe()
     out, details = _compiled_run(pipe, config)
     assert details["compiled_calls"] == details["block_calls"] > 0
+    assert eager_details["cast_in_floor"] == eager_details["cast_size"] > 0
+    if placement == "every block kept":
+        assert details["casts_held"] == details["cast_in_floor"] == 0
+    else:
+        assert details["cast_in_floor"] == details["cast_size"] > 0
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.int8}  # stored bytes left as they were
 
@@ -239,20 +248,20 @@ def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(w
     assert all(t() is None for t in twins)
 
 
-def test_each_model_compiles_its_own_variants_and_a_replacement_reuses_them(tiny_wan_dir, monkeypatch) -> None:
+def test_each_model_compiles_its_own_variants_and_a_replacement_reuses_them(tiny_wan_dir) -> None:
     """dynamo runs a code object eagerly once it holds ``recompile_limit`` compiled variants: with
     one allowed, a bf16 model's blocks compiled first must not leave an fp8 model's (another twin,
     so another variant) eager; placed again, a model runs what it compiled (no new graph)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     config = OffloadConfig(**BASE, preload="1000")
-    bf16 = load_bf16(tiny_wan_dir)
-    fp8 = load_bf16(tiny_wan_dir)
-    store_fp8(fp8.transformer, torch.float8_e4m3fn, torch.bfloat16)
-    _compiled_run(bf16, config)
-    assert counters["stats"]["unique_graphs"] == 1
-    _, details = _compiled_run(fp8, config)
-    assert details["compiled_calls"] == details["block_calls"] > 0
-    assert counters["stats"]["unique_graphs"] == 2  # the fp8 twin compiled, not run eagerly past the limit
-    again, _ = _compiled_run(bf16, config)
-    assert counters["stats"]["unique_graphs"] == 2
-    torch.testing.assert_close(again, _compiled_run(bf16, config.replace(compile_blocks=False))[0], rtol=0, atol=0)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        bf16 = load_bf16(tiny_wan_dir)
+        fp8 = load_bf16(tiny_wan_dir)
+        store_fp8(fp8.transformer, torch.float8_e4m3fn, torch.bfloat16)
+        _compiled_run(bf16, config)
+        assert counters["stats"]["unique_graphs"] == 1
+        _, details = _compiled_run(fp8, config)
+        assert details["compiled_calls"] == details["block_calls"] > 0
+        assert counters["stats"]["unique_graphs"] == 2  # the fp8 twin compiled, not run eagerly past the limit
+        again, _ = _compiled_run(bf16, config)
+        assert counters["stats"]["unique_graphs"] == 2
+        torch.testing.assert_close(again, _compiled_run(bf16, config.replace(compile_blocks=False))[0], rtol=0, atol=0)
