@@ -9,10 +9,11 @@ class (dynamo reads the twin's parameters as inputs and guards on its structure,
 identity), so a 40-block model compiles once per input shape. Each model compiles its own copy
 of the forward's code: dynamo keeps at most 8 compiled variants per code object and runs the
 code eagerly beyond them (said only in its warning), so models sharing one would use up each
-other's variants (bf16, fp8, GGUF twins, LoRA sets, shapes); a model's own die with it. A twin's fp8 Linear layers
-dequantise their stored bytes inside the compiled graph (``w.to(compute) * scale``, the bits of
-the streamer's cast, `cast.py`; int8 weights ``(q.float() * scale).to(compute)``, those of
-`fp8.dequantize_int8`), so the streamer casts nothing for a compiled call; a weight the
+other's variants (bf16, fp8, GGUF twins, LoRA sets, shapes); a model's own die with it.
+A twin's fp8 Linear layers dequantise their stored bytes inside the compiled graph
+(``w.to(compute) * scale``, the bits of the streamer's cast, `cast.py`; int8 weights
+``(q.float() * scale).to(compute)``, those of `fp8.dequantize_int8`), so the streamer casts
+nothing for a compiled call of a block in parts (a block of one unit is cast as it binds); a weight the
 streamer holds as compute values (`held_casts.py`) is used as it is. Layers computing fp8 matmuls
 (`fp8_matmul.py`) compute them in the graph too, their inputs quantised in torch's ops. diffusers'
 GGUF layers dequantise their packed bytes in the graph with diffusers' own functions, so the
