@@ -213,8 +213,9 @@ def main() -> int:
 
     import comfy.model_management as mm
     import torch
+    from benchkit.comfy_run import aimdo_enabled
     from benchkit.measure import Ballast, MemoryPoller, h2d_bandwidth
-    from benchkit.wan22 import DenoiserClock, aimdo_enabled, decode_ooms, resolver
+    from benchkit.wan22 import DenoiserClock, decode_ooms, resolver
 
     cuda = (not a.cpu) and torch.cuda.is_available()
     require_nodes(host, "DiffusersOffloadGenerateVideo")

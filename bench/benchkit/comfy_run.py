@@ -1,6 +1,6 @@
 """What the ComfyUI-side benches (comfy_coexist.py, wan22_node.py, single_file_node.py) do alike
 with a booted host: check the tree, check the pack's nodes loaded, queue a prompt and report its
-error. No torch import here (ComfyUI's start-up must import it first)."""
+error, whether DynamicVRAM is on. No torch import here (ComfyUI's start-up must import it first)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,12 @@ def queue(host: Any, prompt: dict[str, Any], outputs: list[str], label: str) -> 
     err = f"{e.get('node_type')}: {e.get('exception_type')}: {str(e.get('exception_message'))[:400]}"
     print(f"[{label}] FAILED {err}\n{''.join(e.get('traceback', []))[-3000:]}", flush=True)
     return err
+
+
+def aimdo_enabled() -> bool:
+    """Whether ComfyUI's DynamicVRAM is on (the 2026 tree's switch; absent from v0.3.75)."""
+    try:
+        import comfy.memory_management
+    except ImportError:
+        return False
+    return bool(getattr(comfy.memory_management, "aimdo_enabled", False))

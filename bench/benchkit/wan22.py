@@ -236,15 +236,6 @@ def _loaded_pipes(mm) -> Iterator[Any]:
             yield pipe
 
 
-def aimdo_enabled() -> bool:
-    """Whether ComfyUI's DynamicVRAM is on (the 2026 tree's switch; absent from v0.3.75)."""
-    try:
-        import comfy.memory_management
-    except ImportError:
-        return False
-    return bool(getattr(comfy.memory_management, "aimdo_enabled", False))
-
-
 def _grew(rows: list[dict[str, Any]], key: str, start: int | None) -> int | None:
     """How much a cumulative count grew over ``rows`` (from ``start``, its value before them)."""
     vals = [r[key] for r in rows if r[key] is not None]
