@@ -189,6 +189,7 @@ class CompiledBlocks:
         self.fp8: Fp8Table | None = None  # the model's stored weights (set at apply)
         self.calls = 0  # compiled forwards run (eager ones and CUDA graph captures)
         self._forwards: dict[int, Callable[..., object] | None] = {}  # block index -> its compiled forward
+        self._limit_checked: set[type] = set()  # block classes checked against dynamo's limit since the twins were made
         self._told: set[str] = set()
 
     def forward(self, block: StreamBlock) -> Callable[..., object] | None:
@@ -200,13 +201,15 @@ class CompiledBlocks:
         return self._forwards[block.index]
 
     def _make(self, block: StreamBlock) -> Callable[..., object] | None:
-        kind = type(block.module).__name__
+        kind = type(block.module)
         why = refusal(block.module, self.fp8, self.device)
         if why is not None:
-            self._tell(f"{kind} runs eagerly, not compiled: {why}")
+            self._tell(f"{kind.__name__} runs eagerly, not compiled: {why}")
             return None
-        self._tell(f"{kind} blocks run compiled ({BACKEND}) wherever all their weights are bound at their entry")
-        compiled, eager = _compiled(self.model, type(block.module), BACKEND), type(block.module).forward
+        self._tell(f"{kind.__name__} blocks run compiled ({BACKEND}) wherever all their weights are bound at their entry")
+        compiled = _compiled(self.model, kind, BACKEND, afresh_if_full=kind not in self._limit_checked)
+        self._limit_checked.add(kind)
+        eager = kind.forward
         copy = twin(block.module, self.fp8, self.device)
         bound = gguf_bound(copy)
 
@@ -243,6 +246,7 @@ class CompiledBlocks:
 
     def clear(self) -> None:
         self._forwards.clear()
+        self._limit_checked.clear()
 
     def enable(self, enabled: bool) -> None:
         self.enabled = enabled
@@ -250,18 +254,32 @@ class CompiledBlocks:
             self.clear()
 
 
-def _compiled(model: torch.nn.Module, kind: type, backend: str | Callable[..., object]) -> Callable[..., object]:
+def _compiled(model: torch.nn.Module, kind: type, backend: str | Callable[..., object],
+              afresh_if_full: bool = False) -> Callable[..., object]:
     """``kind.forward`` compiled for ``model``'s blocks, from a copy of its code object (dynamo's
-    cache of compiled variants is per code object), made once per model, block class and backend."""
+    cache of compiled variants is per code object), made once per model, block class and backend;
+    ``afresh_if_full`` (the first block of new twins: a LoRA set, a placement): made again where
+    its variants reached dynamo's limit (LoRA sets and sizes add up in a session)."""
     forwards = COMPILED.get(model)
     if forwards is None:
         forwards = {}
         COMPILED.set(model, forwards)
     key = (kind, backend)
-    if key not in forwards:
+    made = forwards.get(key)
+    if made is not None and afresh_if_full and _variants(made[0]) >= torch._dynamo.config.recompile_limit:
+        log.info("compile: %s's %d compiled variants of %s reached torch's recompile_limit: compiling afresh",
+                 type(model).__name__, _variants(made[0]), kind.__name__)
+        made = None
+    if made is None:
         forward = kind.forward
         copy = types.FunctionType(forward.__code__.replace(), forward.__globals__, forward.__name__,
                                   forward.__defaults__, forward.__closure__)
         copy.__kwdefaults__ = forward.__kwdefaults__
-        forwards[key] = torch.compile(copy, backend=backend)
-    return forwards[key]
+        made = forwards[key] = (copy, torch.compile(copy, backend=backend))
+    return made[1]
+
+
+def _variants(function: Callable[..., object]) -> int:
+    """How many compiled variants dynamo holds for ``function``'s code (0 where torch cannot say)."""
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    return len(entries(function.__code__)) if entries is not None else 0

@@ -1,10 +1,12 @@
 """Unfused LoRAs in compiled blocks (``compile_blocks``, `transport/lora_twin.py`), on the CPU with
 torch.compile's ``aot_eager`` backend: a LoRA on quantized layers (fp8, fp8 matmuls, int8, GGUF: the
 unfused path, a hook per layer) no longer keeps the blocks eager; every block's every call runs
-compiled, to the bits of the eager hooks, with the LoRA on and after it comes off."""
+compiled, to the bits of the eager hooks, with the LoRA on and after it comes off; a model whose
+variants reach dynamo's limit compiles afresh."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from fixtures.gguf_files import load_gguf_wan, wan_gguf_fixture  # noqa: F401  (
 from fixtures.quantized import wan_pipe as with_transformer
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
+from torch._dynamo.utils import counters
 
 pytest_plugins = ["fixtures.tiny_loras"]
 _comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
@@ -84,3 +87,36 @@ def test_unfused_loras_run_inside_the_compiled_forward(tiny_wan_dir, wan_gguf, c
     assert not torch.equal(outs[0], outs[1])  # the LoRA moved the output
     torch.testing.assert_close(outs[0], eager[0], rtol=0, atol=0)
     torch.testing.assert_close(outs[1], eager[1], rtol=0, atol=0)
+
+
+def _off_on_off(pipe, config: OffloadConfig, lora: Path) -> tuple[list[torch.Tensor], list[int]]:
+    """Runs without ``lora``, with it, without it: the outputs and dynamo's graph count after each."""
+    engine = Engine()
+    engine.place(pipe, config)
+    outs, graphs = [], []
+    try:
+        for loras in ([], [LoraSpec(str(lora))], []):
+            activate(pipe, loras)
+            outs.append(run_wan(pipe))
+            engine.after_run(pipe)
+            graphs.append(counters["stats"]["unique_graphs"])
+        return outs, graphs
+    finally:
+        activate(pipe, [])
+        engine.release(pipe)
+
+
+def test_a_models_variants_at_torchs_limit_compile_afresh(tiny_wan_dir, wan_loras, caplog) -> None:
+    """With dynamo allowed one compiled variant per code object, the fp8 model's blocks without
+    the LoRA, with it (a twin of another structure) and without it again each compile (the
+    model's code made afresh at the limit, said once each time) to the eager bits, instead of
+    running eagerly past the limit."""
+    config = OffloadConfig(**BASE, preload="1000")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        eager, _ = _off_on_off(_fp8(tiny_wan_dir), config.replace(compile_blocks=False), wan_loras["a"])
+        with caplog.at_level(logging.INFO, logger="diffusers_offload"):
+            outs, graphs = _off_on_off(_fp8(tiny_wan_dir), config, wan_loras["a"])
+    assert graphs == [1, 2, 3]
+    assert sum("reached torch's recompile_limit: compiling afresh" in r.getMessage() for r in caplog.records) == 2
+    for out, want in zip(outs, eager, strict=True):
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
