@@ -154,12 +154,13 @@ def test_ui_workflow_queues_exactly_its_api_twin(name: str, schemas: dict[str, d
 
 def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
     """The tiny file of a template file's role and format (``ComfyFile.tiny``; a text encoder in fp8
-    as the named file is): the tiny Wan's, or for a Wan family (A14B) one written from its tiny
-    folder, each expert from its own transformer."""
+    as the named file is, a UMT5 one with its own tokenizer entry as Comfy-Org's): the tiny Wan's,
+    or for a Wan family (A14B) one written from its tiny folder, each expert from its own transformer."""
     source = _stand_in(file, example, request, tmp)
     if file.input == "text_encoder" and "fp8" in file.name:
         out = tmp / f"{example.tiny}-fp8-{source.name}"
-        return comfy_files.write_fp8_text_encoder(source, out, scaled="scaled" in file.name)
+        tokenizer = request.getfixturevalue("tiny_wan_dir") / "tokenizer" / "tokenizer.json" if "umt5" in file.name else None
+        return comfy_files.write_fp8_text_encoder(source, out, scaled="scaled" in file.name, tokenizer=tokenizer)
     return source
 
 

@@ -7,6 +7,7 @@ the file is left unchanged."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,12 @@ def _digest(path: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=["scaled", "plain"])
-def te_file(request, wan_component_files, tmp_path_factory) -> Path:
+def te_file(request, wan_component_files, tiny_wan_dir, tmp_path_factory) -> Path:
+    """(scaled: with its own tokenizer entry, as Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled)"""
     out = tmp_path_factory.mktemp("fp8-te") / f"umt5-tiny-fp8-{request.param}.safetensors"
-    return comfy_files.write_fp8_text_encoder(wan_component_files["text_encoder"], out, request.param == "scaled")
+    scaled = request.param == "scaled"
+    return comfy_files.write_fp8_text_encoder(wan_component_files["text_encoder"], out, scaled,
+                                              tiny_wan_dir / "tokenizer" / "tokenizer.json" if scaled else None)
 
 
 def _pipe(te_file: Path, comfy_wan, wan_configs_only, wan_component_files):
@@ -62,6 +66,18 @@ def test_the_encoder_keeps_the_files_fp8_matrices(te_file, comfy_wan, wan_config
     assert bool(table.scales) == ("scaled" in te_file.name)
     assert encoder.shared.weight.dtype == BF16 and encoder.dtype == BF16  # the embedding decoded
     assert _digest(te_file) == before
+
+
+def test_the_files_own_tokenizer_entry_is_left_aside(te_file, comfy_wan, wan_configs_only, wan_component_files,
+                                                     caplog) -> None:
+    """Comfy-Org's UMT5 files carry the tokenizer ComfyUI's Wan reads (``spiece_model``): the encoder
+    loads without it (it was refused as an unexpected weight), the folder's tokenizer reads prompts."""
+    has = "spiece_model" in comfy_files.load_file(str(te_file))
+    assert has == ("scaled" in te_file.name)
+    with caplog.at_level(logging.INFO, logger="diffusers_offload"):
+        pipe = _pipe(te_file, comfy_wan, wan_configs_only, wan_component_files)
+    told = [r.getMessage() for r in caplog.records if "own tokenizer (spiece_model) is left aside" in r.getMessage()]
+    assert len(told) == int(has) and pipe.tokenizer is not None
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
