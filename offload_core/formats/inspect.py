@@ -37,6 +37,7 @@ ST_DTYPES = {
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")
 QUANT_SUFFIX = ".comfy_quant"
+TOKENIZER_KEYS = ("spiece_model", "tokenizer_json", "tekken_model")  # tokenizers ComfyUI's files carry (comfy/sd.py)
 QUANT_METADATA = "_quantization_metadata"
 LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8"}  # per-tensor fp8 (fp8_scaled by another
 # name); int8 with a per-tensor or per-row scale, without convrot (Hadamard-rotated weights)
@@ -104,6 +105,7 @@ class SingleFileInfo:
     input_scales: list[str] = field(default_factory=list)  # keys of static input scales (fp8 matmuls)
     marker: str | None = None  # the `scaled_fp8` key, if any
     quant_keys: list[str] = field(default_factory=list)  # `<layer>.comfy_quant` keys
+    tokenizers: list[str] = field(default_factory=list)  # keys of a tokenizer the file carries (uint8 bytes)
     looks_like: str = "an unknown model"
     role: str = "unknown"  # denoiser / text_encoder / image_encoder / vae / lora / unknown
     family: str | None = None  # of a denoiser: wan, flux, ltx2, ...
@@ -198,6 +200,8 @@ def inspect_safetensors(path: Path) -> SingleFileInfo:
             info.input_scales.append(key)
         elif key.endswith(QUANT_SUFFIX):
             info.quant_keys.append(key)
+        elif key.rsplit(".", 1)[-1] in TOKENIZER_KEYS:
+            info.tokenizers.append(key)
     _identify(info)
     return info
 
@@ -211,7 +215,7 @@ def describe_keys(path: Path, shapes: dict[str, tuple[int, ...]]) -> SingleFileI
 
 
 def _identify(info: SingleFileInfo) -> None:
-    keys = [k for k in info.shapes if k != info.marker]
+    keys = [k for k in info.shapes if k != info.marker and k not in info.tokenizers]
     for pattern, looks_like, role in KEY_SIGNS:
         if any(re.search(pattern, k) for k in keys):
             info.looks_like, info.role = looks_like, role

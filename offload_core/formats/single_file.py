@@ -191,9 +191,10 @@ def _matmul_off(info: SingleFileInfo) -> str:
 
 
 def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
-    """The file's tensors less the marker and quant entries; weight and input scales under one
-    spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``) so the conversion renames their
-    layer part like the weight's. A legacy ``scale_input`` of 1 is dropped, as ComfyUI drops it
+    """The file's tensors less the marker, quant entries and a tokenizer it carries (ComfyUI's text
+    encoders read theirs from it; the config folder's tokenizer reads prompts here); weight and
+    input scales under one spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``) so the
+    conversion renames their layer part like the weight's. A legacy ``scale_input`` of 1 is dropped, as ComfyUI drops it
     (that layer's fp8 matmuls scale each input by its own largest value)."""
     try:
         checkpoint = load_file(str(path))
@@ -201,6 +202,10 @@ def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]
         raise SingleFileError(f"{path} cannot be read by safetensors ({exc}): download this file again") from exc
     if info.marker:
         checkpoint.pop(info.marker, None)
+    for key in info.tokenizers:
+        checkpoint.pop(key, None)
+        log.info("%s: the file's own tokenizer (%s) is left aside: the config folder's tokenizer reads the prompt",
+                 path.name, key)
     for key in [k for k in checkpoint if k.endswith(INPUT_SCALE_SUFFIXES)]:
         value = checkpoint.pop(key)
         if not (key.endswith(INPUT_KEY) and value.numel() == 1 and float(value) == 1.0):

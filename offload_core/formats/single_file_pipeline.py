@@ -13,7 +13,6 @@ from typing import Any
 
 import diffusers
 import torch
-from safetensors.torch import load_file
 
 from ..log import get_logger
 from . import w4a8
@@ -42,7 +41,6 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".index.json")
 FILE_KINDS = {"text_encoder": "text-encoder file", "text_encoder_2": "second text-encoder file", "vae": "VAE file",
               "transformer_2": "second denoiser file (Wan 2.2 A14B's low-noise expert)",
               "image_encoder": "image-encoder file (CLIP vision, e.g. clip_vision_h)"}
-TOKENIZER_KEYS = ("spiece_model", "tokenizer_json", "tekken_model")  # tokenizers ComfyUI's text-encoder files carry
 ROLES = {"image_encoder": "image_encoder"}  # the role a component's file must have, where not a text encoder's
 
 
@@ -223,11 +221,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     if not isinstance(cls, type):
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
     check_quant_layers(info)
-    state = read_checkpoint(path, info) if info.quantized else load_file(str(path))
-    for key in [k for k in state if k.rsplit(".", 1)[-1] in TOKENIZER_KEYS]:  # (comfy/sd.py reads them)
-        state.pop(key)
-        log.info("%s: the file's own tokenizer (%s) is left aside: the config folder's tokenizer reads the prompt",
-                 path.name, key)
+    state = read_checkpoint(path, info)
     if fit is not None:
         state = fit.keys(state)
     layers = w4a8.w4a8_layers(state)

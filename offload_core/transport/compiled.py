@@ -255,7 +255,7 @@ class CompiledBlocks:
 
 
 def _compiled(model: torch.nn.Module, kind: type, backend: str | Callable[..., object],
-              afresh_if_full: bool = False) -> Callable[..., object]:
+              afresh_if_full: bool) -> Callable[..., object]:
     """``kind.forward`` compiled for ``model``'s blocks, from a copy of its code object (dynamo's
     cache of compiled variants is per code object), made once per model, block class and backend;
     ``afresh_if_full`` (the first block of new twins: a LoRA set, a placement): made again where
@@ -266,9 +266,10 @@ def _compiled(model: torch.nn.Module, kind: type, backend: str | Callable[..., o
         COMPILED.set(model, forwards)
     key = (kind, backend)
     made = forwards.get(key)
-    if made is not None and afresh_if_full and _variants(made[0]) >= torch._dynamo.config.recompile_limit:
+    held = _variants(made[0]) if made is not None and afresh_if_full else 0
+    if held >= torch._dynamo.config.recompile_limit:
         log.info("compile: %s's %d compiled variants of %s reached torch's recompile_limit: compiling afresh",
-                 type(model).__name__, _variants(made[0]), kind.__name__)
+                 type(model).__name__, held, kind.__name__)
         made = None
     if made is None:
         forward = kind.forward
