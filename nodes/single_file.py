@@ -1,20 +1,25 @@
 """Load diffusion model file (diffusers): a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled,
-int8_tensorwise, W4A8, GGUF) in the pipeline of a diffusers config folder of the same family (Wan
-2.2 A14B: its two experts' files).
+int8_tensorwise, W4A8, GGUF) in the pipeline of a config folder of the same family (Wan 2.2 A14B:
+its two experts' files).
 
 Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not bf16 diffusers
 folders. Files are listed through ``folder_paths`` (so ``extra_model_paths.yaml`` works); the
-config folder (a configs-only copy is enough) gives the pipeline class, configs, tokenizer and
-scheduler, and the optional text-encoder / VAE files its other weights.
+config folder gives the pipeline class, configs, tokenizer and scheduler, and the optional
+text-encoder / VAE files its other weights. For Wan the pack carries the configs (`carried`: no
+diffusers folder needed, the tokenizer read from the text-encoder file); for other families a
+diffusers folder (a configs-only copy is enough) under models/diffusers.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import folder_paths
 import torch
 from comfy_api.latest import io
 
 from ..offload_core import OffloadConfig
+from ..offload_core.formats import carried
 from ..offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from . import host
 from .folders import list_models, resolve_model
@@ -33,6 +38,21 @@ from .web_api import search_aliases
 
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = ("auto", *COMPUTE)
+AUTO = "auto: the pack's Wan configs"
+PACK = "pack: "  # a config folder the pack carries, by name
+
+
+def config_options() -> list[str]:
+    """The pack's configs (picked by the file, or by name), then the diffusers folders under models/diffusers."""
+    return [AUTO, *(PACK + p.name for p in carried.carried()), *list_models()]
+
+
+def config_folder(config: str, denoiser: str, two_experts: bool) -> Path:
+    if config == AUTO:
+        return carried.pick(Path(denoiser), two_experts)
+    if config.startswith(PACK):
+        return carried.by_name(config.removeprefix(PACK))
+    return resolve_model(config)
 
 
 class LoadDiffusionModelFile(io.ComfyNode):
@@ -46,12 +66,16 @@ class LoadDiffusionModelFile(io.ComfyNode):
             display_name="Load diffusion model file (diffusers)",
             category=CATEGORY,
             description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8 or GGUF) into the "
-                        "pipeline of a diffusers folder of the same family; a configs-only folder is enough when "
-                        "the text-encoder and VAE files are picked. The file's storage (fp8, GGUF) is kept. "
+                        "pipeline of its family: for Wan 2.1 / 2.2 the configs the pack carries (auto), else a "
+                        "diffusers folder of the same family (configs-only is enough when the text-encoder and "
+                        "VAE files are picked). The file's storage (fp8, GGUF) is kept. "
                         "Wan 2.2 A14B: the high-noise file in denoiser, the low-noise one in denoiser_2.",
             inputs=[
-                io.Combo.Input("config", options=list_models(),
-                               tooltip="A diffusers folder of the file's family under models/diffusers (configs, "
+                io.Combo.Input("config", options=config_options(),
+                               tooltip="auto: the configs the pack carries for Wan 2.1 / 2.2, picked by the "
+                                       "denoiser file's shape (the tokenizer is read from the text-encoder file, "
+                                       "as Comfy-Org's UMT5 files carry it); or one of them by name; or a "
+                                       "diffusers folder of the file's family under models/diffusers (configs, "
                                        "tokenizer and scheduler; weights optional)."),
                 io.Combo.Input("denoiser", options=denoiser_files(),
                                tooltip="The denoiser file, from models/diffusion_models (or unet, unet_gguf)."),
@@ -88,9 +112,10 @@ class LoadDiffusionModelFile(io.ComfyNode):
                 offload: OffloadConfig | None = None, text_encoder_2: str = NONE,
                 fp8_matmul: bool = False, denoiser_2: str = NONE, image_encoder: str = NONE) -> io.NodeOutput:
         settings = offload or OffloadConfig()
-        folder = resolve_model(config)
+        denoiser_file = full_path(DENOISER_FOLDERS, denoiser)
+        folder = config_folder(config, denoiser_file, denoiser_2 != NONE)
         compute = host.auto_dtype(settings) if dtype == "auto" else COMPUTE[dtype]
-        pipe = load_pipeline_with_denoiser(folder, full_path(DENOISER_FOLDERS, denoiser), compute,
+        pipe = load_pipeline_with_denoiser(folder, denoiser_file, compute,
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder), optional(("vae",), vae),
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder_2),
                                            optional(DENOISER_FOLDERS, denoiser_2),

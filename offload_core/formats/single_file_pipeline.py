@@ -16,6 +16,7 @@ import torch
 
 from ..log import get_logger
 from . import w4a8
+from .carried import tokenizer_from_file
 from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
@@ -76,6 +77,7 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
             kind = FILE_KINDS.get(name)
             pick = f"pick {_a(kind)} for it" if kind else "use a diffusers folder that has them"
             raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
+    parts.update(_tokenizers(folder, index, files))
     parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
     _check_experts(denoiser_file, denoiser_2_file)
     try:
@@ -86,6 +88,21 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
     log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
              "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
     return pipe
+
+
+def _tokenizers(folder: Path, index: dict, files: dict[str, Path | None]) -> dict[str, Any]:
+    """The tokenizers the config folder lacks (the pack's carried configs have none), each read
+    from the sentencepiece model its text-encoder file carries (``tokenizer_2`` from ``text_encoder_2``)."""
+    out: dict[str, Any] = {}
+    for name, spec in index.items():
+        if not name.startswith("tokenizer") or not (isinstance(spec, list) and all(spec)) or (folder / name).is_dir():
+            continue
+        encoder = files.get(name.replace("tokenizer", "text_encoder"))
+        if encoder is None:
+            raise SingleFileError(f"the config folder {folder} has no {name}: pick the text-encoder file, whose "
+                                  "tokenizer the pack reads")
+        out[name] = tokenizer_from_file(Path(encoder), str(spec[1]), f"the config folder {folder}")
+    return out
 
 
 def _check_experts(denoiser_file: Path, denoiser_2_file: Path | None) -> None:

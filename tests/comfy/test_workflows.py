@@ -21,6 +21,7 @@ import av
 import pytest
 from comfyhost import harness
 from fixtures import comfy_files, gguf_files
+from fixtures.tiny_tok import tiny_t5_spiece
 from PIL import Image
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
@@ -159,8 +160,8 @@ def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest
     source = _stand_in(file, example, request, tmp)
     if file.input == "text_encoder" and "fp8" in file.name:
         out = tmp / f"{example.tiny}-fp8-{source.name}"
-        tokenizer = request.getfixturevalue("tiny_wan_dir") / "tokenizer" / "tokenizer.json" if "umt5" in file.name else None
-        return comfy_files.write_fp8_text_encoder(source, out, scaled="scaled" in file.name, tokenizer=tokenizer)
+        spiece = tiny_t5_spiece() if "umt5" in file.name else None
+        return comfy_files.write_fp8_text_encoder(source, out, scaled="scaled" in file.name, spiece=spiece)
     return source
 
 

@@ -17,6 +17,7 @@ from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files
 from fixtures.placements import run_placed_seeing
+from fixtures.tiny_tok import tiny_t5_spiece
 from transformers import UMT5EncoderModel
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -33,12 +34,12 @@ def _digest(path: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=["scaled", "plain"])
-def te_file(request, wan_component_files, tiny_wan_dir, tmp_path_factory) -> Path:
+def te_file(request, wan_component_files, tmp_path_factory) -> Path:
     """(scaled: with its own tokenizer entry, as Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled)"""
     out = tmp_path_factory.mktemp("fp8-te") / f"umt5-tiny-fp8-{request.param}.safetensors"
     scaled = request.param == "scaled"
     return comfy_files.write_fp8_text_encoder(wan_component_files["text_encoder"], out, scaled,
-                                              tiny_wan_dir / "tokenizer" / "tokenizer.json" if scaled else None)
+                                              tiny_t5_spiece() if scaled else None)
 
 
 def _pipe(te_file: Path, comfy_wan, wan_configs_only, wan_component_files):

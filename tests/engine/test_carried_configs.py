@@ -1,0 +1,161 @@
+"""The configs the pack carries (Wan 2.1 / 2.2), so single files run without a diffusers folder:
+each carried folder builds the released models' sizes through the real classes and is what
+``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
+second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
+pipeline from carried configs runs as the one from a full configs folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+import transformers
+from accelerate import init_empty_weights
+from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.formats import carried
+from diffusers_offload.offload_core.formats.inspect import SingleFileError, describe_keys
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
+from fixtures import comfy_files
+from fixtures.comfy_files import configs_only_copy, write_comfy_wan, write_fp8_text_encoder
+from fixtures.gguf_files import comfy_wan_shapes
+from fixtures.placements import run_placed
+from fixtures.tiny_tok import tiny_t5_spiece, tiny_t5_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+BF16 = torch.bfloat16
+CONFIG = OffloadConfig(mode="auto", on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+_FIXTURES = (comfy_files.comfy_wan, comfy_files.wan_configs_only, comfy_files.wan_component_files)
+_comfy_wan, _configs_only, _component_files = _FIXTURES
+# parameters of the released models, in billions (their bf16 / fp16 files' bytes / 2)
+RELEASED = {"Wan2.1-T2V-1.3B-Diffusers": 1.419, "Wan2.1-T2V-14B-Diffusers": 14.29, "Wan2.1-I2V-14B-480P-Diffusers": 16.40,
+            "Wan2.2-T2V-A14B-Diffusers": 14.29, "Wan2.2-I2V-A14B-Diffusers": 14.29, "Wan2.2-TI2V-5B-Diffusers": 5.000}
+VAE = {False: 0.127, True: 0.705}  # wan_2.1_vae, wan2.2_vae (48 latent channels)
+UMT5_XXL_ENCODER, CLIP_VISION_H = 5.68, 0.632
+TINY = {"wan": None, "wan_i2v": "transformer", "wan22_ti2v": "transformer", "wan22_a14b": "transformer",
+        "wan22_a14b_i2v": "transformer"}
+
+
+def _billions(model: torch.nn.Module) -> float:
+    return sum(p.numel() for p in model.parameters()) / 1e9
+
+
+def _meta(cls: type, folder: Path) -> torch.nn.Module:
+    with init_empty_weights():
+        if issubclass(cls, diffusers.ModelMixin):
+            return cls.from_config(cls.load_config(str(folder)))
+        model = cls(cls.config_class.from_pretrained(str(folder)))
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.parametrize("folder", carried.carried(), ids=lambda p: p.name)
+def test_each_carried_folder_builds_the_released_model_sizes(folder: Path) -> None:
+    index = json.loads((folder / "model_index.json").read_text())
+    pipeline = getattr(diffusers, index["_class_name"])
+    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(pipeline)
+    assert {k for k in index if not k.startswith("_")} <= {*expected, *optional}
+    for name in ("transformer", "transformer_2") if (folder / "transformer_2").is_dir() else ("transformer",):
+        assert _billions(_meta(diffusers.WanTransformer3DModel, folder / name)) == pytest.approx(
+            RELEASED[folder.name], rel=5e-3)
+    vae = _meta(diffusers.AutoencoderKLWan, folder / "vae")
+    assert _billions(vae) == pytest.approx(VAE[vae.config.z_dim == 48], rel=5e-3)
+    assert _billions(_meta(transformers.UMT5EncoderModel, folder / "text_encoder")) == pytest.approx(
+        UMT5_XXL_ENCODER, rel=5e-3)
+    if index.get("image_encoder", [None])[0]:
+        image = _meta(transformers.CLIPVisionModelWithProjection, folder / "image_encoder")
+        assert _billions(image) == pytest.approx(CLIP_VISION_H, rel=5e-3)
+        assert transformers.CLIPImageProcessor.from_pretrained(str(folder / "image_processor")).crop_size == {
+            "height": 224, "width": 224}
+    scheduler = diffusers.UniPCMultistepScheduler.from_pretrained(str(folder / "scheduler"))
+    assert scheduler.config.flow_shift == (5.0 if "TI2V" in folder.name else 3.0)
+    assert not (folder / "tokenizer").exists() and not any(folder.rglob("*.safetensors"))
+
+
+def test_the_carried_folders_are_what_the_tool_writes(tmp_path: Path, monkeypatch) -> None:
+    spec = importlib.util.spec_from_file_location("write_carried_configs", ROOT / "tools" / "write_carried_configs.py")
+    tool = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, tool)  # (its dataclasses look their module up)
+    spec.loader.exec_module(tool)
+    tool.main(tmp_path / "out")
+    versions = ("_diffusers_version", "transformers_version")
+
+    def files(root: Path) -> dict[str, dict]:
+        return {p.relative_to(root).as_posix(): {k: v for k, v in json.loads(p.read_text()).items() if k not in versions}
+                for p in sorted(root.rglob("*.json"))}
+
+    assert files(tmp_path / "out") == files(carried.ROOT)
+
+
+@pytest.mark.parametrize("folder", carried.carried(), ids=lambda p: p.name)
+def test_each_released_shape_picks_its_own_folder(folder: Path) -> None:
+    """A file holding the released model's tensors (its header: the shapes of the model built on
+    the meta device, under ComfyUI's key names) picks its folder; A14B's experts need both files."""
+    shapes = comfy_wan_shapes(_meta(diffusers.WanTransformer3DModel, folder / "transformer"))
+    info = describe_keys(Path(f"{folder.name}.safetensors"), shapes)
+    two = (folder / "transformer_2").is_dir()
+    assert carried.choose(info, two, carried.carried()) == folder
+    if folder.name == "Wan2.2-T2V-A14B-Diffusers":  # one expert alone: the Wan 2.1 T2V 14B shape
+        assert carried.choose(info, False, carried.carried()).name == "Wan2.1-T2V-14B-Diffusers"
+    elif two:
+        with pytest.raises(SingleFileError, match="low-noise one in denoiser_2"):
+            carried.choose(info, False, carried.carried())
+    elif folder.name != "Wan2.1-T2V-14B-Diffusers":
+        with pytest.raises(SingleFileError, match="none of the configs the pack carries.*leave denoiser_2"):
+            carried.choose(info, True, carried.carried())
+
+
+@pytest.fixture(scope="module")
+def tiny_carried(tiny_wan_dir, tiny_wan_family, tmp_path_factory) -> dict[str, Path]:
+    """A tiny stand-in for the pack's carried configs: each tiny Wan family folder less its weights
+    and tokenizer, as the carried folders are, under one root."""
+    root = tmp_path_factory.mktemp("carried")
+    out = {}
+    for family in TINY:
+        source = tiny_wan_dir if family == "wan" else tiny_wan_family(family)
+        out[family] = configs_only_copy(source, root / family)
+        shutil.rmtree(out[family] / "tokenizer")
+    return out
+
+
+def test_tiny_files_pick_their_tiny_carried_folder(tiny_carried, tiny_wan_dir, tiny_wan_family, tmp_path) -> None:
+    for family in TINY:
+        source = tiny_wan_dir if family == "wan" else tiny_wan_family(family)
+        file = write_comfy_wan(source, tmp_path / f"{family}.safetensors", "fp8_scaled")
+        two = "a14b" in family
+        assert carried.pick(file, two, tiny_carried["wan"].parent) == tiny_carried[family], family
+
+
+def test_a_pipeline_from_carried_configs_runs_as_one_from_a_configs_folder(
+        tiny_carried, comfy_wan, wan_configs_only, wan_component_files, tmp_path, caplog) -> None:
+    te = write_fp8_text_encoder(wan_component_files["text_encoder"], tmp_path / "umt5-fp8_scaled.safetensors",
+                                scaled=True, spiece=tiny_t5_spiece())
+    denoiser, vae = comfy_wan("fp8_scaled"), wan_component_files["vae"]
+    with caplog.at_level("INFO", logger="diffusers_offload"):
+        folder = carried.pick(denoiser, False, tiny_carried["wan"].parent)
+        pipe = load_pipeline_with_denoiser(folder, denoiser, BF16, te, vae)
+    assert "tokenizer read from its spiece_model entry" in caplog.text
+    reference = load_pipeline_with_denoiser(wan_configs_only, denoiser, BF16, te, vae)
+    for prompt in ("a red fox, jumping!", "Two cats at night 42"):
+        assert pipe.tokenizer(prompt).input_ids == tiny_t5_tokenizer()(prompt).input_ids
+    for p in (pipe, reference):
+        p.set_progress_bar_config(disable=True)
+    assert torch.equal(run_placed(pipe, CONFIG), run_placed(reference, CONFIG))
+
+
+def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried, comfy_wan, wan_component_files):
+    te = wan_component_files["text_encoder"]
+    with pytest.raises(SingleFileError, match=f"{te.name} carries none \\(no spiece_model entry\\)"):
+        load_pipeline_with_denoiser(tiny_carried["wan"], comfy_wan("fp8"), BF16, te, wan_component_files["vae"])
+
+
+def test_a_file_of_another_family_or_role_is_refused(wan_component_files) -> None:
+    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2 only"):
+        carried.pick(wan_component_files["text_encoder"], False)
+    with pytest.raises(SingleFileError, match="carries no config folder 'Wan9'.*Wan2.1-T2V-14B-Diffusers"):
+        carried.by_name("Wan9")

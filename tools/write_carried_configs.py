@@ -1,0 +1,123 @@
+"""Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
+copies of the Wan-AI diffusers folders, so a single-file user needs no diffusers folder.
+
+Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
+transformer sizes, the Wan 2.2 VAE less its ``clip_output``, which AutoencoderKLWan does not take,
+UniPC's flow shift, boundary ratios), google/umt5-xxl's config (ComfyUI's ``umt5_config_xxl.json``
+holds the same) and Wan 2.1 I2V's CLIP ViT-H/14 image encoder. Each file is saved by its real class
+(models built on the meta device), so it is what that class's loader reads. No tokenizer: it
+comes from the text-encoder file. Run after a diffusers upgrade that changes a config:
+
+    .venv/bin/python tools/write_carried_configs.py
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import diffusers
+import transformers
+from accelerate import init_empty_weights
+
+OUT = Path(__file__).resolve().parent.parent / "offload_core" / "formats" / "carried_configs"
+
+TRANSFORMER = dict(added_kv_proj_dim=None, attention_head_dim=128, cross_attn_norm=True, eps=1e-6, freq_dim=256,
+                   patch_size=[1, 2, 2], qk_norm="rms_norm_across_heads", text_dim=4096)
+SIZES = {"1.3B": dict(ffn_dim=8960, num_attention_heads=12, num_layers=30),
+         "14B": dict(ffn_dim=13824, num_attention_heads=40, num_layers=40),
+         "5B": dict(ffn_dim=14336, num_attention_heads=24, num_layers=30)}
+UMT5_XXL = dict(d_ff=10240, d_kv=64, d_model=4096, decoder_start_token_id=0, dense_act_fn="gelu_new",
+                eos_token_id=1, feed_forward_proj="gated-gelu", is_gated_act=True, layer_norm_epsilon=1e-6,
+                num_decoder_layers=24, num_heads=64, num_layers=24, pad_token_id=0,
+                relative_attention_max_distance=128, relative_attention_num_buckets=32, scalable_attention=True,
+                tie_word_embeddings=False, vocab_size=256384)
+CLIP_VIT_H = dict(hidden_act="gelu", hidden_size=1280, image_size=224, intermediate_size=5120, layer_norm_eps=1e-5,
+                  num_attention_heads=16, num_hidden_layers=32, patch_size=14, projection_dim=1024)
+CLIP_PROCESSOR = dict(crop_size={"height": 224, "width": 224}, size={"shortest_edge": 224}, do_center_crop=True,
+                      do_convert_rgb=True, do_normalize=True, do_rescale=True, do_resize=True, resample=3,
+                      image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711])
+WAN22_VAE = dict(base_dim=160, z_dim=48, is_residual=True, in_channels=12, out_channels=12, decoder_base_dim=256,
+                 scale_factor_temporal=4, scale_factor_spatial=16, patch_size=2, latents_mean=[
+                     -0.2289, -0.0052, -0.1323, -0.2339, -0.2799, 0.0174, 0.1838, 0.1557, -0.1382, 0.0542, 0.2813,
+                     0.0891, 0.1570, -0.0098, 0.0375, -0.1825, -0.2246, -0.1207, -0.0698, 0.5109, 0.2665, -0.2108,
+                     -0.2158, 0.2502, -0.2055, -0.0322, 0.1109, 0.1567, -0.0729, 0.0899, -0.2799, -0.1230, -0.0313,
+                     -0.1649, 0.0117, 0.0723, -0.2839, -0.2083, -0.0520, 0.3748, 0.0152, 0.1957, 0.1433, -0.2944,
+                     0.3573, -0.0548, -0.1681, -0.0667], latents_std=[
+                     0.4765, 1.0364, 0.4514, 1.1677, 0.5313, 0.4990, 0.4818, 0.5013, 0.8158, 1.0344, 0.5894, 1.0901,
+                     0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
+                     0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
+                     0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744])
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One Wan-AI diffusers folder: its pipeline class, transformer size and channels, and flags."""
+
+    pipeline: str
+    size: str
+    in_channels: int
+    out_channels: int = 16
+    two_experts: bool = False
+    image_encoder: bool = False
+    vae: dict = field(default_factory=dict)  # AutoencoderKLWan's own defaults are Wan 2.1's VAE
+    flow_shift: float = 3.0
+    flags: dict = field(default_factory=dict)
+
+
+VARIANTS = {
+    "Wan2.1-T2V-1.3B-Diffusers": Variant("WanPipeline", "1.3B", 16),
+    "Wan2.1-T2V-14B-Diffusers": Variant("WanPipeline", "14B", 16),
+    "Wan2.1-I2V-14B-480P-Diffusers": Variant("WanImageToVideoPipeline", "14B", 36, image_encoder=True),
+    "Wan2.2-T2V-A14B-Diffusers": Variant("WanPipeline", "14B", 16, two_experts=True,
+                                         flags={"boundary_ratio": 0.875, "expand_timesteps": False}),
+    "Wan2.2-I2V-A14B-Diffusers": Variant("WanImageToVideoPipeline", "14B", 36, two_experts=True,
+                                         flags={"boundary_ratio": 0.9, "expand_timesteps": False}),
+    "Wan2.2-TI2V-5B-Diffusers": Variant("WanPipeline", "5B", 48, 48, vae=WAN22_VAE, flow_shift=5.0,
+                                        flags={"boundary_ratio": None, "expand_timesteps": True}),
+}
+
+
+def write_variant(out: Path, v: Variant) -> None:
+    image = {"image_dim": 1280, "added_kv_proj_dim": 5120} if v.image_encoder else {}
+    transformer = {**TRANSFORMER, **SIZES[v.size], "in_channels": v.in_channels, "out_channels": v.out_channels,
+                   **image}
+    with init_empty_weights():
+        for name in ("transformer", "transformer_2") if v.two_experts else ("transformer",):
+            diffusers.WanTransformer3DModel.from_config(transformer).save_config(out / name)
+        diffusers.AutoencoderKLWan.from_config(v.vae).save_config(out / "vae")
+    diffusers.UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                      num_train_timesteps=1000, flow_shift=v.flow_shift).save_config(out / "scheduler")
+    umt5 = transformers.UMT5Config(**UMT5_XXL)
+    umt5.architectures = ["UMT5EncoderModel"]
+    umt5.save_pretrained(out / "text_encoder")
+    index = {"_class_name": v.pipeline, "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "UniPCMultistepScheduler"], "text_encoder": ["transformers", "UMT5EncoderModel"],
+             "tokenizer": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "WanTransformer3DModel"],
+             "transformer_2": ["diffusers", "WanTransformer3DModel"] if v.two_experts else [None, None],
+             "vae": ["diffusers", "AutoencoderKLWan"], **v.flags}
+    if v.pipeline == "WanImageToVideoPipeline":
+        index["image_encoder"], index["image_processor"] = [None, None], [None, None]
+    if v.image_encoder:
+        clip = transformers.CLIPVisionConfig(**CLIP_VIT_H)
+        clip.architectures = ["CLIPVisionModelWithProjection"]
+        clip.save_pretrained(out / "image_encoder")
+        transformers.CLIPImageProcessor(**CLIP_PROCESSOR).save_pretrained(out / "image_processor")
+        index["image_encoder"] = ["transformers", "CLIPVisionModelWithProjection"]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    (out / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+
+
+def main(root: Path = OUT) -> None:
+    if root.exists():
+        shutil.rmtree(root)
+    for name, variant in VARIANTS.items():
+        write_variant(root / name, variant)
+        print(f"wrote {root / name}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else OUT)
