@@ -94,21 +94,17 @@ EXAMPLES = (
             repo="MiniMaxAI/MiniMax-H3", title="MiniMax-H3: reference image to video",
             tiny_extra=(("frames", 124), ("generate_audio", False)),
             skip=("transformer/*",), skip_what="the t2va/fl2va transformer"),
-    Example("wan_fp8_scaled_single_file", "WanPipeline", "Wan2.1-T2V-14B-Diffusers", "wan",
+    Example("wan_fp8_scaled_single_file", "WanPipeline", sf.AUTO_CONFIG, "wan",
             repo="Wan-AI/Wan2.1-T2V-14B-Diffusers", title="Wan 2.1 14B, fp8_scaled file: text to video",
-            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
             files=(sf.WAN_14B_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
-    Example("wan_gguf_single_file", "WanPipeline", "Wan2.1-T2V-14B-Diffusers", "wan",
+    Example("wan_gguf_single_file", "WanPipeline", sf.AUTO_CONFIG, "wan",
             repo="Wan-AI/Wan2.1-T2V-14B-Diffusers", title="Wan 2.1 14B, GGUF Q8_0 file: text to video",
-            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
             files=(sf.WAN_14B_GGUF_Q8_0, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
-    Example("wan22_a14b_single_files", "WanPipeline", "Wan2.2-T2V-A14B-Diffusers", "wan22_a14b",
+    Example("wan22_a14b_single_files", "WanPipeline", sf.AUTO_CONFIG, "wan22_a14b",
             repo="Wan-AI/Wan2.2-T2V-A14B-Diffusers", title="Wan 2.2 A14B, two fp8_scaled experts: text to video",
-            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
             files=(sf.WAN22_HIGH_FP8_SCALED, sf.WAN22_LOW_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
-    Example("wan22_a14b_i2v_single_files", "WanImageToVideoPipeline", "Wan2.2-I2V-A14B-Diffusers", "wan22_a14b_i2v",
+    Example("wan22_a14b_i2v_single_files", "WanImageToVideoPipeline", sf.AUTO_CONFIG, "wan22_a14b_i2v",
             repo="Wan-AI/Wan2.2-I2V-A14B-Diffusers", title="Wan 2.2 A14B, two fp8_scaled experts: image to video",
-            skip=sf.CONFIG_ONLY_SKIP, skip_what=sf.CONFIG_ONLY_WHAT,
             files=(sf.WAN22_I2V_HIGH_FP8_SCALED, sf.WAN22_I2V_LOW_FP8_SCALED, sf.WAN_TEXT_ENCODER, sf.WAN_VAE)),
 )
 
@@ -321,7 +317,7 @@ def _layout(nodes: dict[str, dict[str, Any]], depth: dict[str, int], top: int) -
 def note_text(example: Example, api: dict[str, Any]) -> str:
     """What the template's Note says: the model it needs, the command that fetches it, where it goes."""
     if example.files:
-        return sf.note_text(example, MODELS_DIR)
+        return sf.note_text(example)
     lines = [
         example.title,
         "",

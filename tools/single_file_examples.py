@@ -1,12 +1,11 @@
 """The single-file templates' ComfyUI files: what each widget of "Load diffusion model file
 (diffusers)" names, where the file comes from, and the Note that tells users so.
 
-Why apart from ``offload_examples``: a single-file template needs two things a folder template
-does not, a configs-only diffusers folder (a few MB: configs, tokenizer, scheduler) and files in
-ComfyUI's own model folders (the denoiser in ``diffusion_models``, the text encoder in
-``text_encoders``, the VAE in ``vae``: the files ComfyUI's native Wan workflows use). The Note
-names each file with its download address; the tests stand in the tiny file of the same role
-(``ComfyFile.tiny``) for each. Imports nothing from ComfyUI or from the rest of tools/.
+Why apart from ``offload_examples``: a single-file template picks what a folder template does
+not, the configs the pack carries (config ``auto``: nothing to download) and files in ComfyUI's own
+model folders (the denoiser in ``diffusion_models``, the text encoder in ``text_encoders``, the VAE
+in ``vae``: the files ComfyUI's native Wan workflows use). The Note names each file with its
+download address; the tests stand in the tiny file of the same role (``ComfyFile.tiny``) for each. Imports nothing from ComfyUI or from the rest of tools/.
 """
 
 from __future__ import annotations
@@ -16,10 +15,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 SINGLE_FILE_LOADER = "DiffusersOffloadLoadDiffusionModelFile"
-# a diffusers repository's weights (shards and their index); what stays is configs, tokenizer, scheduler
-CONFIG_ONLY_SKIP = ("*.safetensors", "*.safetensors.index.json")
-CONFIG_ONLY_WHAT = "the folder's weights: the files below replace them"
 COMFY_MODELS = "ComfyUI/models"
+AUTO_CONFIG = "auto: the pack's Wan configs"  # the loader's config option for the configs the pack carries
 
 
 @dataclass(frozen=True)
@@ -66,20 +63,16 @@ WAN22_HIGH_FP8_SCALED, WAN22_LOW_FP8_SCALED = wan22_expert("t2v", "high"), wan22
 WAN22_I2V_HIGH_FP8_SCALED, WAN22_I2V_LOW_FP8_SCALED = wan22_expert("i2v", "high"), wan22_expert("i2v", "low")
 
 
-def note_text(example: Any, models_dir: str) -> str:
+def note_text(example: Any) -> str:
     """The Note of a single-file template (``example`` an ``offload_examples.Example`` with
-    ``files``): the configs-only folder and its command, then each file, its folder and address."""
+    ``files``, config ``auto``): the pipeline whose configs the pack carries, then each file, its
+    folder and address."""
     lines = [
         example.title,
         "",
         f"Runs ComfyUI model files in the diffusers pipeline of {example.repo}",
-        f"(https://huggingface.co/{example.repo}): only its configs, tokenizer and scheduler (a few MB),",
-        f"in a folder named {example.model} under {models_dir}/.",
-        "",
-        "Download them, from the folder that holds ComfyUI/:",
-        example.download_command(),
-        f"(--exclude leaves out {example.skip_what}.)",
-        "With huggingface_hub older than 1.0 the command is `huggingface-cli download`, same arguments.",
+        f"(https://huggingface.co/{example.repo}), whose configs the pack carries: config 'auto' picks them",
+        "by the denoiser file, and the tokenizer is read from the text-encoder file. Nothing else to download.",
         "",
         "The model files, each in the folder named (the text encoder and VAE are the ones ComfyUI's own",
         "Wan workflows use):",
@@ -93,6 +86,6 @@ def note_text(example: Any, models_dir: str) -> str:
     lines += [
         "",
         "Folders elsewhere work too when extra_model_paths.yaml adds them. Refresh the page (R) and pick",
-        f"{example.model} and the files in Load diffusion model file (diffusers).",
+        "the files in Load diffusion model file (diffusers).",
     ]
     return "\n".join(lines)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from comfyhost import harness
 from fixtures import comfy_files, gguf_files
+from fixtures.tiny_tok import tiny_t5_spiece
 
 pytest_plugins = ["comfyhost.fixtures"]
 _comfy_wan, _configs_only, _component_files, _wan_gguf = (
@@ -167,6 +168,29 @@ def test_a_gguf_text_encoder_in_text_encoders_is_listed_and_generates(comfy: har
     te = write_t5_gguf(t5_state(wan_component_files["text_encoder"]), folder / "umt5-tiny-encoder-Q8_0.gguf")
     assert te.name in options(comfy, "text_encoder")
     generates(comfy, placed, placed["denoiser"], None, text_encoder=te.name)
+
+
+def test_auto_takes_the_configs_the_pack_carries(comfy: harness.ComfyHost, placed: dict, tiny_wan_dir: Path,
+                                                 wan_component_files, tmp_path: Path, monkeypatch) -> None:
+    """``config`` offers 'auto' first, then each carried folder, then models/diffusers; the tiny file
+    fits none of the released Wan shapes: a prompt error naming it. With a tiny carried root in the
+    pack's place, auto picks its folder, the tokenizer comes from the text-encoder file's
+    sentencepiece model, and Generate runs."""
+    carried = comfy.pack_submodule("offload_core.formats.carried")
+    opts = options(comfy, "config")
+    assert opts[0] == "auto: the pack's Wan configs" and placed["config"] in opts
+    assert opts[1:1 + len(carried.carried())] == ["pack: " + p.name for p in carried.carried()]
+    result = comfy.run_prompt(prompt(placed, config=opts[0]))
+    message = "" if result.success else result.error["exception_message"]
+    assert placed["denoiser"] in message and "none of the configs the pack carries" in message
+    wan = comfy_files.configs_only_copy(tiny_wan_dir, tmp_path / "carried" / "tiny-wan")
+    shutil.rmtree(wan / "tokenizer")
+    monkeypatch.setattr(carried, "ROOT", wan.parent)
+    te = comfy_files.write_fp8_text_encoder(
+        wan_component_files["text_encoder"], Path(comfy.folder_paths.get_folder_paths("text_encoders")[0])
+        / "umt5-tiny-fp8_scaled-spiece.safetensors", scaled=True, spiece=tiny_t5_spiece())
+    assert options(comfy, "config")[1] == "pack: tiny-wan"
+    generates(comfy, placed, placed["denoiser"], None, config=opts[0], text_encoder=te.name)
 
 
 def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path | None, **change: Any) -> None:

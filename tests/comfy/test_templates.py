@@ -109,23 +109,26 @@ def test_template_has_a_note_naming_its_model_and_where_it_goes(name: str) -> No
     assert len(notes) == 1, f"{name}: {len(notes)} notes"
     (text,) = notes[0]["widgets_values"]
     assert example.repo in text
+    loader = next(n for n in ui(name)["nodes"] if n["type"] in CHAIN["loader"])
+    assert loader["widgets_values"][0] == example.model  # the Note's folder (or 'auto') is the one the loader picks
+    if example.model == ex.sf.AUTO_CONFIG:  # the configs the pack carries: nothing to download but the files
+        assert "config 'auto'" in text and "download" not in text.replace("Nothing else to download", "")
+        return
     assert example.download_command() in text
     assert f"--local-dir {ex.MODELS_DIR}/{example.model}" in example.download_command()
     assert example.model in text and "huggingface-cli download" in text
-    loader = next(n for n in ui(name)["nodes"] if n["type"] in CHAIN["loader"])
-    assert loader["widgets_values"][0] == example.model  # the Note's folder is the one the loader picks
     if example.gated:
         assert "gated" in text
 
 
 @pytest.mark.parametrize("name", SINGLE_FILE)
 def test_single_file_note_names_each_file_its_folder_and_address(name: str) -> None:
-    """The loader picks the configs-only folder the command fetches and the files the Note lists,
-    each under the ComfyUI models folder the node lists it from, with its download address."""
+    """The loader picks the configs the pack carries ('auto') and the files the Note lists, each
+    under the ComfyUI models folder the node lists it from, with its download address."""
     example = ex.example(name)
     (text,) = next(n for n in ui(name)["nodes"] if n["type"] in ex.UI_ONLY)["widgets_values"]
     loader = next(n for n in ex.api_prompt(name, "m").values() if n["class_type"] == ex.sf.SINGLE_FILE_LOADER)
-    assert loader["inputs"]["config"] == "m"  # the model placeholder: the Note's folder
+    assert loader["inputs"]["config"] == "m" and example.model == ex.sf.AUTO_CONFIG  # the placeholder: 'auto'
     experts = ["denoiser", "denoiser_2"] if "a14b" in name else ["denoiser"]  # Wan 2.2 A14B: two experts' files
     assert [f.input for f in example.files] == [*experts, "text_encoder", "vae"]
     assert ("the low-noise one in denoiser_2" in text) == (len(experts) == 2)
@@ -134,8 +137,6 @@ def test_single_file_note_names_each_file_its_folder_and_address(name: str) -> N
         assert f"{ex.sf.COMFY_MODELS}/{file.folder}/{file.name}\n  {file.url}" in text
         assert file.url.startswith(f"https://huggingface.co/{file.repo}/resolve/main/") and file.url.endswith(file.name)
     assert {f.folder for f in example.files} == {"diffusion_models", "text_encoders", "vae"}
-    for glob in ex.sf.CONFIG_ONLY_SKIP:  # configs only: no weights downloaded
-        assert f'--exclude "{glob}"' in example.download_command()
     assert ("ComfyUI-GGUF" in text) == example.files[0].name.endswith(".gguf")
 
 

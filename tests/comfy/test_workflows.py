@@ -28,8 +28,8 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ on
 import offload_examples as ex  # noqa: E402
 
 pytest_plugins = ["comfyhost.fixtures"]
-_comfy_wan, _configs_only, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_configs_only,
-                                                          comfy_files.wan_component_files, gguf_files.wan_gguf_fixture)
+_comfy_wan, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_component_files,
+                                           gguf_files.wan_gguf_fixture)
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
@@ -180,12 +180,18 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
     return request.getfixturevalue("comfy_wan")(file.tiny)
 
 
-def configs_only(example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
-    """The configs-only copy of the example's tiny folder."""
-    if example.tiny == "wan":
-        return request.getfixturevalue("wan_configs_only")
-    folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
-    return comfy_files.configs_only_copy(folder, tmp / f"{folder.name}-configs")
+def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
+    """The template's config ('auto': the configs the pack carries): the example's tiny folder less
+    its weights and tokenizer (as the pack's carried folders are) in their place, so that auto picks
+    it for the tiny files."""
+    assert example.model == ex.sf.AUTO_CONFIG
+    source = request.getfixturevalue("tiny_wan_dir" if example.tiny == "wan" else "tiny_wan_family")
+    folder = source if example.tiny == "wan" else source(example.tiny)
+    carried = comfy_files.configs_only_copy(folder, tmp / "carried" / folder.name)
+    shutil.rmtree(carried / "tokenizer")
+    request.getfixturevalue("monkeypatch").setattr(comfy.pack_submodule("offload_core.formats.carried"), "ROOT",
+                                                   carried.parent)
+    return example.model
 
 
 @pytest.fixture
@@ -203,11 +209,11 @@ def gguf_listed(comfy: harness.ComfyHost) -> Any:
 
 def place_single_files(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path
                        ) -> tuple[str, dict[str, dict[str, Any]]]:
-    """A single-file template on tiny files: the configs-only tiny folder linked into models/diffusers,
+    """A single-file template on tiny files: the tiny configs in the place of the pack's carried ones,
     and for each file the template picks, its tiny stand-in copied into the ComfyUI folder the Note
     names; returns the config's name and the loader inputs that pick the stand-ins."""
     fp = comfy.folder_paths
-    config = ex.link_model(Path(fp.get_folder_paths("diffusers")[0]), configs_only(example, request, tmp))
+    config = carried_in_place(example, comfy, request, tmp)
     if any(file.name.endswith(".gguf") for file in example.files):
         request.getfixturevalue("gguf_listed")
     picks = {}
