@@ -123,20 +123,17 @@ def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
     converter from the sentencepiece model text-encoder file ``path`` carries; ``what`` names the
     config folder that lacks one, for the error."""
     import transformers
-    from safetensors import safe_open
 
     path = Path(path)
-    info = inspect_safetensors(path) if path.suffix.lower() != ".gguf" else None
-    keys = [k for k in (info.tokenizers if info else ()) if k.rsplit(".", 1)[-1] == SPIECE]
-    if not keys:
-        raise SingleFileError(f"{what} has no tokenizer and {path.name} carries none (no {SPIECE} entry): pick a "
+    model = _spiece(path)
+    if model is None:
+        raise SingleFileError(f"{what} has no tokenizer and {path.name} carries none (no {SPIECE} entry, or in a GGUF file "
+                              "no T5 tokenizer metadata): pick a "
                               "text-encoder file that carries it (Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled does) or "
                               "a diffusers config folder with a tokenizer")
     cls = getattr(transformers, cls_name, None)
     if not isinstance(cls, type):
         raise SingleFileError(f"{what}: tokenizer class {cls_name!r} is not in this transformers version")
-    with safe_open(str(path), "pt") as f:
-        model = f.get_tensor(keys[0]).numpy().tobytes()
     with tempfile.TemporaryDirectory(prefix="offload-tokenizer-") as tmp:
         (Path(tmp) / "spiece.model").write_bytes(model)
         try:
@@ -144,5 +141,21 @@ def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
         except Exception as exc:  # no sentencepiece / protobuf, or a damaged model
             raise SingleFileError(f"the tokenizer {path.name} carries could not be read ({type(exc).__name__}: "
                                   f"{exc}); the pack needs the sentencepiece and protobuf packages") from exc
-    log.info("%s: tokenizer read from its %s entry (%d pieces)", path.name, SPIECE, len(tokenizer))
+    log.info("%s: tokenizer read from its sentencepiece model (%d pieces)", path.name, len(tokenizer))
     return tokenizer
+
+
+def _spiece(path: Path) -> bytes | None:
+    """The sentencepiece model a text-encoder file carries: a safetensors file's ``spiece_model``
+    entry, or a GGUF file's tokenizer metadata (`gguf_text_encoder.gguf_spiece`)."""
+    if path.suffix.lower() == ".gguf":
+        from .gguf_text_encoder import gguf_spiece
+
+        return gguf_spiece(path)
+    keys = [k for k in inspect_safetensors(path).tokenizers if k.rsplit(".", 1)[-1] == SPIECE]
+    if not keys:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor(keys[0]).numpy().tobytes()

@@ -105,3 +105,47 @@ def _decoded(tensor: torch.Tensor, dtype: torch.dtype, keep32: bool) -> torch.Te
     if isinstance(tensor, GGUFParameter):
         tensor = dequantize_gguf_tensor(tensor)
     return tensor.to(torch.float32 if keep32 else dtype) if tensor.is_floating_point() else tensor
+
+
+def gguf_spiece(path: Path) -> bytes | None:
+    """The sentencepiece model of a T5 / UMT5 GGUF file, rebuilt from the tokenizer metadata
+    llama.cpp's converter writes (pieces, scores, types, special ids, normalizer flags and charsmap)
+    as ComfyUI-GGUF rebuilds it for ComfyUI's Wan tokenizer; None when the file has none."""
+    from gguf import GGUFReader
+    from sentencepiece import sentencepiece_model_pb2 as spm
+
+    reader = GGUFReader(str(path))
+    if _value(reader, "tokenizer.ggml.model") != "t5":
+        return None
+    model = spm.ModelProto()
+    pieces = zip(_values(reader, "tokenizer.ggml.tokens"), _values(reader, "tokenizer.ggml.scores"),
+                 _values(reader, "tokenizer.ggml.token_type"), strict=True)
+    for piece, score, kind in pieces:
+        model.pieces.add(piece=piece, score=float(score), type=int(kind))  # (gguf's token types are spm's)
+    model.trainer_spec.model_type = spm.TrainerSpec.UNIGRAM
+    model.trainer_spec.bos_id = -1
+    for key, field in (("eos_token_id", "eos_id"), ("padding_token_id", "pad_id"), ("unknown_token_id", "unk_id")):
+        if (value := _value(reader, f"tokenizer.ggml.{key}")) is not None:
+            setattr(model.trainer_spec, field, int(value))
+    spec = model.normalizer_spec
+    spec.add_dummy_prefix = bool(_value(reader, "tokenizer.ggml.add_space_prefix", True))
+    spec.remove_extra_whitespaces = bool(_value(reader, "tokenizer.ggml.remove_extra_whitespaces", True))
+    spec.escape_whitespaces = True
+    charsmap = reader.get_field("tokenizer.ggml.precompiled_charsmap")
+    spec.precompiled_charsmap = bytes(_values(reader, "tokenizer.ggml.precompiled_charsmap")) if charsmap else b""
+    return model.SerializeToString()
+
+
+def _values(reader: Any, key: str) -> list[Any]:
+    """The items of a GGUF array field, strings decoded."""
+    field = reader.get_field(key)
+    text = field.types[-1].name == "STRING"
+    return [bytes(field.parts[i]).decode("utf-8") if text else field.parts[i].item() for i in field.data]
+
+
+def _value(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        return default
+    value = field.parts[field.data[-1]]
+    return bytes(value).decode("utf-8") if field.types[0].name == "STRING" else value.item()

@@ -24,6 +24,7 @@ from diffusers_offload.offload_core.formats.single_file_pipeline import load_pip
 from fixtures import comfy_files
 from fixtures.comfy_files import configs_only_copy, write_comfy_wan, write_fp8_text_encoder
 from fixtures.gguf_files import comfy_wan_shapes
+from fixtures.gguf_text_encoders import t5_state, write_t5_gguf
 from fixtures.placements import run_placed
 from fixtures.tiny_tok import tiny_t5_spiece, tiny_t5_tokenizer
 
@@ -139,9 +140,28 @@ def test_a_pipeline_from_carried_configs_runs_as_one_from_a_configs_folder(
     with caplog.at_level("INFO", logger="diffusers_offload"):
         folder = carried.pick(denoiser, False, tiny_carried["wan"].parent)
         pipe = load_pipeline_with_denoiser(folder, denoiser, BF16, te, vae)
-    assert "tokenizer read from its spiece_model entry" in caplog.text
-    reference = load_pipeline_with_denoiser(wan_configs_only, denoiser, BF16, te, vae)
-    for prompt in ("a red fox, jumping!", "Two cats at night 42"):
+    assert "tokenizer read from its sentencepiece model" in caplog.text
+    _runs_as_the_configs_folder_pipeline(pipe, load_pipeline_with_denoiser(wan_configs_only, denoiser, BF16, te, vae))
+
+
+def test_a_gguf_text_encoder_gives_the_tokenizer_from_its_metadata(
+        tiny_carried, comfy_wan, wan_configs_only, wan_component_files, tmp_path) -> None:
+    """city96's UMT5 GGUFs carry llama.cpp's tokenizer metadata (no spiece_model entry): the
+    sentencepiece model is rebuilt from it, as ComfyUI-GGUF does; without it, refused by name."""
+    state, vae = t5_state(wan_component_files["text_encoder"]), wan_component_files["vae"]
+    te = write_t5_gguf(state, tmp_path / "umt5-tiny-encoder-Q8_0.gguf", spiece=tiny_t5_spiece())
+    pipe = load_pipeline_with_denoiser(tiny_carried["wan"], comfy_wan("fp8"), BF16, te, vae)
+    _runs_as_the_configs_folder_pipeline(pipe, load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16,
+                                                                           te, vae))
+    bare = write_t5_gguf(state, tmp_path / "umt5-tiny-bare-Q8_0.gguf")
+    with pytest.raises(SingleFileError, match=f"{bare.name} carries none .*no T5 tokenizer metadata"):
+        load_pipeline_with_denoiser(tiny_carried["wan"], comfy_wan("fp8"), BF16, bare, vae)
+
+
+def _runs_as_the_configs_folder_pipeline(pipe, reference) -> None:
+    """``pipe`` (carried configs, the tokenizer from the text-encoder file) tokenizes as the tiny
+    folder's tokenizer and runs, placed, to the bits of ``reference`` (the configs folder's)."""
+    for prompt in ("a red fox, jumping!", "Two cats at night 42", "  spaced   out  "):
         assert pipe.tokenizer(prompt).input_ids == tiny_t5_tokenizer()(prompt).input_ids
     for p in (pipe, reference):
         p.set_progress_bar_config(disable=True)
@@ -150,7 +170,7 @@ def test_a_pipeline_from_carried_configs_runs_as_one_from_a_configs_folder(
 
 def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried, comfy_wan, wan_component_files):
     te = wan_component_files["text_encoder"]
-    with pytest.raises(SingleFileError, match=f"{te.name} carries none \\(no spiece_model entry\\)"):
+    with pytest.raises(SingleFileError, match=f"{te.name} carries none \\(no spiece_model entry"):
         load_pipeline_with_denoiser(tiny_carried["wan"], comfy_wan("fp8"), BF16, te, wan_component_files["vae"])
 
 
