@@ -5,9 +5,10 @@ its two experts' files).
 Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not bf16 diffusers
 folders. Files are listed through ``folder_paths`` (so ``extra_model_paths.yaml`` works); the
 config folder gives the pipeline class, configs, tokenizer and scheduler, and the optional
-text-encoder / VAE files its other weights. For Wan the pack carries the configs (`carried`: no
-diffusers folder needed, the tokenizer read from the text-encoder file); for other families a
-diffusers folder (a configs-only copy is enough) under models/diffusers.
+text-encoder / VAE files its other weights. For Wan and FLUX.1 the pack carries the configs
+(`carried`: no diffusers folder needed; Wan's tokenizer read from the text-encoder file, FLUX.1's
+from ComfyUI's own tokenizer folders); for other families a diffusers folder (a configs-only copy
+is enough) under models/diffusers.
 """
 
 from __future__ import annotations
@@ -38,13 +39,21 @@ from .web_api import search_aliases
 
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = ("auto", *COMPUTE)
-AUTO = "auto: the pack's Wan configs"
+AUTO = "auto: the pack's configs (Wan, FLUX.1)"
 PACK = "pack: "  # a config folder the pack carries, by name
 
 
 def config_options() -> list[str]:
     """The pack's configs (picked by the file, or by name), then the diffusers folders under models/diffusers."""
     return [AUTO, *(PACK + p.name for p in carried.carried()), *list_models()]
+
+
+def comfy_package() -> Path:
+    """The folder of ComfyUI's ``comfy`` package, where it ships its tokenizers (not
+    ``folder_paths.base_path``, which ``--base-directory`` moves)."""
+    import comfy.sd1_clip
+
+    return Path(comfy.sd1_clip.__file__).resolve().parent
 
 
 def config_folder(config: str, denoiser: str, two_experts: bool) -> Path:
@@ -66,15 +75,15 @@ class LoadDiffusionModelFile(io.ComfyNode):
             display_name="Load diffusion model file (diffusers)",
             category=CATEGORY,
             description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8 or GGUF) into the "
-                        "pipeline of its family: for Wan 2.1 / 2.2 the configs the pack carries (auto), else a "
+                        "pipeline of its family: for Wan 2.1 / 2.2 and FLUX.1 the configs the pack carries (auto), else a "
                         "diffusers folder of the same family (configs-only is enough when the text-encoder and "
                         "VAE files are picked). The file's storage (fp8, GGUF) is kept. "
                         "Wan 2.2 A14B: the high-noise file in denoiser, the low-noise one in denoiser_2.",
             inputs=[
                 io.Combo.Input("config", options=config_options(),
-                               tooltip="auto: the configs the pack carries for Wan 2.1 / 2.2, picked by the "
-                                       "denoiser file's shape (the tokenizer is read from the text-encoder file, "
-                                       "as Comfy-Org's UMT5 files carry it); or one of them by name; or a "
+                               tooltip="auto: the configs the pack carries for Wan 2.1 / 2.2 and FLUX.1, picked "
+                                       "by the denoiser file's shape (Wan's tokenizer is read from the text-encoder "
+                                       "file, FLUX.1's are ComfyUI's own); or one of them by name; or a "
                                        "diffusers folder of the file's family under models/diffusers (configs, "
                                        "tokenizer and scheduler; weights optional)."),
                 io.Combo.Input("denoiser", options=denoiser_files(),
@@ -119,7 +128,8 @@ class LoadDiffusionModelFile(io.ComfyNode):
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder), optional(("vae",), vae),
                                            optional(TEXT_ENCODER_FOLDERS, text_encoder_2),
                                            optional(DENOISER_FOLDERS, denoiser_2),
-                                           optional(("clip_vision",), image_encoder))
+                                           optional(("clip_vision",), image_encoder),
+                                           comfy_tokenizers=comfy_package())
         if fp8_matmul and host.fp8_matmul(settings):
             _store(pipe, torch.float8_e4m3fn, compute, matmul=True)
         return _handle(pipe, folder, compute, settings)

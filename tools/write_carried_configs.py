@@ -1,12 +1,14 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI diffusers folders, so a single-file user needs no diffusers folder.
+copies of the Wan-AI and FLUX.1 diffusers folders, so a single-file user needs no diffusers folder.
 
 Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
 transformer sizes, the Wan 2.2 VAE less its ``clip_output``, which AutoencoderKLWan does not take,
 UniPC's flow shift, boundary ratios), google/umt5-xxl's config (ComfyUI's ``umt5_config_xxl.json``
-holds the same) and Wan 2.1 I2V's CLIP ViT-H/14 image encoder. Each file is saved by its real class
-(models built on the meta device), so it is what that class's loader reads. No tokenizer: it
-comes from the text-encoder file. Run after a diffusers upgrade that changes a config:
+holds the same) and Wan 2.1 I2V's CLIP ViT-H/14 image encoder; FLUX.1's: diffusers' own defaults for
+its transformer, the FLUX.1 VAE, schedulers and CLIP-L / T5-XXL (ComfyUI's ``sd1_clip_config.json``
+and ``t5_config_xxl.json`` hold the same). Each file is saved by its real class (models built on
+the meta device), so it is what that class's loader reads. No tokenizer: Wan's comes from the
+text-encoder file, FLUX.1's from the folders ComfyUI ships them in (``tokenizers.json``). Run after a diffusers upgrade that changes a config:
 
     .venv/bin/python tools/write_carried_configs.py
 """
@@ -51,6 +53,25 @@ WAN22_VAE = dict(base_dim=160, z_dim=48, is_residual=True, in_channels=12, out_c
                      0.6885, 0.6165, 0.8454, 0.4978, 0.5759, 0.3523, 0.7135, 0.6804, 0.5833, 1.4146, 0.8986, 0.5659,
                      0.7069, 0.5338, 0.4889, 0.4917, 0.4069, 0.4999, 0.6866, 0.4093, 0.5709, 0.6065, 0.6415, 0.4944,
                      0.5726, 1.2042, 0.5458, 1.6887, 0.3971, 1.0600, 0.3943, 0.5537, 0.5444, 0.4089, 0.7468, 0.7744])
+
+
+CLIP_L = dict(bos_token_id=0, eos_token_id=2, hidden_act="quick_gelu", hidden_size=768, intermediate_size=3072,
+              layer_norm_eps=1e-5, max_position_embeddings=77, num_attention_heads=12, num_hidden_layers=12,
+              pad_token_id=1, projection_dim=768, vocab_size=49408)
+T5_XXL = dict(d_ff=10240, d_kv=64, d_model=4096, decoder_start_token_id=0, dense_act_fn="gelu_new", eos_token_id=1,
+              feed_forward_proj="gated-gelu", is_gated_act=True, layer_norm_epsilon=1e-6, num_decoder_layers=24,
+              num_heads=64, num_layers=24, pad_token_id=0, relative_attention_max_distance=128,
+              relative_attention_num_buckets=32, tie_word_embeddings=False, vocab_size=32128)
+FLUX_VAE = dict(block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+                up_block_types=["UpDecoderBlock2D"] * 4, force_upcast=True, latent_channels=16, layers_per_block=2,
+                sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159, use_post_quant_conv=False,
+                use_quant_conv=False)
+FLUX_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=4096, max_shift=1.15,
+                      num_train_timesteps=1000)
+FLUX_TOKENIZERS = {"tokenizer": {"comfyui": "sd1_tokenizer", "model_max_length": 77},  # (ComfyUI's says 8192)
+                   "tokenizer_2": {"comfyui": "text_encoders/t5_tokenizer", "model_max_length": 512}}
+FLUX = {"FLUX.1-dev": dict(guidance_embeds=True, shift=3.0, use_dynamic_shifting=True),
+        "FLUX.1-schnell": dict(guidance_embeds=False, shift=1.0, use_dynamic_shifting=False)}
 
 
 @dataclass(frozen=True)
@@ -111,11 +132,34 @@ def write_variant(out: Path, v: Variant) -> None:
     (out / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
+def write_flux(out: Path, guidance_embeds: bool, shift: float, use_dynamic_shifting: bool) -> None:
+    with init_empty_weights():
+        diffusers.FluxTransformer2DModel.from_config({"guidance_embeds": guidance_embeds}).save_config(out / "transformer")
+        diffusers.AutoencoderKL.from_config(FLUX_VAE).save_config(out / "vae")
+    diffusers.FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER, shift=shift, use_dynamic_shifting=use_dynamic_shifting
+                                              ).save_config(out / "scheduler")
+    for name, config, cls in (("text_encoder", transformers.CLIPTextConfig(**CLIP_L), "CLIPTextModel"),
+                              ("text_encoder_2", transformers.T5Config(**T5_XXL), "T5EncoderModel")):
+        config.architectures = [cls]
+        config.save_pretrained(out / name)
+    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
+             "feature_extractor": [None, None], "image_encoder": [None, None],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
+             "text_encoder_2": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "CLIPTokenizer"],
+             "tokenizer_2": ["transformers", "T5TokenizerFast"], "transformer": ["diffusers", "FluxTransformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKL"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "tokenizers.json").write_text(json.dumps(FLUX_TOKENIZERS, indent=2) + "\n")
+
+
 def main(root: Path = OUT) -> None:
     if root.exists():
         shutil.rmtree(root)
     for name, variant in VARIANTS.items():
         write_variant(root / name, variant)
+        print(f"wrote {root / name}")
+    for name, flux in FLUX.items():
+        write_flux(root / name, **flux)
         print(f"wrote {root / name}")
 
 

@@ -1,45 +1,28 @@
-"""Configs the pack carries (Wan 2.1 / 2.2: configs-only copies of the Wan-AI diffusers folders,
-written by ``tools/write_carried_configs.py``), so a user holding only ComfyUI single files needs
-no diffusers folder: the one whose transformer fits the denoiser file's shapes is picked, and the
-tokenizer comes from the text-encoder file (Comfy-Org's UMT5 files carry its sentencepiece model,
-which is what ComfyUI's own Wan tokenizer reads).
+"""Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2
+and of FLUX.1 dev / schnell, written by ``tools/write_carried_configs.py``), so a user holding only
+ComfyUI single files needs no diffusers folder: the one whose transformer fits the denoiser file's
+shape is picked. They hold no tokenizer: Wan's comes from the text-encoder file (Comfy-Org's UMT5
+files carry its sentencepiece model, which is what ComfyUI's own Wan tokenizer reads), FLUX.1's
+from the folders ComfyUI ships its CLIP-L and T5 tokenizers in (a folder's ``tokenizers.json``).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..log import get_logger
+from .denoiser_shapes import FILE_READERS, config_shape, file_shape
 from .inspect import SingleFileError, SingleFileInfo, describe_keys, inspect_safetensors
 
 log = get_logger("single_file")
 
 ROOT = Path(__file__).with_name("carried_configs")
 SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encoder file carries
-WAN_PREFIX = re.compile(r"^(model\.diffusion_model\.|diffusion_model\.)")
-
-
-@dataclass(frozen=True)
-class WanShape:
-    """What tells Wan transformers apart: width, depth, channels, feed-forward size, image embedding."""
-
-    width: int
-    layers: int
-    in_channels: int
-    out_channels: int
-    ffn: int
-    image_dim: int | None
-
-    def __str__(self) -> str:
-        image = f", image embedding {self.image_dim}" if self.image_dim else ""
-        return (f"{self.layers} blocks of width {self.width} (feed-forward {self.ffn}), {self.in_channels} "
-                f"input / {self.out_channels} output channels{image}")
+SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
+FAMILIES = "Wan 2.1 / 2.2 and FLUX.1"
 
 
 def carried() -> list[Path]:
@@ -68,16 +51,16 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
     """The one of ``folders`` whose transformer has the shape of the denoiser ``info`` describes and
     which has a second expert exactly when ``two_experts`` (Wan 2.2 A14B); a file of another family,
     or of no carried shape, is refused saying what it is."""
-    if info.family != "wan":
-        raise SingleFileError(f"{info.path} looks like {info.looks_like}: the pack carries configs for Wan 2.1 / 2.2 "
+    if info.family not in FILE_READERS:
+        raise SingleFileError(f"{info.path} looks like {info.looks_like}: the pack carries configs for {FAMILIES} "
                               "only; pick a diffusers config folder of its family (models/diffusers)")
-    shape = wan_shape(info)
-    fits = [f for f in folders if _config_shape(f / "transformer") == shape]
+    shape = file_shape(info)
+    fits = [f for f in folders if config_shape(f / "transformer", info.family) == shape]
     chosen = [f for f in fits if (f / "transformer_2").is_dir() == two_experts]
     if not chosen:
         hint = ("; Wan 2.2 A14B: its high-noise file goes in denoiser, its low-noise one in denoiser_2"
                 if fits and not two_experts else "; leave denoiser_2 at 'none'" if fits else "")
-        raise SingleFileError(f"{info.path} is a Wan denoiser of {shape}{' with a second expert' * two_experts}: "
+        raise SingleFileError(f"{info.path} is a {info.family} denoiser of {shape}{' with a second expert' * two_experts}: "
                               f"none of the configs the pack carries ({', '.join(f.name for f in folders)}) fits it"
                               f"{hint}; else pick a diffusers config folder of its model")
     return chosen[0]
@@ -93,29 +76,44 @@ def _info(path: Path) -> SingleFileInfo:
     return inspect_safetensors(path)
 
 
-def wan_shape(info: SingleFileInfo) -> WanShape:
-    """The shape of a Wan transformer from its ComfyUI key names (the original Wan layout)."""
-    shapes = {WAN_PREFIX.sub("", k): s for k, s in info.shapes.items()}
-    try:
-        width, in_channels = shapes["patch_embedding.weight"][:2]
-        patch = shapes["patch_embedding.weight"][2:]
-        out_channels = shapes["head.head.weight"][0] // max(1, math.prod(patch))
-        ffn = shapes["blocks.0.ffn.0.weight"][0]
-    except (KeyError, ValueError) as exc:
-        raise SingleFileError(f"{info.path} has no Wan transformer key {exc}: it is not a Wan denoiser the pack's "
-                              "configs fit; pick a diffusers config folder of its model") from exc
-    layers = len({k.split(".")[1] for k in shapes if k.startswith("blocks.")})
-    image = shapes.get("img_emb.proj.0.weight")
-    return WanShape(width, layers, in_channels, out_channels, ffn, image[0] if image else None)
+def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
+                       comfy_tokenizers: Path | None) -> dict[str, Any]:
+    """The tokenizers config ``folder`` lacks (the carried folders hold none), by component name:
+    each from the folder ComfyUI ships it in where the folder's ``tokenizers.json`` names one (under
+    ``comfy_tokenizers``, ComfyUI's ``comfy`` package folder), else read from the sentencepiece model
+    its text-encoder file carries (``tokenizer_2`` from ``text_encoder_2``)."""
+    shipped = json.loads((folder / SHIPPED).read_text(encoding="utf-8")) if (folder / SHIPPED).is_file() else {}
+    out: dict[str, Any] = {}
+    for name, spec in index.items():
+        if not name.startswith("tokenizer") or not (isinstance(spec, list) and all(spec)) or (folder / name).is_dir():
+            continue
+        if name in shipped:
+            out[name] = _shipped(folder, name, str(spec[1]), dict(shipped[name]), comfy_tokenizers)
+            continue
+        encoder = files.get(name.replace("tokenizer", "text_encoder"))
+        if encoder is None:
+            raise SingleFileError(f"the config folder {folder} has no {name}: pick the text-encoder file, whose "
+                                  "tokenizer the pack reads")
+        out[name] = tokenizer_from_file(Path(encoder), str(spec[1]), f"the config folder {folder}")
+    return out
 
 
-def _config_shape(folder: Path) -> WanShape | None:
+def _shipped(folder: Path, name: str, cls_name: str, entry: dict, comfy_tokenizers: Path | None) -> Any:
+    """A tokenizer ComfyUI ships (``entry``: its ``comfyui`` subfolder and the options to load it with)."""
+    import transformers
+
+    source = Path(comfy_tokenizers or "") / entry.pop("comfyui")
+    if comfy_tokenizers is None or not source.is_dir():
+        raise SingleFileError(f"the config folder {folder} takes its {name} from ComfyUI's {source.name} folder, which "
+                              f"{'was not given' if comfy_tokenizers is None else f'is not at {source}'}: use a "
+                              "diffusers config folder with a tokenizer")
     try:
-        c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        return WanShape(c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["in_channels"],
-                        c["out_channels"], c["ffn_dim"], c.get("image_dim"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+        tokenizer = getattr(transformers, cls_name).from_pretrained(str(source), **entry)
+    except Exception as exc:
+        raise SingleFileError(f"ComfyUI's tokenizer {source} could not be read as {cls_name} ({type(exc).__name__}: "
+                              f"{exc}): use a diffusers config folder with a tokenizer") from exc
+    log.info("%s: %s from ComfyUI's %s", folder.name, name, source)
+    return tokenizer
 
 
 def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:

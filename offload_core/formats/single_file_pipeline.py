@@ -16,7 +16,7 @@ import torch
 
 from ..log import get_logger
 from . import w4a8
-from .carried import tokenizer_from_file
+from .carried import missing_tokenizers
 from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
@@ -48,12 +48,13 @@ ROLES = {"image_encoder": "image_encoder"}  # the role a component's file must h
 def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype: torch.dtype,
                                 text_encoder_file: Path | None = None, vae_file: Path | None = None,
                                 text_encoder_2_file: Path | None = None, denoiser_2_file: Path | None = None,
-                                image_encoder_file: Path | None = None) -> Any:
-    """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family; a configs-only
-    one is enough when the text-encoder and VAE files are given: Flux's T5 is ``text_encoder_2``)
-    with the denoiser from ``denoiser_file``, computing in ``dtype``; Wan 2.2 A14B's second denoiser
-    (``transformer_2``, the low-noise expert) from ``denoiser_2_file``; Wan 2.1 I2V's CLIP vision
-    encoder from ``image_encoder_file``."""
+                                image_encoder_file: Path | None = None, comfy_tokenizers: Path | None = None) -> Any:
+    """The pipeline of ``config_folder`` (a diffusers folder of the denoiser's family, or one the
+    pack carries; a configs-only one is enough when the text-encoder and VAE files are given: Flux's
+    T5 is ``text_encoder_2``) with the denoiser from ``denoiser_file``, computing in ``dtype``; Wan
+    2.2 A14B's second denoiser (``transformer_2``, the low-noise expert) from ``denoiser_2_file``;
+    Wan 2.1 I2V's CLIP vision encoder from ``image_encoder_file``; the tokenizers the folder lacks
+    from ComfyUI's ``comfy_tokenizers`` folder or the text-encoder files (`carried.missing_tokenizers`)."""
     folder = Path(config_folder)
     index = _read_index(folder)
     if "transformer" not in index:
@@ -77,7 +78,7 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
             kind = FILE_KINDS.get(name)
             pick = f"pick {_a(kind)} for it" if kind else "use a diffusers folder that has them"
             raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
-    parts.update(_tokenizers(folder, index, files))
+    parts.update(missing_tokenizers(folder, index, files, comfy_tokenizers))
     parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
     _check_experts(denoiser_file, denoiser_2_file)
     try:
@@ -88,21 +89,6 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
     log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
              "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
     return pipe
-
-
-def _tokenizers(folder: Path, index: dict, files: dict[str, Path | None]) -> dict[str, Any]:
-    """The tokenizers the config folder lacks (the pack's carried configs have none), each read
-    from the sentencepiece model its text-encoder file carries (``tokenizer_2`` from ``text_encoder_2``)."""
-    out: dict[str, Any] = {}
-    for name, spec in index.items():
-        if not name.startswith("tokenizer") or not (isinstance(spec, list) and all(spec)) or (folder / name).is_dir():
-            continue
-        encoder = files.get(name.replace("tokenizer", "text_encoder"))
-        if encoder is None:
-            raise SingleFileError(f"the config folder {folder} has no {name}: pick the text-encoder file, whose "
-                                  "tokenizer the pack reads")
-        out[name] = tokenizer_from_file(Path(encoder), str(spec[1]), f"the config folder {folder}")
-    return out
 
 
 def _check_experts(denoiser_file: Path, denoiser_2_file: Path | None) -> None:

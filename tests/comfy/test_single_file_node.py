@@ -7,6 +7,7 @@ next prompt running."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,7 @@ def test_auto_takes_the_configs_the_pack_carries(comfy: harness.ComfyHost, place
     sentencepiece model, and Generate runs."""
     carried = comfy.pack_submodule("offload_core.formats.carried")
     opts = options(comfy, "config")
-    assert opts[0] == "auto: the pack's Wan configs" and placed["config"] in opts
+    assert opts[0] == "auto: the pack's configs (Wan, FLUX.1)" and placed["config"] in opts
     assert opts[1:1 + len(carried.carried())] == ["pack: " + p.name for p in carried.carried()]
     result = comfy.run_prompt(prompt(placed, config=opts[0]))
     message = "" if result.success else result.error["exception_message"]
@@ -191,6 +192,23 @@ def test_auto_takes_the_configs_the_pack_carries(comfy: harness.ComfyHost, place
         / "umt5-tiny-fp8_scaled-spiece.safetensors", scaled=True, spiece=tiny_t5_spiece())
     assert options(comfy, "config")[1] == "pack: tiny-wan"
     generates(comfy, placed, placed["denoiser"], None, config=opts[0], text_encoder=te.name)
+
+
+def test_flux_configs_take_comfyuis_own_tokenizers(comfy: harness.ComfyHost) -> None:
+    """The carried FLUX.1 folders hold no tokenizer: CLIP-L's and T5's load from the running
+    ComfyUI's own folders (where the node points) and tokenize a prompt as ComfyUI's Flux tokenizer."""
+    import comfy.text_encoders.flux as comfy_flux
+
+    carried = comfy.pack_submodule("offload_core.formats.carried")
+    for folder in (carried.by_name("FLUX.1-dev"), carried.by_name("FLUX.1-schnell")):
+        index = json.loads((folder / "model_index.json").read_text())
+        ours = carried.missing_tokenizers(folder, index, {}, comfy.pack_submodule("nodes.single_file").comfy_package())
+        assert ours["tokenizer"].model_max_length == 77 and ours["tokenizer_2"].model_max_length == 512
+        prompt = "A red fox, jumping over a frozen river at dawn - photo: 35mm, f/1.8!"  # (no ComfyUI weights)
+        theirs = comfy_flux.FluxTokenizer().tokenize_with_weights(prompt)
+        for name, key in (("tokenizer", "l"), ("tokenizer_2", "t5xxl")):
+            ids = ours[name](prompt).input_ids
+            assert [t[0] for t in theirs[key][0]][:len(ids)] == ids, name
 
 
 def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path | None, **change: Any) -> None:

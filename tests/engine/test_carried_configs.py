@@ -1,4 +1,4 @@
-"""The configs the pack carries (Wan 2.1 / 2.2), so single files run without a diffusers folder:
+"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1), so single files run without a diffusers folder:
 each carried folder builds the released models' sizes through the real classes and is what
 ``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
 second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
@@ -23,6 +23,7 @@ from diffusers_offload.offload_core.formats.inspect import SingleFileError, desc
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files
 from fixtures.comfy_files import configs_only_copy, write_comfy_wan, write_fp8_text_encoder
+from fixtures.flux_files import bfl_flux_state
 from fixtures.gguf_files import comfy_wan_shapes
 from fixtures.gguf_text_encoders import t5_state, write_t5_gguf
 from fixtures.placements import run_placed
@@ -38,8 +39,10 @@ RELEASED = {"Wan2.1-T2V-1.3B-Diffusers": 1.419, "Wan2.1-T2V-14B-Diffusers": 14.2
             "Wan2.2-T2V-A14B-Diffusers": 14.29, "Wan2.2-I2V-A14B-Diffusers": 14.29, "Wan2.2-TI2V-5B-Diffusers": 5.000}
 VAE = {False: 0.127, True: 0.705}  # wan_2.1_vae, wan2.2_vae (48 latent channels)
 UMT5_XXL_ENCODER, CLIP_VISION_H = 5.68, 0.632
-TINY = {"wan": None, "wan_i2v": "transformer", "wan22_ti2v": "transformer", "wan22_a14b": "transformer",
-        "wan22_a14b_i2v": "transformer"}
+FLUX_TRANSFORMER, FLUX_VAE, CLIP_L_TEXT, T5_XXL_ENCODER = 11.90, 0.0838, 0.1231, 4.762
+TINY = ("wan", "wan_i2v", "wan22_ti2v", "wan22_a14b", "wan22_a14b_i2v")
+WAN = [f for f in carried.carried() if f.name.startswith("Wan")]
+FLUX = [f for f in carried.carried() if f.name.startswith("FLUX.1")]
 
 
 def _billions(model: torch.nn.Module) -> float:
@@ -55,12 +58,22 @@ def _meta(cls: type, folder: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("folder", carried.carried(), ids=lambda p: p.name)
-def test_each_carried_folder_builds_the_released_model_sizes(folder: Path) -> None:
+def _index(folder: Path) -> dict:
+    """The folder's pipeline index, checked to name only components its pipeline class takes."""
     index = json.loads((folder / "model_index.json").read_text())
-    pipeline = getattr(diffusers, index["_class_name"])
-    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(pipeline)
+    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(getattr(diffusers, index["_class_name"]))
     assert {k for k in index if not k.startswith("_")} <= {*expected, *optional}
+    assert not any(folder.rglob("*.safetensors")) and not any(folder.glob("tokenizer*/"))
+    return index
+
+
+def test_the_pack_carries_wan_and_flux_configs() -> None:
+    assert len(WAN) == 6 and [f.name for f in FLUX] == ["FLUX.1-dev", "FLUX.1-schnell"]
+
+
+@pytest.mark.parametrize("folder", WAN, ids=lambda p: p.name)
+def test_each_carried_wan_folder_builds_the_released_model_sizes(folder: Path) -> None:
+    index = _index(folder)
     for name in ("transformer", "transformer_2") if (folder / "transformer_2").is_dir() else ("transformer",):
         assert _billions(_meta(diffusers.WanTransformer3DModel, folder / name)) == pytest.approx(
             RELEASED[folder.name], rel=5e-3)
@@ -75,7 +88,25 @@ def test_each_carried_folder_builds_the_released_model_sizes(folder: Path) -> No
             "height": 224, "width": 224}
     scheduler = diffusers.UniPCMultistepScheduler.from_pretrained(str(folder / "scheduler"))
     assert scheduler.config.flow_shift == (5.0 if "TI2V" in folder.name else 3.0)
-    assert not (folder / "tokenizer").exists() and not any(folder.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("folder", FLUX, ids=lambda p: p.name)
+def test_each_carried_flux_folder_builds_the_released_model_sizes(folder: Path) -> None:
+    """FLUX.1 dev / schnell: the same sizes, dev with a guidance input and a dynamic-shift scheduler;
+    the tokenizers are ComfyUI's (CLIP-L at 77 tokens, T5 at 512, as the released folders)."""
+    _index(folder)
+    dev = folder.name == "FLUX.1-dev"
+    transformer = _meta(diffusers.FluxTransformer2DModel, folder / "transformer")
+    assert _billions(transformer) == pytest.approx(FLUX_TRANSFORMER, rel=5e-3) and transformer.config.guidance_embeds == dev
+    assert _billions(_meta(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
+    assert _billions(_meta(transformers.CLIPTextModel, folder / "text_encoder")) == pytest.approx(CLIP_L_TEXT, rel=5e-3)
+    assert _billions(_meta(transformers.T5EncoderModel, folder / "text_encoder_2")) == pytest.approx(
+        T5_XXL_ENCODER, rel=5e-3)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler"))
+    assert (scheduler.config.use_dynamic_shifting, scheduler.config.shift) == ((True, 3.0) if dev else (False, 1.0))
+    assert json.loads((folder / "tokenizers.json").read_text()) == {
+        "tokenizer": {"comfyui": "sd1_tokenizer", "model_max_length": 77},
+        "tokenizer_2": {"comfyui": "text_encoders/t5_tokenizer", "model_max_length": 512}}
 
 
 def test_the_carried_folders_are_what_the_tool_writes(tmp_path: Path, monkeypatch) -> None:
@@ -93,8 +124,20 @@ def test_the_carried_folders_are_what_the_tool_writes(tmp_path: Path, monkeypatc
     assert files(tmp_path / "out") == files(carried.ROOT)
 
 
-@pytest.mark.parametrize("folder", carried.carried(), ids=lambda p: p.name)
-def test_each_released_shape_picks_its_own_folder(folder: Path) -> None:
+@pytest.mark.parametrize("folder", FLUX, ids=lambda p: p.name)
+def test_each_released_flux_shape_picks_its_own_folder(folder: Path) -> None:
+    """A FLUX.1 file (BFL's key names) picks dev or schnell by its guidance input; Fill's 384 input
+    channels fit neither."""
+    model = _meta(diffusers.FluxTransformer2DModel, folder / "transformer")
+    info = describe_keys(Path(f"{folder.name}.safetensors"), {k: tuple(v.shape) for k, v in bfl_flux_state(model).items()})
+    assert info.family == "flux" and carried.choose(info, False, carried.carried()) == folder
+    fill = dict(info.shapes, **{"img_in.weight": (3072, 384)})
+    with pytest.raises(SingleFileError, match="flux denoiser of 19 double and 38 single blocks .* 384 input channels"):
+        carried.choose(describe_keys(Path("flux1-fill-dev.safetensors"), fill), False, carried.carried())
+
+
+@pytest.mark.parametrize("folder", WAN, ids=lambda p: p.name)
+def test_each_released_wan_shape_picks_its_own_folder(folder: Path) -> None:
     """A file holding the released model's tensors (its header: the shapes of the model built on
     the meta device, under ComfyUI's key names) picks its folder; A14B's experts need both files."""
     shapes = comfy_wan_shapes(_meta(diffusers.WanTransformer3DModel, folder / "transformer"))
@@ -175,7 +218,7 @@ def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried
 
 
 def test_a_file_of_another_family_or_role_is_refused(wan_component_files) -> None:
-    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2 only"):
+    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2 and FLUX.1 only"):
         carried.pick(wan_component_files["text_encoder"], False)
     with pytest.raises(SingleFileError, match="carries no config folder 'Wan9'.*Wan2.1-T2V-14B-Diffusers"):
         carried.by_name("Wan9")

@@ -20,6 +20,7 @@ import torch
 from diffusers import DiffusionPipeline, FluxTransformer2DModel
 from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats import carried
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
@@ -238,3 +239,24 @@ def test_a_configs_only_flux_folder_takes_both_text_encoder_files_and_the_vae(bf
     expected = _once("bf16", lambda: run_flux(_folder_pipe(tiny_flux_dir)))
     assert torch.equal(_run_placed(pipe, "auto"), expected)
 
+
+
+def test_flux_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizers(bfl_flux, tiny_flux_dir, tmp_path):
+    """A carried FLUX.1 folder holds no tokenizer: its ``tokenizers.json`` names the folders ComfyUI
+    ships CLIP-L's and T5's in. The tiny Flux's configs (less weights and tokenizers, with that
+    file) stand for a carried folder, its tokenizers saved where ComfyUI keeps its own: the file
+    picks that folder and runs as the tiny Flux; without ComfyUI's folder, refused by name."""
+    folder = configs_only_copy(tiny_flux_dir, tmp_path / "carried" / "tiny-flux")
+    for name in ("tokenizer", "tokenizer_2"):
+        shutil.rmtree(folder / name)
+    shutil.copyfile(carried.by_name("FLUX.1-dev") / "tokenizers.json", folder / "tokenizers.json")
+    comfy = tmp_path / "ComfyUI" / "comfy"
+    shutil.copytree(tiny_flux_dir / "tokenizer", comfy / "sd1_tokenizer")
+    shutil.copytree(tiny_flux_dir / "tokenizer_2", comfy / "text_encoders" / "t5_tokenizer")
+    assert carried.pick(bfl_flux("bf16"), False, folder.parent) == folder
+    files = {f"{name}_file": write_component_file(tiny_flux_dir, name, tmp_path / f"{name}.safetensors")
+             for name in ("text_encoder", "text_encoder_2", "vae")}
+    pipe = load_pipeline_with_denoiser(folder, bfl_flux("bf16"), BF16, comfy_tokenizers=comfy, **files)
+    assert torch.equal(_run_placed(pipe, "auto"), _once("bf16", lambda: run_flux(_folder_pipe(tiny_flux_dir))))
+    with pytest.raises(SingleFileError, match="takes its tokenizer from ComfyUI's sd1_tokenizer folder, which was not"):
+        load_pipeline_with_denoiser(folder, bfl_flux("bf16"), BF16, **files)

@@ -1,0 +1,102 @@
+"""The shape of a denoiser, read from a single file's header or from a diffusers config, so that a
+file can be matched to the config folder it fits (`carried.choose`). One reader pair per family the
+pack carries configs for: Wan (the original Wan key names ComfyUI files use) and FLUX.1 (BFL's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .inspect import SingleFileError, SingleFileInfo
+
+PREFIX = re.compile(r"^(model\.diffusion_model\.|diffusion_model\.)")
+
+
+@dataclass(frozen=True)
+class WanShape:
+    """What tells Wan transformers apart: width, depth, channels, feed-forward size, image embedding."""
+
+    width: int
+    layers: int
+    in_channels: int
+    out_channels: int
+    ffn: int
+    image_dim: int | None
+
+    def __str__(self) -> str:
+        image = f", image embedding {self.image_dim}" if self.image_dim else ""
+        return (f"{self.layers} blocks of width {self.width} (feed-forward {self.ffn}), {self.in_channels} "
+                f"input / {self.out_channels} output channels{image}")
+
+
+@dataclass(frozen=True)
+class FluxShape:
+    """What tells FLUX.1 transformers apart: width, double / single blocks, channels, guidance input."""
+
+    width: int
+    double: int
+    single: int
+    in_channels: int
+    text_dim: int
+    pooled_dim: int
+    guidance: bool
+
+    def __str__(self) -> str:
+        return (f"{self.double} double and {self.single} single blocks of width {self.width}, {self.in_channels} "
+                f"input channels, {'a' if self.guidance else 'no'} guidance input")
+
+
+def file_shape(info: SingleFileInfo) -> WanShape | FluxShape:
+    """The shape of the denoiser ``info`` describes (its family's reader)."""
+    shapes = {PREFIX.sub("", k): s for k, s in info.shapes.items()}
+    try:
+        return FILE_READERS[info.family](shapes)
+    except (KeyError, ValueError, IndexError) as exc:
+        raise SingleFileError(f"{info.path} has no {info.family} transformer key {exc}: it is not a denoiser the "
+                              "pack's configs fit; pick a diffusers config folder of its model") from exc
+
+
+def config_shape(folder: Path, family: str) -> WanShape | FluxShape | None:
+    """The shape of the transformer configured in ``folder`` (its config.json), as its family reads it."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+        return CONFIG_READERS[family](config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _wan(shapes: dict[str, tuple[int, ...]]) -> WanShape:
+    width, in_channels, *patch = shapes["patch_embedding.weight"]
+    image = shapes.get("img_emb.proj.0.weight")
+    return WanShape(width, _count(shapes, "blocks."), in_channels,
+                    shapes["head.head.weight"][0] // max(1, math.prod(patch)), shapes["blocks.0.ffn.0.weight"][0],
+                    image[0] if image else None)
+
+
+def _wan_config(c: dict) -> WanShape:
+    return WanShape(c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["in_channels"],
+                    c["out_channels"], c["ffn_dim"], c.get("image_dim"))
+
+
+def _flux(shapes: dict[str, tuple[int, ...]]) -> FluxShape:
+    width, in_channels = shapes["img_in.weight"]
+    return FluxShape(width, _count(shapes, "double_blocks."), _count(shapes, "single_blocks."), in_channels,
+                     shapes["txt_in.weight"][1], shapes["vector_in.in_layer.weight"][1],
+                     "guidance_in.in_layer.weight" in shapes)
+
+
+def _flux_config(c: dict) -> FluxShape:
+    return FluxShape(c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["num_single_layers"],
+                     c["in_channels"], c["joint_attention_dim"], c["pooled_projection_dim"], bool(c["guidance_embeds"]))
+
+
+def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
+    return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
+
+
+FILE_READERS = {"wan": _wan, "flux": _flux}
+CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config}
