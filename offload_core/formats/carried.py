@@ -15,7 +15,7 @@ from typing import Any
 
 from ..log import get_logger
 from .denoiser_shapes import FILE_READERS, config_shape, file_shape
-from .inspect import SingleFileError, SingleFileInfo, describe_keys, inspect_safetensors
+from .inspect import SingleFileError, SingleFileInfo, inspect_file, inspect_safetensors
 
 log = get_logger("single_file")
 
@@ -25,9 +25,10 @@ SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships:
 FAMILIES = "Wan 2.1 / 2.2 and FLUX.1"
 
 
-def carried() -> list[Path]:
-    """The config folders the pack carries, by name."""
-    return sorted(p for p in ROOT.iterdir() if (p / "model_index.json").is_file()) if ROOT.is_dir() else []
+def carried(root: Path | None = None) -> list[Path]:
+    """The config folders the pack carries (under ``root``, the pack's by default), by name."""
+    root = Path(root or ROOT)
+    return sorted(p for p in root.iterdir() if (p / "model_index.json").is_file()) if root.is_dir() else []
 
 
 def by_name(name: str) -> Path:
@@ -41,8 +42,9 @@ def by_name(name: str) -> Path:
 
 def pick(denoiser: Path, two_experts: bool, root: Path | None = None) -> Path:
     """The carried config folder (under ``root``, the pack's by default) that fits ``denoiser`` (see `choose`)."""
-    folders = sorted(p for p in Path(root).iterdir() if (p / "model_index.json").is_file()) if root else carried()
-    chosen = choose(_info(Path(denoiser)), two_experts, folders)
+    if not Path(denoiser).is_file():
+        raise SingleFileError(f"{denoiser} does not exist: pick a file from models/diffusion_models")
+    chosen = choose(inspect_file(Path(denoiser)), two_experts, carried(root))
     log.info("%s: the pack's %s configs", Path(denoiser).name, chosen.name)
     return chosen
 
@@ -64,16 +66,6 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
                               f"none of the configs the pack carries ({', '.join(f.name for f in folders)}) fits it"
                               f"{hint}; else pick a diffusers config folder of its model")
     return chosen[0]
-
-
-def _info(path: Path) -> SingleFileInfo:
-    if not path.is_file():
-        raise SingleFileError(f"{path} does not exist: pick a file from models/diffusion_models")
-    if path.suffix.lower() == ".gguf":
-        from .gguf import inspect_gguf
-
-        return describe_keys(path, inspect_gguf(path).shapes)
-    return inspect_safetensors(path)
 
 
 def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],

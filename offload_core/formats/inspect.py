@@ -214,6 +214,16 @@ def describe_keys(path: Path, shapes: dict[str, tuple[int, ...]]) -> SingleFileI
     return info
 
 
+def inspect_file(path: Path) -> SingleFileInfo:
+    """A safetensors or GGUF single file described from its header (`inspect_safetensors`, or the
+    GGUF reader's shapes through `describe_keys`)."""
+    if Path(path).suffix.lower() == ".gguf":
+        from .gguf import inspect_gguf
+
+        return describe_keys(Path(path), inspect_gguf(path).shapes)
+    return inspect_safetensors(path)
+
+
 def _identify(info: SingleFileInfo) -> None:
     keys = [k for k in info.shapes if k != info.marker and k not in info.tokenizers]
     for pattern, looks_like, role in KEY_SIGNS:

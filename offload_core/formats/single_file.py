@@ -31,7 +31,7 @@ from .inspect import (
     SingleFileError,
     SingleFileInfo,
     check_quant_layers,
-    describe_keys,
+    inspect_file,
     inspect_safetensors,
     w4a8_conf,
 )
@@ -119,9 +119,7 @@ def _load_gguf(path: Path, config_folder: Path, subfolder: str, cls: type, compu
 def _check_gguf(path: Path, cls: type, config_folder: Path) -> None:
     """The GGUF header reader refuses bad files and unknown types by name; the key names, a text
     encoder, VAE or a denoiser of another family, as for a safetensors file."""
-    from .gguf import inspect_gguf
-
-    _check_denoiser(describe_keys(path, inspect_gguf(path).shapes), cls, config_folder)
+    _check_denoiser(inspect_file(path), cls, config_folder)
 
 
 def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfolder: str, cls: type,
