@@ -14,11 +14,13 @@ from pathlib import Path
 from .inspect import SingleFileError, SingleFileInfo
 
 PREFIX = re.compile(r"^(model\.diffusion_model\.|diffusion_model\.)")
+WAN_EXTRAS = (("vace_blocks.", "VACE"), ("motion_encoder.", "Animate"))  # key prefix -> what it is
 
 
 @dataclass(frozen=True)
 class WanShape:
-    """What tells Wan transformers apart: width, depth, channels, feed-forward size, image embedding."""
+    """What tells Wan transformers apart: width, depth, channels, feed-forward size, image embedding
+    (and its frame positions: FLF2V's), VACE or Animate blocks."""
 
     width: int
     layers: int
@@ -26,11 +28,15 @@ class WanShape:
     out_channels: int
     ffn: int
     image_dim: int | None
+    frame_positions: bool = False
+    extra: str | None = None  # "VACE" / "Animate" blocks (a file's; no carried config has them)
 
     def __str__(self) -> str:
         image = f", image embedding {self.image_dim}" if self.image_dim else ""
+        image += " with frame positions (FLF2V)" if self.frame_positions else ""
+        extra = f", {self.extra} blocks" if self.extra else ""
         return (f"{self.layers} blocks of width {self.width} (feed-forward {self.ffn}), {self.in_channels} "
-                f"input / {self.out_channels} output channels{image}")
+                f"input / {self.out_channels} output channels{image}{extra}")
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,15 @@ def config_shape(folder: Path, family: str) -> WanShape | FluxShape | None:
 def _wan(shapes: dict[str, tuple[int, ...]]) -> WanShape:
     width, in_channels, *patch = shapes["patch_embedding.weight"]
     image = shapes.get("img_emb.proj.0.weight")
+    extra = next((name for prefix, name in WAN_EXTRAS if any(k.startswith(prefix) for k in shapes)), None)
     return WanShape(width, _count(shapes, "blocks."), in_channels,
                     shapes["head.head.weight"][0] // max(1, math.prod(patch)), shapes["blocks.0.ffn.0.weight"][0],
-                    image[0] if image else None)
+                    image[0] if image else None, "img_emb.emb_pos" in shapes, extra)
 
 
 def _wan_config(c: dict) -> WanShape:
     return WanShape(c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["in_channels"],
-                    c["out_channels"], c["ffn_dim"], c.get("image_dim"))
+                    c["out_channels"], c["ffn_dim"], c.get("image_dim"), c.get("pos_embed_seq_len") is not None)
 
 
 def _flux(shapes: dict[str, tuple[int, ...]]) -> FluxShape:

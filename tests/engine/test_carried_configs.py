@@ -154,6 +154,19 @@ def test_each_released_wan_shape_picks_its_own_folder(folder: Path) -> None:
             carried.choose(info, True, carried.carried())
 
 
+@pytest.mark.parametrize(("base", "key", "what"), [
+    ("Wan2.1-I2V-14B-480P-Diffusers", "img_emb.emb_pos", "with frame positions \\(FLF2V\\)"),
+    ("Wan2.1-T2V-14B-Diffusers", "vace_blocks.0.after_proj.bias", "VACE blocks"),
+    ("Wan2.1-T2V-14B-Diffusers", "motion_encoder.dec.direction.weight", "Animate blocks")])
+def test_wan_variants_the_pack_carries_no_config_for_fit_none(base: str, key: str, what: str) -> None:
+    """Wan 2.1 FLF2V (frame positions in the image embedding), VACE and Wan 2.2 Animate share a
+    carried model's blocks but not its modules: refused, saying what the file has, not misloaded."""
+    shapes = comfy_wan_shapes(_meta(diffusers.WanTransformer3DModel, carried.by_name(base) / "transformer"))
+    info = describe_keys(Path("wan-variant.safetensors"), {**shapes, key: (1, 2)})
+    with pytest.raises(SingleFileError, match=f"{what}: none of the configs the pack carries"):
+        carried.choose(info, False, carried.carried())
+
+
 @pytest.fixture(scope="module")
 def tiny_carried(tiny_wan_dir, tiny_wan_family, tmp_path_factory) -> dict[str, Path]:
     """A tiny stand-in for the pack's carried configs: each tiny Wan family folder less its weights
