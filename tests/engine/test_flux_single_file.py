@@ -28,7 +28,7 @@ from diffusers_offload.offload_core.formats.single_file_pipeline import load_pip
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import flux_files
 from fixtures.comfy_files import configs_only_copy, write_component_file
-from fixtures.flux_files import bfl_flux_state_dict, tiny_width_conversion
+from fixtures.flux_files import bfl_flux_state_dict, ldm_vae_state_dict, tiny_width_conversion
 from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import run_flux
 from safetensors.torch import load_file, save_file
@@ -245,7 +245,8 @@ def test_flux_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer
     """A carried FLUX.1 folder holds no tokenizer: its ``tokenizers.json`` names the folders ComfyUI
     ships CLIP-L's and T5's in. The tiny Flux's configs (less weights and tokenizers, with that
     file) stand for a carried folder, its tokenizers saved where ComfyUI keeps its own: the file
-    picks that folder and runs as the tiny Flux; without ComfyUI's folder, refused by name."""
+    picks that folder and, with the VAE in the LDM layout of BFL's ae.safetensors, runs as the tiny
+    Flux; without ComfyUI's folder, refused by name."""
     folder = configs_only_copy(tiny_flux_dir, tmp_path / "carried" / "tiny-flux")
     for name in ("tokenizer", "tokenizer_2"):
         shutil.rmtree(folder / name)
@@ -255,7 +256,9 @@ def test_flux_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer
     shutil.copytree(tiny_flux_dir / "tokenizer_2", comfy / "text_encoders" / "t5_tokenizer")
     assert carried.pick(bfl_flux("bf16"), False, folder.parent) == folder
     files = {f"{name}_file": write_component_file(tiny_flux_dir, name, tmp_path / f"{name}.safetensors")
-             for name in ("text_encoder", "text_encoder_2", "vae")}
+             for name in ("text_encoder", "text_encoder_2")}
+    save_file(ldm_vae_state_dict(tiny_flux_dir), str(tmp_path / "ae.safetensors"))  # BFL's VAE file: LDM layout
+    files["vae_file"] = tmp_path / "ae.safetensors"
     pipe = load_pipeline_with_denoiser(folder, bfl_flux("bf16"), BF16, comfy_tokenizers=comfy, **files)
     assert torch.equal(_run_placed(pipe, "auto"), _once("bf16", lambda: run_flux(_folder_pipe(tiny_flux_dir))))
     with pytest.raises(SingleFileError, match="takes its tokenizer from ComfyUI's sd1_tokenizer folder, which was not"):
