@@ -49,6 +49,12 @@ WAN_14B_FP8_SCALED = ComfyFile("denoiser", "diffusion_models", COMFY_WAN21,
 WAN_14B_GGUF_Q8_0 = ComfyFile("denoiser", "diffusion_models", "city96/Wan2.1-T2V-14B-gguf",
                               "wan2.1-t2v-14b-Q8_0.gguf", "Q8_0")
 COMFY_WAN22 = "Comfy-Org/Wan_2.2_ComfyUI_Repackaged"
+FLUX_SCHNELL_REPO, FLUX_TEXT_ENCODERS = "black-forest-labs/FLUX.1-schnell", "comfyanonymous/flux_text_encoders"
+FLUX_SCHNELL = ComfyFile("denoiser", "diffusion_models", FLUX_SCHNELL_REPO, "flux1-schnell.safetensors", "bf16")
+FLUX_CLIP_L = ComfyFile("text_encoder", "text_encoders", FLUX_TEXT_ENCODERS, "clip_l.safetensors", "text_encoder")
+FLUX_T5XXL_FP8 = ComfyFile("text_encoder_2", "text_encoders", FLUX_TEXT_ENCODERS, "t5xxl_fp8_e4m3fn.safetensors",
+                           "text_encoder_2")
+FLUX_AE = ComfyFile("vae", "vae", FLUX_SCHNELL_REPO, "ae.safetensors", "vae")
 
 
 def wan22_expert(task: str, noise: str) -> ComfyFile:
@@ -72,10 +78,11 @@ def note_text(example: Any) -> str:
         "",
         f"Runs ComfyUI model files in the diffusers pipeline of {example.repo}",
         f"(https://huggingface.co/{example.repo}), whose configs the pack carries: config 'auto' picks them",
-        "by the denoiser file, and the tokenizer is read from the text-encoder file. Nothing else to download.",
+        "by the denoiser file, and " + ("the tokenizers are ComfyUI's own." if example.pipeline == "FluxPipeline" else
+                                        "the tokenizer is read from the text-encoder file.") + " Nothing else to download.",
         "",
-        "The model files, each in the folder named (the text encoder and VAE are the ones ComfyUI's own",
-        "Wan workflows use):",
+        "The model files, each in the folder named (the text encoders and VAE are the ones ComfyUI's own",
+        "workflows for this model use):",
     ]
     for file in example.files:
         lines += [f"{COMFY_MODELS}/{file.folder}/{file.name}", f"  {file.url}"]

@@ -62,9 +62,10 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
     if not chosen:
         hint = ("; Wan 2.2 A14B: its high-noise file goes in denoiser, its low-noise one in denoiser_2"
                 if fits and not two_experts else "; leave denoiser_2 at 'none'" if fits else "")
-        raise SingleFileError(f"{info.path} is a {info.family} denoiser of {shape}{' with a second expert' * two_experts}: "
-                              f"none of the configs the pack carries ({', '.join(f.name for f in folders)}) fits it"
-                              f"{hint}; else pick a diffusers config folder of its model")
+        second = " with a second expert" if two_experts else ""
+        raise SingleFileError(f"{info.path} is a {info.family} denoiser of {shape}{second}: none of the configs the "
+                              f"pack carries ({', '.join(f.name for f in folders)}) fits it{hint}; else pick a "
+                              "diffusers config folder of its model")
     return chosen[0]
 
 
@@ -117,10 +118,9 @@ def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
     path = Path(path)
     model = _spiece(path)
     if model is None:
-        raise SingleFileError(f"{what} has no tokenizer and {path.name} carries none (no {SPIECE} entry, or in a GGUF file "
-                              "no T5 tokenizer metadata): pick a "
-                              "text-encoder file that carries it (Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled does) or "
-                              "a diffusers config folder with a tokenizer")
+        raise SingleFileError(f"{what} has no tokenizer and {path.name} carries none (no {SPIECE} entry, or in a "
+                              "GGUF file no T5 tokenizer metadata): pick a text-encoder file that carries it "
+                              "(Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled does) or a diffusers config folder with a tokenizer")
     cls = getattr(transformers, cls_name, None)
     if not isinstance(cls, type):
         raise SingleFileError(f"{what}: tokenizer class {cls_name!r} is not in this transformers version")

@@ -130,7 +130,8 @@ def test_single_file_note_names_each_file_its_folder_and_address(name: str) -> N
     loader = next(n for n in ex.api_prompt(name, "m").values() if n["class_type"] == ex.sf.SINGLE_FILE_LOADER)
     assert loader["inputs"]["config"] == "m" and example.model == ex.sf.AUTO_CONFIG  # the placeholder: 'auto'
     experts = ["denoiser", "denoiser_2"] if "a14b" in name else ["denoiser"]  # Wan 2.2 A14B: two experts' files
-    assert [f.input for f in example.files] == [*experts, "text_encoder", "vae"]
+    encoders = ["text_encoder", "text_encoder_2"] if example.pipeline == "FluxPipeline" else ["text_encoder"]
+    assert [f.input for f in example.files] == [*experts, *encoders, "vae"]
     assert ("the low-noise one in denoiser_2" in text) == (len(experts) == 2)
     for file in example.files:
         assert loader["inputs"][file.input] == file.name

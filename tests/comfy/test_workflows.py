@@ -20,9 +20,10 @@ from typing import Any
 import av
 import pytest
 from comfyhost import harness
-from fixtures import comfy_files, gguf_files
+from fixtures import comfy_files, flux_files, gguf_files
 from fixtures.tiny_tok import tiny_t5_spiece
 from PIL import Image
+from safetensors.torch import save_file
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
 import offload_examples as ex  # noqa: E402
@@ -30,10 +31,11 @@ import offload_examples as ex  # noqa: E402
 pytest_plugins = ["comfyhost.fixtures"]
 _comfy_wan, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_component_files,
                                            gguf_files.wan_gguf_fixture)
+_bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
-SINGLE_FILE_LISTS = ("config", "denoiser", "denoiser_2", "text_encoder", "vae", "image_encoder")
+SINGLE_FILE_LISTS = ("config", "denoiser", "denoiser_2", "text_encoder", "text_encoder_2", "vae", "image_encoder")
 FILE_LISTS = {(ex.LOADER, "model"), ("DiffusersOffloadLoadModularPipeline", "model"), ("LoadImage", "image"),
               *((ex.sf.SINGLE_FILE_LOADER, name) for name in SINGLE_FILE_LISTS)}
 
@@ -158,7 +160,7 @@ def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest
     as the named file is, a UMT5 one with its own tokenizer entry as Comfy-Org's): the tiny Wan's,
     or for a Wan family (A14B) one written from its tiny folder, each expert from its own transformer."""
     source = _stand_in(file, example, request, tmp)
-    if file.input == "text_encoder" and "fp8" in file.name:
+    if file.input.startswith("text_encoder") and "fp8" in file.name:
         out = tmp / f"{example.tiny}-fp8-{source.name}"
         spiece = tiny_t5_spiece() if "umt5" in file.name else None
         return comfy_files.write_fp8_text_encoder(source, out, scaled="scaled" in file.name, spiece=spiece)
@@ -166,6 +168,15 @@ def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest
 
 
 def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
+    if example.tiny == "flux":  # BFL's layouts: the denoiser's keys, ae.safetensors' LDM VAE
+        folder = request.getfixturevalue("tiny_flux_dir")
+        if file.input == "denoiser":
+            request.getfixturevalue("flux_tiny_width")
+            return request.getfixturevalue("bfl_flux")(file.tiny)
+        if file.input == "vae":
+            save_file(flux_files.ldm_vae_state_dict(folder), str(tmp / "flux-ae.safetensors"))
+            return tmp / "flux-ae.safetensors"
+        return comfy_files.write_component_file(folder, file.tiny, tmp / f"flux-{file.tiny}.safetensors")
     if example.tiny != "wan":
         folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
         if file.input in ("text_encoder", "vae"):
@@ -182,15 +193,25 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
 
 def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
     """The template's config ('auto': the configs the pack carries): the example's tiny folder less
-    its weights and tokenizer (as the pack's carried folders are) in their place, so that auto picks
-    it for the tiny files."""
+    its weights and tokenizers (as the pack's carried folders are) in their place, so that auto picks
+    it for the tiny files; for Flux, the tiny tokenizers where ComfyUI keeps its own, and the node
+    pointed at that folder instead of the running ComfyUI's."""
     assert example.model == ex.sf.AUTO_CONFIG
-    source = request.getfixturevalue("tiny_wan_dir" if example.tiny == "wan" else "tiny_wan_family")
-    folder = source if example.tiny == "wan" else source(example.tiny)
+    families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir"}
+    source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
+    folder = source if example.tiny in families else source(example.tiny)
+    pack = comfy.pack_submodule("offload_core.formats.carried")
     carried = comfy_files.configs_only_copy(folder, tmp / "carried" / folder.name)
-    shutil.rmtree(carried / "tokenizer")
-    request.getfixturevalue("monkeypatch").setattr(comfy.pack_submodule("offload_core.formats.carried"), "ROOT",
-                                                   carried.parent)
+    for tokenizer in [p for p in carried.glob("tokenizer*") if p.is_dir()]:
+        shutil.rmtree(tokenizer)
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    if example.tiny == "flux":  # its tokenizers from ComfyUI's folders: the tiny ones where ComfyUI keeps its own
+        shutil.copyfile(pack.by_name("FLUX.1-schnell") / "tokenizers.json", carried / "tokenizers.json")
+        shipped = tmp / "ComfyUI" / "comfy"
+        shutil.copytree(folder / "tokenizer", shipped / "sd1_tokenizer")
+        shutil.copytree(folder / "tokenizer_2", shipped / "text_encoders" / "t5_tokenizer")
+        monkeypatch.setattr(comfy.pack_submodule("nodes.single_file"), "comfy_package", lambda: shipped)
+    monkeypatch.setattr(pack, "ROOT", carried.parent)
     return example.model
 
 
