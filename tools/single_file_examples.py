@@ -3,9 +3,10 @@
 
 Why apart from ``offload_examples``: a single-file template picks what a folder template does
 not, the configs the pack carries (config ``auto``: nothing to download) and files in ComfyUI's own
-model folders (the denoiser in ``diffusion_models``, the text encoder in ``text_encoders``, the VAE
-in ``vae``: the files ComfyUI's native Wan workflows use). The Note names each file with its
-download address; the tests stand in the tiny file of the same role (``ComfyFile.tiny``) for each. Imports nothing from ComfyUI or from the rest of tools/.
+model folders (the denoiser in ``diffusion_models``, the text encoders in ``text_encoders``, the
+VAE in ``vae``: the files ComfyUI's own Wan and Flux workflows use). The Note names each file with
+its download address; the tests stand in the tiny file of the same role (``ComfyFile.tiny``) for
+each. Imports nothing from ComfyUI or from the rest of tools/.
 """
 
 from __future__ import annotations
