@@ -35,6 +35,7 @@ from .single_file import (
     read_checkpoint,
     short_dtype,
 )
+from .wan_vae import is_wan22_vae, load_wan22_vae
 
 log = get_logger("single_file")
 
@@ -182,8 +183,17 @@ def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.
     if name != "vae":
         return load_text_encoder(path, folder / name, cls_name, dtype, kind=FILE_KINDS.get(name, name),
                                  role=ROLES.get(name, "text_encoder"))
-    _inspected(path, "vae", FILE_KINDS["vae"], cls_name)
-    return from_single_file(path, folder, name, model_class(folder / name, name), torch_dtype=dtype)
+    return load_vae(path, folder, dtype)
+
+
+def load_vae(path: Path, folder: Path, dtype: torch.dtype) -> Any:
+    """A VAE from its single file into the class and config of ``folder/vae``: through diffusers'
+    single-file conversion, or from a Wan 2.2 VAE's original layout (`wan_vae`: diffusers' cannot)."""
+    cls = model_class(folder / "vae", "vae")
+    info = _inspected(Path(path), "vae", FILE_KINDS["vae"], cls.__name__)
+    if is_wan22_vae(info.shapes):
+        return load_wan22_vae(Path(path), cls, folder / "vae", dtype)
+    return from_single_file(path, folder, "vae", cls, torch_dtype=dtype)
 
 
 def load_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtype, fit: Fit | None = None,

@@ -1,0 +1,73 @@
+"""Wan 2.2's VAE from its original key layout (Comfy-Org's ``wan2.2_vae.safetensors``, ComfyUI's
+own ``comfy.ldm.wan.vae2_2`` state dict). Why the pack's own: diffusers' single-file converter
+knows only Wan 2.1's flat block layout and misplaces 2.2's nested blocks (a shape error), so the
+keys are renamed here as diffusers' own ``scripts/convert_wan_to_diffusers.py`` (``convert_vae_22``)
+renames them.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..log import get_logger
+from .inspect import SingleFileError
+
+log = get_logger("single_file")
+
+MARKER = "decoder.upsamples.0.upsamples.0.residual.2.weight"  # (ComfyUI tells a Wan 2.2 VAE by it)
+NESTED = re.compile(r"^(encoder|decoder)\.(?:down|up)samples\.(\d+)\.(?:down|up)samples\.(\d+)\.(.*)$")
+MIDDLE = re.compile(r"^(encoder|decoder)\.middle\.(\d)\.(.*)$")
+RESIDUAL = (("residual.0.", "norm1."), ("residual.2.", "conv1."), ("residual.3.", "norm2."), ("residual.6.", "conv2."),
+            ("shortcut.", "conv_shortcut."))
+OTHER = (("encoder.conv1.", "encoder.conv_in."), ("decoder.conv1.", "decoder.conv_in."),
+         ("encoder.head.0.", "encoder.norm_out."), ("encoder.head.2.", "encoder.conv_out."),
+         ("decoder.head.0.", "decoder.norm_out."), ("decoder.head.2.", "decoder.conv_out."),
+         ("conv1.", "quant_conv."), ("conv2.", "post_quant_conv."))
+
+
+def is_wan22_vae(keys: Any) -> bool:
+    return MARKER in keys
+
+
+def diffusers_key(key: str) -> str:
+    """One original Wan 2.2 VAE key under diffusers' ``AutoencoderKLWan`` name."""
+    if m := NESTED.match(key):
+        side, block, index, rest = m.groups()
+        blocks = "down_blocks" if side == "encoder" else "up_blocks"
+        if rest.startswith(("resample.", "time_conv.")):
+            return f"{side}.{blocks}.{block}.{'downsampler' if side == 'encoder' else 'upsampler'}.{rest}"
+        return f"{side}.{blocks}.{block}.resnets.{index}.{_residual(rest)}"
+    if m := MIDDLE.match(key):
+        side, index, rest = m.groups()
+        if index == "1":
+            return f"{side}.mid_block.attentions.0.{rest}"
+        return f"{side}.mid_block.resnets.{int(index) // 2}.{_residual(rest)}"
+    return next((new + key[len(old):] for old, new in OTHER if key.startswith(old)), key)
+
+
+def _residual(rest: str) -> str:
+    return next((new + rest[len(old):] for old, new in RESIDUAL if rest.startswith(old)), rest)
+
+
+def load_wan22_vae(path: Path, cls: type, config: Path, dtype: torch.dtype) -> Any:
+    """``cls`` (AutoencoderKLWan) of the VAE config in ``config`` holding the file's weights, in ``dtype``."""
+    from accelerate import init_empty_weights
+    from safetensors.torch import load_file
+
+    settings = cls.load_config(str(config))
+    if settings.get("z_dim") != 48:
+        raise SingleFileError(f"{path} is a Wan 2.2 VAE (48 latent channels), but the VAE of {config.parent} has "
+                              f"{settings.get('z_dim')}: pick the VAE file this model uses (Wan 2.1's for it)")
+    state = {diffusers_key(k): v for k, v in load_file(str(path)).items()}
+    with init_empty_weights():
+        model = cls.from_config(settings)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise SingleFileError(f"{path} does not match the Wan 2.2 VAE config of {config.parent}: {exc}") from exc
+    log.info("%s: Wan 2.2 VAE converted from its original layout", path.name)
+    return model.to(dtype).eval()
