@@ -158,7 +158,8 @@ def test_ui_workflow_queues_exactly_its_api_twin(name: str, schemas: dict[str, d
 def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
     """The tiny file of a template file's role and format (``ComfyFile.tiny``; a text encoder in fp8
     as the named file is, a UMT5 one with its own tokenizer entry as Comfy-Org's): the tiny Wan's,
-    or for a Wan family (A14B) one written from its tiny folder, each expert from its own transformer."""
+    for a Wan family (A14B) one written from its tiny folder, each expert from its own transformer,
+    for Flux the tiny Flux's in BFL's layouts."""
     source = _stand_in(file, example, request, tmp)
     if file.input.startswith("text_encoder") and "fp8" in file.name:
         out = tmp / f"{example.tiny}-fp8-{source.name}"
