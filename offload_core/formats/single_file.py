@@ -189,8 +189,8 @@ def _matmul_off(info: SingleFileInfo) -> str:
 
 
 def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
-    """The file's tensors less the marker, quant entries and a tokenizer it carries (ComfyUI's text
-    encoders read theirs from it; the config folder's tokenizer reads prompts here); weight and
+    """The file's tensors less the marker, quant entries and a tokenizer it carries (not a weight:
+    `carried.missing_tokenizers` reads it where the config folder has no tokenizer); weight and
     input scales under one spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``) so the
     conversion renames their layer part like the weight's. A legacy ``scale_input`` of 1 is dropped, as ComfyUI drops it
     (that layer's fp8 matmuls scale each input by its own largest value)."""
@@ -202,8 +202,7 @@ def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]
         checkpoint.pop(info.marker, None)
     for key in info.tokenizers:
         checkpoint.pop(key, None)
-        log.info("%s: the file's own tokenizer (%s) is left aside: the config folder's tokenizer reads the prompt",
-                 path.name, key)
+        log.info("%s: its own tokenizer (%s) is left aside: not a weight of the model", path.name, key)
     for key in [k for k in checkpoint if k.endswith(INPUT_SCALE_SUFFIXES)]:
         value = checkpoint.pop(key)
         if not (key.endswith(INPUT_KEY) and value.numel() == 1 and float(value) == 1.0):

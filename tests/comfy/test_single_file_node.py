@@ -184,8 +184,7 @@ def test_auto_takes_the_configs_the_pack_carries(comfy: harness.ComfyHost, place
     result = comfy.run_prompt(prompt(placed, config=opts[0]))
     message = "" if result.success else result.error["exception_message"]
     assert placed["denoiser"] in message and "none of the configs the pack carries" in message
-    wan = comfy_files.configs_only_copy(tiny_wan_dir, tmp_path / "carried" / "tiny-wan")
-    shutil.rmtree(wan / "tokenizer")
+    wan = comfy_files.carried_like_copy(tiny_wan_dir, tmp_path / "carried" / "tiny-wan")
     monkeypatch.setattr(carried, "ROOT", wan.parent)
     te = comfy_files.write_fp8_text_encoder(
         wan_component_files["text_encoder"], Path(comfy.folder_paths.get_folder_paths("text_encoders")[0])

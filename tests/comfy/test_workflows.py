@@ -202,9 +202,7 @@ def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pyt
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
-    carried = comfy_files.configs_only_copy(folder, tmp / "carried" / folder.name)
-    for tokenizer in [p for p in carried.glob("tokenizer*") if p.is_dir()]:
-        shutil.rmtree(tokenizer)
+    carried = comfy_files.carried_like_copy(folder, tmp / "carried" / folder.name)
     monkeypatch = request.getfixturevalue("monkeypatch")
     if example.tiny == "flux":  # its tokenizers from ComfyUI's folders: the tiny ones where ComfyUI keeps its own
         shutil.copyfile(pack.by_name("FLUX.1-schnell") / "tokenizers.json", carried / "tokenizers.json")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from diffusers_offload.offload_core.formats import carried
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, describe_keys
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files
-from fixtures.comfy_files import configs_only_copy, write_comfy_wan, write_fp8_text_encoder
+from fixtures.comfy_files import carried_like_copy, write_comfy_wan, write_fp8_text_encoder
 from fixtures.flux_files import bfl_flux_state
 from fixtures.gguf_files import comfy_wan_shapes
 from fixtures.gguf_text_encoders import t5_state, write_t5_gguf
@@ -175,8 +174,7 @@ def tiny_carried(tiny_wan_dir, tiny_wan_family, tmp_path_factory) -> dict[str, P
     out = {}
     for family in TINY:
         source = tiny_wan_dir if family == "wan" else tiny_wan_family(family)
-        out[family] = configs_only_copy(source, root / family)
-        shutil.rmtree(out[family] / "tokenizer")
+        out[family] = carried_like_copy(source, root / family)
     return out
 
 

@@ -27,7 +27,7 @@ from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import flux_files
-from fixtures.comfy_files import configs_only_copy, write_component_file
+from fixtures.comfy_files import carried_like_copy, configs_only_copy, write_component_file
 from fixtures.flux_files import bfl_flux_state_dict, ldm_vae_state_dict, tiny_width_conversion
 from fixtures.placements import PLACEMENTS
 from fixtures.tiny_models import run_flux
@@ -247,9 +247,7 @@ def test_flux_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer
     file) stand for a carried folder, its tokenizers saved where ComfyUI keeps its own: the file
     picks that folder and, with the VAE in the LDM layout of BFL's ae.safetensors, runs as the tiny
     Flux; without ComfyUI's folder, refused by name."""
-    folder = configs_only_copy(tiny_flux_dir, tmp_path / "carried" / "tiny-flux")
-    for name in ("tokenizer", "tokenizer_2"):
-        shutil.rmtree(folder / name)
+    folder = carried_like_copy(tiny_flux_dir, tmp_path / "carried" / "tiny-flux")
     shutil.copyfile(carried.by_name("FLUX.1-dev") / "tokenizers.json", folder / "tokenizers.json")
     comfy = tmp_path / "ComfyUI" / "comfy"
     shutil.copytree(tiny_flux_dir / "tokenizer", comfy / "sd1_tokenizer")
