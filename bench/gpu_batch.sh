@@ -14,7 +14,7 @@
 # is the engine's slower image-like step the allocator setting or its hooks?), h2d (h2d_probe.py in three fresh
 # processes: H2D from the model's registered pages against a pinned buffer, and the huge-page state),
 # release (release_probe.py: what a release leaves on the device before a garbage collection),
-# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), compiledprof / compiledprof12 (step_profile: fp8 matmuls compiled at 24 / 12 GiB against every block kept, traced), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step within 1.02 × the compiled reference?), cyclecost (cycle_cost.py: the driver's calls at a step's start and its variants, 12 GiB compiled), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu), castref (fp8 storage, bf16 compute compiled, every unit cast at each forward: the every-block-kept reference on the capped rows' cast path, then 12 and 24 GiB). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
+# graphs (graph_bench.py, bf16 then fp8: CUDA graphs off and on, ~5 min), compile (compile_probe.py: Wan-14B blocks compiled vs eager, ~3 min), compiled / plain (wan_bench with compile_blocks at 24 and 12 GiB, and its uncompiled anchor at 24), compiledprof / compiledprof12 (step_profile: fp8 matmuls compiled at 24 / 12 GiB against every block kept, traced), fastcompiled (the same with fp8 matmuls, image-like and video: is the video step within 1.02 × the compiled reference?), cyclecost (cycle_cost.py: the driver's calls at a step's start and its variants, 12 GiB compiled), gpucompile (the compiled and graph GPU tests), gputests (tests/gpu), pairs (PAIRS fresh processes in turn at PAIR_CAP, default 4 at 24 GiB: ComfyUI's native fp8 step, then ours with fp8 storage as users run it; carry .gpu), castref (fp8 storage, bf16 compute compiled, every unit cast at each forward: the every-block-kept reference on the capped rows' cast path, then 12 and 24 GiB). Output: $OUT/batch.log (everything, with a [seconds] stamp per row) and $OUT/rows.tgz.
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_batch_out}
@@ -111,6 +111,16 @@ for row in "$@"; do
                  run "cyclecost_$tag" 150 python3 bench/cycle_cost.py --storage "$st" --cap "$cap" ${flags//,/ } \
                    --json "$ROWS_DIR/cyclecost_$tag.jsonl"
                done ;;  # a step's start: the driver's calls, and variants of the copies across a forward's end
+    pairs) M=/tmp/wan14b_L40_bf16.safetensors  # fresh processes in turn: native fp8, then ours as users run it (fp8 storage)
+           run make_wan_sd 60 python3 .gpu/native_anchor/make_wan_sd.py --preset 14b --layers 40 --device cuda --out "$M" \
+             --skip-if-exists
+           for i in $(seq "${PAIRS:-4}"); do
+             run "native$i" 40 python3 .gpu/native_anchor/native_bench.py --comfy-dir .gpu/comfyui --model "$M" \
+               --cap-gb "${PAIR_CAP:-24}" --weight-dtype fp8_e4m3fn --workloads small --runs 5 --tag "pair$i" \
+               --json-out "$ROWS_DIR/native.jsonl"
+             run "ours$i" 70 python3 bench/wan_bench.py --storage fp8_e4m3fn --sections preload --caps "${PAIR_CAP:-24}" \
+               --workloads small --warmup 10 --json "$ROWS_DIR/ours$i.json"
+           done ;;
     gpucompile) run gpucompile 60 python3 -m pytest tests/gpu/test_compiled_blocks.py tests/gpu/test_cuda_graphs.py \
                   -v -p no:cacheprovider -p no:warnings -rs ;;
     gputests) run gputests 60 python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -p no:warnings -rs ;;
