@@ -1,14 +1,19 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI and FLUX.1 diffusers folders, so a single-file user needs no diffusers folder.
+copies of the Wan-AI and FLUX.1 diffusers folders and of MiniMax-H3's modular one, so a single-file
+user needs no diffusers folder.
 
 Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
 transformer sizes, the Wan 2.2 VAE less its ``clip_output``, which AutoencoderKLWan does not take,
 UniPC's flow shift, boundary ratios), google/umt5-xxl's config (ComfyUI's ``umt5_config_xxl.json``
 holds the same) and Wan 2.1 I2V's CLIP ViT-H/14 image encoder; FLUX.1's: diffusers' own defaults for
 its transformer, the FLUX.1 VAE, schedulers and CLIP-L / T5-XXL (ComfyUI's ``sd1_clip_config.json``
-and ``t5_config_xxl.json`` hold the same). Each file is saved by its real class (models built on
+and ``t5_config_xxl.json`` hold the same); MiniMax-H3's: diffusers' ``convert_minimax_h3_to_diffusers.py``
+(its transformer, VAEs and scheduler shifts equal the classes' defaults; the video VAE's latent
+statistics are ComfyUI's ``comfy/ldm/minimax/vae.py`` values, the audio VAE's are read from its file),
+Qwen3-VL-32B's config (ComfyUI's ``Qwen3VL_32BConfig`` at its released 64 layers) and image / video
+processors. Each file is saved by its real class (models built on
 the meta device), so it is what that class's loader reads. No tokenizer: Wan's comes from the
-text-encoder file, FLUX.1's from the folders ComfyUI ships them in (``tokenizers.json``). Run after a diffusers upgrade that changes a config:
+text-encoder file, FLUX.1's and H3's from the folders ComfyUI ships them in (``tokenizers.json``). Run after a diffusers upgrade that changes a config:
 
     .venv/bin/python tools/write_carried_configs.py
 """
@@ -72,6 +77,40 @@ FLUX_TOKENIZERS = {"tokenizer": {"comfyui": "sd1_tokenizer", "model_max_length":
                    "tokenizer_2": {"comfyui": "text_encoders/t5_tokenizer", "model_max_length": 512}}
 FLUX = {"FLUX.1-dev": dict(guidance_embeds=True, shift=3.0, use_dynamic_shifting=True),
         "FLUX.1-schnell": dict(guidance_embeds=False, shift=1.0, use_dynamic_shifting=False)}
+
+
+H3_VAE_STATS = dict(latents_mean=[  # ComfyUI's comfy/ldm/minimax/vae.py LATENTS_MEAN / LATENTS_STD
+    0.858090341091156, -0.9606591463088989, 1.0661640167236328, -0.5090325474739075, -0.2727581858634949,
+    -1.3675414323806763, -0.2553254961967468, -0.26907554268836975, -0.5376840829849243, -0.0464097298681736,
+    0.6657370328903198, 0.19690127670764923, -0.5460608005523682, -0.4035342037677765, -0.23683024942874908,
+    0.25928452610969543, -0.30133944749832153, 0.211341992020607, -1.1206848621368408, 0.3581933379173279,
+    -0.04225143790245056, 0.2604829967021942, 0.22864092886447906, 0.7056031823158264], latents_std=[
+    1.2223774194717407, 1.2767263650894165, 1.68317747116088865, 1.7549455165863037, 1.5636216402053833,
+    2.194143533706665, 0.96531379222869875, 1.05698859691619875, 0.841948926448822, 0.7729952931404114,
+    1.8955937623977661, 0.946841835975647, 0.7996809482574463, 0.44988900423049925, 0.7197399735450745,
+    0.69362932443618775, 2.961095094680786, 2.7694199085235595, 3.0496184825897215, 2.1088054180145265,
+    3.276226282119751, 3.1627357006073, 2.28168129920959475, 2.6127843856811525])
+QWEN3_VL_32B_TEXT = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                         max_position_embeddings=262144, rms_norm_eps=1e-6, attention_bias=False,
+                         bos_token_id=151643, eos_token_id=151645,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+QWEN3_VL_32B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, patch_size=16,
+                           temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=2304,
+                           out_hidden_size=5120, deepstack_visual_indexes=[8, 16, 24])
+QWEN3_VL_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                       vision_end_token_id=151653)
+QWEN3_VL_PIXELS = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+H3_TOKENIZERS = {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer"}}  # ComfyUI's H3 tokenizer reads it
+H3_COMPONENTS = {  # name -> (library, class), in the order diffusers' conversion script writes them
+    "text_encoder": ("transformers", "Qwen3VLForConditionalGeneration"), "tokenizer": ("transformers", "Qwen2Tokenizer"),
+    "processor": ("transformers", "Qwen3VLProcessor"), "vae": ("diffusers", "AutoencoderKLMiniMaxH3"),
+    "audio_vae": ("diffusers", "AutoencoderKLMiniMaxH3Audio"),
+    "transformer": ("diffusers", "MiniMaxH3Transformer3DModel"),
+    "transformer_ref": ("diffusers", "MiniMaxH3Transformer3DModel"),
+    "scheduler": ("diffusers", "MiniMaxH3Scheduler"), "audio_scheduler": ("diffusers", "MiniMaxH3Scheduler"),
+}
 
 
 @dataclass(frozen=True)
@@ -152,6 +191,33 @@ def write_flux(out: Path, guidance_embeds: bool, shift: float, use_dynamic_shift
     (out / "tokenizers.json").write_text(json.dumps(FLUX_TOKENIZERS, indent=2) + "\n")
 
 
+def write_h3(out: Path) -> None:
+    """MiniMax-H3's modular folder: every component's config, no weights; the index points nowhere
+    (``null``), so only the schedulers resolve from the folder and the loader supplies the rest."""
+    with init_empty_weights():
+        for name in ("transformer", "transformer_ref"):
+            diffusers.MiniMaxH3Transformer3DModel.from_config({}).save_config(out / name)
+        diffusers.AutoencoderKLMiniMaxH3.from_config(H3_VAE_STATS).save_config(out / "vae")
+        diffusers.AutoencoderKLMiniMaxH3Audio.from_config({}).save_config(out / "audio_vae")
+    for name, shift in (("scheduler", 12.0), ("audio_scheduler", 3.0)):
+        diffusers.MiniMaxH3Scheduler(shift=shift).save_config(out / name)
+    text = transformers.Qwen3VLConfig(text_config=QWEN3_VL_32B_TEXT, vision_config=QWEN3_VL_32B_VISION,
+                                      tie_word_embeddings=False, **QWEN3_VL_TOKENS)
+    text.architectures = ["Qwen3VLForConditionalGeneration"]
+    text.save_pretrained(out / "text_encoder")
+    transformers.Qwen2VLImageProcessor(**QWEN3_VL_PIXELS, size={"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}
+                                       ).save_pretrained(out / "processor")
+    transformers.Qwen3VLVideoProcessor(**QWEN3_VL_PIXELS, size={"shortest_edge": 64 * 64, "longest_edge": 24 * 1024 * 1024}
+                                       ).save_pretrained(out / "processor")
+    index: dict = {"_class_name": "MiniMaxH3ModularPipeline", "_diffusers_version": diffusers.__version__,
+                   "_blocks_class_name": "MiniMaxH3Blocks"}
+    for name, (library, cls) in H3_COMPONENTS.items():
+        index[name] = [library, cls, {"pretrained_model_name_or_path": None, "revision": None, "subfolder": name,
+                                      "type_hint": [library, cls], "variant": None}]
+    (out / "modular_model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "tokenizers.json").write_text(json.dumps(H3_TOKENIZERS, indent=2) + "\n")
+
+
 def main(root: Path = OUT) -> None:
     if root.exists():
         shutil.rmtree(root)
@@ -161,6 +227,8 @@ def main(root: Path = OUT) -> None:
     for name, flux in FLUX.items():
         write_flux(root / name, **flux)
         print(f"wrote {root / name}")
+    write_h3(root / "MiniMax-H3")
+    print(f"wrote {root / 'MiniMax-H3'}")
 
 
 if __name__ == "__main__":
