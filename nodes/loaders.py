@@ -20,9 +20,12 @@ from diffusers.modular_pipelines import ModularPipeline
 
 from ..offload_core import OffloadConfig
 from ..offload_core.components import iter_modules
+from ..offload_core.formats import carried
 from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
 from ..offload_core.formats.mapped import MappedFileError, map_from_files
 from ..offload_core.formats.single_file import load_denoiser
+from ..offload_core.models.minimax_h3.audio_vae_file import load_audio_vae_file
+from ..offload_core.models.minimax_h3.carried_parts import tokenizer_and_processor
 from ..offload_core.models.minimax_h3.conditioner import load_conditioner_file, trim_conditioner
 from ..offload_core.models.minimax_h3.vae_file import load_vae_file
 from . import host
@@ -36,7 +39,7 @@ from .folders import (
     read_json,
     resolve_model,
 )
-from .model_files import DENOISER_FOLDERS, NONE, denoiser_files, full_path, optional
+from .model_files import DENOISER_FOLDERS, NONE, PACK, comfy_package, denoiser_files, optional
 from .types import CATEGORY, DiffusersPipe, OffloadConfigType, PipeHandle, family_of
 from .web_api import search_aliases
 
@@ -53,6 +56,8 @@ DTYPES: dict[str, torch.dtype | None] = {
 }
 WORKFLOWS = ("t2va", "fl2va", "ref2va")
 REF_FOLDER = "transformer_ref"
+FILE_INPUTS = {"transformer": "transformer_file", REF_FOLDER: "transformer_file", "text_encoder": "text_encoder_file",
+               "vae": "vae_file", "audio_vae": "audio_vae_file"}
 
 
 def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
@@ -66,13 +71,16 @@ def load_pipeline(folder: Path, dtype: torch.dtype) -> DiffusionPipeline:
 
 
 def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_file: Path | None = None,
-                 text_encoder_file: Path | None = None, vae_file: Path | None = None) -> ModularPipeline:
+                 text_encoder_file: Path | None = None, vae_file: Path | None = None,
+                 audio_vae_file: Path | None = None, comfy_tokenizers: Path | None = None) -> ModularPipeline:
     """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded;
-    with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, GGUF), the transformer comes
-    from it, into the folder's transformer config (the folder's transformer weights are not read);
-    with ``text_encoder_file`` (MiniMax-H3's conditioner in ComfyUI's layout or transformers'), the
-    text encoder likewise, and ``vae_file`` (H3's video VAE, ComfyUI's layout or diffusers') the VAE.
-    H3's conditioner keeps the layers it is read at (`trim_conditioner`)."""
+    with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, GGUF), the workflow's
+    transformer (ref2va's ``transformer_ref``) comes from it, into the folder's config for it (the
+    folder's weights are not read); with ``text_encoder_file`` (MiniMax-H3's conditioner in ComfyUI's
+    layout or transformers'), the text encoder likewise, ``vae_file`` / ``audio_vae_file`` (H3's
+    VAEs, ComfyUI's layout or diffusers') the VAEs. A folder the pack carries (configs only) takes
+    every model from a file, its tokenizer from ComfyUI's ``comfy_tokenizers`` folder. H3's
+    conditioner keeps the layers it is read at (`trim_conditioner`)."""
     if not (folder / MODULAR_INDEX).is_file():
         raise PipelineFolderError(f"{folder} has no {MODULAR_INDEX}: it is not a modular pipeline; load a classic "
                                   "one (model_index.json) with 'Load diffusers pipeline'")
@@ -85,20 +93,23 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     except Exception as exc:  # unknown workflow, unreadable index: name the folder
         raise PipelineFolderError(f"diffusers could not read {folder} for workflow {workflow!r}: "
                                   f"{type(exc).__name__}: {exc}") from exc
-    files = {"transformer": transformer_file, "text_encoder": text_encoder_file, "vae": vae_file}
-    for name, spec in pipe._component_specs.items():
-        source = getattr(spec, "pretrained_model_name_or_path", None)
-        if files.get(name) is not None:
-            continue
-        if spec.default_creation_method == "from_pretrained" and source and Path(source).is_dir():
-            check_component(Path(source) / (spec.subfolder or ""), name, getattr(spec.type_hint, "__name__", "?"))
+    denoiser = REF_FOLDER if workflow == "ref2va" else "transformer"
+    files = {denoiser: transformer_file, "text_encoder": text_encoder_file, "vae": vae_file,
+             "audio_vae": audio_vae_file}
+    shipped = tokenizer_and_processor(folder, comfy_tokenizers) if (folder / carried.SHIPPED).is_file() else {}
+    _check_sources(pipe, folder, {**files, **shipped})
     if transformer_file is not None:  # set first: load_components then loads only what is missing
-        pipe.update_components(transformer=load_denoiser(transformer_file, folder, dtype))
+        pipe.update_components(**{denoiser: load_denoiser(transformer_file, folder, dtype, subfolder=denoiser)})
     if text_encoder_file is not None:
         pipe.update_components(text_encoder=_conditioner(pipe, folder, text_encoder_file, dtype))
     if vae_file is not None:
         _require_h3(pipe, folder, "vae", "video VAE")
         pipe.update_components(vae=load_vae_file(vae_file, folder / "vae", dtype))
+    if audio_vae_file is not None:
+        _require_h3(pipe, folder, "audio_vae", "audio VAE")
+        pipe.update_components(audio_vae=load_audio_vae_file(audio_vae_file, folder / "audio_vae", dtype))
+    if shipped:
+        pipe.update_components(**shipped)
     try:
         pipe.load_components(dtype=dtype)
     except Exception as exc:
@@ -107,6 +118,24 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
     trim_conditioner(pipe)
     log.info("loaded %s (%s) from %s (%s)", type(pipe).__name__, workflow, folder, str(dtype).removeprefix("torch."))
     return pipe
+
+
+def _check_sources(pipe: ModularPipeline, folder: Path, given: dict[str, Any]) -> None:
+    """Each component of the workflow not ``given`` (a file, a shipped tokenizer) has its folder,
+    checked; one with none (a folder the pack carries holds configs only) is refused naming the
+    file input to pick."""
+    absent = []
+    for name, spec in pipe._component_specs.items():
+        source = getattr(spec, "pretrained_model_name_or_path", None)
+        if given.get(name) is not None or spec.default_creation_method != "from_pretrained":
+            continue
+        if source and Path(source).is_dir():
+            check_component(Path(source) / (spec.subfolder or ""), name, getattr(spec.type_hint, "__name__", "?"))
+        elif source is None and name in FILE_INPUTS:
+            absent.append(FILE_INPUTS[name])
+    if absent:
+        raise PipelineFolderError(f"{folder.name} holds configs only (no weights): pick {', '.join(absent)} "
+                                  "(ComfyUI's MiniMax-H3 files, from models/diffusion_models, text_encoders and vae)")
 
 
 def _require_h3(pipe: ModularPipeline, folder: Path, component: str, what: str) -> None:
@@ -131,6 +160,11 @@ def map_weights(pipe: Any) -> Any:
             raise PipelineFolderError(f"{name}: {exc}") from exc
         log.info("%s: %s", name, report.line())
     return pipe
+
+
+def modular_options() -> list[str]:
+    """The modular configs the pack carries (MiniMax-H3's), then the modular folders under models/diffusers."""
+    return [*(PACK + p.name for p in carried.carried_modular()), *list_modular_models()]
 
 
 def _handle(pipe: Any, folder: Path, dtype: torch.dtype, config: OffloadConfig) -> io.NodeOutput:
@@ -212,8 +246,11 @@ class LoadModularPipeline(io.ComfyNode):
             description="Loads a modular diffusers pipeline folder (modular_model_index.json, e.g. MiniMax-H3) "
                         "from models/diffusers with only the components the chosen workflow uses.",
             inputs=[
-                io.Combo.Input("model", options=list_modular_models(),
-                               tooltip="A folder under models/diffusers holding modular_model_index.json."),
+                io.Combo.Input("model", options=modular_options(),
+                               tooltip="pack: MiniMax-H3 is the configs the pack carries (no download): pick "
+                                       "ComfyUI's H3 files below (transformer, text encoder, video and audio VAE); "
+                                       "its tokenizer is ComfyUI's own. Else a folder under models/diffusers "
+                                       "holding modular_model_index.json."),
                 io.Combo.Input("workflow", options=list(WORKFLOWS), default="t2va",
                                tooltip="t2va: text to video+audio; fl2va: also first and/or last frame; "
                                        "ref2va: needs the transformer_ref folder."),
@@ -232,20 +269,26 @@ class LoadModularPipeline(io.ComfyNode):
                                optional=True,
                                tooltip="MiniMax-H3's video VAE from models/vae (ComfyUI's bf16 file); 'none' uses "
                                        "the folder's. The folder then needs only the VAE's config."),
+                io.Combo.Input("audio_vae_file", options=[NONE, *folder_paths.get_filename_list("vae")],
+                               default=NONE, optional=True,
+                               tooltip="MiniMax-H3's audio VAE from models/vae (ComfyUI's "
+                                       "minimax_h3_audio_vae_fp32); 'none' uses the folder's."),
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
 
     @classmethod
     def execute(cls, model: str, workflow: str, dtype: str, offload: OffloadConfig | None = None,
-                transformer_file: str = NONE, text_encoder_file: str = NONE, vae_file: str = NONE) -> io.NodeOutput:
+                transformer_file: str = NONE, text_encoder_file: str = NONE, vae_file: str = NONE,
+                audio_vae_file: str = NONE) -> io.NodeOutput:
         config = offload or OffloadConfig()
-        folder = resolve_model(model)
+        folder = carried.by_name(model.removeprefix(PACK)) if model.startswith(PACK) else resolve_model(model)
         torch_dtype, storage, matmul = _dtypes(dtype, config)
-        file = None if transformer_file == NONE else Path(full_path(DENOISER_FOLDERS, transformer_file))
-        text, vae = optional(("text_encoders",), text_encoder_file), optional(("vae",), vae_file)
-        pipe = load_modular(folder, workflow, torch_dtype, file, Path(text) if text else None,
-                            Path(vae) if vae else None)
+        file = optional(DENOISER_FOLDERS, transformer_file)
+        text, vae, audio = (optional(folders, name) for folders, name in (
+            (("text_encoders",), text_encoder_file), (("vae",), vae_file), (("vae",), audio_vae_file)))
+        pipe = load_modular(folder, workflow, torch_dtype, *(Path(f) if f else None for f in (file, text, vae, audio)),
+                            comfy_tokenizers=comfy_package())
         pipe = map_weights(_store(pipe, storage, torch_dtype, matmul))
         return _handle(pipe, folder, torch_dtype, config)
 

@@ -6,12 +6,14 @@ not list, listed and resolved through ``folder_paths`` so that ``extra_model_pat
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import folder_paths
 
 from ..offload_core.formats.inspect import SingleFileError
 
 NONE = "none"
+PACK = "pack: "  # a config folder the pack carries, by name
 DENOISER_FOLDERS = ("diffusion_models", "unet_gguf")
 TEXT_ENCODER_FOLDERS = ("text_encoders", "clip_gguf")
 
@@ -66,3 +68,11 @@ def full_path(folders: tuple[str, ...], name: str) -> str:
 
 def optional(folders: tuple[str, ...], name: str) -> str | None:
     return None if name == NONE else full_path(folders, name)
+
+
+def comfy_package() -> Path:
+    """The folder of ComfyUI's ``comfy`` package, where it ships its tokenizers (not
+    ``folder_paths.base_path``, which ``--base-directory`` moves)."""
+    import comfy.sd1_clip
+
+    return Path(comfy.sd1_clip.__file__).resolve().parent

@@ -28,7 +28,9 @@ from .loaders import _handle, _store
 from .model_files import (
     DENOISER_FOLDERS,
     NONE,
+    PACK,
     TEXT_ENCODER_FOLDERS,
+    comfy_package,
     denoiser_files,
     full_path,
     optional,
@@ -40,20 +42,11 @@ from .web_api import search_aliases
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = ("auto", *COMPUTE)
 AUTO = "auto: the pack's configs (Wan, FLUX.1)"
-PACK = "pack: "  # a config folder the pack carries, by name
 
 
 def config_options() -> list[str]:
     """The pack's configs (picked by the file, or by name), then the diffusers folders under models/diffusers."""
     return [AUTO, *(PACK + p.name for p in carried.carried()), *list_models()]
-
-
-def comfy_package() -> Path:
-    """The folder of ComfyUI's ``comfy`` package, where it ships its tokenizers (not
-    ``folder_paths.base_path``, which ``--base-directory`` moves)."""
-    import comfy.sd1_clip
-
-    return Path(comfy.sd1_clip.__file__).resolve().parent
 
 
 def config_folder(config: str, denoiser: str, two_experts: bool) -> Path:

@@ -1,9 +1,10 @@
-"""Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2
-and of FLUX.1 dev / schnell, written by ``tools/write_carried_configs.py``), so a user holding only
-ComfyUI single files needs no diffusers folder: the one whose transformer fits the denoiser file's
-shape is picked. They hold no tokenizer: Wan's comes from the text-encoder file (Comfy-Org's UMT5
-files carry its sentencepiece model, which is what ComfyUI's own Wan tokenizer reads), FLUX.1's
-from the folders ComfyUI ships its CLIP-L and T5 tokenizers in (a folder's ``tokenizers.json``).
+"""Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2,
+of FLUX.1 dev / schnell and of MiniMax-H3's modular folder, written by
+``tools/write_carried_configs.py``), so a user holding only ComfyUI single files needs no diffusers
+folder: the classic one whose transformer fits the denoiser file's shape is picked. They hold no
+tokenizer: Wan's comes from the text-encoder file (Comfy-Org's UMT5 files carry its sentencepiece
+model, which is what ComfyUI's own Wan tokenizer reads), FLUX.1's and H3's from the folders ComfyUI
+ships them in (a folder's ``tokenizers.json``).
 """
 
 from __future__ import annotations
@@ -21,22 +22,30 @@ log = get_logger("single_file")
 
 ROOT = Path(__file__).with_name("carried_configs")
 SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encoder file carries
+MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
 FAMILIES = "Wan 2.1 / 2.2 and FLUX.1"
 
 
-def carried(root: Path | None = None) -> list[Path]:
-    """The config folders the pack carries (under ``root``, the pack's by default), by name."""
+def carried(root: Path | None = None, index: str = "model_index.json") -> list[Path]:
+    """The config folders the pack carries (under ``root``, the pack's by default), by name: the
+    classic pipelines' (``model_index.json``), or with ``index`` the modular ones'."""
     root = Path(root or ROOT)
-    return sorted(p for p in root.iterdir() if (p / "model_index.json").is_file()) if root.is_dir() else []
+    return sorted(p for p in root.iterdir() if (p / index).is_file()) if root.is_dir() else []
+
+
+def carried_modular(root: Path | None = None) -> list[Path]:
+    """The modular pipeline folders the pack carries (MiniMax-H3's)."""
+    return carried(root, MODULAR_INDEX)
 
 
 def by_name(name: str) -> Path:
     """The carried config folder called ``name``."""
-    found = [p for p in carried() if p.name == name]
+    folders = [*carried(), *carried_modular()]
+    found = [p for p in folders if p.name == name]
     if not found:
         raise SingleFileError(f"the pack carries no config folder {name!r}: it carries "
-                              f"{', '.join(p.name for p in carried())}")
+                              f"{', '.join(p.name for p in folders)}")
     return found[0]
 
 
@@ -75,13 +84,13 @@ def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
     each from the folder ComfyUI ships it in where the folder's ``tokenizers.json`` names one (under
     ``comfy_tokenizers``, ComfyUI's ``comfy`` package folder), else read from the sentencepiece model
     its text-encoder file carries (``tokenizer_2`` from ``text_encoder_2``)."""
-    shipped = json.loads((folder / SHIPPED).read_text(encoding="utf-8")) if (folder / SHIPPED).is_file() else {}
+    shipped = _shipped_entries(folder)
     out: dict[str, Any] = {}
     for name, spec in index.items():
         if not name.startswith("tokenizer") or not (isinstance(spec, list) and all(spec)) or (folder / name).is_dir():
             continue
         if name in shipped:
-            out[name] = _shipped(folder, name, str(spec[1]), dict(shipped[name]), comfy_tokenizers)
+            out[name] = shipped_tokenizer(folder, name, str(spec[1]), comfy_tokenizers)
             continue
         encoder = files.get(name.replace("tokenizer", "text_encoder"))
         if encoder is None:
@@ -91,10 +100,17 @@ def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
     return out
 
 
-def _shipped(folder: Path, name: str, cls_name: str, entry: dict, comfy_tokenizers: Path | None) -> Any:
-    """A tokenizer ComfyUI ships (``entry``: its ``comfyui`` subfolder and the options to load it with)."""
+def _shipped_entries(folder: Path) -> dict[str, dict]:
+    return json.loads((folder / SHIPPED).read_text(encoding="utf-8")) if (folder / SHIPPED).is_file() else {}
+
+
+def shipped_tokenizer(folder: Path, name: str, cls_name: str, comfy_tokenizers: Path | None) -> Any:
+    """Config ``folder``'s tokenizer ``name`` (class ``cls_name``) from the folder ComfyUI ships it in,
+    as its ``tokenizers.json`` says (the ``comfyui`` subfolder of ``comfy_tokenizers``, ComfyUI's
+    ``comfy`` package folder, and the options to load it with)."""
     import transformers
 
+    entry = dict(_shipped_entries(folder)[name])
     source = Path(comfy_tokenizers or "") / entry.pop("comfyui")
     if comfy_tokenizers is None or not source.is_dir():
         raise SingleFileError(f"the config folder {folder} takes its {name} from ComfyUI's {source.name} folder, which "
