@@ -48,8 +48,9 @@ def test_other_pipelines_are_left_alone(wan_pipe):
 
 @pytest.mark.parametrize("layout", ["comfy", "transformers"])
 def test_a_conditioner_file_generates_like_the_folder(h3_pipe, tiny_h3_dir: Path, tmp_path: Path, layout):
-    """ComfyUI's layout (``model.layers.*``, ``visual.*``, 50 layers, no head) and transformers'
-    own (every layer, the head): the layers past the 50th are dropped, the file never written."""
+    """ComfyUI's layout (``model.layers.*``, ``visual.*``, 50 layers, no head, no final norm) and
+    transformers' own (every layer, the head): the layers past the 50th are dropped, the file never
+    written; without its final norm the conditioning is the same (H3 reads the last state unnormed)."""
     whole = h3_pipe.text_encoder.state_dict()
     state = comfy_conditioner_state_dict(whole, 50) if layout == "comfy" else whole
     path = tmp_path / f"h3_conditioner_{layout}.safetensors"
@@ -61,6 +62,7 @@ def test_a_conditioner_file_generates_like_the_folder(h3_pipe, tiny_h3_dir: Path
     assert len(encoder.model.language_model.layers) == 50
     assert not any(t.is_meta for t in (*encoder.parameters(), *encoder.buffers()))
     assert isinstance(encoder.lm_head, NoHead) == (layout == "comfy")
+    assert isinstance(encoder.model.language_model.norm, torch.nn.Identity) == (layout == "comfy")
     h3_pipe.update_components(text_encoder=encoder)
     _same(run_h3(h3_pipe), reference)
     assert digest(path) == before

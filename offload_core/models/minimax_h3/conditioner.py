@@ -26,6 +26,7 @@ CLASS = "Qwen3VLForConditionalGeneration"
 # ComfyUI's layout (comfy/sd.py reads transformers' files through the reverse renaming) -> transformers'
 COMFY_PREFIXES = (("model.lm_head.", "lm_head."), ("visual.", "model.visual."), ("model.", "model.language_model."))
 OURS = ("model.language_model.", "model.visual.", "lm_head.")
+FINAL_NORM = "model.language_model.norm."  # ComfyUI's 32B config has none (final_norm False)
 LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
 
 
@@ -60,12 +61,16 @@ def fit_conditioner(encoder: torch.nn.Module, layer: int) -> int:
 def load_conditioner_file(path: Path, config: Path, dtype: torch.dtype, layer: int) -> torch.nn.Module:
     """H3's conditioner from a single file in ComfyUI's layout (``model.layers.*``, ``visual.*``;
     ComfyUI's H3 files stop at 50 layers and have no language-model head) or transformers', into the
-    config of ``config`` (the folder's ``text_encoder``); layers past ``layer`` are dropped as read."""
+    config of ``config`` (the folder's ``text_encoder``); layers past ``layer`` are dropped as read.
+    A file without the final norm (ComfyUI's model of it has none) gets an identity there: the
+    norm only ever applies to the last hidden state, which H3 reads unnormed."""
     fit = Fit(keys=lambda state: _transformers_keys(path, state, layer),
-              config=lambda cfg: _with_layers(cfg, layer), absent=("lm_head.",))
+              config=lambda cfg: _with_layers(cfg, layer), absent=("lm_head.", FINAL_NORM))
     encoder = load_text_encoder(path, config, CLASS, dtype, fit)
     if any(p.is_meta for p in encoder.lm_head.parameters()):
         encoder.lm_head = NoHead()
+    if any(p.is_meta for p in encoder.model.language_model.norm.parameters()):
+        encoder.model.language_model.norm = torch.nn.Identity()  # it only norms the unread last state
     fit_conditioner(encoder, layer)
     return encoder
 
