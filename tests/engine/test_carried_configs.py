@@ -1,4 +1,4 @@
-"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1), so single files run without a diffusers folder:
+"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, MiniMax-H3), so single files run without a diffusers folder:
 each carried folder builds the released models' sizes through the real classes and is what
 ``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
 second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
@@ -106,6 +106,42 @@ def test_each_carried_flux_folder_builds_the_released_model_sizes(folder: Path) 
     assert json.loads((folder / "tokenizers.json").read_text()) == {
         "tokenizer": {"comfyui": "sd1_tokenizer", "model_max_length": 77},
         "tokenizer_2": {"comfyui": "text_encoders/t5_tokenizer", "model_max_length": 512}}
+
+
+# MiniMax-H3 as Comfy-Org's files hold it, in billions (the bf16 / fp16 files' bytes / 2, the fp32 audio VAE's / 4):
+# minimax_h3_fl2va_bf16, qwen3vl_32b_minimax_h3_bf16 (50 layers, no head, no final norm), minimax_h3_video_vae_fp16,
+# minimax_h3_audio_vae_fp32 (its weight-norm convolutions folded)
+H3 = {"transformer": 33.140, "conditioner": 25.753, "vae": 2.6039, "audio_vae": 0.15131}
+
+
+def test_the_carried_h3_folder_builds_the_released_model_sizes() -> None:
+    """MiniMax-H3: each model at the size of ComfyUI's file of it, the conditioner trimmed as the
+    loader trims it; Qwen3-VL-32B's RoPE base; the schedulers' shifts; Qwen3-VL's processors at
+    16 px patches; the index points nowhere (the loader supplies every model and the tokenizer)."""
+    from diffusers_offload.offload_core.models.minimax_h3.conditioner import fit_conditioner
+
+    folder = carried.by_name("MiniMax-H3")
+    assert carried.carried_modular() == [folder] and not any(folder.rglob("*.safetensors"))
+    transformer = _meta(diffusers.MiniMaxH3Transformer3DModel, folder / "transformer")
+    assert _billions(transformer) == pytest.approx(H3["transformer"], rel=5e-3)
+    assert transformer.config == _meta(diffusers.MiniMaxH3Transformer3DModel, folder / "transformer_ref").config
+    encoder = _meta(transformers.Qwen3VLForConditionalGeneration, folder / "text_encoder")
+    assert encoder.config.text_config.rope_parameters["rope_theta"] == 5e6
+    fit_conditioner(encoder, 50)
+    kept = _billions(encoder) - _billions(encoder.lm_head) - _billions(encoder.model.language_model.norm)
+    assert kept == pytest.approx(H3["conditioner"], rel=5e-3)
+    assert _billions(_meta(diffusers.AutoencoderKLMiniMaxH3, folder / "vae")) == pytest.approx(H3["vae"], rel=5e-3)
+    audio = _meta(diffusers.AutoencoderKLMiniMaxH3Audio, folder / "audio_vae")
+    assert _billions(audio) == pytest.approx(H3["audio_vae"], rel=5e-3) and audio.config.latents_mean is None
+    shifts = [diffusers.MiniMaxH3Scheduler.from_pretrained(str(folder / n)).config.shift
+              for n in ("scheduler", "audio_scheduler")]
+    assert shifts == [12.0, 3.0]
+    pixels = transformers.AutoImageProcessor.from_pretrained(str(folder / "processor"))
+    assert (pixels.patch_size, pixels.merge_size, list(pixels.image_mean)) == (16, 2, [0.5] * 3)
+    index = json.loads((folder / "modular_model_index.json").read_text())
+    specs = {k: v for k, v in index.items() if isinstance(v, list)}
+    assert {v[2]["pretrained_model_name_or_path"] for v in specs.values()} == {None}
+    assert json.loads((folder / "tokenizers.json").read_text()) == {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer"}}
 
 
 def test_the_carried_folders_are_what_the_tool_writes(tmp_path: Path, monkeypatch) -> None:
@@ -233,3 +269,17 @@ def test_a_file_of_another_family_or_role_is_refused(wan_component_files) -> Non
         carried.pick(wan_component_files["text_encoder"], False)
     with pytest.raises(SingleFileError, match="carries no config folder 'Wan9'.*Wan2.1-T2V-14B-Diffusers"):
         carried.by_name("Wan9")
+
+
+def test_a_pruned_h3_file_is_refused_naming_the_unpruned_one(tiny_h3_dir, tmp_path) -> None:
+    """Comfy-Org's ``minimax_h3_*_pruned_*`` files replace the time embedder with a table (curve AdaLN)
+    that diffusers' H3 class has no form for: refused by name, pointing at the unpruned file."""
+    from diffusers_offload.offload_core.formats.single_file import load_denoiser
+    from fixtures.h3_files import comfy_h3_state_dict, write
+
+    model = diffusers.MiniMaxH3Transformer3DModel.from_pretrained(str(tiny_h3_dir / "transformer"))
+    state = {k: v for k, v in comfy_h3_state_dict(model.state_dict(), dict(model.config)).items()
+             if not k.startswith("time_embedder.")}
+    path = write({**state, "adaln_t_table": torch.zeros(64, 8)}, tmp_path / "minimax_h3_fl2va_pruned_bf16.safetensors")
+    with pytest.raises(SingleFileError, match=r"minimax_h3_fl2va_pruned_bf16\.safetensors.*pruned MiniMax-H3 .*unpruned"):
+        load_denoiser(path, tiny_h3_dir, torch.float32)
