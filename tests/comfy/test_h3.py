@@ -22,7 +22,7 @@ import pytest
 import torch
 from comfyhost import h3, harness
 from comfyhost.capture import capture_class
-from comfyhost.h3 import GEN, assert_frames, capture_pipe, outputs
+from comfyhost.h3 import GEN, LOAD, assert_frames, capture_pipe, outputs
 from fixtures.hook_inventory import hook_inventory
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
@@ -292,6 +292,36 @@ def test_ref2va_from_reference_images_gives_video_with_audio(
     assert units_run.count("denoise") == 2
     pipe = out[9].pipe  # the ref2va partition alone was loaded, and it is what denoised
     assert getattr(pipe, "transformer", None) is None and pipe.transformer_ref is not None
+
+
+def test_a_ref2va_transformer_file_is_the_reference_transformer(
+    comfy: harness.ComfyHost, ref_model: str, captured: list, tiny_h3_ref_dir: Path
+) -> None:
+    """ref2va with ``transformer_file``: the file (Comfy-Org's ``minimax_h3_ref2va_*`` layout) becomes
+    ``transformer_ref``, the partition ref2va denoises with: the folder's weights in it give the
+    folder's frames, a file with one bias moved moves them."""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from fixtures.h3_files import comfy_h3_state_dict, write
+
+    model = MiniMaxH3Transformer3DModel.from_pretrained(str(tiny_h3_ref_dir / "transformer_ref"))
+    state = comfy_h3_state_dict(model.state_dict(), dict(model.config))
+    folder = Path(comfy.folder_paths.get_folder_paths("diffusion_models")[0])
+    write(state, folder / "h3-tiny-ref2va.safetensors")
+    write({**state, "final_layer.video_out.bias": state["final_layer.video_out.bias"] + 0.5},
+          folder / "h3-tiny-ref2va-moved.safetensors")
+
+    def frames(**load: str) -> torch.Tensor:
+        captured.clear()
+        prompt = capture_pipe(with_refs(graph(ref_model, "ref2va", outputs=(1,), steps=2), ref_1=(32, 32, 1)), CAPTURE)
+        prompt[LOAD]["inputs"] |= load
+        comfy.run_prompt(prompt).raise_for_error()
+        out = outputs(captured)
+        assert getattr(out[9].pipe, "transformer", None) is None
+        return out[1]
+
+    reference = frames()
+    torch.testing.assert_close(frames(transformer_file="h3-tiny-ref2va.safetensors"), reference, rtol=0, atol=0)
+    assert not torch.equal(frames(transformer_file="h3-tiny-ref2va-moved.safetensors"), reference)
 
 
 @pytest.mark.parametrize(("workflow", "inputs", "message"), [
