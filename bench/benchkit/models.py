@@ -210,7 +210,7 @@ def _h3_text_config(tiny: bool, layers: int, tokenizer):
 def build_h3(tiny: bool, blocks: int, te_layers: int, device: torch.device, dtype: torch.dtype, on_built=None,
              build_other=None):
     """An fl2va ``MiniMaxH3ModularPipeline``: the transformer at the H3-33B width with ``blocks`` of
-    its 50 blocks; Qwen3-VL at the assumed H3 width (tests/fixtures/meta_models.H3_TEXT_ENCODER) with
+    its 50 blocks; Qwen3-VL-32B as the pack carries its config (tests/fixtures/meta_models.H3_TEXT_ENCODER) with
     ``te_layers`` of 64 layers (H3 reads ``hidden_states[50]``: a shorter stack reads its last but
     one); both VAEs at their real configs; the suite's byte-level tokenizer (its ids fit the real
     vocabulary). ``on_built(name, model, build_s, to_host_s)`` after each model. ``build_other(name,
