@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from ...formats.inspect import SingleFileError, inspect_safetensors
 from ...log import get_logger
+from .vae_file import check_fills
 
 log = get_logger("loaders")
 LATENT_STATS = ("latents_mean", "latents_std")
@@ -46,7 +47,7 @@ def load_audio_vae_file(path: Path, config: Path, dtype: torch.dtype) -> Autoenc
     with init_empty_weights():  # buffers (the resampling filters) are made for real
         vae = AutoencoderKLMiniMaxH3Audio.from_config(cfg)
     folded = _unnorm_folded(vae, state)
-    _check_fills(path, vae.state_dict(), state)
+    check_fills(path, vae.state_dict(), state, "audio VAE", "audio_vae_file")
     keep = tuple(f"{m}." for m in AutoencoderKLMiniMaxH3Audio._keep_in_fp32_modules or ())
     vae.load_state_dict({k: v.to(torch.float32 if k.startswith(keep) else dtype) if v.is_floating_point() else v
                          for k, v in state.items()}, assign=True)
@@ -63,13 +64,3 @@ def _unnorm_folded(vae: torch.nn.Module, state: dict[str, torch.Tensor]) -> int:
     for name in folded:
         torch.nn.utils.remove_weight_norm(modules[name])
     return len(folded)
-
-
-def _check_fills(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise SingleFileError(
-            f"{path} is not a MiniMax-H3 audio VAE of the folder's configuration: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, other shapes {wrong[:3]}; pick H3's audio VAE file or leave "
-            "audio_vae_file at 'none'")

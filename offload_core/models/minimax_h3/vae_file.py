@@ -53,17 +53,21 @@ def load_vae_file(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKL
             cfg[name] = [float(v) for v in state.pop(name).float()]
     with init_empty_weights():  # buffers (rotary tables) are made for real
         vae = AutoencoderKLMiniMaxH3.from_config(cfg)
-    expected = vae.state_dict()
+    check_fills(path, vae.state_dict(), state, "video VAE", "vae_file")
+    vae.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, assign=True)
+    log.info("%s: MiniMax-H3 VAE in %s layout", path.name, layout)
+    return vae.eval()
+
+
+def check_fills(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], what: str,
+                field: str) -> None:
+    """``state`` fills a model of ``expected`` keys and shapes exactly, else the file is refused by name."""
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
         raise SingleFileError(
-            f"{path} is not a MiniMax-H3 video VAE of the folder's configuration: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, other shapes {wrong[:3]}; pick H3's VAE file or leave vae_file at 'none'"
-        )
-    vae.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, assign=True)
-    log.info("%s: MiniMax-H3 VAE in %s layout", path.name, layout)
-    return vae.eval()
+            f"{path} is not a MiniMax-H3 {what} of the folder's configuration: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}, other shapes {wrong[:3]}; pick H3's {what} file or leave {field} at 'none'")
 
 
 def diffusers_state(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
