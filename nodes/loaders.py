@@ -243,8 +243,9 @@ class LoadModularPipeline(io.ComfyNode):
             **search_aliases("offload", "block swap", "h3"),
             display_name="Load modular pipeline (diffusers)",
             category=CATEGORY,
-            description="Loads a modular diffusers pipeline folder (modular_model_index.json, e.g. MiniMax-H3) "
-                        "from models/diffusers with only the components the chosen workflow uses.",
+            description="Loads MiniMax-H3 from the configs the pack carries and ComfyUI's H3 files, or a modular "
+                        "diffusers pipeline folder (modular_model_index.json) from models/diffusers, with only the "
+                        "components the chosen workflow uses.",
             inputs=[
                 io.Combo.Input("model", options=modular_options(),
                                tooltip="pack: MiniMax-H3 is the configs the pack carries (no download): pick "
@@ -253,7 +254,8 @@ class LoadModularPipeline(io.ComfyNode):
                                        "holding modular_model_index.json."),
                 io.Combo.Input("workflow", options=list(WORKFLOWS), default="t2va",
                                tooltip="t2va: text to video+audio; fl2va: also first and/or last frame; "
-                                       "ref2va: needs the transformer_ref folder."),
+                                       "ref2va: references; its transformer is the folder's transformer_ref, or "
+                                       "the ref2va transformer file (minimax_h3_ref2va_*)."),
                 _dtype_input(),
                 OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
                 io.Combo.Input("transformer_file", options=[NONE, *denoiser_files()], default=NONE, optional=True,
