@@ -250,7 +250,14 @@ def _diffusers_model_type(info: SingleFileInfo) -> str | None:
         return None
     if model_type == "v1" and CHECKPOINT_KEY_NAMES["v1"] not in meta:
         return None
+    if model_type.startswith("ltx-video") and _ltx2(meta, CHECKPOINT_KEY_NAMES["ltx2"]):
+        return "ltx2-dev"  # diffusers 0.42.1 tests LTX-Video's keys, which LTX-2 files also hold, first
     return model_type
+
+
+def _ltx2(keys: dict, names: list[str]) -> bool:
+    """diffusers' LTX-2 keys, with ComfyUI's ``model.diffusion_model.`` prefix or without it."""
+    return any(n in keys or n.removeprefix("model.diffusion_model.") in keys for n in names)
 
 
 def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:

@@ -247,3 +247,26 @@ def test_a_second_text_encoder_file_for_a_pipeline_without_one_is_refused(comfy_
         load_pipeline_with_denoiser(wan_configs_only, comfy_wan("bf16"), BF16, **{
             "text_encoder_file": wan_component_files["text_encoder"], "vae_file": wan_component_files["vae"],
             "text_encoder_2_file": wan_component_files["text_encoder"]})
+
+
+def test_an_ltx2_transformer_file_loads_into_an_ltx2_folder(tiny_ltx2_dir, tmp_path):
+    """LTX-2's original layout (what ComfyUI's LTX-2 files hold) is told from LTX-Video's: diffusers
+    0.42.1's detector calls it LTX-Video 0.9.7 (it tests LTX-Video's keys, which LTX-2 files also
+    hold, first), and the file was refused against an LTX-2 config folder as another family."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+    from fixtures.ltx2_files import original_ltx2_transformer_state
+
+    folder = LTX2VideoTransformer3DModel.from_pretrained(str(tiny_ltx2_dir / "transformer"))
+    state = original_ltx2_transformer_state(folder.state_dict())
+    assert convert_ltx2_transformer_to_diffusers(dict(state)).keys() == folder.state_dict().keys()  # the layout
+    path = tmp_path / "ltx-2-tiny.safetensors"
+    save_file(state, str(path))
+
+    info = inspect_safetensors(path)
+    assert (info.family, info.role) == ("ltx2", "denoiser")
+    model = load_denoiser(path, tiny_ltx2_dir, torch.float32)
+    assert type(model) is LTX2VideoTransformer3DModel
+    loaded = model.state_dict()
+    for key, value in folder.state_dict().items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
