@@ -116,8 +116,6 @@ def _assemble(folder: Path, index: dict, parts: dict[str, Any], dtype: torch.dty
     loaded as `DiffusionPipeline.from_pretrained` would. Why not that call itself: diffusers 0.42.1
     reloads a passed component the pipeline declares optional (Wan's ``transformer``) from the
     folder and drops the passed one."""
-    import importlib
-
     pipeline_class = getattr(diffusers, index["_class_name"], None)
     if not isinstance(pipeline_class, type):
         raise SingleFileError(f"{folder}: pipeline class {index['_class_name']!r} is not in this diffusers version")
@@ -132,15 +130,26 @@ def _assemble(folder: Path, index: dict, parts: dict[str, Any], dtype: torch.dty
             if not all(spec):
                 kwargs[name] = None
                 continue
-            cls = getattr(importlib.import_module(str(spec[0])), str(spec[1]))
+            cls = _component_class(str(spec[0]), str(spec[1]))
             weights = issubclass(cls, torch.nn.Module)
-            dtype_kw = {} if not weights else {"torch_dtype" if spec[0] == "diffusers" else "dtype": dtype}
+            dtype_kw = {} if not weights else {"torch_dtype" if issubclass(cls, diffusers.ModelMixin) else "dtype": dtype}
             kwargs[name] = cls.from_pretrained(str(folder / name), local_files_only=True, **dtype_kw)
         else:
             kwargs[name] = spec
     pipe = pipeline_class(**kwargs)
     pipe.register_to_config(_name_or_path=str(folder))
     return pipe
+
+
+def _component_class(library: str, name: str) -> type:
+    """An index entry's class as diffusers resolves it: a library named like a diffusers pipeline
+    module (LTX-2's ``ltx2`` connectors and vocoder) is that module."""
+    import importlib
+
+    from diffusers import pipelines
+
+    module = getattr(pipelines, library) if hasattr(pipelines, library) else importlib.import_module(library)
+    return getattr(module, name)
 
 
 def _read_index(folder: Path) -> dict:

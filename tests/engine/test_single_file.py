@@ -20,7 +20,7 @@ from diffusers_offload.offload_core.formats.single_file_pipeline import load_pip
 from fixtures import comfy_files, gguf_files
 from fixtures.comfy_files import comfy_quant_wan_tensors, comfy_wan_tensors
 from fixtures.placements import run_placed
-from fixtures.tiny_models import run_wan
+from fixtures.tiny_models import run_ltx2, run_wan
 from safetensors.torch import load_file, save_file
 
 # session fixtures, registered under their own names (comfy_wan, wan_configs_only, wan_component_files, wan_gguf)
@@ -249,10 +249,12 @@ def test_a_second_text_encoder_file_for_a_pipeline_without_one_is_refused(comfy_
             "text_encoder_2_file": wan_component_files["text_encoder"]})
 
 
-def test_an_ltx2_transformer_file_loads_into_an_ltx2_folder(tiny_ltx2_dir, tmp_path):
+def test_an_ltx2_transformer_file_runs_in_an_ltx2_folders_pipeline(ltx2_pipe, tiny_ltx2_dir, tmp_path):
     """LTX-2's original layout (what ComfyUI's LTX-2 files hold) is told from LTX-Video's: diffusers
     0.42.1's detector calls it LTX-Video 0.9.7 (it tests LTX-Video's keys, which LTX-2 files also
-    hold, first), and the file was refused against an LTX-2 config folder as another family."""
+    hold, first), and the file was refused against an LTX-2 config folder as another family. The
+    pipeline around it takes the folder's connectors and vocoder (index library ``ltx2``, a diffusers
+    pipeline module, which failed to import) and runs as the folder's."""
     from diffusers import LTX2VideoTransformer3DModel
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
     from fixtures.ltx2_files import original_ltx2_transformer_state
@@ -270,3 +272,10 @@ def test_an_ltx2_transformer_file_loads_into_an_ltx2_folder(tiny_ltx2_dir, tmp_p
     loaded = model.state_dict()
     for key, value in folder.state_dict().items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=key)
+    reference = run_ltx2(ltx2_pipe)
+    pipe = load_pipeline_with_denoiser(tiny_ltx2_dir, path, torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    assert type(pipe.connectors).__name__ == "LTX2TextConnectors" and type(pipe.vocoder).__name__ == "LTX2Vocoder"
+    out = run_ltx2(pipe)
+    torch.testing.assert_close(out.video, reference.video, rtol=0, atol=0)
+    torch.testing.assert_close(out.audio, reference.audio, rtol=0, atol=0)
