@@ -1,5 +1,6 @@
 """The model files a loader node offers from ComfyUI's folders: denoiser files (diffusion_models,
-which covers unet, and unet_gguf where a GGUF pack registered it) and text-encoder files
+which covers unet, unet_gguf where a GGUF pack registered it, and checkpoints, where all-in-one
+files such as LTX-2's hold a denoiser beside its VAE and others) and text-encoder files
 (text_encoders, and clip_gguf where registered), each plus the ``.gguf`` files plain ComfyUI does
 not list, listed and resolved through ``folder_paths`` so that ``extra_model_paths.yaml`` works."""
 
@@ -14,7 +15,7 @@ from ..offload_core.formats.inspect import SingleFileError
 
 NONE = "none"
 PACK = "pack: "  # a config folder the pack carries, by name
-DENOISER_FOLDERS = ("diffusion_models", "unet_gguf")
+DENOISER_FOLDERS = ("diffusion_models", "unet_gguf", "checkpoints")  # checkpoints: all-in-one files (LTX-2's)
 TEXT_ENCODER_FOLDERS = ("text_encoders", "clip_gguf")
 
 
@@ -23,8 +24,8 @@ def _registered(name: str) -> bool:
 
 
 def denoiser_files() -> list[str]:
-    """Files in diffusion_models (which covers unet) and unet_gguf where a GGUF pack registered it,
-    plus the ``.gguf`` files of diffusion_models, which plain ComfyUI does not list."""
+    """Files in diffusion_models (which covers unet), unet_gguf where a GGUF pack registered it and
+    checkpoints, plus the ``.gguf`` files of diffusion_models, which plain ComfyUI does not list."""
     return _listed(DENOISER_FOLDERS)
 
 

@@ -80,7 +80,9 @@ class LoadDiffusionModelFile(io.ComfyNode):
                                        "diffusers folder of the file's family under models/diffusers (configs, "
                                        "tokenizer and scheduler; weights optional)."),
                 io.Combo.Input("denoiser", options=denoiser_files(),
-                               tooltip="The denoiser file, from models/diffusion_models (or unet, unet_gguf)."),
+                               tooltip="The denoiser file, from models/diffusion_models (or unet, unet_gguf), or an "
+                                       "all-in-one checkpoint from models/checkpoints (LTX-2's: its connectors, VAEs "
+                                       "and vocoder are read from it too)."),
                 io.Combo.Input("text_encoder", options=[NONE, *text_encoder_files()],
                                default=NONE, tooltip="A text-encoder file from models/text_encoders (safetensors, "
                                                      "or a T5/UMT5 GGUF); 'none' uses the config folder's."),

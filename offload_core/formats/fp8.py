@@ -27,6 +27,8 @@ from .w4a8 import W4A8Linear
 
 log = get_logger("fp8")
 
+SCALE_KEY = ".scale_weight"  # the spelling both ComfyUI layouts are normalised to before conversion
+INPUT_KEY = ".scale_input"  # the same for static input scales
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 INT8 = torch.int8  # ComfyUI's int8_tensorwise weights: dequantised by torch on every transport, no kernel
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

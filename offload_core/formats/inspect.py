@@ -89,6 +89,9 @@ DENOISER_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers model type prefi
 )
 
 
+CHECKPOINT_DENOISER = "model.diffusion_model."  # a checkpoint's denoiser, in ComfyUI's key names
+
+
 class SingleFileError(ValueError):
     """A single file the pack cannot run as asked; the message names the file and what it looks like."""
 
@@ -225,17 +228,26 @@ def inspect_file(path: Path) -> SingleFileInfo:
 
 
 def _identify(info: SingleFileInfo) -> None:
+    """Role and family from the key names and shapes; a checkpoint (a denoiser under ComfyUI's
+    ``model.diffusion_model.`` beside its VAE and others: LTX-2's) is read for its denoiser first."""
     keys = [k for k in info.shapes if k != info.marker and k not in info.tokenizers]
+    if any(k.startswith(CHECKPOINT_DENOISER) for k in keys) and _denoiser(info):
+        return
     for pattern, looks_like, role in KEY_SIGNS:
         if any(re.search(pattern, k) for k in keys):
             info.looks_like, info.role = looks_like, role
             return
+    _denoiser(info)
+
+
+def _denoiser(info: SingleFileInfo) -> bool:
     model_type = _diffusers_model_type(info)
     for prefix, family in DENOISER_FAMILIES:
         if model_type and model_type.startswith(prefix):
             info.model_type, info.family, info.role = model_type, family, "denoiser"
             info.looks_like = f"a {family} denoiser"
-            return
+            return True
+    return False
 
 
 def _diffusers_model_type(info: SingleFileInfo) -> str | None:

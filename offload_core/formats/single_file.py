@@ -24,7 +24,18 @@ from safetensors.torch import load_file
 
 from ..log import get_logger
 from . import w4a8
-from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
+from .checkpoint_parts import denoiser_only
+from .fp8 import (
+    INPUT_KEY,
+    INT8,
+    SCALE_KEY,
+    check_int8_scale,
+    dequantize,
+    dequantize_int8,
+    is_fp8,
+    mark_fp8,
+    scale_value,
+)
 from .inspect import (
     INPUT_SCALE_SUFFIXES,
     QUANT_SUFFIX,
@@ -39,8 +50,6 @@ from .scale_trace import trace_rows, trace_scales
 
 log = get_logger("single_file")
 
-SCALE_KEY = ".scale_weight"  # the spelling both ComfyUI layouts are normalised to before conversion
-INPUT_KEY = ".scale_input"  # the same for static input scales
 CLASS_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers class-name prefix -> family (first match)
     ("WanVACE", "wan"), ("WanAnimate", "wan"), ("Wan", "wan"), ("Flux2", "flux2"), ("Flux3", "flux3"),
     ("Flux", "flux"), ("Chroma", "chroma"), ("LTX2", "ltx2"), ("LTXVideo", "ltx-video"), ("MiniMaxH3", "minimax_h3"),
@@ -131,7 +140,7 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     mapping = SINGLE_FILE_LOADABLE_CLASSES.get(cls.__name__)
     if mapping is None:
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
-    checkpoint = read_checkpoint(path, info)
+    checkpoint = denoiser_only(read_checkpoint(path, info), info)
     extras = w4a8.pop_extras(checkpoint)
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():

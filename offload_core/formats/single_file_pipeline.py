@@ -17,6 +17,7 @@ import torch
 from ..log import get_logger
 from . import w4a8
 from .carried import missing_tokenizers
+from .checkpoint_parts import load_part, parts_in
 from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
@@ -69,12 +70,15 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
         raise SingleFileError(f"{index['_class_name']} ({folder}) has no {extra[0]}: leave its "
                               f"{FILE_KINDS[extra[0]]} at 'none'")
     parts: dict[str, Any] = {}
+    held = _Held(Path(denoiser_file))
     for name, cls_name in components.items():
         if name == "transformer":
             continue
         chosen = files.get(name)
         if chosen is not None:
             parts[name] = _load_part(name, Path(chosen), folder, cls_name, dtype)
+        elif name in held:  # the checkpoint's own, over the folder's
+            parts[name] = held.load(name, folder, _component_class(*index[name]), dtype)
         elif not _has_weights(folder / name):
             kind = FILE_KINDS.get(name)
             pick = f"pick {_a(kind)} for it" if kind else "use a diffusers folder that has them"
@@ -90,6 +94,25 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
     log.info("%s built from %s with the denoiser %s%s", type(pipe).__name__, folder, Path(denoiser_file).name,
              "".join(f", {n} {Path(f).name}" for n, f in files.items() if f is not None))
     return pipe
+
+
+class _Held:
+    """The other components an all-in-one checkpoint holds beside its denoiser (`checkpoint_parts`),
+    its tensors read once, when the first of them loads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.info = inspect_safetensors(path) if path.suffix.lower() == ".safetensors" and path.is_file() else None
+        self.names = parts_in(self.info) if self.info is not None else []
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def load(self, name: str, folder: Path, cls: type, dtype: torch.dtype) -> Any:
+        if self._tensors is None:
+            self._tensors = read_checkpoint(self.path, self.info)
+        return load_part(name, self._tensors, self.info, folder, cls, dtype)
 
 
 def _check_experts(denoiser_file: Path, denoiser_2_file: Path | None) -> None:

@@ -1,0 +1,80 @@
+"""ComfyUI's all-in-one LTX-2 checkpoint (``models/checkpoints/ltx-2-19b-*.safetensors``: the
+transformer with both text connectors under ``model.diffusion_model.``, the text projection, the
+video VAE, audio VAE and vocoder beside it, in LTX-2's original key names) as the single-file
+denoiser: every one of those models comes from the file, the config folder gives configs (and here
+the text encoder), and the run equals the diffusers folder's bit for bit. The tiny LTX-2's VAE has
+LTX-2's block structure (`fixtures.ltx2_files`: each part checked to convert back with diffusers'
+converters and the conversion script's tables)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from diffusers import LTX2Pipeline
+from diffusers_offload.offload_core.formats.checkpoint_parts import parts_in
+from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
+from fixtures.comfy_files import configs_only_copy
+from fixtures.ltx2_files import CHECKPOINTABLE_SIZE, build_tiny_ltx2_checkpointable, write_ltx2_checkpoint
+from fixtures.quantized import digest
+from fixtures.tiny_models import run_ltx2
+from safetensors.torch import load_file, save_file
+
+HELD = ["connectors", "vae", "audio_vae", "vocoder"]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """(the tiny LTX-2 folder, its pipeline's run, its checkpoint file, a copy of the folder whose
+    only weights are the text encoder's)"""
+    tmp = tmp_path_factory.mktemp("ltx2-checkpoint")
+    folder = build_tiny_ltx2_checkpointable(tmp / "tiny-ltx2")
+    pipe = LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    reference = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
+    path = write_ltx2_checkpoint(pipe, tmp / "ltx-2-tiny-dev.safetensors")
+    configs = configs_only_copy(folder, tmp / "configs")
+    shutil.copytree(folder / "text_encoder", configs / "text_encoder", dirs_exist_ok=True)
+    return folder, reference, path, configs
+
+
+def test_the_checkpoint_is_an_ltx2_denoiser_holding_its_other_models(case):
+    _folder, _reference, path, _configs = case
+    info = inspect_safetensors(path)
+    assert (info.family, info.role) == ("ltx2", "denoiser")  # not "a VAE" (its vae.* keys), not LTX-Video
+    assert parts_in(info) == HELD
+
+
+def test_a_pipeline_around_the_checkpoint_runs_as_the_folders(case):
+    _folder, reference, path, configs = case
+    before = digest(path)
+    pipe = load_pipeline_with_denoiser(configs, path, torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    out = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
+    torch.testing.assert_close(out.video, reference.video, rtol=0, atol=0)
+    torch.testing.assert_close(out.audio, reference.audio, rtol=0, atol=0)
+    assert digest(path) == before
+
+
+def test_the_checkpoints_models_are_used_over_the_folders(case):
+    """With a folder holding every weight, the checkpoint's VAE is still the one that decodes."""
+    folder, reference, path, _configs = case
+    state = load_file(str(path))
+    moved = next(k for k in state if k.startswith("vae.decoder.") and k.endswith(".bias"))
+    state[moved] = state[moved] + 0.5
+    other = path.with_name("ltx-2-tiny-moved.safetensors")
+    save_file(state, str(other))
+    pipe = load_pipeline_with_denoiser(folder, other, torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    assert not torch.equal(run_ltx2(pipe, **CHECKPOINTABLE_SIZE).video, reference.video)
+
+
+def test_a_checkpoint_part_that_does_not_fit_is_refused_by_name(case, tmp_path):
+    _folder, _reference, path, configs = case
+    state = {k: v for k, v in load_file(str(path)).items() if not k.startswith("vocoder.conv_post.")}
+    short = tmp_path / "ltx-2-short.safetensors"
+    save_file(state, str(short))
+    with pytest.raises(SingleFileError, match=r"ltx-2-short\.safetensors: its vocoder does not fit LTX2Vocoder .*conv_out"):
+        load_pipeline_with_denoiser(configs, short, torch.float32)
