@@ -25,6 +25,10 @@ SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encod
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
 FAMILIES = "Wan 2.1 / 2.2 and FLUX.1"
+FILE_TOKENIZER_OPTIONS = {  # as the released tokenizers are: Wan's UMT5, LTX-2's Gemma 3 (which adds <bos>)
+    "T5TokenizerFast": dict(extra_ids=0, model_max_length=512),
+    "GemmaTokenizer": dict(add_bos_token=True), "GemmaTokenizerFast": dict(add_bos_token=True),
+}
 
 
 def carried(root: Path | None = None, index: str = "model_index.json") -> list[Path]:
@@ -126,9 +130,9 @@ def shipped_tokenizer(folder: Path, name: str, cls_name: str, comfy_tokenizers: 
 
 
 def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
-    """The ``cls_name`` tokenizer (T5TokenizerFast for Wan's UMT5) built by transformers' own
-    converter from the sentencepiece model text-encoder file ``path`` carries; ``what`` names the
-    config folder that lacks one, for the error."""
+    """The ``cls_name`` tokenizer (T5TokenizerFast for Wan's UMT5, GemmaTokenizer for LTX-2's Gemma 3)
+    built by transformers' own converter from the sentencepiece model text-encoder file ``path``
+    carries; ``what`` names the config folder that lacks one, for the error."""
     import transformers
 
     path = Path(path)
@@ -141,9 +145,9 @@ def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
     if not isinstance(cls, type):
         raise SingleFileError(f"{what}: tokenizer class {cls_name!r} is not in this transformers version")
     with tempfile.TemporaryDirectory(prefix="offload-tokenizer-") as tmp:
-        (Path(tmp) / "spiece.model").write_bytes(model)
+        (Path(tmp) / cls.vocab_files_names.get("vocab_file", "tokenizer.model")).write_bytes(model)
         try:
-            tokenizer = cls.from_pretrained(tmp, extra_ids=0, model_max_length=512)
+            tokenizer = cls.from_pretrained(tmp, **FILE_TOKENIZER_OPTIONS.get(cls_name, {}))
         except Exception as exc:  # no sentencepiece / protobuf, or a damaged model
             raise SingleFileError(f"the tokenizer {path.name} carries could not be read ({type(exc).__name__}: "
                                   f"{exc}); the pack needs the sentencepiece and protobuf packages") from exc

@@ -36,6 +36,7 @@ from .single_file import (
     read_checkpoint,
     short_dtype,
 )
+from .text_encoder_layouts import comfy_layout, drop_absent, renamer
 from .wan_vae import is_wan22_vae, load_wan22_vae
 
 log = get_logger("single_file")
@@ -236,7 +237,15 @@ def load_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtyp
     if path.suffix.lower() == ".gguf" and fit is None and role == "text_encoder":
         return load_gguf_text_encoder(path, config, cls_name, dtype)
     info = _inspected(path, role, kind, cls_name)
-    return _load_text_encoder(path, info, config, cls_name, dtype, fit)
+    layout = comfy_layout(cls_name, list(info.shapes)) if fit is None else None
+    if layout is None:
+        return _load_text_encoder(path, info, config, cls_name, dtype, fit)
+    fit = Fit(keys=renamer(layout), config=lambda settings: settings, absent=layout.optional)
+    model = _load_text_encoder(path, info, config, cls_name, dtype, fit)
+    dropped = drop_absent(model, layout)
+    log.info("%s: %s in ComfyUI's layout%s", path.name, cls_name,
+             f" without {', '.join(dropped)} (text only)" if dropped else "")
+    return model
 
 
 def _inspected(path: Path, role: str, kind: str, cls_name: str) -> SingleFileInfo:

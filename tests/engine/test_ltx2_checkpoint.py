@@ -78,3 +78,36 @@ def test_a_checkpoint_part_that_does_not_fit_is_refused_by_name(case, tmp_path):
     save_file(state, str(short))
     with pytest.raises(SingleFileError, match=r"ltx-2-short\.safetensors: its vocoder does not fit LTX2Vocoder .*conv_out"):
         load_pipeline_with_denoiser(configs, short, torch.float32)
+
+
+def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_path):
+    """A folder of configs only (no weight, no tokenizer) around the checkpoint and a text-only
+    ComfyUI Gemma 3 file (its layout, no head, no image path, its sentencepiece model): the
+    tokenizer is sentencepiece's own reading of the file's model with <bos> first (as ComfyUI's
+    Gemma tokenizer and the released one), and the run equals the folder's with such a tokenizer."""
+    import sentencepiece
+    from diffusers_offload.offload_core.formats.carried import tokenizer_from_file
+    from fixtures.comfy_files import carried_like_copy
+    from fixtures.ltx2_files import comfy_gemma3_text_state
+    from fixtures.tiny_tok import tiny_gemma_spiece
+
+    folder, _reference, path, _configs = case
+    spiece = tiny_gemma_spiece()
+    gemma = LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32)
+    gemma.set_progress_bar_config(disable=True)
+    text = tmp_path / "gemma_3_tiny_it.safetensors"
+    save_file(comfy_gemma3_text_state(gemma.text_encoder.state_dict(), spiece), str(text))
+    tokenizer = tokenizer_from_file(text, "GemmaTokenizer", "the test")
+    reader = sentencepiece.SentencePieceProcessor(model_proto=spiece)
+    for prompt in ("a cat sitting", "Ünïcødé  twice", "hello, world!"):
+        assert tokenizer(prompt).input_ids == [reader.bos_id(), *reader.encode(prompt)]
+
+    configs = carried_like_copy(folder, tmp_path / "carried-like")
+    pipe = load_pipeline_with_denoiser(configs, path, torch.float32, text_encoder_file=text)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.text_encoder.model.vision_tower is None and pipe.tokenizer.add_bos_token
+    gemma.tokenizer.add_bos_token = True  # the folder's tiny tokenizer, as the released one
+    reference = run_ltx2(gemma, **CHECKPOINTABLE_SIZE)
+    out = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
+    torch.testing.assert_close(out.video, reference.video, rtol=0, atol=0)
+    torch.testing.assert_close(out.audio, reference.audio, rtol=0, atol=0)

@@ -1,0 +1,60 @@
+"""ComfyUI's key layouts of transformers text encoders (the names of its own model classes), as
+transformers' names, so that ComfyUI's text-encoder files load into transformers' classes.
+
+Gemma 3 (LTX-2's text encoder; ComfyUI's ``comfy/text_encoders/llama.py`` ``Gemma3_12B``):
+``model.*`` is the language model, ``vision_model.*`` and ``multi_modal_projector.*`` the image
+path, no ``lm_head`` (tied to the embeddings). A file may lack the image path: LTX-2 passes text
+only, so the encoder is then built without it (``None`` where transformers' module was).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Layout:
+    """ComfyUI's prefixes -> transformers', and transformers' modules a file of it may lack."""
+
+    prefixes: tuple[tuple[str, str], ...]
+    optional: tuple[str, ...] = ()
+    sign: str = "model.layers."  # a key prefix only ComfyUI's layout has
+
+
+LAYOUTS = {
+    "Gemma3ForConditionalGeneration": Layout(
+        prefixes=(("model.", "model.language_model."), ("vision_model.", "model.vision_tower."),
+                  ("multi_modal_projector.", "model.multi_modal_projector.")),
+        optional=("model.vision_tower.", "model.multi_modal_projector."),
+    ),
+}
+
+
+def comfy_layout(cls_name: str, keys: list[str]) -> Layout | None:
+    """The ComfyUI layout of ``cls_name`` when ``keys`` are in it, else None."""
+    layout = LAYOUTS.get(cls_name)
+    return layout if layout is not None and any(k.startswith(layout.sign) for k in keys) else None
+
+
+def renamer(layout: Layout) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {next((new + k[len(old):] for old, new in layout.prefixes if k.startswith(old)), k): v
+                for k, v in state.items()}
+
+    return rename
+
+
+def drop_absent(model: torch.nn.Module, layout: Layout) -> list[str]:
+    """The optional modules the file did not fill (still on the meta device), set to None; their names."""
+    dropped = []
+    for prefix in layout.optional:
+        name = prefix.rstrip(".")
+        module = model.get_submodule(name)
+        if any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, None)
+            dropped.append(name)
+    return dropped
