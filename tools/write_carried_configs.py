@@ -1,6 +1,6 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI and FLUX.1 diffusers folders and of MiniMax-H3's modular one, so a single-file
-user needs no diffusers folder.
+copies of the Wan-AI, FLUX.1 and LTX-2 diffusers folders and of MiniMax-H3's modular one, so a
+single-file user needs no diffusers folder.
 
 Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
 transformer sizes, the Wan 2.2 VAE less its ``clip_output``, which AutoencoderKLWan does not take,
@@ -11,9 +11,12 @@ and ``t5_config_xxl.json`` hold the same); MiniMax-H3's: diffusers' ``convert_mi
 (its transformer, VAEs and scheduler shifts equal the classes' defaults; the video VAE's latent
 statistics are ComfyUI's ``comfy/ldm/minimax/vae.py`` values, the audio VAE's are read from its file),
 Qwen3-VL-32B's config (ComfyUI's ``Qwen3VL_32BConfig`` at its released 64 layers) and image / video
-processors. Each file is saved by its real class (models built on
+processors; LTX-2 19B's: diffusers' ``convert_ltx2_to_diffusers.py`` (version "2.0": split RoPE, a
+non-causal decoder, 32 / 8 compression, which the classes' defaults are not; dev's and distilled's
+schedulers) and google/gemma-3-12b-it's config. Each file is saved by its real class (models built on
 the meta device), so it is what that class's loader reads. No tokenizer: Wan's comes from the
-text-encoder file, FLUX.1's and H3's from the folders ComfyUI ships them in (``tokenizers.json``). Run after a diffusers upgrade that changes a config:
+text-encoder file (LTX-2's too), FLUX.1's and H3's from the folders ComfyUI ships them in
+(``tokenizers.json``). Run after a diffusers upgrade that changes a config:
 
     .venv/bin/python tools/write_carried_configs.py
 """
@@ -113,6 +116,47 @@ H3_COMPONENTS = {  # name -> (library, class), in the order diffusers' conversio
 }
 
 
+LTX2_TRANSFORMER = dict(  # diffusers' convert_ltx2_to_diffusers.py, version "2.0" (LTX-2 19B)
+    in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32, attention_head_dim=128,
+    cross_attention_dim=4096, vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20, base_height=2048, base_width=2048,
+    gated_attn=False, cross_attn_mod=False, audio_in_channels=128, audio_out_channels=128, audio_patch_size=1,
+    audio_patch_size_t=1, audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
+    audio_scale_factor=4, audio_pos_embed_max_pos=20, audio_sampling_rate=16000, audio_hop_length=160,
+    audio_gated_attn=False, audio_cross_attn_mod=False, num_layers=48, activation_fn="gelu-approximate",
+    qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=3840,
+    attention_bias=True, attention_out_bias=True, rope_theta=10000.0, rope_double_precision=True, causal_offset=1,
+    timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000, rope_type="split",
+    use_prompt_embeddings=True, perturbed_attn=False)
+LTX2_CONNECTORS = dict(
+    caption_channels=3840, text_proj_in_factor=49, video_connector_num_attention_heads=30,
+    video_connector_attention_head_dim=128, video_connector_num_layers=2, video_connector_num_learnable_registers=128,
+    video_gated_attn=False, audio_connector_num_attention_heads=30, audio_connector_attention_head_dim=128,
+    audio_connector_num_layers=2, audio_connector_num_learnable_registers=128, audio_gated_attn=False,
+    connector_rope_base_seq_len=4096, rope_theta=10000.0, rope_double_precision=True,
+    causal_temporal_positioning=False, rope_type="split", per_modality_projections=False, proj_bias=False)
+LTX2_VAE = dict(  # the class defaults differ: decoder_causal, the compression ratios (it would compute 64 / 16)
+    in_channels=3, out_channels=3, latent_channels=128, block_out_channels=(256, 512, 1024, 2048),
+    down_block_types=("LTX2VideoDownBlock3D",) * 4, decoder_block_out_channels=(256, 512, 1024),
+    layers_per_block=(4, 6, 6, 2, 2), decoder_layers_per_block=(5, 5, 5, 5), spatio_temporal_scaling=(True,) * 4,
+    decoder_spatio_temporal_scaling=(True,) * 3, decoder_inject_noise=(False,) * 4,
+    downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"), upsample_type=("spatiotemporal",) * 3,
+    upsample_residual=(True,) * 3, upsample_factor=(2,) * 3, timestep_conditioning=False, patch_size=4, patch_size_t=1,
+    resnet_norm_eps=1e-6, encoder_causal=True, decoder_causal=False, encoder_spatial_padding_mode="zeros",
+    decoder_spatial_padding_mode="reflect", spatial_compression_ratio=32, temporal_compression_ratio=8)
+LTX2_SCHEDULER = dict(base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096)
+LTX2 = {"LTX-2-19B-dev": dict(use_dynamic_shifting=True, shift_terminal=0.1),  # distilled: a fixed schedule
+        "LTX-2-19B-distilled": dict(use_dynamic_shifting=False, shift_terminal=None)}
+GEMMA3_12B_TEXT = dict(  # google/gemma-3-12b-it (ComfyUI's Gemma3_12B_Config agrees)
+    vocab_size=262208, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131072, rms_norm_eps=1e-6, sliding_window=1024, rope_theta=1000000.0,
+    rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}, attention_bias=False,
+    pad_token_id=0, bos_token_id=2, eos_token_id=1)
+GEMMA3_VISION = dict(hidden_size=1152, image_size=896, intermediate_size=4304, num_attention_heads=16,
+                     num_hidden_layers=27, patch_size=14, vision_use_head=False)
+GEMMA3_TOKENS = dict(boi_token_index=255999, eoi_token_index=256000, image_token_index=262144, mm_tokens_per_image=256)
+
+
 @dataclass(frozen=True)
 class Variant:
     """One Wan-AI diffusers folder: its pipeline class, transformer size and channels, and flags."""
@@ -191,6 +235,32 @@ def write_flux(out: Path, guidance_embeds: bool, shift: float, use_dynamic_shift
     (out / "tokenizers.json").write_text(json.dumps(FLUX_TOKENIZERS, indent=2) + "\n")
 
 
+def write_ltx2(out: Path, use_dynamic_shifting: bool, shift_terminal: float | None) -> None:
+    """LTX-2 19B: dev and distilled share every model (they differ in the scheduler only); the
+    tokenizer comes from the Gemma file (its ``spiece_model``)."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors, LTX2Vocoder
+
+    with init_empty_weights():
+        for name, cls, config in (("transformer", diffusers.LTX2VideoTransformer3DModel, LTX2_TRANSFORMER),
+                                  ("connectors", LTX2TextConnectors, LTX2_CONNECTORS),
+                                  ("vae", diffusers.AutoencoderKLLTX2Video, LTX2_VAE),
+                                  ("audio_vae", diffusers.AutoencoderKLLTX2Audio, {}), ("vocoder", LTX2Vocoder, {})):
+            cls.from_config(config).save_config(out / name)
+    diffusers.FlowMatchEulerDiscreteScheduler(**LTX2_SCHEDULER, use_dynamic_shifting=use_dynamic_shifting,
+                                              shift_terminal=shift_terminal).save_config(out / "scheduler")
+    gemma = transformers.Gemma3Config(text_config=GEMMA3_12B_TEXT, vision_config=GEMMA3_VISION, **GEMMA3_TOKENS)
+    gemma.architectures = ["Gemma3ForConditionalGeneration"]
+    gemma.save_pretrained(out / "text_encoder")
+    index = {"_class_name": "LTX2Pipeline", "_diffusers_version": diffusers.__version__,
+             "audio_vae": ["diffusers", "AutoencoderKLLTX2Audio"], "connectors": ["ltx2", "LTX2TextConnectors"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "text_encoder": ["transformers", "Gemma3ForConditionalGeneration"],
+             "tokenizer": ["transformers", "GemmaTokenizerFast"],
+             "transformer": ["diffusers", "LTX2VideoTransformer3DModel"], "vae": ["diffusers", "AutoencoderKLLTX2Video"],
+             "vocoder": ["ltx2", "LTX2Vocoder"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def write_h3(out: Path) -> None:
     """MiniMax-H3's modular folder: every component's config, no weights; the index points nowhere
     (``null``), so only the schedulers resolve from the folder and the loader supplies the rest."""
@@ -226,6 +296,9 @@ def main(root: Path = OUT) -> None:
         print(f"wrote {root / name}")
     for name, flux in FLUX.items():
         write_flux(root / name, **flux)
+        print(f"wrote {root / name}")
+    for name, ltx2 in LTX2.items():
+        write_ltx2(root / name, **ltx2)
         print(f"wrote {root / name}")
     write_h3(root / "MiniMax-H3")
     print(f"wrote {root / 'MiniMax-H3'}")

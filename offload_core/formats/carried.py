@@ -1,10 +1,10 @@
 """Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2,
-of FLUX.1 dev / schnell and of MiniMax-H3's modular folder, written by
+of FLUX.1 dev / schnell, LTX-2 19B dev / distilled and MiniMax-H3's modular folder, written by
 ``tools/write_carried_configs.py``), so a user holding only ComfyUI single files needs no diffusers
 folder: the classic one whose transformer fits the denoiser file's shape is picked. They hold no
-tokenizer: Wan's comes from the text-encoder file (Comfy-Org's UMT5 files carry its sentencepiece
-model, which is what ComfyUI's own Wan tokenizer reads), FLUX.1's and H3's from the folders ComfyUI
-ships them in (a folder's ``tokenizers.json``).
+tokenizer: Wan's and LTX-2's come from the text-encoder file (Comfy-Org's UMT5 and Gemma 3 files
+carry their sentencepiece model, which is what ComfyUI's own tokenizers read), FLUX.1's and H3's
+from the folders ComfyUI ships them in (a folder's ``tokenizers.json``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = Path(__file__).with_name("carried_configs")
 SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encoder file carries
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
-FAMILIES = "Wan 2.1 / 2.2 and FLUX.1"
+FAMILIES = "Wan 2.1 / 2.2, FLUX.1 and LTX-2"
 FILE_TOKENIZER_OPTIONS = {  # as the released tokenizers are: Wan's UMT5, LTX-2's Gemma 3 (which adds <bos>)
     "T5TokenizerFast": dict(extra_ids=0, model_max_length=512),
     "GemmaTokenizer": dict(add_bos_token=True), "GemmaTokenizerFast": dict(add_bos_token=True),
@@ -71,7 +71,7 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
                               "only; pick a diffusers config folder of its family (models/diffusers)")
     shape = file_shape(info)
     fits = [f for f in folders if config_shape(f / "transformer", info.family) == shape]
-    chosen = [f for f in fits if (f / "transformer_2").is_dir() == two_experts]
+    chosen = _by_name(info.path, [f for f in fits if (f / "transformer_2").is_dir() == two_experts])
     if not chosen:
         hint = ("; Wan 2.2 A14B: its high-noise file goes in denoiser, its low-noise one in denoiser_2"
                 if fits and not two_experts else "; leave denoiser_2 at 'none'" if fits else "")
@@ -80,6 +80,14 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
                               f"pack carries ({', '.join(f.name for f in folders)}) fits it{hint}; else pick a "
                               "diffusers config folder of its model")
     return chosen[0]
+
+
+def _by_name(path: Path, folders: list[Path]) -> list[Path]:
+    """Of folders of one shape, the distilled ones for a file named so, the others else (LTX-2's dev
+    and distilled models share every shape; diffusers' own conversion tells them by the file name)."""
+    distilled = "distilled" in Path(path).name.lower()
+    named = [f for f in folders if ("distilled" in f.name.lower()) == distilled]
+    return named or folders
 
 
 def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],

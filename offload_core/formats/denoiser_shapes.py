@@ -1,6 +1,7 @@
 """The shape of a denoiser, read from a single file's header or from a diffusers config, so that a
 file can be matched to the config folder it fits (`carried.choose`). One reader pair per family the
-pack carries configs for: Wan (the original Wan key names ComfyUI files use) and FLUX.1 (BFL's).
+pack carries configs for: Wan (the original Wan key names ComfyUI files use), FLUX.1 (BFL's) and
+LTX-2 (Lightricks' original names, as its ComfyUI checkpoints hold them).
 """
 
 from __future__ import annotations
@@ -56,7 +57,29 @@ class FluxShape:
                 f"input channels, {'a' if self.guidance else 'no'} guidance input")
 
 
-def file_shape(info: SingleFileInfo) -> WanShape | FluxShape:
+@dataclass(frozen=True)
+class Ltx2Shape:
+    """What tells LTX-2 transformers apart: video / audio width and channels, depth, caption width,
+    and LTX-2.3's gated attention (its files; no carried config has it)."""
+
+    width: int
+    in_channels: int
+    audio_width: int
+    audio_in_channels: int
+    layers: int
+    caption_channels: int
+    gated: bool = False
+
+    def __str__(self) -> str:
+        gated = ", gated attention (LTX-2.3)" if self.gated else ""
+        return (f"{self.layers} blocks of width {self.width} (audio {self.audio_width}), {self.in_channels} video / "
+                f"{self.audio_in_channels} audio input channels, captions of width {self.caption_channels}{gated}")
+
+
+Shape = WanShape | FluxShape | Ltx2Shape
+
+
+def file_shape(info: SingleFileInfo) -> Shape:
     """The shape of the denoiser ``info`` describes (its family's reader)."""
     shapes = {PREFIX.sub("", k): s for k, s in info.shapes.items()}
     try:
@@ -66,7 +89,7 @@ def file_shape(info: SingleFileInfo) -> WanShape | FluxShape:
                               "pack's configs fit; pick a diffusers config folder of its model") from exc
 
 
-def config_shape(folder: Path, family: str) -> WanShape | FluxShape | None:
+def config_shape(folder: Path, family: str) -> Shape | None:
     """The shape of the transformer configured in ``folder`` (its config.json), as its family reads it."""
     try:
         config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
@@ -101,9 +124,23 @@ def _flux_config(c: dict) -> FluxShape:
                      c["in_channels"], c["joint_attention_dim"], c["pooled_projection_dim"], bool(c["guidance_embeds"]))
 
 
+def _ltx2(shapes: dict[str, tuple[int, ...]]) -> Ltx2Shape:
+    width, in_channels = shapes["patchify_proj.weight"]
+    audio_width, audio_in = shapes["audio_patchify_proj.weight"]
+    return Ltx2Shape(width, in_channels, audio_width, audio_in, _count(shapes, "transformer_blocks."),
+                     shapes["caption_projection.linear_1.weight"][1],
+                     any(k.endswith("attn1.to_gate_logits.weight") for k in shapes))
+
+
+def _ltx2_config(c: dict) -> Ltx2Shape:
+    return Ltx2Shape(c["num_attention_heads"] * c["attention_head_dim"], c["in_channels"],
+                     c["audio_num_attention_heads"] * c["audio_attention_head_dim"], c["audio_in_channels"],
+                     c["num_layers"], c["caption_channels"], bool(c.get("gated_attn")))
+
+
 def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
     return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
 
 
-FILE_READERS = {"wan": _wan, "flux": _flux}
-CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config}
+FILE_READERS = {"wan": _wan, "flux": _flux, "ltx2": _ltx2}
+CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "ltx2": _ltx2_config}

@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 from diffusers import LTX2Pipeline
+from diffusers_offload.offload_core.formats import carried
 from diffusers_offload.offload_core.formats.checkpoint_parts import parts_in
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
@@ -81,7 +82,8 @@ def test_a_checkpoint_part_that_does_not_fit_is_refused_by_name(case, tmp_path):
 
 
 def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_path):
-    """A folder of configs only (no weight, no tokenizer) around the checkpoint and a text-only
+    """A folder of configs only (no weight, no tokenizer: as the pack carries them; "auto" picks it
+    by the checkpoint's shape) around the checkpoint and a text-only
     ComfyUI Gemma 3 file (its layout, no head, no image path, its sentencepiece model): the
     tokenizer is sentencepiece's own reading of the file's model with <bos> first (as ComfyUI's
     Gemma tokenizer and the released one), and the run equals the folder's with such a tokenizer."""
@@ -102,7 +104,8 @@ def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_
     for prompt in ("a cat sitting", "Ünïcødé  twice", "hello, world!"):
         assert tokenizer(prompt).input_ids == [reader.bos_id(), *reader.encode(prompt)]
 
-    configs = carried_like_copy(folder, tmp_path / "carried-like")
+    configs = carried_like_copy(folder, tmp_path / "carried" / "tiny-ltx2")
+    assert carried.pick(path, False, configs.parent) == configs  # "auto": the carried folder of its shape
     pipe = load_pipeline_with_denoiser(configs, path, torch.float32, text_encoder_file=text)
     pipe.set_progress_bar_config(disable=True)
     assert pipe.text_encoder.model.vision_tower is None and pipe.tokenizer.add_bos_token
