@@ -235,3 +235,39 @@ def generates(comfy: harness.ComfyHost, placed: dict, name: str, source: Path | 
     }
     comfy.run_prompt(run).raise_for_error()
     assert hashlib.sha256((placed["extra"] / name).read_bytes()).hexdigest() == before
+
+
+def test_an_ltx2_checkpoint_from_checkpoints_runs_with_auto(comfy: harness.ComfyHost, tmp_path: Path,
+                                                            monkeypatch) -> None:
+    """ComfyUI's all-in-one LTX-2 checkpoint, listed from models/checkpoints, with its Gemma 3 file
+    from models/text_encoders and ``auto`` (a tiny carried-like LTX-2 in the pack's configs' place):
+    the connectors, VAEs and vocoder come from the checkpoint, the tokenizer from the Gemma file,
+    and Generate video runs; neither file is written."""
+    from diffusers import LTX2Pipeline
+    from fixtures.ltx2_files import (
+        build_tiny_ltx2_checkpointable,
+        comfy_gemma3_text_state,
+        write_ltx2_checkpoint,
+    )
+    from fixtures.tiny_tok import tiny_gemma_spiece
+    from safetensors.torch import save_file
+
+    folder = build_tiny_ltx2_checkpointable(tmp_path / "tiny-ltx2")
+    pipe = LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32)
+    fp = comfy.folder_paths
+    checkpoint = write_ltx2_checkpoint(pipe, Path(fp.get_folder_paths("checkpoints")[0]) / "ltx-2-tiny-dev.safetensors")
+    gemma = Path(fp.get_folder_paths("text_encoders")[0]) / "gemma_3_tiny_it.safetensors"
+    save_file(comfy_gemma3_text_state(pipe.text_encoder.state_dict(), tiny_gemma_spiece()), str(gemma))
+    carried = comfy_files.carried_like_copy(folder, tmp_path / "carried" / "tiny-ltx2")
+    monkeypatch.setattr(comfy.pack_submodule("offload_core.formats.carried"), "ROOT", carried.parent)
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (checkpoint, gemma)}
+    assert checkpoint.name in options(comfy, "denoiser")
+    gen = {"pipe": ["1", 0], "prompt": "a cat", "negative_prompt": "", "seed": 0, "steps": 1, "guidance": 1.0,
+           "width": 64, "height": 64, "frames": 9, "fps": 25.0}
+    inputs = {"config": options(comfy, "config")[0], "denoiser": checkpoint.name, "text_encoder": gemma.name,
+              "vae": "none", "dtype": "bf16"}
+    run = {"1": {"class_type": LOADER, "inputs": inputs},
+           "3": {"class_type": "DiffusersOffloadGenerateVideo", "inputs": gen},
+           "4": {"class_type": "PreviewAny", "inputs": {"source": ["3", 3]}}}
+    comfy.run_prompt(run).raise_for_error()
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in (checkpoint, gemma)} == before
