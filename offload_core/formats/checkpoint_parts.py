@@ -45,9 +45,13 @@ def parts_in(info: SingleFileInfo) -> list[str]:
 
 
 def denoiser_only(checkpoint: dict[str, torch.Tensor], info: SingleFileInfo) -> dict[str, torch.Tensor]:
-    """``checkpoint`` less the other components' keys, where the file holds them."""
+    """The denoiser's tensors of ``checkpoint``: of a checkpoint (keys under ``model.diffusion_model.``
+    beside others: Comfy-Org's all-in-one FLUX.1 files hold its VAE and text encoders too) those
+    under that prefix, less the other components' (LTX-2's connectors); any other file as it is."""
+    if not any(k.startswith(DENOISER) for k in checkpoint):
+        return checkpoint
     others = tuple(p for name in parts_in(info) for p in PARTS[info.family][name])
-    return {k: v for k, v in checkpoint.items() if not k.startswith(others)} if others else checkpoint
+    return {k: v for k, v in checkpoint.items() if k.startswith(DENOISER) and not k.startswith(others or ("\0",))}
 
 
 def load_part(name: str, checkpoint: dict[str, torch.Tensor], info: SingleFileInfo, folder: Path,

@@ -148,6 +148,21 @@ def test_bf16_file_loads_like_the_folder_loader(comfy_wan, tiny_wan_dir, tmp_pat
     assert {n: p.dtype for n, p in model.state_dict().items()} == {n: p.dtype for n, p in reference.state_dict().items()}
 
 
+def test_an_all_in_one_checkpoint_gives_its_denoiser(comfy_wan, tiny_wan_dir, tmp_path):
+    """A ComfyUI all-in-one checkpoint (models/checkpoints: the denoiser under ``model.diffusion_model.``
+    beside a VAE and text encoders, as Comfy-Org's FLUX.1 ones): the denoiser is read from it and the
+    rest left aside (Wan's converter passed them through, and the file was refused for them)."""
+    state = {"model.diffusion_model." + k: v for k, v in load_file(str(comfy_wan("bf16"))).items()}
+    state["vae.decoder.conv_in.weight"] = torch.ones(2, 2)
+    state["text_encoders.umt5xxl.transformer.shared.weight"] = torch.ones(2, 2)
+    path = tmp_path / "wan-tiny-checkpoint.safetensors"
+    save_file(state, str(path))
+    model = load_denoiser(path, tiny_wan_dir, BF16)
+    reference = load_denoiser(comfy_wan("bf16"), tiny_wan_dir, BF16).state_dict()
+    assert model.state_dict().keys() == reference.keys()
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+
+
 def test_gguf_file_loads_packed(wan_gguf, wan_configs_only, wan_component_files):
     gguf = wan_gguf("Q8_0")
     pipe = load_pipeline_with_denoiser(wan_configs_only, gguf.file, BF16, wan_component_files["text_encoder"],
