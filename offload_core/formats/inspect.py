@@ -297,14 +297,15 @@ def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
     return layers
 
 
-def check_quant_layers(info: SingleFileInfo) -> None:
+def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset()) -> None:
     """Refuse, by name, a ComfyUI quant format this engine cannot run. Per-tensor fp8 passes (it is
     fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
     ``int8_tensorwise`` without convrot: an int8 weight and its ``weight_scale``; an int8 weight
-    no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess)."""
+    no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess). The
+    caller names the ``decoded`` formats it decodes at load (a text encoder's NVFP4)."""
     layers = read_quant_layers(info)
     formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
-    unknown = sorted(formats - LOADABLE_QUANT)
+    unknown = sorted(formats - LOADABLE_QUANT - decoded)
     if unknown:
         raise SingleFileError(
             f"{info.path} is a ComfyUI quantized file ({len(layers)} layers, formats {', '.join(sorted(formats))}): "
@@ -319,7 +320,7 @@ def check_quant_layers(info: SingleFileInfo) -> None:
             "bf16 file of the model, or ComfyUI's own loader"
         )
     full = [k for k, conf in layers.items()
-            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") != W4A8_FORMAT]
+            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in {W4A8_FORMAT, *decoded}]
     if full:
         raise SingleFileError(
             f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"

@@ -25,8 +25,10 @@ from .inspect import (
     SingleFileInfo,
     check_quant_layers,
     inspect_safetensors,
+    read_quant_layers,
     w4a8_conf,
 )
+from .nvfp4 import NVFP4, decode_nvfp4
 from .single_file import (
     INPUT_KEY,
     SCALE_KEY,
@@ -266,7 +268,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     """A transformers text encoder from a single file in its own key names. Its fp8 Linear weights
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
     half the RAM and pinned bytes of a decoded copy); ComfyUI int8_tensorwise layers are decoded to
-    ``dtype`` here, as comfy-kitchen decodes them; W4A8 layers stay W4A8 (`w4a8.W4A8Linear`: decoded,
+    ``dtype`` here, as comfy-kitchen decodes them, and NVFP4 layers by comfy-kitchen (`nvfp4`); W4A8 layers stay W4A8 (`w4a8.W4A8Linear`: decoded,
     a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant formats are
     refused by name."""
     import transformers
@@ -274,10 +276,13 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     cls = getattr(transformers, cls_name, None)
     if not isinstance(cls, type):
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
-    check_quant_layers(info)
+    check_quant_layers(info, decoded=frozenset({NVFP4}))
     state = read_checkpoint(path, info)
+    nvfp4 = [k for k, conf in read_quant_layers(info).items() if isinstance(conf, dict) and conf.get("format") == NVFP4]
+    decoded = {id(state[k]) for k in decode_nvfp4(path, state, nvfp4, dtype)} if nvfp4 else set()
     if fit is not None:
         state = fit.keys(state)
+    padded = {k for k, v in state.items() if id(v) in decoded}  # (under the names the fit gave them)
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
     for key in [k for k in state if k.endswith(INPUT_KEY)]:  # (no fp8 matmuls in text encoders)
@@ -289,8 +294,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
             scales[layer] = scale
         else:
             state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
-    if layers or fit is not None or any(is_fp8(t) for t in state.values()):
-        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales)
+    if layers or fit is not None or padded or any(is_fp8(t) for t in state.values()):
+        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, padded)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -306,11 +311,12 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
 
 
 def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
-                 layers: list[str], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor]) -> Any:
+                 layers: list[str], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor],
+                 padded: set[str] = frozenset()) -> Any:
     """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, the file's
-    tensors assigned (fp8 ones as stored, then marked with their ``scales``): transformers' own
-    loader would allocate every layer in ``dtype`` (and fill what a fitted file lacks with weights
-    no one reads)."""
+    tensors assigned (fp8 ones as stored, then marked with their ``scales``; decoded NVFP4 weights,
+    ``padded`` to 16 × 16, cut to the model's shapes): transformers' own loader would allocate every
+    layer in ``dtype`` (and fill what a fitted file lacks with weights no one reads)."""
     from accelerate import init_empty_weights
 
     settings = cls.config_class.from_pretrained(str(config))
@@ -324,6 +330,10 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     # transformers' rule: the strict list stays float32 always, the other one under fp16 only
     keep32 = [*(getattr(cls, "_keep_in_fp32_modules_strict", None) or []),
               *((getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
+    expected = model.state_dict()
+    for key in padded & expected.keys():
+        rows, cols = expected[key].shape
+        state[key] = state[key][:rows, :cols].contiguous()
     stored = w4a8.stored_keys(layers)
     state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
              and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}

@@ -114,3 +114,34 @@ def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_
     out = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
     torch.testing.assert_close(out.video, reference.video, rtol=0, atol=0)
     torch.testing.assert_close(out.audio, reference.audio, rtol=0, atol=0)
+
+
+def test_an_nvfp4_gemma_file_is_decoded_as_comfy_kitchen_decodes_it(case, tmp_path):
+    """ComfyUI's nvfp4-mixed Gemma 3 files (the one its LTX-2 templates name): each NVFP4 layer is
+    decoded at load by comfy-kitchen's own dequantize and cut from its 16 × 16 padding (the tiny
+    model's key and value projections are 8 rows), the other layers as stored; the file unchanged."""
+    from comfy_kitchen import dequantize_nvfp4
+    from diffusers_offload.offload_core.formats.single_file_pipeline import load_text_encoder
+    from fixtures.ltx2_files import comfy_gemma3_text_state, nvfp4_layers
+    from fixtures.tiny_tok import tiny_gemma_spiece
+
+    folder = case[0]
+    whole = LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32).text_encoder
+    layers = [f"model.layers.0.self_attn.{p}_proj" for p in ("q", "k", "v", "o")] + ["model.layers.1.mlp.down_proj"]
+    state = nvfp4_layers(comfy_gemma3_text_state(whole.state_dict(), tiny_gemma_spiece()), layers)
+    path = tmp_path / "gemma_3_tiny_it_fp4_mixed.safetensors"
+    save_file(state, str(path))
+    before = digest(path)
+    encoder = load_text_encoder(path, folder / "text_encoder", "Gemma3ForConditionalGeneration", torch.float32)
+    loaded, original = encoder.state_dict(), whole.state_dict()
+    keys = [layer.replace("model.", "model.language_model.", 1) + ".weight" for layer in layers]
+    assert any(original[key].shape[0] % 16 for key in keys)  # some were padded in the file
+    for layer, key in zip(layers, keys, strict=True):
+        rows, cols = original[key].shape
+        expected = dequantize_nvfp4(state[layer + ".weight"], state[layer + ".weight_scale_2"].float(),
+                                    state[layer + ".weight_scale"], torch.float32)[:rows, :cols]
+        torch.testing.assert_close(loaded[key], expected, rtol=0, atol=0, msg=key)
+        assert 0 < (loaded[key] - original[key]).abs().max() < 0.5 * original[key].abs().max()  # fp4's error
+    untouched = "model.language_model.layers.1.self_attn.q_proj.weight"
+    torch.testing.assert_close(loaded[untouched], original[untouched], rtol=0, atol=0)
+    assert digest(path) == before
