@@ -3,8 +3,9 @@
 
 Why apart from ``offload_examples``: a single-file template picks what a folder template does
 not, the configs the pack carries (config ``auto``: nothing to download) and files in ComfyUI's own
-model folders (the denoiser in ``diffusion_models``, the text encoders in ``text_encoders``, the
-VAE in ``vae``: the files ComfyUI's own Wan and Flux workflows use). The Note names each file with
+model folders (the denoiser in ``diffusion_models`` or, LTX-2's all-in-one file, ``checkpoints``,
+the text encoders in ``text_encoders``, the VAE in ``vae``: the files ComfyUI's own Wan, Flux and
+LTX-2 workflows use). The Note names each file with
 its download address; the tests stand in the tiny file of the same role (``ComfyFile.tiny``) for
 each. Imports nothing from ComfyUI or from the rest of tools/.
 """
@@ -58,6 +59,12 @@ FLUX_T5XXL_FP8 = ComfyFile("text_encoder_2", "text_encoders", FLUX_TEXT_ENCODERS
 FLUX_AE = ComfyFile("vae", "vae", FLUX_SCHNELL_REPO, "ae.safetensors", "vae")
 
 
+LTX2_REPO = "Lightricks/LTX-2"  # the checkpoint and Gemma file ComfyUI's own LTX-2 templates name
+LTX2_FP8 = ComfyFile("denoiser", "checkpoints", LTX2_REPO, "ltx-2-19b-dev-fp8.safetensors", "checkpoint")
+LTX2_GEMMA_FP4 = ComfyFile("text_encoder", "text_encoders", "Comfy-Org/ltx-2",
+                           "split_files/text_encoders/gemma_3_12B_it_fp4_mixed.safetensors", "text_encoder")
+
+
 def wan22_expert(task: str, noise: str) -> ComfyFile:
     """Comfy-Org's fp8_scaled Wan 2.2 A14B expert (``task`` t2v / i2v, ``noise`` high / low): the
     high-noise one runs the first steps (denoiser, transformer), the low-noise one the rest."""
@@ -82,13 +89,17 @@ def note_text(example: Any) -> str:
         "by the denoiser file, and " + ("the tokenizers are ComfyUI's own." if example.pipeline == "FluxPipeline" else
                                         "the tokenizer is read from the text-encoder file.") + " Nothing else to download.",
         "",
-        "The model files, each in the folder named (the text encoders and VAE are the ones ComfyUI's own",
-        "workflows for this model use):",
+        *(["The model files, each in the folder named (the ones ComfyUI's own templates for this model use):"]
+          if any(file.folder == "checkpoints" for file in example.files) else
+          ["The model files, each in the folder named (the text encoders and VAE are the ones ComfyUI's own",
+           "workflows for this model use):"]),
     ]
     for file in example.files:
         lines += [f"{COMFY_MODELS}/{file.folder}/{file.name}", f"  {file.url}"]
     if any(file.input == "denoiser_2" for file in example.files):
         lines += ["", "The high-noise expert goes in denoiser (it runs the first steps), the low-noise one in denoiser_2."]
+    if any(file.folder == "checkpoints" for file in example.files):
+        lines += ["", "The checkpoint holds the VAEs, vocoder and text connectors too: the loader reads them from it."]
     if any(file.name.endswith(".gguf") for file in example.files):
         lines += ["", "The loader lists .gguf files in diffusion_models (and unet) itself: ComfyUI-GGUF is not needed."]
     lines += [

@@ -131,13 +131,16 @@ def test_single_file_note_names_each_file_its_folder_and_address(name: str) -> N
     assert loader["inputs"]["config"] == "m" and example.model == ex.sf.AUTO_CONFIG  # the placeholder: 'auto'
     experts = ["denoiser", "denoiser_2"] if "a14b" in name else ["denoiser"]  # Wan 2.2 A14B: two experts' files
     encoders = ["text_encoder", "text_encoder_2"] if example.pipeline == "FluxPipeline" else ["text_encoder"]
-    assert [f.input for f in example.files] == [*experts, *encoders, "vae"]
+    checkpoint = example.files[0].folder == "checkpoints"  # LTX-2's all-in-one file holds its VAEs
+    assert [f.input for f in example.files] == [*experts, *encoders, *([] if checkpoint else ["vae"])]
+    assert ("the loader reads them from it" in text) == checkpoint
     assert ("the low-noise one in denoiser_2" in text) == (len(experts) == 2)
     for file in example.files:
         assert loader["inputs"][file.input] == file.name
         assert f"{ex.sf.COMFY_MODELS}/{file.folder}/{file.name}\n  {file.url}" in text
         assert file.url.startswith(f"https://huggingface.co/{file.repo}/resolve/main/") and file.url.endswith(file.name)
-    assert {f.folder for f in example.files} == {"diffusion_models", "text_encoders", "vae"}
+    assert {f.folder for f in example.files} == ({"checkpoints", "text_encoders"} if checkpoint else
+                                                 {"diffusion_models", "text_encoders", "vae"})
     assert ("ComfyUI-GGUF" in text) == example.files[0].name.endswith(".gguf")
 
 

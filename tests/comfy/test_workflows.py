@@ -19,9 +19,10 @@ from typing import Any
 
 import av
 import pytest
+import torch
 from comfyhost import harness
 from fixtures import comfy_files, flux_files, gguf_files
-from fixtures.tiny_tok import tiny_t5_spiece
+from fixtures.tiny_tok import tiny_gemma_spiece, tiny_t5_spiece
 from PIL import Image
 from safetensors.torch import save_file
 
@@ -169,6 +170,8 @@ def tiny_stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest
 
 
 def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tmp: Path) -> Path:
+    if example.tiny == "ltx2_checkpointable":  # the all-in-one checkpoint; Gemma with NVFP4 layers, as fp4_mixed
+        return _ltx2_stand_in(file, request.getfixturevalue("tiny_ltx2_checkpointable_dir"), tmp)
     if example.tiny == "flux":  # BFL's layouts: the denoiser's keys, ae.safetensors' LDM VAE
         folder = request.getfixturevalue("tiny_flux_dir")
         if file.input == "denoiser":
@@ -192,13 +195,26 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
     return request.getfixturevalue("comfy_wan")(file.tiny)
 
 
+def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
+    from diffusers import LTX2Pipeline
+    from fixtures.ltx2_files import comfy_gemma3_text_state, nvfp4_layers, write_ltx2_checkpoint
+
+    pipe = LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32)
+    if file.input == "denoiser":
+        return write_ltx2_checkpoint(pipe, tmp / "ltx2-checkpoint.safetensors")
+    state = comfy_gemma3_text_state(pipe.text_encoder.state_dict(), tiny_gemma_spiece())
+    save_file(nvfp4_layers(state, ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]),
+              str(tmp / "ltx2-gemma-fp4.safetensors"))
+    return tmp / "ltx2-gemma-fp4.safetensors"
+
+
 def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
     """The template's config ('auto': the configs the pack carries): the example's tiny folder less
     its weights and tokenizers (as the pack's carried folders are) in their place, so that auto picks
     it for the tiny files; for Flux, the tiny tokenizers where ComfyUI keeps its own, and the node
     pointed at that folder instead of the running ComfyUI's."""
     assert example.model == ex.sf.AUTO_CONFIG
-    families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir"}
+    families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir"}
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
@@ -277,6 +293,6 @@ def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, re
         return
     with av.open(str(path)) as container:
         streams = sorted(s.type for s in container.streams)
-        assert streams == (["audio", "video"] if example.tiny == "ltx2" else ["video"])
+        assert streams == (["audio", "video"] if example.tiny.startswith("ltx2") else ["video"])
         frames = next(o["frames"] for node, o in overrides.items() if node in kinds.values() and "frames" in o)
         assert sum(1 for _ in container.decode(video=0)) == frames
