@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
-EXTRA_STATS = ("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds")  # (Lightricks' own file has them)
+EXTRA_STATS = ("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds",  # Lightricks' own file
+               "per_channel_statistics.mean-of-stds_over_std-of-means")  # has them, ComfyUI's module does not
 HARD_CODED = ("learnable_registers", "per_channel_statistics.", "vocoder.conv_pre.weight")
 
 
@@ -43,8 +44,7 @@ def main() -> None:
 
 
 def part(ours: dict, prefix: str, new: str = "") -> dict:
-    return {new + k[len(prefix):]: s for k, s in ours.items() if k.startswith(prefix) and not k.endswith(EXTRA_STATS)
-            and not k.endswith("mean-of-stds_over_std-of-means")}
+    return {new + k[len(prefix):]: s for k, s in ours.items() if k.startswith(prefix) and not k.endswith(EXTRA_STATS)}
 
 
 def compare(name: str, ours: dict, theirs: dict) -> bool:

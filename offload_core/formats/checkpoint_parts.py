@@ -19,6 +19,7 @@ from accelerate import init_empty_weights
 from ..log import get_logger
 from .fp8 import INPUT_KEY, SCALE_KEY, dequantize, is_fp8, scale_value
 from .inspect import SingleFileError, SingleFileInfo
+from .state_fit import keeps_fp32, mismatch_text
 
 log = get_logger("single_file")
 
@@ -103,15 +104,10 @@ def _assigned(cls: type, state: dict[str, torch.Tensor], config: Path, dtype: to
     diffusers keeps in float32; a checkpoint part that does not fill it is refused by name."""
     with init_empty_weights():
         model = cls.from_config(cls.load_config(str(config)))
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise SingleFileError(f"{path}: its {config.name} does not fit {cls.__name__} of {config}: missing "
-                              f"{missing[:3]}, unexpected {unexpected[:3]}, other shapes {wrong[:3]}")
-    keep = tuple(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    fp32 = {k for k in state if any(m in k.split(".") for m in keep)}
-    model.load_state_dict({k: v.to(torch.float32 if k in fp32 else dtype) if v.is_floating_point() else v
+    problem = mismatch_text(model.state_dict(), state)
+    if problem:
+        raise SingleFileError(f"{path}: its {config.name} does not fit {cls.__name__} of {config}: {problem}")
+    model.load_state_dict({k: v.to(torch.float32 if keeps_fp32(cls, k) else dtype) if v.is_floating_point() else v
                            for k, v in state.items()}, strict=True, assign=True)
     log.info("%s: %s read from the checkpoint", Path(path).name, config.name)
     return model.eval()

@@ -47,6 +47,7 @@ from .inspect import (
     w4a8_conf,
 )
 from .scale_trace import trace_rows, trace_scales
+from .state_fit import keeps_fp32, mismatch
 
 log = get_logger("single_file")
 
@@ -224,10 +225,7 @@ def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]
 
 
 def _check_keys(path: Path, converted: dict, expected: dict, cls: type, config: Path) -> None:
-    missing = sorted(set(expected) - set(converted))
-    unexpected = sorted(set(converted) - set(expected))
-    wrong = [f"{k} {tuple(converted[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-             if k in converted and tuple(converted[k].shape) != tuple(v.shape)]
+    missing, unexpected, wrong = mismatch(expected, converted)
     if missing or unexpected or wrong:
         raise SingleFileError(
             f"{path} does not match the {cls.__name__} config in {config}: "
@@ -240,10 +238,9 @@ def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.T
     """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (half compute) in fp32, an fp8
     or int8 weight among them dequantised as ComfyUI does (to the compute dtype, then held in fp32);
     fp8 and int8 tensors otherwise as stored, and so are the keys ``as_stored`` (W4A8 layers')."""
-    keep32 = _keep32(cls, compute)
     state = {}
     for key, t in converted.items():
-        fp32 = any(m in key.split(".") for m in keep32)
+        fp32 = _fp32(cls, key, compute)
         if key in as_stored:
             pass
         elif t.dtype == INT8 and fp32 and key.endswith(".weight"):
@@ -265,9 +262,9 @@ def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.T
     return state
 
 
-def _keep32(cls: type, compute: torch.dtype) -> list[str]:
-    """diffusers' ``_keep_in_fp32_modules`` where the compute dtype is half (else none)."""
-    return list(cls._keep_in_fp32_modules or []) if compute in (torch.float16, torch.bfloat16) else []
+def _fp32(cls: type, key: str, compute: torch.dtype) -> bool:
+    """``key`` is in diffusers' ``_keep_in_fp32_modules`` and the compute dtype is half (else it computes as is)."""
+    return compute in (torch.float16, torch.bfloat16) and keeps_fp32(cls, key)
 
 
 def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
@@ -280,8 +277,7 @@ def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, convert
         return set()
     conf = w4a8_conf(info)
     w4a8.load_state(converted, layers)
-    keep32 = _keep32(cls, compute)
-    decoded = [n for n in layers if any(m in n.split(".") for m in keep32)]
+    decoded = [n for n in layers if _fp32(cls, n, compute)]
     for name in decoded:
         w4a8.dequantize_into(converted, name, conf, compute)
     swapped = [n for n in layers if n not in decoded]

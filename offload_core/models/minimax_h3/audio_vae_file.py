@@ -19,6 +19,7 @@ from diffusers import AutoencoderKLMiniMaxH3Audio
 from safetensors.torch import load_file
 
 from ...formats.inspect import SingleFileError, inspect_safetensors
+from ...formats.state_fit import keeps_fp32
 from ...log import get_logger
 from .vae_file import check_fills
 
@@ -48,9 +49,8 @@ def load_audio_vae_file(path: Path, config: Path, dtype: torch.dtype) -> Autoenc
         vae = AutoencoderKLMiniMaxH3Audio.from_config(cfg)
     folded = _unnorm_folded(vae, state)
     check_fills(path, vae.state_dict(), state, "audio VAE", "audio_vae_file")
-    keep = tuple(f"{m}." for m in AutoencoderKLMiniMaxH3Audio._keep_in_fp32_modules or ())
-    vae.load_state_dict({k: v.to(torch.float32 if k.startswith(keep) else dtype) if v.is_floating_point() else v
-                         for k, v in state.items()}, assign=True)
+    vae.load_state_dict({k: v.to(torch.float32 if keeps_fp32(type(vae), k) else dtype) if v.is_floating_point()
+                         else v for k, v in state.items()}, assign=True)
     log.info("%s: MiniMax-H3 audio VAE in %s layout", path.name,
              f"ComfyUI's ({folded} folded weight-norm convolutions)" if folded else "diffusers'")
     return vae.eval()

@@ -19,6 +19,7 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import load_file
 
 from ...formats.inspect import SingleFileError, inspect_safetensors
+from ...formats.state_fit import mismatch_text
 from ...log import get_logger
 
 log = get_logger("loaders")
@@ -62,12 +63,10 @@ def load_vae_file(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKL
 def check_fills(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], what: str,
                 field: str) -> None:
     """``state`` fills a model of ``expected`` keys and shapes exactly, else the file is refused by name."""
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise SingleFileError(
-            f"{path} is not a MiniMax-H3 {what} of the folder's configuration: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}, other shapes {wrong[:3]}; pick H3's {what} file or leave {field} at 'none'")
+    problem = mismatch_text(expected, state)
+    if problem:
+        raise SingleFileError(f"{path} is not a MiniMax-H3 {what} of the folder's configuration: {problem}; pick "
+                              f"H3's {what} file or leave {field} at 'none'")
 
 
 def diffusers_state(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
