@@ -109,9 +109,9 @@ def test_loads_in_the_chosen_dtype_and_leaves_the_folder_untouched(comfy: harnes
 
 
 def last_patcher(comfy: harness.ComfyHost) -> Any:
-    """The pack's model patcher ComfyUI loaded last."""
+    """The pack's model patcher ComfyUI loaded last (ComfyUI puts each newly loaded model first)."""
     ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
-    return next(lm.model for lm in reversed(comfy.model_management.current_loaded_models) if isinstance(lm.model, ours))
+    return next(lm.model for lm in comfy.model_management.current_loaded_models if isinstance(lm.model, ours))
 
 
 def test_fp8_dtype_stores_the_denoiser_in_fp8_and_computes_in_the_auto_dtype(comfy: harness.ComfyHost,

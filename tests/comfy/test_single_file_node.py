@@ -84,7 +84,7 @@ def test_fp8_matmul_on_an_fp8_scaled_file_keeps_its_weights_and_scales(comfy: ha
     table computes through fp8 matmuls."""
     comfy.run_prompt(prompt(placed, fp8_matmul=True)).raise_for_error()
     ours = comfy.pack_submodule("nodes.host").DiffusersPatcher
-    transformer = next(lm.model for lm in reversed(comfy.model_management.current_loaded_models)
+    transformer = next(lm.model for lm in comfy.model_management.current_loaded_models  # (newest first)
                        if isinstance(lm.model, ours)).pipe.transformer
     table = comfy.pack_submodule("offload_core.formats.fp8").table_of(transformer)
     assert table.matmul and table.storage == torch.float8_e4m3fn and len(table.scales) == len(table.weights) > 0
