@@ -23,6 +23,7 @@ from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 from ..components import denoisers
 from ..log import get_logger
 from ..state import FP8
+from .convrot import rotate_back, rotate_inputs
 from .w4a8 import W4A8Linear
 
 log = get_logger("fp8")
@@ -96,6 +97,13 @@ def dequantize_int8(
     return torch.mul(q, scale, out=out)
 
 
+def decode_int8(q: torch.Tensor, scale: torch.Tensor, compute: torch.dtype, group: int = 0) -> torch.Tensor:
+    """An int8 weight's value in its own basis, for a use other than a stored Linear's matmul:
+    `dequantize_int8`, or for a convrot weight (``group``: its group size) the float32 product
+    rotated back and rounded once (`convrot.rotate_back`)."""
+    return rotate_back(q.float() * scale, group).to(compute) if group else dequantize_int8(q, scale, compute)
+
+
 def store_fp8(model: torch.nn.Module, storage: torch.dtype, compute: torch.dtype,
               matmul: bool = False) -> Fp8Table | None:
     """Cast the model's Linear weights to ``storage`` in place (what ComfyUI's UNETLoader
@@ -146,6 +154,7 @@ def mark_fp8(
     matmul: bool = False,
     input_scales: dict[str, torch.Tensor] | None = None,
     matmul_off: str = "",
+    convrot: dict[str, int] | None = None,
 ) -> Fp8Table:
     """Record the model's fp8 (or int8) Linear weights and their ``scales`` (by layer name, as a
     file's ``<layer>.scale_weight`` / ``<layer>.weight_scale`` names them: per tensor for fp8, per
@@ -155,7 +164,7 @@ def mark_fp8(
     quantised at its layer's ``input_scales`` value where the file has one (ComfyUI's static
     ``input_scale``); ``matmul_off`` says why a file keeps them off."""
     what = source or type(model).__name__
-    scales = dict(scales or {})
+    scales, convrot = dict(scales or {}), dict(convrot or {})
     linears = dict(_linears(model))
     inputs = _input_scales(input_scales or {}, model, what)
     storages = {layer.weight.dtype for layer in linears.values() if _stored(layer.weight)}
@@ -181,14 +190,17 @@ def mark_fp8(
         table.weights[id(layer.weight)] = name
         if layer.weight.dtype == INT8:
             table.int8_scales[id(layer.weight)] = check_int8_scale(scale, name, layer.weight, what)
+            if name in convrot:
+                rotate_inputs(layer, convrot.pop(name), f"{what}: {name}")
         elif scale is not None:
             table.scales[id(layer.weight)] = _scalar(scale, name, layer.weight, what, compute)
             table.exact[id(layer.weight)] = float(torch.as_tensor(scale, dtype=torch.float32).reshape(()))
         if name in inputs and layer.weight.dtype == torch.float8_e4m3fn:
             table.inputs[id(layer.weight)] = inputs[name]
-    _dequantize_others(model, compute, scales, what)
-    if scales:
-        raise ValueError(f"{what}: scales for layers the model does not have: {sorted(scales)[:5]}")
+    _dequantize_others(model, compute, scales, what, convrot)
+    if scales or convrot:
+        raise ValueError(f"{what}: scales or convrot groups for layers the model does not hold as int8 or fp8 "
+                         f"weights: {sorted({*scales, *convrot})[:5]}")
     FP8.set(model, table)
     if table.int8:
         _log_int8(what, table)
@@ -240,10 +252,12 @@ def _stored(t: torch.Tensor) -> bool:
 
 
 def _dequantize_others(
-    model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor], what: str
+    model: torch.nn.Module, compute: torch.dtype, scales: dict[str, torch.Tensor], what: str,
+    convrot: dict[str, int],
 ) -> None:
     """fp8 tensors outside Linear weights (a conv, a norm, a bias) become compute-dtype values, and
-    so do int8 weights there (they need their scale); W4A8 layers keep theirs (fp8 group scales)."""
+    so do int8 weights there (they need their scale; a convrot one is rotated back); W4A8 layers
+    keep theirs (fp8 group scales)."""
     stored = {id(layer) for _name, layer in _linears(model)}
     for name, module in model.named_modules():
         if isinstance(module, W4A8Linear):
@@ -252,9 +266,8 @@ def _dequantize_others(
             if t is None or (pname == "weight" and id(module) in stored):
                 continue
             if pname == "weight" and t.dtype == INT8:
-                t.data = dequantize_int8(
-                    t.data, check_int8_scale(scales.pop(name, None), name, t, what), compute
-                )
+                scale = check_int8_scale(scales.pop(name, None), name, t, what)
+                t.data = decode_int8(t.data, scale, compute, convrot.pop(name, 0))
                 continue
             if not is_fp8(t):
                 continue

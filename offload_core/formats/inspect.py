@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from . import w4a8
+from .convrot import DEFAULT_GROUP, group_error
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 FP8_NAMES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -40,11 +41,11 @@ QUANT_SUFFIX = ".comfy_quant"
 TOKENIZER_KEYS = ("spiece_model", "tokenizer_json", "tekken_model")  # tokenizers ComfyUI's files carry (comfy/sd.py)
 QUANT_METADATA = "_quantization_metadata"
 LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8"}  # per-tensor fp8 (fp8_scaled by another
-# name); int8 with a per-tensor or per-row scale, without convrot (Hadamard-rotated weights)
+# name); int8 with a per-tensor or per-row scale, convrot (Hadamard-rotated weights) or not
 INT8_QUANT = "int8_tensorwise"
 W4A8_FORMAT = w4a8.FORMAT
 ACCEPTED_QUANT = (
-    "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise without convrot "
+    "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise with or without convrot "
     "(per-tensor or per-row scales) and asym_w4a8_int8 (W4A8, through comfy-kitchen)"
 )
 
@@ -300,7 +301,8 @@ def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
 def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset()) -> None:
     """Refuse, by name, a ComfyUI quant format this engine cannot run. Per-tensor fp8 passes (it is
     fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
-    ``int8_tensorwise`` without convrot: an int8 weight and its ``weight_scale``; an int8 weight
+    ``int8_tensorwise``: an int8 weight and its ``weight_scale`` (with convrot, a matrix its group
+    size can rotate); an int8 weight
     no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess). The
     caller names the ``decoded`` formats it decodes at load (a text encoder's NVFP4)."""
     layers = read_quant_layers(info)
@@ -312,13 +314,7 @@ def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset
             f"this pack does not run comfy-kitchen layouts ({', '.join(unknown)}) yet; it runs {ACCEPTED_QUANT}. "
             "Use such a file, an fp8, fp8_scaled, GGUF or bf16 file of the model, or ComfyUI's own loader"
         )
-    convrot = [k for k, conf in layers.items() if conf.get("format") == INT8_QUANT and _convrot(conf)]
-    if convrot:
-        raise SingleFileError(
-            f"{info.path}: layers {convrot[:3]} are int8_tensorwise with convrot (Hadamard-rotated weights), which "
-            f"this pack does not run yet; it runs {ACCEPTED_QUANT}. Use such a file, an fp8, fp8_scaled, GGUF or "
-            "bf16 file of the model, or ComfyUI's own loader"
-        )
+    _check_convrot(info, layers)
     full = [k for k, conf in layers.items()
             if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in {W4A8_FORMAT, *decoded}]
     if full:
@@ -329,10 +325,26 @@ def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset
     _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
 
 
-def _convrot(conf: dict) -> bool:
-    """ComfyUI reads ``convrot`` from the entry or from its ``params`` (ops.py)."""
-    params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-    return bool(conf.get("convrot", params.get("convrot", False)))
+def convrot_groups(info: SingleFileInfo) -> dict[str, int]:
+    """The file's convrot int8 layers (by file layer name) and their group sizes, read as ComfyUI's
+    ops.py reads them: ``convrot`` and ``convrot_groupsize`` from the entry, then its ``params``."""
+    groups = {}
+    for layer, conf in read_quant_layers(info).items():
+        params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+        if conf.get("format") == INT8_QUANT and conf.get("convrot", params.get("convrot", False)):
+            groups[layer] = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", DEFAULT_GROUP)))
+    return groups
+
+
+def _check_convrot(info: SingleFileInfo, layers: dict[str, dict]) -> None:
+    """Each convrot layer's weight is a matrix its group size can rotate (a power of 4 dividing its width)."""
+    for layer, group in sorted(convrot_groups(info).items()):
+        shape = info.shapes.get(f"{layer}.weight", ())
+        why = (f"its weight has shape {tuple(shape)}, not a matrix" if len(shape) != 2
+               else group_error(group, shape[1]))
+        if why is not None:
+            raise SingleFileError(f"{info.path}: layer {layer} is declared int8_tensorwise with convrot, but {why}; "
+                                  "the file is inconsistent, download it again")
 
 
 def w4a8_conf(info: SingleFileInfo) -> w4a8.W4A8Conf:

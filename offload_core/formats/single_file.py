@@ -30,8 +30,8 @@ from .fp8 import (
     INT8,
     SCALE_KEY,
     check_int8_scale,
+    decode_int8,
     dequantize,
-    dequantize_int8,
     is_fp8,
     mark_fp8,
     scale_value,
@@ -42,6 +42,7 @@ from .inspect import (
     SingleFileError,
     SingleFileInfo,
     check_quant_layers,
+    convrot_groups,
     inspect_file,
     inspect_safetensors,
     w4a8_conf,
@@ -165,9 +166,10 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         scales = trace_scales(path, cls, convert, config, shapes, file_scales)
     if len(inputs) != len(file_inputs):
         inputs = trace_scales(path, cls, convert, config, shapes, file_inputs)
+    groups = _traced_groups(path, cls, convert, config, shapes, convrot_groups(info), converted is checkpoint)
     as_stored = _swap_w4a8(path, info, model, converted, cls, compute)
     _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)
-    state = _compute_state(converted, scales, cls, compute, as_stored)
+    state = _compute_state(converted, scales, cls, compute, as_stored, groups)
     params = dict(model.named_parameters())
     for key in [k for k, t in state.items() if t.dtype == INT8 and k in params]:  # no gradient on integers
         params[key].requires_grad_(False)
@@ -178,13 +180,26 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
                  cls.__name__, short_dtype(compute))
         return model
     try:
-        table = mark_fp8(model, compute, scales, source=str(path), input_scales=inputs, matmul_off=_matmul_off(info))
+        table = mark_fp8(model, compute, scales, source=str(path), input_scales=inputs, matmul_off=_matmul_off(info),
+                         convrot=groups)
     except ValueError as exc:
         raise SingleFileError(str(exc)) from exc
     kind, storage = ("int8_tensorwise", "int8") if table.int8 else ("per-tensor", "fp8")
     log.info("%s: %s denoiser in %s (%d %s scales, %d input scales for fp8 matmuls) loaded as %s, %s storage kept",
              path.name, info.family, info.format, len(scales), kind, len(table.inputs), cls.__name__, storage)
     return model
+
+
+def _traced_groups(path: Path, cls: type, convert: Any, config: dict, shapes: dict[str, tuple[int, ...]],
+                   file_groups: dict[str, int], same: bool) -> dict[str, int]:
+    """Converted layer -> the convrot group size of the file layer its weight came from (``same``:
+    the file already has the model's names); a split weight keeps its group (its rows split). Only
+    the denoiser's layers (``shapes``: a checkpoint's other parts are not traced)."""
+    file_groups = {layer: g for layer, g in file_groups.items() if f"{layer}.weight" in shapes}
+    if same or not file_groups:
+        return file_groups
+    traced = trace_rows(path, cls, convert, config, shapes, sorted(file_groups), "convrot layers")
+    return {key: file_groups[layer] for key, (layer, _rows) in traced.items()}
 
 
 def _by_layer(checkpoint: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
@@ -234,10 +249,11 @@ def _check_keys(path: Path, converted: dict, expected: dict, cls: type, config: 
 
 
 def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], cls: type,
-                   compute: torch.dtype, as_stored: set[str]) -> dict[str, torch.Tensor]:
+                   compute: torch.dtype, as_stored: set[str], groups: dict[str, int]) -> dict[str, torch.Tensor]:
     """Non-fp8 floats in the compute dtype; diffusers' fp32 modules (half compute) in fp32, an fp8
-    or int8 weight among them dequantised as ComfyUI does (to the compute dtype, then held in fp32);
-    fp8 and int8 tensors otherwise as stored, and so are the keys ``as_stored`` (W4A8 layers')."""
+    or int8 weight among them dequantised as ComfyUI does (to the compute dtype, then held in fp32;
+    a convrot one rotated back, its entry taken from ``groups``); fp8 and int8 tensors otherwise as
+    stored, and so are the keys ``as_stored`` (W4A8 layers')."""
     state = {}
     for key, t in converted.items():
         fp32 = _fp32(cls, key, compute)
@@ -249,7 +265,7 @@ def _compute_state(converted: dict[str, torch.Tensor], scales: dict[str, torch.T
                 scale = check_int8_scale(scales.pop(layer, None), layer, t, cls.__name__)
             except ValueError as exc:
                 raise SingleFileError(str(exc)) from exc
-            t = dequantize_int8(t, scale, compute).float()
+            t = decode_int8(t, scale, compute, groups.pop(layer, 0)).float()
         elif is_fp8(t) and fp32:
             scale = scales.pop(key.removesuffix(".weight"), None)
             if scale is not None and scale.numel() != 1:

@@ -1,6 +1,6 @@
 """The pipeline around a ComfyUI single-file denoiser: a diffusers config folder of its family
 supplies the pipeline class and the other components, which come from the folder or from the
-user's text-encoder and VAE files (fp8 text encoders dequantised at load: they run once a prompt).
+user's text-encoder and VAE files (fp8 and int8 text encoders keep their storage).
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from ..log import get_logger
 from . import w4a8
 from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
-from .fp8 import INT8, check_int8_scale, dequantize, dequantize_int8, is_fp8, mark_fp8, scale_value
+from .convrot import GROUP_KEY
+from .fp8 import INT8, check_int8_scale, decode_int8, dequantize, is_fp8, mark_fp8, scale_value
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
     SingleFileError,
     SingleFileInfo,
     check_quant_layers,
+    convrot_groups,
     inspect_safetensors,
     read_quant_layers,
     w4a8_conf,
@@ -267,10 +269,11 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
                        fit: Fit | None = None) -> Any:
     """A transformers text encoder from a single file in its own key names. Its fp8 Linear weights
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
-    half the RAM and pinned bytes of a decoded copy); ComfyUI int8_tensorwise layers are decoded to
-    ``dtype`` here, as comfy-kitchen decodes them, and NVFP4 layers by comfy-kitchen (`nvfp4`); W4A8 layers stay W4A8 (`w4a8.W4A8Linear`: decoded,
-    a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant formats are
-    refused by name."""
+    half the RAM and pinned bytes of a decoded copy), and so do ComfyUI int8_tensorwise layers,
+    convrot ones included, in a file without fp8 weights (in one with, they are decoded to ``dtype``
+    here, as comfy-kitchen decodes them); NVFP4 layers are decoded by comfy-kitchen (`nvfp4`); W4A8
+    layers stay W4A8 (`w4a8.W4A8Linear`: decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8
+    file was chosen for); other quant formats are refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)
@@ -280,22 +283,26 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     state = read_checkpoint(path, info)
     nvfp4 = [k for k, conf in read_quant_layers(info).items() if isinstance(conf, dict) and conf.get("format") == NVFP4]
     decoded = {id(state[k]) for k in decode_nvfp4(path, state, nvfp4, dtype)} if nvfp4 else set()
+    state |= {layer + GROUP_KEY: torch.tensor(g) for layer, g in convrot_groups(info).items()}
     if fit is not None:
-        state = fit.keys(state)
+        state = fit.keys(state)  # (renames the convrot marks with their layers)
+    groups = {k.removesuffix(GROUP_KEY): int(state.pop(k)) for k in [k for k in state if k.endswith(GROUP_KEY)]}
     padded = {k for k, v in state.items() if id(v) in decoded}  # (under the names the fit gave them)
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
     for key in [k for k in state if k.endswith(INPUT_KEY)]:  # (no fp8 matmuls in text encoders)
         state.pop(key)
-    scales = {}  # fp8 weights' scales, by layer
+    scales = {}  # stored weights' scales, by layer
+    keep_int8 = not any(is_fp8(t) for t in state.values())  # (one storage dtype per model)
     for key in [k for k in state if k.endswith(SCALE_KEY)]:
         layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
-        if is_fp8(state[layer + ".weight"]):
+        weight = state[layer + ".weight"]
+        if is_fp8(weight) or (weight.dtype == INT8 and keep_int8):
             scales[layer] = scale
         else:
-            state[layer + ".weight"] = _dequantized(path, layer, state[layer + ".weight"], scale, dtype)
-    if layers or fit is not None or padded or any(is_fp8(t) for t in state.values()):
-        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, padded)
+            state[layer + ".weight"] = _dequantized(path, layer, weight, scale, dtype, groups.pop(layer, 0))
+    if layers or fit is not None or padded or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
+        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, padded, groups)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -312,9 +319,10 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
 
 def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
                  layers: list[str], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor],
-                 padded: set[str] = frozenset()) -> Any:
+                 padded: set[str], groups: dict[str, int]) -> Any:
     """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, the file's
-    tensors assigned (fp8 ones as stored, then marked with their ``scales``; decoded NVFP4 weights,
+    tensors assigned (fp8 and int8 ones as stored, then marked with their ``scales`` and convrot
+    ``groups``; decoded NVFP4 weights,
     ``padded`` to 16 × 16, cut to the model's shapes): transformers' own loader would allocate every
     layer in ``dtype`` (and fill what a fitted file lacks with weights no one reads)."""
     from accelerate import init_empty_weights
@@ -337,6 +345,8 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     stored = w4a8.stored_keys(layers)
     state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
              and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}
+    for name, param in model.named_parameters():  # no gradient on integers
+        param.requires_grad_(not (name in state and state[name].dtype == INT8))
     result = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     absent = fit.absent if fit is not None else ()
@@ -344,34 +354,37 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     if empty or result.unexpected_keys:
         raise SingleFileError(f"{path} does not match the {cls.__name__} config in {config}: missing {empty[:3]}, "
                               f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")
-    fp8 = _marked(path, model, dtype, scales)
+    fp8 = _marked(path, model, dtype, scales, groups)
     log.info("%s: %s text encoder (%s) loaded %s%s", path.name, cls.__name__, info.format,
              f"with {len(layers)} W4A8 layers, the rest in " if layers else
-             f"with {fp8} fp8 Linear weights kept, the rest in " if fp8 else "as ", short_dtype(dtype))
+             f"with {fp8} fp8 / int8 Linear weights kept, the rest in " if fp8 else "as ", short_dtype(dtype))
     return model.eval()
 
 
-def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict[str, torch.Tensor]) -> int:
-    """How many fp8 Linear weights the model keeps (`fp8.mark_fp8`; its other fp8 tensors are
+def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict[str, torch.Tensor],
+            groups: dict[str, int]) -> int:
+    """How many fp8 or int8 Linear weights the model keeps (`fp8.mark_fp8`; its other stored tensors are
     decoded: an embedding table, and a layer the model keeps in float32, such as T5's ``wo``, whose
     caller casts its input to the weight's dtype); 0 for a model without fp8 tensors outside its
     W4A8 layers (whose group scales are fp8)."""
     plain = [m for m in model.modules() if not isinstance(m, w4a8.W4A8Linear)]
-    if not scales and not any(t is not None and is_fp8(t) for m in plain
+    if not scales and not any(t is not None and (is_fp8(t) or t.dtype == INT8) for m in plain
                               for t in (*m._parameters.values(), *m._buffers.values())):
         return 0
     try:
-        return len(mark_fp8(model, dtype, scales, source=str(path)).weights)
+        return len(mark_fp8(model, dtype, scales, source=str(path), convrot=groups).weights)
     except ValueError as exc:
         raise SingleFileError(str(exc)) from exc
 
 
-def _dequantized(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A text encoder's scaled weight that is not fp8, in ``dtype``: int8 as ``(q.float() * scale).to(dtype)``
-    (per tensor or per row), another float as ``w.to(dtype) * scale`` (per tensor only)."""
+def _dequantized(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                 group: int) -> torch.Tensor:
+    """A text encoder's scaled weight that is not kept, in ``dtype``: int8 as ``(q.float() * scale).to(dtype)``
+    (per tensor or per row; ``group``: a convrot one rotated back), another float as ``w.to(dtype) * scale``
+    (per tensor only)."""
     try:
         if weight.dtype == INT8:
-            return dequantize_int8(weight, check_int8_scale(scale, layer, weight, str(path)), dtype)
+            return decode_int8(weight, check_int8_scale(scale, layer, weight, str(path)), dtype, group)
         if scale.numel() != 1:
             raise ValueError(f"{path}: the scale of {layer} has shape {tuple(scale.shape)}; scaled float "
                              "text-encoder weights take per-tensor scales only")

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..formats.convrot import RotatingLinear, group_of, hadamard, rotate_with
 from ..formats.fp8 import Fp8Table
 from ..log import get_logger
 from ..state import COMPILED, DEQUANT_HOOK, REGISTRY, STREAM_HOOK
@@ -75,6 +76,8 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     elif stored and fp8.int8:
         attrs["_buffers"] = {**module._buffers, "int8_scale": fp8.int8_scale(weight, device)}
         attrs["int8_compute"] = fp8.compute
+        if group_of(module):
+            attrs["_buffers"]["convrot_h"] = hadamard(group_of(module), fp8.compute, device or torch.device("cpu"))
         copy.__class__ = _int8_dequantizing(type(module))
     elif stored:
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
@@ -130,11 +133,13 @@ def _dequantizing(kind: type) -> type:
 
 
 def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """An int8 weight's compute value as `fp8.dequantize_int8` makes it: a float32 product rounded once."""
+    """An int8 weight's compute value as `fp8.dequantize_int8` makes it: a float32 product rounded
+    once; a convrot layer's input rotated as `RotatingLinear` rotates it."""
     weight = self.weight
     if weight.dtype == torch.int8:
         weight = (weight.float() * self.int8_scale).to(self.int8_compute)
-    return F.linear(x, weight, self.bias)
+    h = self._buffers.get("convrot_h")
+    return F.linear(x if h is None else rotate_with(x, h), weight, self.bias)
 
 
 @functools.cache
@@ -163,7 +168,7 @@ def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.d
                  if key != STREAM_HOOK and hook is not lora and not _matmul(module, hook, device)]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
-        if _stored(module, fp8) and type(module).forward is not torch.nn.Linear.forward:
+        if _stored(module, fp8) and type(module).forward not in (torch.nn.Linear.forward, RotatingLinear.forward):
             return f"stored {fp8.storage} weight on {name}, a {type(module).__name__}"
     gguf = {id(m._parameters["weight"]) for m in block.modules() if gguf_layer(m)}
     for name, tensor in (*block.named_parameters(), *block.named_buffers()):

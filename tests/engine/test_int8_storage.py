@@ -1,18 +1,14 @@
-"""ComfyUI int8_tensorwise single files (comfy-kitchen's TensorWiseINT8Layout, no convrot): loaded
-with their weights kept int8 and run, in every placement, bit for bit like a bf16 model holding
-``(q.float() * scale).to(bf16)`` computed here from the file (comfy-kitchen's
-``dequantize_int8_simple_dtype``, written out), with per-tensor and per-row scales; what the
-streamer moves and keeps is int8 bytes; a release leaves the int8 weights as they were; convrot
-int8 and unknown formats are refused by name; no file changes."""
+"""ComfyUI int8_tensorwise single files (comfy-kitchen's TensorWiseINT8Layout, no convrot: that is
+`test_convrot_storage.py`): loaded with their weights kept int8 and run, in every placement, bit for
+bit like a bf16 model holding ``(q.float() * scale).to(bf16)`` computed here from the file
+(comfy-kitchen's ``dequantize_int8_simple_dtype``, written out), with per-tensor and per-row
+scales; what the streamer moves and keeps is int8 bytes; a release leaves the int8 weights as
+they were; unknown formats are refused by name; no file changes."""
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from diffusers import WanTransformer3DModel
-from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
@@ -24,9 +20,16 @@ from fixtures.comfy_files import (
     write_comfy_int8_wan,
 )
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
+from fixtures.quantized import (
+    digest,
+    int8_reference_transformer,
+    refused,
+    streamed_in_one_step,
+    two_runs_placed,
+    wan_pipe,
+)
 from fixtures.tiny_models import run_wan
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 _comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixture, under its own name
 BF16 = torch.bfloat16
@@ -39,31 +42,12 @@ VARIANTS = {
 
 
 
-def _reference_transformer(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
-    """The file's weights as comfy-kitchen dequantises them, ``(q.float() * scale).to(bf16)``,
-    keys converted by diffusers' Wan conversion, saved as a diffusers folder and loaded by
-    diffusers' folder loader in bf16 (its fp32 modules upcast from those bf16 values)."""
-    tensors = load_file(str(path))
-    out = {}
-    for key, t in tensors.items():
-        if key.endswith((".weight_scale", ".comfy_quant")):
-            continue
-        scale = tensors.get(key.removesuffix(".weight") + ".weight_scale")
-        out[key] = t.to(BF16) if scale is None else (t.float() * scale).to(BF16)
-    ref = tmp / f"reference-{path.stem}" / "transformer"
-    ref.mkdir(parents=True)
-    shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
-    save_file(convert_wan_transformer_to_diffusers(out), str(ref / "diffusion_pytorch_model.safetensors"))
-    return WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
-
-
-
 @pytest.fixture(scope="module")
 def references(tiny_wan_dir, comfy_int8_wan, tmp_path_factory) -> dict[str, torch.Tensor]:
     """variant -> the reference pipeline's output (one per file)."""
     tmp = tmp_path_factory.mktemp("int8-reference")
     return {
-        name: run_wan(wan_pipe(tiny_wan_dir, _reference_transformer(comfy_int8_wan(**kw), tiny_wan_dir, tmp)))
+        name: run_wan(wan_pipe(tiny_wan_dir, int8_reference_transformer(comfy_int8_wan(**kw), tiny_wan_dir, tmp)))
         for name, kw in VARIANTS.items()
     }
 
@@ -120,23 +104,13 @@ def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monke
 
 # -- refused by name, files untouched ---------------------------------------------------------------
 
-@pytest.mark.parametrize("metadata", [False, True])
-def test_int8_with_convrot_is_refused_by_name(tiny_wan_dir, tmp_path, metadata):
-    conf = {"format": INT8_FORMAT, "convrot": True, "convrot_groupsize": 256}
-    path = write_comfy_int8_wan(
-        tiny_wan_dir, tmp_path / "wan-int8-convrot.safetensors", layer_conf=conf, metadata=metadata
-    )
-    err = refused("int8_tensorwise with convrot", path, tiny_wan_dir)
-    assert "int8_tensorwise without convrot" in str(err)  # says what runs
-
-
 def test_unknown_formats_are_refused_by_name(tiny_wan_dir, tmp_path):
     for fmt in ("nvfp4", "mxfp8", "convrot_w4a4", "int4_magic"):
         path = write_comfy_int8_wan(
             tiny_wan_dir, tmp_path / f"wan-{fmt}.safetensors", layer_conf={"format": fmt}
         )
         err = refused(rf"comfy-kitchen layouts \({fmt}\)", path, tiny_wan_dir)
-        assert "int8_tensorwise without convrot" in str(err) and "asym_w4a8_int8" in str(err)  # says what runs
+        assert "int8_tensorwise with or without convrot" in str(err) and "asym_w4a8_int8" in str(err)  # says what runs
 
 
 def test_inconsistent_int8_files_arerefused(tiny_wan_dir, tmp_path):
