@@ -44,6 +44,8 @@ from benchkit import GB, GiB, Rows, open_output, output_args, pack
 from benchkit.anchors import section_anchors, section_mmgp
 from benchkit.gguf import QTYPES as GGUF_TYPES
 from benchkit.gguf import to_gguf
+from benchkit.int8 import STORAGES as INT8_STORAGES
+from benchkit.int8 import to_int8
 from benchkit.table import self_check, side_by_side
 from benchkit.w4a8 import STORAGE as W4A8
 from benchkit.w4a8 import to_w4a8
@@ -113,6 +115,8 @@ def build(args):
         row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
     elif args.storage == W4A8:
         row(section="w4a8", storage=args.storage, layers=to_w4a8(m, blocks_of(m)))
+    elif args.storage in INT8_STORAGES:
+        row(section="int8", storage=args.storage, rotating=to_int8(m, blocks_of(m), args.storage == "int8_convrot"))
     return m
 
 
@@ -122,7 +126,7 @@ def resident(m, feeds: dict, args) -> dict:
     the device, so the reference runs the same path (casts, compiled forwards) as the streamed rows."""
     refs = {}
     eng = bag = None
-    if args.storage in FP8_STORAGES or args.compile:
+    if args.storage in (*FP8_STORAGES, *INT8_STORAGES) or args.compile:
         eng, bag = Engine(), Components(transformer=m)
         eng.place(bag, config(args, preload="1000"))
     for w, feed in feeds.items():
@@ -326,9 +330,10 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
-    ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8), default="bf16", help="weight "
-                    "storage (main model only): fp8 Linear weights computing in bf16 (_fast: fp8 matmuls); gguf_* diffusers' "
-                    "GGUF layers (benchkit/gguf.py); w4a8 the pack's W4A8 layers over comfy-kitchen's (benchkit/w4a8.py)")
+    ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8, *INT8_STORAGES), default="bf16",
+                    help="weight storage (main model only): fp8 Linear weights computing in bf16 (_fast: fp8 matmuls); "
+                    "gguf_* diffusers' GGUF layers (benchkit/gguf.py); w4a8 the pack's W4A8 layers over comfy-kitchen's "
+                    "(benchkit/w4a8.py); int8[_convrot] ComfyUI int8_tensorwise layers (benchkit/int8.py)")
     ap.add_argument("--cast-each-forward", action="store_true", help="fp8: no kept piece held as compute values")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--compile", action="store_true", help="engine rows (and the resident reference) compile_blocks")

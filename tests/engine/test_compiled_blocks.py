@@ -160,15 +160,17 @@ def test_fp8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, placeme
     assert {p.dtype for p in pipe.transformer.blocks.parameters()} >= {torch.float8_e4m3fn}  # stored bytes left as they were
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["per-tensor", "per-row"])
+@pytest.mark.parametrize("variant", [dict(), dict(per_row=True), dict(per_row=True, convrot=16)],
+                         ids=["per-tensor", "per-row", "convrot"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 def test_int8_blocks_dequantise_inside_the_compiled_forward(tiny_wan_dir, wide_wan_dir, comfy_int8_wan, placement,
-                                                            per_row) -> None:
+                                                            variant) -> None:
     """A ComfyUI int8_tensorwise file's layers compute ``(q.float() * scale).to(compute)`` in the
-    graph: every block compiles, to the bits of the streamer's torch cast; kept blocks (in parts:
-    the wide model's) cast nothing, blocks streamed whole are cast as they bind; the int8 bytes stay."""
+    graph (convrot layers rotate their input there too): every block compiles, to the bits of the
+    streamer's torch cast; kept blocks (in parts: the wide model's) cast nothing, blocks streamed
+    whole are cast as they bind; the int8 bytes stay."""
     def int8_pipe():
-        file = comfy_int8_wan(per_row=per_row, wide=wide_wan_dir)
+        file = comfy_int8_wan(**variant, wide=wide_wan_dir)
         return with_transformer(tiny_wan_dir, load_denoiser(file, wide_wan_dir, torch.bfloat16))
 
     config = OffloadConfig(**BASE, **PLACEMENTS[placement])

@@ -61,14 +61,14 @@ def _with_and_without(pipe, config: OffloadConfig, lora: Path) -> tuple[list[tor
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("storage", ["fp8", "fp8 matmuls", "int8", "gguf"])
+@pytest.mark.parametrize("storage", ["fp8", "fp8 matmuls", "int8", "int8 convrot", "gguf"])
 def test_unfused_loras_run_inside_the_compiled_forward(tiny_wan_dir, wan_gguf, comfy_int8_wan, wan_loras, tmp_path,
                                                        storage, placement) -> None:
-    """(fp8, int8: LoRA ``a`` on every attention projection, all unfused; GGUF Q8_0: a LoRA on
-    ``to_q``, ``to_k`` (float in the file: fused) and ``ffn.net.2`` (Q8_0: unfused).)"""
-    if storage == "int8":
-        load = lambda: with_transformer(  # noqa: E731
-            tiny_wan_dir, load_denoiser(comfy_int8_wan(per_row=True), tiny_wan_dir, torch.bfloat16))
+    """(fp8, int8 (convrot: group 4): LoRA ``a`` on every attention projection, all unfused; GGUF
+    Q8_0: a LoRA on ``to_q``, ``to_k`` (float in the file: fused) and ``ffn.net.2`` (Q8_0: unfused).)"""
+    if storage.startswith("int8"):
+        file = comfy_int8_wan(per_row=True, convrot=4 if storage == "int8 convrot" else 0)
+        load = lambda: with_transformer(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16))  # noqa: E731
         lora, path = wan_loras["a"], "unfused"
     elif storage == "gguf":
         load = lambda: load_gguf_wan(tiny_wan_dir, wan_gguf("Q8_0"))  # noqa: E731

@@ -18,9 +18,11 @@ from diffusers_offload.offload_core.formats.convrot import RotatingLinear, rotat
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_text_encoder
+from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import comfy_files
 from fixtures.comfy_files import comfy_int8_wan_tensors, int8_tensors, write_component_file
+from fixtures.lora_reference import lora_deltas
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import (
     digest,
@@ -30,8 +32,10 @@ from fixtures.quantized import (
     two_runs_placed,
     wan_pipe,
 )
+from fixtures.tiny_models import run_wan
 from safetensors.torch import load_file, save_file
 
+pytest_plugins = ["fixtures.tiny_loras"]
 _comfy_int8_wan = comfy_files.comfy_int8_wan  # the session fixtures, under their own names
 _wide_wan_dir = comfy_files.wide_wan_dir
 BF16 = torch.bfloat16
@@ -150,6 +154,46 @@ def test_the_streamer_moves_convrot_int8_bytes(tiny_wan_dir, wide_wan_dir, convr
     moved, dtypes, _report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
     assert sum(moved) == 2 * blocks and torch.int8 in dtypes  # one step, two forwards (CFG), storage bytes
     engine.release(pipe)
+
+
+# -- LoRA ------------------------------------------------------------------------------------------
+
+def test_a_lora_on_convrot_layers_is_unfused_on_the_unrotated_input(tiny_wan_dir, comfy_int8_wan, wan_loras):
+    """LoRA ``a`` on the tiny Wan's convrot layers (group 4) takes the unfused path: a covered
+    layer's output moves by the file's delta applied to its input as given (not the rotated one),
+    the streamed run equals the resident one, and clearing the LoRA gives the base bit for bit with
+    the int8 bytes unwritten."""
+    path = comfy_int8_wan(per_row=True, convrot=4)
+    deltas = lora_deltas(wan_loras["a"])
+    outs = {}
+    for placement in ("none", "auto"):
+        pipe = wan_pipe(tiny_wan_dir, load_denoiser(path, tiny_wan_dir, BF16))
+        model = pipe.transformer
+        stored = {n: p.detach().clone() for n, p in model.named_parameters() if p.dtype == torch.int8}
+        engine = Engine()
+        engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+        base = run_wan(pipe)
+        activate(pipe, [LoraSpec(str(wan_loras["a"]))])
+        outs[placement] = run_wan(pipe)
+        lora = engine.report(pipe).component("transformer").details["lora"]
+        assert lora["path"] == "unfused" and lora["layers"] == len(deltas)
+        if placement == "none":
+            name = next(iter(deltas))
+            layer = model.get_submodule(name)
+            assert isinstance(layer, RotatingLinear)
+            x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(2)).to(BF16)
+            with torch.no_grad():
+                moved = layer(x).float()
+                activate(pipe, [])
+                moved -= layer(x).float()
+            want = x.float() @ deltas[name].T
+            assert (moved - want).abs().max() < 0.02 * want.abs().max()
+        activate(pipe, [])
+        assert torch.equal(run_wan(pipe), base) and not torch.equal(outs[placement], base)
+        engine.release(pipe)
+        assert leftovers(model) == [] and all(torch.equal(p, stored[n]) for n, p in model.named_parameters()
+                                              if n in stored)
+    assert torch.equal(outs["auto"], outs["none"])
 
 
 # -- text encoders ----------------------------------------------------------------------------------

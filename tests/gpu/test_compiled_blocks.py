@@ -45,9 +45,11 @@ def _decoded(pipe):
     return pipe
 
 
-def _int8(path, wide_dir, files, per_row: bool = True):
-    """The tiny Wan with the wide transformer from its ComfyUI int8_tensorwise file."""
-    return with_transformer(path, load_denoiser(files(per_row=per_row, wide=wide_dir), wide_dir, torch.bfloat16))
+def _int8(path, wide_dir, files, per_row: bool = True, convrot: int = 0):
+    """The tiny Wan with the wide transformer from its ComfyUI int8_tensorwise file (``convrot``: its
+    layers rotated in groups of that size, each rotating its input)."""
+    file = files(per_row=per_row, wide=wide_dir, convrot=convrot)
+    return with_transformer(path, load_denoiser(file, wide_dir, torch.bfloat16))
 
 
 def _fp8(path):
@@ -56,7 +58,7 @@ def _fp8(path):
     return pipe
 
 
-@pytest.mark.parametrize("storage", ["model dtype", "fp8", "fp8 matmuls", "fp8 scaled matmuls", "int8"])
+@pytest.mark.parametrize("storage", ["model dtype", "fp8", "fp8 matmuls", "fp8 scaled matmuls", "int8", "int8 convrot"])
 @pytest.mark.parametrize("plan", ["every block kept", "block 0 kept, the others streamed whole"])
 def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, wide_wan_dir, comfy_int8_wan,
                                                                               plan: str, storage: str) -> None:
@@ -66,14 +68,16 @@ def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(ti
     dequantised inside the graph, to the bits of a
     bf16 model holding the int8 weights' compute values compiled alike; against its uncompiled
     run the compiler's rounding moves the tiny model's frames by 4.2 % (each compiled block is as
-    close to its float32 value as the eager one: run 47), so that run is no reference for it.)"""
+    close to its float32 value as the eager one: run 47), so that run is no reference for it.
+    int8 convrot: the same, each layer rotating its input in the graph; its reference rotates too.)"""
     streamed: list[int] = []
     between = keep_first_after(streamed) if plan.startswith("block 0") else None
     extra = {"stream_parts": False} if between else {}
     load = {"fp8": _fp8, "fp8 matmuls": wide_wan, "fp8 scaled matmuls": lambda p: wide_wan(p, scaled=True),
             "int8": lambda p: _int8(p, wide_wan_dir, comfy_int8_wan),
+            "int8 convrot": lambda p: _int8(p, wide_wan_dir, comfy_int8_wan, convrot=16),
             }.get(storage, load_wan)
-    if storage == "int8":  # the reference: a bf16 model holding the int8 weights' compute values, compiled alike
+    if storage.startswith("int8"):  # the reference: a bf16 model holding the int8 weights' compute values, compiled alike
         plain, _ = placed_runs(_decoded(load(tiny_wan_dir)), OffloadConfig(**BASE, **extra), runs=4, between=between)
     else:
         plain, _ = placed_runs(load(tiny_wan_dir), OffloadConfig(**BASE, **extra).replace(compile_blocks=False),
@@ -86,7 +90,7 @@ def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(ti
     # fp8 matmuls round their inputs to fp8 (steps of 6 %): the compiler's rounding upstream moves
     # some across a step, so the bound is the format's own error against bf16 compute
     bound = REL_L2 if "matmuls" in storage else 2e-2
-    if storage == "int8":  # the same values, compiled alike
+    if storage.startswith("int8"):  # the same values, compiled alike
         assert all(torch.equal(a, b) for a, b in zip(eager, plain, strict=True))
     else:
         assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < bound
