@@ -79,7 +79,18 @@ class RotatingLinear(torch.nn.Linear):
     convrot_group: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(rotate_input(x, self.convrot_group), self.weight, self.bias)
+        return F.linear(rotated(self, x), self.weight, self.bias)
+
+
+def rotated(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``layer`` computes from it: rotated if it is a `RotatingLinear` (with the matrix a
+    compiled twin holds as its ``convrot_h`` buffer, made before any capture: a graph cannot copy
+    it in), else as it is."""
+    group = group_of(layer)
+    if not group:
+        return x
+    h = layer._buffers.get("convrot_h")
+    return rotate_input(x, group) if h is None else rotate_with(x, h)
 
 
 def rotate_inputs(layer: torch.nn.Linear, group: int, what: str) -> None:

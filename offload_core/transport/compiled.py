@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..formats.convrot import RotatingLinear, group_of, hadamard, rotate_with
+from ..formats.convrot import RotatingLinear, group_of, hadamard, rotated
 from ..formats.fp8 import Fp8Table
 from ..log import get_logger
 from ..state import COMPILED, DEQUANT_HOOK, REGISTRY, STREAM_HOOK
@@ -76,8 +76,6 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     elif stored and fp8.int8:
         attrs["_buffers"] = {**module._buffers, "int8_scale": fp8.int8_scale(weight, device)}
         attrs["int8_compute"] = fp8.compute
-        if group_of(module):
-            attrs["_buffers"]["convrot_h"] = hadamard(group_of(module), fp8.compute, device or torch.device("cpu"))
         copy.__class__ = _int8_dequantizing(type(module))
     elif stored:
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
@@ -88,6 +86,9 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
         if matmul:
             one, wscale, static = scale_tensors(fp8, weight, device)
             attrs["_buffers"].update(fp8_one=one, fp8_wscale=wscale, fp8_static=static)
+    if group_of(module):  # a convrot layer's matrix, on the device before any capture
+        dtype = fp8.compute if stored else module.weight.dtype
+        attrs["_buffers"] = {**attrs["_buffers"], "convrot_h": hadamard(group_of(module), dtype, device or weight.device)}
     lora = lora_of(module, _hooks(module))
     if lora is not None:
         lora_twin(copy, attrs, lora, device, _compute_of(module, fp8))
@@ -138,8 +139,7 @@ def _int8_forward(self, x: torch.Tensor) -> torch.Tensor:
     weight = self.weight
     if weight.dtype == torch.int8:
         weight = (weight.float() * self.int8_scale).to(self.int8_compute)
-    h = self._buffers.get("convrot_h")
-    return F.linear(x if h is None else rotate_with(x, h), weight, self.bias)
+    return F.linear(rotated(self, x), weight, self.bias)
 
 
 @functools.cache
