@@ -1,6 +1,6 @@
 """Load diffusion model file (diffusers) in a real ComfyUI: it lists denoiser files from ComfyUI's
 folders (an extra path too, as extra_model_paths.yaml adds), loads the tiny Wan fp8_scaled file
-into a configs-only folder with text-encoder and VAE files (ComfyUI int8_tensorwise and W4A8 files too, run
+into a configs-only folder with text-encoder and VAE files (ComfyUI int8_tensorwise, convrot too, and W4A8 files, run
 through Generate; Wan 2.2 A14B's two experts run in test_workflows' template), and a bad file comes back as a prompt error naming it, the file unchanged, the
 next prompt running."""
 
@@ -144,11 +144,13 @@ def test_a_gguf_file_in_diffusion_models_is_listed_and_loads_without_a_gguf_pack
     assert {k: (list(v[0]), set(v[1])) for k, v in table.items()} == before
 
 
+@pytest.mark.parametrize("convrot", [0, 4], ids=["plain", "convrot"])
 def test_an_int8_tensorwise_file_loads_and_generates(
-    comfy: harness.ComfyHost, placed: dict, comfy_int8_wan
+    comfy: harness.ComfyHost, placed: dict, comfy_int8_wan, convrot: int
 ) -> None:
-    """A ComfyUI int8_tensorwise file (per-row scales) through the loader, the report and Generate."""
-    generates(comfy, placed, "wan-tiny-int8-row.safetensors", comfy_int8_wan(per_row=True))
+    """A ComfyUI int8_tensorwise file (per-row scales; convrot: comfy-kitchen's rotated layers, as
+    Comfy-Org's practical H3 files hold) through the loader, the report and Generate."""
+    generates(comfy, placed, f"wan-tiny-int8-row-{convrot}.safetensors", comfy_int8_wan(per_row=True, convrot=convrot))
 
 
 def test_a_w4a8_file_loads_and_generates(

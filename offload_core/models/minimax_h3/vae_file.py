@@ -5,7 +5,9 @@ Why our own: diffusers 0.42.1 has no single-file converter for ``AutoencoderKLMi
 renames mirror ComfyUI's module tree; its ``to_qkv`` rows are per head ``[q | k | v]`` (it views
 the output as ``heads x 3·head_dim`` and chunks), and its gated FFN puts the gate first where
 diffusers' SwiGLU puts it second. ``latents_mean``/``latents_std`` are buffers in ComfyUI's file and
-config values in diffusers'; the file's values are the ones used.
+config values in diffusers'; the file's values are the ones used. ComfyUI's int8 decoder files
+(``int8_tensorwise``, convrot or not) are decoded at load, as comfy-kitchen decodes them: the VAE
+runs once a prompt, in its working dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ from accelerate import init_empty_weights
 from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import load_file
 
-from ...formats.inspect import SingleFileError, inspect_safetensors
+from ...formats.fp8 import check_int8_scale, decode_int8
+from ...formats.inspect import (
+    INT8_QUANT,
+    SingleFileError,
+    SingleFileInfo,
+    check_quant_layers,
+    convrot_groups,
+    inspect_safetensors,
+    read_quant_layers,
+)
 from ...formats.state_fit import mismatch_text
 from ...log import get_logger
 
@@ -41,10 +52,9 @@ def load_vae_file(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKL
     """The VAE of ``config`` (the folder's ``vae``) with the weights of ``path``, either layout;
     a file that does not fill the model exactly is refused, naming the keys."""
     info = inspect_safetensors(path)
-    if info.quantized:
-        raise SingleFileError(f"{path} is a quantized VAE ({info.format}: ComfyUI's int8 decoder files are); the "
-                              "engine runs H3's VAE in bf16 or fp32 only: pick the unquantized VAE file")
     state = load_file(str(path))
+    if info.quantized:
+        state = _decoded(path, info, state)
     layout = "ComfyUI's" if COMFY_SIGN in state else "diffusers'"
     cfg = dict(AutoencoderKLMiniMaxH3.load_config(str(config)))
     if COMFY_SIGN in state:
@@ -58,6 +68,28 @@ def load_vae_file(path: Path, config: Path, dtype: torch.dtype) -> AutoencoderKL
     vae.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}, assign=True)
     log.info("%s: MiniMax-H3 VAE in %s layout", path.name, layout)
     return vae.eval()
+
+
+def _decoded(path: Path, info: SingleFileInfo, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An int8_tensorwise file's layers as float32 weights (comfy-kitchen's dequantisation, a convrot
+    one rotated back); any other quantized VAE is refused by name."""
+    layers = read_quant_layers(info)
+    formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
+    if not layers or formats != {INT8_QUANT} or set(info.scales) != set(layers):
+        raise SingleFileError(f"{path} is a quantized VAE ({info.format}, formats {sorted(formats) or 'none'}); the "
+                              "engine decodes ComfyUI's int8_tensorwise VAE files only: pick that or the unquantized one")
+    check_quant_layers(info)
+    groups = convrot_groups(info)
+    state = {k: v for k, v in state.items() if not k.endswith(".comfy_quant")}
+    for layer, key in info.scales.items():
+        weight, scale = state[f"{layer}.weight"], state.pop(key)
+        try:
+            scale = check_int8_scale(scale, layer, weight, str(path))
+        except ValueError as exc:
+            raise SingleFileError(str(exc)) from exc
+        state[f"{layer}.weight"] = decode_int8(weight, scale, torch.float32, groups.get(layer, 0))
+    log.info("%s: %d int8 layers (%d convrot) decoded to float32", path.name, len(layers), len(groups))
+    return state
 
 
 def check_fills(path: Path, expected: dict[str, torch.Tensor], state: dict[str, torch.Tensor], what: str,
