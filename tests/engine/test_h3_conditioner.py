@@ -112,3 +112,45 @@ def test_a_w4a8_conditioner_file_keeps_its_layers_and_reads_like_comfyui(h3_pipe
         ours_50 = encoder.model(input_ids=ids, output_hidden_states=True).hidden_states[50]
         twin_50 = twin.model(input_ids=ids, output_hidden_states=True).hidden_states[50]
     assert torch.equal(ours_50, twin_50)
+
+
+def test_an_int8_convrot_conditioner_file_keeps_int8_and_reads_like_comfy_kitchens_weights(
+        h3_pipe, tiny_h3_dir: Path, tmp_path: Path):
+    """Comfy-Org's practical H3 text encoder is int8 convrot: through ComfyUI's layout and the
+    conditioner's fit (layers renamed, later layers dropped) each layer keeps its int8 weight and
+    rotates its input; the hidden state H3 reads is within a bf16 rounding's reach of the folder's
+    encoder holding comfy-kitchen's own dequantisation of those layers."""
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+    from diffusers_offload.offload_core import Components, Engine, OffloadConfig
+    from diffusers_offload.offload_core.formats.convrot import RotatingLinear
+    from diffusers_offload.offload_core.formats.fp8 import table_of
+    from fixtures.comfy_files import int8_tensors
+    from transformers import Qwen3VLForConditionalGeneration
+
+    comfy = comfy_conditioner_state_dict(h3_pipe.text_encoder.to(torch.bfloat16).state_dict(), 50)
+    layers = {k: v for k, v in comfy.items() if k.startswith("model.layers.") and v.ndim == 2}
+    quantized, _header = int8_tensors(layers, per_row=True, convrot=16)
+    path = write({**comfy, **quantized}, tmp_path / "h3_conditioner_int8_convrot.safetensors")
+    names = [k.removesuffix(".comfy_quant") for k in quantized if k.endswith(".comfy_quant")]
+
+    encoder = load_conditioner_file(path, tiny_h3_dir / "text_encoder", torch.bfloat16, 50)
+    table = table_of(encoder)
+    ours = ["model.language_model." + n.removeprefix("model.") for n in names]
+    rotating = [n for n in ours if isinstance(encoder.get_submodule(n), RotatingLinear)]
+    assert rotating and all(id(encoder.get_submodule(n).weight) in table.weights for n in ours)
+    twin = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_h3_dir / "text_encoder"), dtype=torch.bfloat16)
+    for name, layer in zip(names, ours, strict=True):
+        q, scale = quantized[f"{name}.weight"], quantized[f"{name}.weight_scale"]
+        params = TensorWiseINT8Layout.Params(scale=scale, orig_dtype=torch.bfloat16, orig_shape=tuple(q.shape),
+                                             convrot=layer in rotating, convrot_groupsize=16)
+        twin.get_submodule(layer).weight.data = TensorWiseINT8Layout.dequantize(q, params)
+    ids = torch.tensor([[3, 7, 11, 2, 9, 1]])
+    engine, bag = Engine(), Components(text_encoder=encoder)
+    engine.place(bag, OffloadConfig(mode="none", on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu"))
+    try:
+        with torch.inference_mode():
+            ours_50 = encoder.model(input_ids=ids, output_hidden_states=True).hidden_states[50].float()
+            twin_50 = twin.model(input_ids=ids, output_hidden_states=True).hidden_states[50].float()
+    finally:
+        engine.release(bag)
+    assert (ours_50 - twin_50).abs().max() < 0.03 * twin_50.abs().max()
