@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .formats.convrot import RotatingLinear
 from .formats.gguf import gguf_quant_types
 from .formats.torchao import storage_bytes
 from .formats.w4a8 import holds_w4a8
@@ -134,7 +135,7 @@ def _is_bridged(method: object) -> bool:
 
 def _quantization(module: torch.nn.Module) -> str | None:
     """How the weights are quantized: GGUF types, a diffusers ``quant_method``, the library and
-    type of a tensor-subclass weight, plain fp8 weights, or None."""
+    type of a tensor-subclass weight, ComfyUI's W4A8 or int8 (convrot) layers, plain fp8 weights, or None."""
     gguf = gguf_quant_types(module)  # from_single_file sets no config.quantization_config
     if gguf:
         return "gguf " + "/".join(gguf)
@@ -152,10 +153,12 @@ def _quantization(module: torch.nn.Module) -> str | None:
         return f"{lib} {odd.__name__}"
     if holds_w4a8(module):
         return "comfy asym_w4a8_int8"
+    table = FP8.get(module)
+    if table is not None and table.int8:
+        return "comfy int8_tensorwise" + (" convrot" if any(isinstance(m, RotatingLinear) for m in module.modules()) else "")
     fp8 = {t.dtype for t in module.parameters() if "float8" in str(t.dtype)}
     if not fp8:
         return None
-    table = FP8.get(module)
     return "fp8-weights (fp8 matmul)" if table is not None and table.matmul else "fp8-weights"
 
 

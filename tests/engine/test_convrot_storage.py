@@ -151,8 +151,9 @@ def test_a_convrot_file_runs_as_resident_in_every_placement(placement, tiny_wan_
 def test_the_streamer_moves_convrot_int8_bytes(tiny_wan_dir, wide_wan_dir, convrot_file, monkeypatch):
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(convrot_file, wide_wan_dir, BF16))
     blocks = sum(p.numel() * p.element_size() for b in pipe.transformer.blocks for p in b.parameters())
-    moved, dtypes, _report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
+    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
     assert sum(moved) == 2 * blocks and torch.int8 in dtypes  # one step, two forwards (CFG), storage bytes
+    assert report.component("transformer").quantization == "comfy int8_tensorwise convrot"
     engine.release(pipe)
 
 

@@ -97,6 +97,7 @@ def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monke
     assert int8_bytes > 0.7 * blocks  # the blocks' bytes are mostly int8 weights
     moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
     assert sum(moved) == 2 * blocks and torch.int8 in dtypes  # one step, two forwards (CFG)
+    assert report.component("transformer").quantization == "comfy int8_tensorwise"
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
     engine.release(pipe)
