@@ -138,10 +138,38 @@ class Call:
         return "true_cfg_scale" if self.takes("true_cfg_scale") and not distilled else "guidance_scale"
 
     def sampling(self, seed: int, steps: int) -> None:
-        """Steps and a CPU generator (same seed, same image on every device)."""
+        """Steps and a CPU generator (same seed, same image on every device); a distilled LTX-2's
+        own sigmas where the steps are its own."""
         self.kwargs.update(
             num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed), output_type="pt"
         )
+        sigmas = distilled_sigmas(self.pipe)
+        if sigmas is None:
+            return
+        if steps == len(sigmas) and self.takes("sigmas"):
+            self.kwargs["sigmas"] = list(sigmas)
+            self.notes.append(f"{self.name}: a distilled model: its {len(sigmas)} trained sigmas")
+        else:
+            self.notes.append(f"{self.name}: a distilled model, trained for {len(sigmas)} steps at its own sigmas; "
+                              f"{steps} steps run on the scheduler's plain schedule")
+
+
+LTX2_SHIFTS = {"base_shift": 0.95, "max_shift": 2.05}  # LTX-2's scheduler values (diffusers' conversion script)
+
+
+def distilled_sigmas(pipe: Any) -> list[float] | None:
+    """LTX-2 distilled's fixed schedule (diffusers' ``DISTILLED_SIGMA_VALUES``) for an LTX-2 pipeline
+    whose scheduler is the distilled model's (LTX-2's shifts, no dynamic shifting: the config
+    diffusers' conversion writes for it and the pack carries), else None: that scheduler alone
+    would space 8 steps evenly, not as the model was distilled."""
+    config = dict(getattr(getattr(pipe, "scheduler", None), "config", None) or {})
+    if not type(pipe).__name__.startswith("LTX2") or config.get("use_dynamic_shifting", True):
+        return None
+    if any(config.get(k) != v for k, v in LTX2_SHIFTS.items()):
+        return None
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    return list(DISTILLED_SIGMA_VALUES)
 
 
 def pipeline_for(pipe: Any, start_image: torch.Tensor | None) -> Any:

