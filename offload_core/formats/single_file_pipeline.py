@@ -345,8 +345,9 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     stored = w4a8.stored_keys(layers)
     state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
              and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}
-    for name, param in model.named_parameters():  # no gradient on integers
-        param.requires_grad_(not (name in state and state[name].dtype == INT8))
+    params = dict(model.named_parameters())
+    for key in [k for k, v in state.items() if v.dtype == INT8 and k in params]:  # no gradient on integers
+        params[key].requires_grad_(False)
     result = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     absent = fit.absent if fit is not None else ()
