@@ -15,7 +15,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import table_of
+from diffusers_offload.offload_core.formats.fp8 import dequantize_int8, table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
@@ -210,7 +210,7 @@ def test_without_comfy_kitchen_a_w4a8_file_is_refused_naming_it(tiny_wan_dir, w4
     assert "pip install comfy-kitchen" in str(err)
 
 
-# -- text-encoder files: decoded at load ------------------------------------------------------------
+# -- text-encoder files ------------------------------------------------------------
 def _text_encoder_file(source: Path, out: Path, fmt: str) -> Path:
     """The tiny UMT5 file with its matrices of input width 32 stored as ComfyUI ``fmt`` layers:
     W4A8 quantized by comfy-kitchen, or int8_tensorwise with per-row scales (or ``fmt`` declared
@@ -237,17 +237,22 @@ def _text_encoder_file(source: Path, out: Path, fmt: str) -> Path:
     return out
 
 
-def test_an_int8_text_encoder_file_is_decoded_as_comfy_kitchen_decodes_it(
+def test_an_int8_text_encoder_file_keeps_int8_computing_comfy_kitchens_values(
         comfy_wan, wan_configs_only, wan_component_files, tmp_path):
+    """Its int8_tensorwise Linear weights stay int8 (the file's bytes), each computing from
+    comfy-kitchen's ``(q.float() * scale).to(bf16)``."""
     path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-int8.safetensors", "int8_tensorwise")
     before = digest(path)
     pipe = load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
     tensors = load_file(str(path))
     layers = [k.removesuffix(".comfy_quant") for k in tensors if k.endswith(".comfy_quant")]
-    assert layers
+    table = table_of(pipe.text_encoder)
+    assert layers and table.int8
     for layer in layers:
+        weight = pipe.text_encoder.get_parameter(f"{layer}.weight")
         expected = (tensors[f"{layer}.weight"].float() * tensors[f"{layer}.weight_scale"]).to(BF16)
-        assert torch.equal(pipe.text_encoder.get_parameter(f"{layer}.weight"), expected), layer
+        assert torch.equal(weight, tensors[f"{layer}.weight"]), layer
+        assert torch.equal(dequantize_int8(weight, table.int8_scale(weight, weight.device), BF16), expected), layer
     assert digest(path) == before
 
 
