@@ -116,7 +116,7 @@ def build(args):
     elif args.storage == W4A8:
         row(section="w4a8", storage=args.storage, layers=to_w4a8(m, blocks_of(m)))
     elif args.storage in INT8_STORAGES:
-        row(section="int8", storage=args.storage, rotating=to_int8(m, blocks_of(m), args.storage))
+        row(section="int8", storage=args.storage, rotating=to_int8(m, blocks_of(m), args.storage == "int8_convrot"))
     return m
 
 
