@@ -9,10 +9,9 @@ streamed image step (bench/README.md, formats). The storage bytes (a ring buffer
 are what moves and stays; the compute buffer lives only while the unit runs, from a small pool
 on the compute stream, so reusing one is ordered after the unit that last read it (a kept piece
 held as compute values, `held_casts.py`, is cast once instead).
-int8 units (ComfyUI's int8_tensorwise) take the kernel's int8 twin, each element scaled by its row
-(the bits of `fp8.dequantize_int8`, ``(q.float() * scale).to(compute)``, per-tensor or per-row
-float32 scales); without it, or for float64 scales, torch casts each weight; element for byte as
-well (int8 is one byte).
+int8 units (ComfyUI's int8_tensorwise) never reach the kernel: each weight is cast by torch,
+`fp8.dequantize_int8` (``(q.float() * scale).to(compute)``, per-tensor or per-row scales), element
+for byte as well (int8 is one byte).
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class UnitCast:
 
     _table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (starts, scales), on the device
     _int8_on: list[torch.Tensor] | None = None  # int8_scales on the device
-    _int8_rows: tuple[torch.Tensor, ...] | None = None  # the int8 kernel's table, on the device
 
     @property
     def compute_bytes(self) -> int:
@@ -65,21 +63,6 @@ class UnitCast:
         if self._int8_on is None or self._int8_on[0].device != device:
             self._int8_on = [s.to(device) for s in self.int8_scales]
         return self._int8_on
-
-    def int8_rows(self, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-        """The int8 kernel's (starts, cols, bases, rows) for `fp8_kernel.cast_int8_into`, on the
-        device; None where a scale is not float32 (torch casts those)."""
-        if any(s.dtype != torch.float32 for s in self.int8_scales):
-            return None
-        if self._int8_rows is None or self._int8_rows[0].device != device:
-            cols = [shape.numel() if s.ndim == 0 else shape.numel() // shape[0]
-                    for shape, s in zip(self.shapes, self.int8_scales, strict=True)]
-            counts = [s.numel() for s in self.int8_scales]
-            bases = [sum(counts[:i]) for i in range(len(counts))]
-            rows = torch.cat([s.reshape(-1) for s in self.int8_scales])
-            self._int8_rows = tuple(torch.tensor(v, dtype=torch.int64).to(device) for v in (self.offsets, cols, bases)) \
-                + (rows.to(device),)
-        return self._int8_rows
 
 
 def unit_cast(
@@ -111,8 +94,6 @@ def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: li
     `compute_views`)."""
     src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
     if cast.int8_scales is not None:
-        if fp8_kernel.cast_int8_into(dst, src, cast.int8_rows(buf.device)):
-            return
         for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
             dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)
     elif not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):

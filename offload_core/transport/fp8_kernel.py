@@ -1,6 +1,5 @@
-"""Fused kernels between stored and compute values: a unit's fp8 region into compute values with
-each weight's scale, a unit's int8 region (ComfyUI's int8_tensorwise) with each weight's per-tensor
-or per-row scales, and (for fp8 matmuls, `fp8_matmul.py`) an activation into fp8, clamped, in one pass.
+"""Fused kernels between fp8 and compute values: a unit's fp8 region into compute values with each
+weight's scale, and (for fp8 matmuls, `fp8_matmul.py`) an activation into fp8, clamped, in one pass.
 
 Own code because torch has none that does this at memory speed: its fp8 -> bf16 ``copy_`` runs
 at about a quarter of the H200's bandwidth and a separate scale multiply is another full pass
@@ -11,10 +10,7 @@ Each element takes the scale of the last weight starting at or before it (a weig
 an element offset of the region); a program covers ``BLOCK`` elements, wide enough for 16-byte
 loads (`bench/cast_probe.py` sweeps the width), finds the weights it meets from the whole table at
 once, and selects per element only where it meets more than one. Math: ``float(fp8) * scale``
-rounded once to the compute dtype, the bits of ``w.to(c) * scale``. int8 the same way, each element's
-scale read by its row (a per-tensor scale: one row the weight's size): ``float(q) * scale`` rounded
-once, the bits of ``fp8.dequantize_int8`` (float32 scales; torch's cast per weight costs a launch each
-and runs below memory speed: bench/README.md, run 49).
+rounded once to the compute dtype, the bits of ``w.to(c) * scale``.
 """
 
 from __future__ import annotations
@@ -49,24 +45,6 @@ if triton is not None:
         scale = tl.zeros([BLOCK], dtype=tl.float32) + tl.load(scales + first)
         for i in range(first + 1, last + 1):  # none for a program inside one weight
             scale = tl.where(offs >= tl.load(starts + i), tl.load(scales + i), scale)
-        tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
-
-
-    @triton.jit
-    def _int8_kernel(src, dst, starts, cols, bases, rows, n, nseg, nrows, BLOCK: tl.constexpr, NSEG: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask).to(tl.float32)
-        segs = tl.arange(0, NSEG)
-        st = tl.load(starts + segs, mask=segs < nseg, other=n + BLOCK)
-        first = tl.sum((st <= pid * BLOCK).to(tl.int32), axis=0) - 1
-        last = tl.sum((st < pid * BLOCK + BLOCK).to(tl.int32), axis=0) - 1
-        seg = tl.zeros([BLOCK], dtype=tl.int32) + first
-        for i in range(first + 1, last + 1):
-            seg = tl.where(offs >= tl.load(starts + i), i, seg)
-        row = tl.load(bases + seg) + (offs - tl.load(starts + seg)) // tl.load(cols + seg)
-        scale = tl.load(rows + row, mask=mask & (row < nrows), other=0.0)  # (an alignment gap: past the rows)
         tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
 
 
@@ -121,28 +99,6 @@ def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: t
     nseg = starts.numel()
     _cast_kernel[(triton.cdiv(src.numel(), block),)](src, out, starts, scales, src.numel(), nseg, BLOCK=block,
                                                      NSEG=triton.next_power_of_2(nseg), num_warps=warps)
-
-
-def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...] | None) -> bool:
-    """``out[i] = float(src[i]) * scale`` of the row holding ``i``: ``table`` is (starts, cols, bases,
-    rows) on the device, each weight's element offset, row width (its size for a per-tensor scale)
-    and first index into ``rows``, the float32 scales of all rows in order. False when the kernel
-    cannot run here, or ``table`` is None (the caller falls back)."""
-    if table is None or not available(src):
-        return False
-    try:
-        launch_int8(out, src, table)
-    except Exception:  # as for the fp8 kernel
-        _broken.add(src.device.index)
-        return False
-    return True
-
-
-def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...]) -> None:
-    """The int8 kernel on ``table`` (`cast_int8_into`; a CPU test runs it in Triton's interpreter)."""
-    nseg = table[0].numel()
-    _int8_kernel[(triton.cdiv(src.numel(), BLOCK),)](src, out, *table, src.numel(), nseg, table[3].numel(), BLOCK=BLOCK,
-                                                     NSEG=triton.next_power_of_2(nseg), num_warps=WARPS)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
