@@ -29,7 +29,8 @@ def trace_scales(path: Path, cls: type, convert: Callable[..., dict], config: di
     scales = {}
     for key, (layer, rows) in traced.items():
         scale = file_scales[layer]
-        scales[key] = scale if scale.numel() == 1 else scale.reshape(-1, *scale.shape[1:])[rows]
+        per_row = scale.numel() > 1 and scale.ndim > 0 and scale.shape[0] == shapes[f"{layer}.weight"][0]
+        scales[key] = scale[rows] if per_row else scale  # (another shape goes on whole: the checks name it)
     return scales
 
 

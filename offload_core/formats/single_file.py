@@ -162,10 +162,10 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         w4a8.attach(converted, extras, traced)
     scales, inputs = ({k.removesuffix(key): converted.pop(k) for k in [k for k in converted if k.endswith(key)]}
                       for key in (SCALE_KEY, INPUT_KEY))
-    if len(scales) != len(file_scales):  # the conversion dropped them (Flux): traced through it
-        scales = trace_scales(path, cls, convert, config, shapes, file_scales)
-    if len(inputs) != len(file_inputs):
-        inputs = trace_scales(path, cls, convert, config, shapes, file_inputs)
+    if converted is not checkpoint:  # renamed, dropped (Flux), split or reordered (H3) by the conversion:
+        # traced through it, so a per-row scale follows its weight's rows (its key is only renamed)
+        scales = trace_scales(path, cls, convert, config, shapes, file_scales) if file_scales else scales
+        inputs = trace_scales(path, cls, convert, config, shapes, file_inputs) if file_inputs else inputs
     groups = _traced_groups(path, cls, convert, config, shapes, convrot_groups(info), converted is checkpoint)
     as_stored = _swap_w4a8(path, info, model, converted, cls, compute)
     _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)

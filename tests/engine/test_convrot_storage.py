@@ -267,3 +267,65 @@ def test_inconsistent_convrot_files_are_refused(case, tiny_wan_dir, tmp_path):
     why = {"group": "not a power of 4", "width": "not a multiple of its convrot group size",
            "conv": "not a matrix"}[case]
     refused(rf"layer {layer} is declared int8_tensorwise with convrot, but .*{why}", path, tiny_wan_dir)
+
+
+# -- MiniMax-H3 (Comfy-Org's practical H3 transformer is int8 convrot) ------------------------------
+
+@pytest.fixture(scope="module")
+def h3_case(tiny_h3_dir, tmp_path_factory):
+    """(the tiny H3 t2va pipeline holding the wide H3 transformer from an int8 convrot file in the
+    single-file layout, that transformer, the file's tensors)"""
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.modular_pipelines import ModularPipeline
+    from fixtures.h3_files import build_wide_h3, comfy_h3_state_dict, write
+
+    tmp = tmp_path_factory.mktemp("h3-convrot")
+    folder = build_wide_h3(tmp / "h3")
+    original = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=BF16)
+    comfy = comfy_h3_state_dict(original.state_dict(), dict(original.config))
+    quantized, _header = int8_tensors({k: v for k, v in comfy.items() if k.endswith(".weight") and v.ndim == 2},
+                                      per_row=True, convrot=GROUP)
+    path = write({**comfy, **quantized}, tmp / "h3-int8-convrot.safetensors")
+    loaded = load_denoiser(path, folder, BF16)
+    pipe = ModularPipeline.from_pretrained(tiny_h3_dir, workflow="t2va")
+    pipe.load_components(dtype=BF16)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.update_components(transformer=loaded)
+    return pipe, loaded, quantized
+
+
+def test_an_h3_convrot_file_splits_its_fused_layers_by_rows_and_runs_alike_everywhere(h3_case):
+    """diffusers' H3 conversion splits the file's fused ``qkv_proj`` into to_q / to_k / to_v (each
+    part keeps its rows' int8 values and scales, rotates its input, and computes comfy-kitchen's
+    dequantisation of those rows) and swaps the halves of the gated feed-forward's rows (its
+    per-row scales follow); the t2va run is the same bits resident and streamed."""
+    from fixtures.tiny_models import run_h3
+
+    pipe, loaded, quantized = h3_case
+    file_layer = "blocks.0.attn.qkv_proj" if "blocks.0.attn.qkv_proj.weight" in quantized else None
+    assert file_layer is not None, sorted(quantized)[:8]
+    q, scale = quantized[f"{file_layer}.weight"], quantized[f"{file_layer}.weight_scale"]
+    dense = TensorWiseINT8Layout.dequantize(q, _params(q, scale, GROUP, torch.float32))
+    rows = q.shape[0] // 3
+    table = table_of(loaded)
+    for i, part in enumerate(("to_q", "to_k", "to_v")):
+        layer = loaded.get_submodule(f"transformer_blocks.0.attn.{part}")
+        assert isinstance(layer, RotatingLinear) and layer.weight.dtype == torch.int8
+        assert torch.equal(layer.weight, q[i * rows:(i + 1) * rows])
+        value = rotate_back(layer.weight.float() * table.int8_scale(layer.weight, layer.weight.device), GROUP)
+        assert torch.equal(value, dense[i * rows:(i + 1) * rows]), part
+    fq, fs = quantized["blocks.0.mlp.fc1.weight"], quantized["blocks.0.mlp.fc1.weight_scale"]
+    half, ff = fq.shape[0] // 2, loaded.get_submodule("transformer_blocks.0.ff.net.0.proj")
+    assert torch.equal(ff.weight, torch.cat([fq[half:], fq[:half]]))  # the conversion puts the gate's rows last:
+    assert torch.equal(table.int8_scale(ff.weight, ff.weight.device), torch.cat([fs[half:], fs[:half]]))  # scales too
+    outs = []
+    for placement in (dict(mode="none"), dict(mode="auto"), dict(mode="auto", preload="off")):
+        engine = Engine()
+        engine.place(pipe, OffloadConfig(**placement, **BASE))
+        try:
+            out = run_h3(pipe)
+        finally:
+            engine.release(pipe)
+        outs.append(out)
+        assert leftovers(loaded) == []
+    assert all(torch.equal(o.video, outs[0].video) and torch.equal(o.audio, outs[0].audio) for o in outs[1:])
