@@ -13,23 +13,14 @@ script, not a test.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 
 import torch
-from benchkit import pack
+from benchkit import comfy_on_cpu, pack
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--comfy-dir", required=True)
-    args = ap.parse_args()
-    sys.argv = [sys.argv[0], "--cpu"]
-    sys.path.insert(0, args.comfy_dir)
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
+    comfy_on_cpu()
     import comfy.ops
     import torch.nn.functional as F
     from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout

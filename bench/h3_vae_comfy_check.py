@@ -10,24 +10,16 @@ CI's ComfyUI (v0.3.75) has no H3 VAEs, hence a script, not a test.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from benchkit import pack
+from benchkit import comfy_on_cpu, pack
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--comfy-dir", required=True)
-    args = ap.parse_args()
-    sys.argv = [sys.argv[0], "--cpu"]
-    sys.path.insert(0, args.comfy_dir)
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
+    comfy_on_cpu()
     import comfy.ldm.minimax.vae as cv
     import comfy.ops
     from diffusers import AutoencoderKLMiniMaxH3

@@ -10,12 +10,11 @@ needs a 2026 ComfyUI tree (LTX-2 support) with comfy-aimdo importable, hence a s
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from benchkit import comfy_on_cpu
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 EXTRA_STATS = ("per_channel_statistics.channel", "per_channel_statistics.mean-of-stds",  # Lightricks' own file
@@ -24,14 +23,7 @@ HARD_CODED = ("learnable_registers", "per_channel_statistics.", "vocoder.conv_pr
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--comfy-dir", required=True)
-    args = ap.parse_args()
-    sys.argv = [sys.argv[0], "--cpu"]
-    sys.path[:0] = [args.comfy_dir, str(TESTS)]
-    import comfy.cli_args
-
-    comfy.cli_args.args.cpu = True
+    comfy_on_cpu(TESTS)
     from diffusers import LTX2Pipeline
     from fixtures.ltx2_files import build_tiny_ltx2_checkpointable, ltx2_checkpoint_state
 

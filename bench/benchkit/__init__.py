@@ -29,6 +29,21 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 GB, GiB, MiB = 1e9, 2**30, 2**20
 
 
+def comfy_on_cpu(*extra_paths: Path) -> argparse.Namespace:
+    """The ``--comfy-dir`` of a script that checks the pack against ComfyUI's own modules on the CPU:
+    that tree (and ``extra_paths``) put first on sys.path and ComfyUI's arguments set to ``--cpu``
+    before its modules are imported."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--comfy-dir", required=True)
+    args = ap.parse_args()
+    sys.argv = [sys.argv[0], "--cpu"]
+    sys.path[:0] = [args.comfy_dir, *map(str, extra_paths)]
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True
+    return args
+
+
 def load_module(name: str, path: Path, package: bool = False) -> ModuleType:
     """Import one file (or a package's ``__init__.py``) under ``name`` without touching sys.path."""
     if name in sys.modules:
