@@ -42,19 +42,14 @@ import time
 
 from benchkit import GB, GiB, Rows, open_output, output_args, pack
 from benchkit.anchors import section_anchors, section_mmgp
-from benchkit.gguf import QTYPES as GGUF_TYPES
-from benchkit.gguf import to_gguf
-from benchkit.int8 import STORAGES as INT8_STORAGES
-from benchkit.int8 import to_int8
 from benchkit.table import self_check, side_by_side
-from benchkit.w4a8 import STORAGE as W4A8
-from benchkit.w4a8 import to_w4a8
 
 if "--self-check" in sys.argv:  # no torch, no GPU
     sys.exit(self_check())
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
+from benchkit import storages  # noqa: E402
 from benchkit.measure import (  # noqa: E402
     GC,
     Ballast,
@@ -79,7 +74,6 @@ from benchkit.models import (  # noqa: E402
     flux_forward,
     flux_inputs,
     nbytes,
-    store_fp8_as,
     wan_forward,
     wan_inputs,
 )
@@ -109,14 +103,7 @@ def host_times(m, feeds, repeats: int) -> dict:
 def build(args):
     """The model; with ``--storage fp8_*`` its Linear weights stored as the loader's fp8 dtypes do."""
     m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
-    if args.storage in FP8_STORAGES:
-        store_fp8_as(m, args.storage, args.cast_each_forward)
-    elif args.storage in GGUF_TYPES:
-        row(section="gguf", storage=args.storage, layers=to_gguf(m, blocks_of(m), args.storage))
-    elif args.storage == W4A8:
-        row(section="w4a8", storage=args.storage, layers=to_w4a8(m, blocks_of(m)))
-    elif args.storage in INT8_STORAGES:
-        row(section="int8", storage=args.storage, rotating=to_int8(m, blocks_of(m), args.storage == "int8_convrot"))
+    storages.apply(m, args.storage, row, args.cast_each_forward)
     return m
 
 
@@ -126,7 +113,7 @@ def resident(m, feeds: dict, args) -> dict:
     the device, so the reference runs the same path (casts, compiled forwards) as the streamed rows."""
     refs = {}
     eng = bag = None
-    if args.storage in (*FP8_STORAGES, *INT8_STORAGES) or args.compile:
+    if args.storage in storages.CAST or args.compile:
         eng, bag = Engine(), Components(transformer=m)
         eng.place(bag, config(args, preload="1000"))
     for w, feed in feeds.items():
@@ -330,10 +317,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=30)
     ap.add_argument("--workloads", default="", help="default: small,video (flux: image)")
     ap.add_argument("--whole-blocks", action="store_true", help="engine rows stream each block whole")
-    ap.add_argument("--storage", choices=("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8, *INT8_STORAGES), default="bf16",
-                    help="weight storage (main model only): fp8 Linear weights computing in bf16 (_fast: fp8 matmuls); "
-                    "gguf_* diffusers' GGUF layers (benchkit/gguf.py); w4a8 the pack's W4A8 layers over comfy-kitchen's "
-                    "(benchkit/w4a8.py); int8[_convrot] ComfyUI int8_tensorwise layers (benchkit/int8.py)")
+    ap.add_argument("--storage", choices=storages.STORAGES, default="bf16", help=storages.HELP)
     ap.add_argument("--cast-each-forward", action="store_true", help="fp8: no kept piece held as compute values")
     ap.add_argument("--window", type=int, default=1, help="prefetch window of the engine rows")
     ap.add_argument("--compile", action="store_true", help="engine rows (and the resident reference) compile_blocks")
