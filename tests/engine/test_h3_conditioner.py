@@ -119,7 +119,8 @@ def test_an_int8_convrot_conditioner_file_keeps_int8_and_reads_like_comfy_kitche
     """Comfy-Org's practical H3 text encoder is int8 convrot: through ComfyUI's layout and the
     conditioner's fit (layers renamed, later layers dropped) each layer keeps its int8 weight and
     rotates its input; the hidden state H3 reads is within a bf16 rounding's reach of the folder's
-    encoder holding comfy-kitchen's own dequantisation of those layers."""
+    encoder holding comfy-kitchen's own dequantisation of those layers, and the same bits resident,
+    layer-streamed and in leaf groups."""
     from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
     from diffusers_offload.offload_core import Components, Engine, OffloadConfig
     from diffusers_offload.offload_core.formats.convrot import RotatingLinear
@@ -145,12 +146,16 @@ def test_an_int8_convrot_conditioner_file_keeps_int8_and_reads_like_comfy_kitche
                                              convrot=layer in rotating, convrot_groupsize=16)
         twin.get_submodule(layer).weight.data = TensorWiseINT8Layout.dequantize(q, params)
     ids = torch.tensor([[3, 7, 11, 2, 9, 1]])
-    engine, bag = Engine(), Components(text_encoder=encoder)
-    engine.place(bag, OffloadConfig(mode="none", on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu"))
-    try:
-        with torch.inference_mode():
-            ours_50 = encoder.model(input_ids=ids, output_hidden_states=True).hidden_states[50].float()
-            twin_50 = twin.model(input_ids=ids, output_hidden_states=True).hidden_states[50].float()
-    finally:
-        engine.release(bag)
-    assert (ours_50 - twin_50).abs().max() < 0.03 * twin_50.abs().max()
+    with torch.inference_mode():
+        twin_50 = twin.model(input_ids=ids, output_hidden_states=True).hidden_states[50].float()
+    outs = []
+    for mode in ("none", "auto", "leaf"):  # resident, the text encoder's layer stream, leaf groups
+        engine, bag = Engine(), Components(text_encoder=encoder)
+        engine.place(bag, OffloadConfig(mode=mode, on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu"))
+        try:
+            with torch.inference_mode():
+                outs.append(encoder.model(input_ids=ids, output_hidden_states=True).hidden_states[50].float())
+        finally:
+            engine.release(bag)
+    assert (outs[0] - twin_50).abs().max() < 0.03 * twin_50.abs().max()
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
