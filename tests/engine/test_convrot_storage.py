@@ -114,6 +114,9 @@ def _forward(pipe) -> torch.Tensor:
 
 
 def test_a_convrot_file_computes_comfy_kitchens_model(tiny_wan_dir, wide_wan_dir, convrot_file, outputs):
+    """Every stored layer rotates its input; layers decoded at load hold comfy-kitchen's dequantisation
+    bit for bit; a forward is within 3 % of the dense model's largest value and over 10 × closer to it
+    than the same file without the rotation."""
     model = load_denoiser(convrot_file, wide_wan_dir, BF16)
     table = table_of(model)
     rotating = [n for n, m in model.named_modules() if isinstance(m, RotatingLinear)]
