@@ -314,7 +314,7 @@ def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset
             f"this pack does not run comfy-kitchen layouts ({', '.join(unknown)}) yet; it runs {ACCEPTED_QUANT}. "
             "Use such a file, an fp8, fp8_scaled, GGUF or bf16 file of the model, or ComfyUI's own loader"
         )
-    _check_convrot(info, layers)
+    _check_convrot(info)
     full = [k for k, conf in layers.items()
             if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in {W4A8_FORMAT, *decoded}]
     if full:
@@ -336,7 +336,7 @@ def convrot_groups(info: SingleFileInfo) -> dict[str, int]:
     return groups
 
 
-def _check_convrot(info: SingleFileInfo, layers: dict[str, dict]) -> None:
+def _check_convrot(info: SingleFileInfo) -> None:
     """Each convrot layer's weight is a matrix its group size can rotate (a power of 4 dividing its width)."""
     for layer, group in sorted(convrot_groups(info).items()):
         shape = info.shapes.get(f"{layer}.weight", ())
