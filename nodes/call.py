@@ -147,7 +147,7 @@ class Call:
         if sigmas is None:
             return
         if steps == len(sigmas) and self.takes("sigmas"):
-            self.kwargs["sigmas"] = list(sigmas)
+            self.kwargs["sigmas"] = sigmas
             self.notes.append(f"{self.name}: a distilled model: its {len(sigmas)} trained sigmas")
         else:
             self.notes.append(f"{self.name}: a distilled model, trained for {len(sigmas)} steps at its own sigmas; "
