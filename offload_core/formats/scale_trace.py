@@ -1,11 +1,12 @@
-"""Weight scales (and W4A8 layers' row tensors) through a diffusers single-file conversion that
-drops or splits them.
+"""What a quantized layer carries beside its weight (scales, W4A8 row tensors, a convrot group)
+through a diffusers single-file conversion that renames, drops, splits or reorders weights.
 
 diffusers' Flux conversion builds a new dict (a file's ``<layer>.scale_weight`` keys are not in it)
-and splits fused weights (BFL's ``qkv``, ``linear1``) that carry one scale. Why not a table of
-renames per family: the conversion already knows them; running it once more on a probe, one
-float64 value per row that names its file layer and row, tells where every converted weight came
-from, so a per-tensor scale goes to each split part and a per-row scale follows its rows.
+and splits fused weights (BFL's ``qkv``, ``linear1``) that carry one scale; its H3 conversion
+splits ``qkv_proj`` and swaps the gated feed-forward's row halves. Why not a table of renames per
+family: the conversion already knows them; running it once more on a probe, one float64 value per
+row that names its file layer and row, tells where every converted weight came from, so a
+per-tensor scale goes to each split part and a per-row scale follows its rows.
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ from .inspect import SingleFileError
 PROBE_ROWS = 2**24  # a probe value's row part (a weight has fewer rows); its layer number above it
 
 
-def trace_scales(path: Path, cls: type, convert: Callable[..., dict], config: dict,
-                 shapes: dict[str, tuple[int, ...]], file_scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Converted layer -> its scale, for the file layers ``file_scales`` (by layer name), through
-    ``convert(config=, checkpoint=)``: a per-tensor scale goes to each part, a per-row one follows
-    its rows (see `trace_rows`)."""
-    traced = trace_rows(path, cls, convert, config, shapes, sorted(file_scales), "weight scales")
-    scales = {}
+def follow_rows(traced: dict[str, tuple[str, torch.Tensor | slice]], values: dict[str, torch.Tensor],
+                shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Converted layer -> its scale, for the file layers of ``values`` (by layer name), along
+    ``traced`` (`trace_rows`): a per-tensor scale goes to each part, a per-row one follows its rows;
+    a scale of another shape goes on whole (the checks downstream name it)."""
+    out = {}
     for key, (layer, rows) in traced.items():
-        scale = file_scales[layer]
-        per_row = scale.numel() > 1 and scale.ndim > 0 and scale.shape[0] == shapes[f"{layer}.weight"][0]
-        scales[key] = scale[rows] if per_row else scale  # (another shape goes on whole: the checks name it)
-    return scales
+        if layer in values:
+            scale = values[layer]
+            rows_held = shapes.get(f"{layer}.weight", (0,))[0]
+            per_row = scale.numel() > 1 and scale.ndim > 0 and scale.shape[0] == rows_held
+            out[key] = scale[rows] if per_row else scale
+    return out
 
 
 def trace_rows(path: Path, cls: type, convert: Callable[..., dict], config: dict, shapes: dict[str, tuple[int, ...]],
@@ -39,6 +41,8 @@ def trace_rows(path: Path, cls: type, convert: Callable[..., dict], config: dict
     """Converted layer -> (the file layer its weight came from, which of that weight's rows, in
     order), for the file ``layers`` of a file whose weights have ``shapes``. Refused by name
     (``what`` says what is traced) when a converted weight mixes layers or a layer reaches none."""
+    if not layers:
+        return {}
     number = {layer + ".weight": i for i, layer in enumerate(layers)}
     probe = {}
     for key, shape in shapes.items():

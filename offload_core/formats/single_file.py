@@ -47,7 +47,7 @@ from .inspect import (
     inspect_safetensors,
     w4a8_conf,
 )
-from .scale_trace import trace_rows, trace_scales
+from .scale_trace import follow_rows, trace_rows
 from .state_fit import keeps_fp32, mismatch
 
 log = get_logger("single_file")
@@ -144,29 +144,25 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
     checkpoint = denoiser_only(read_checkpoint(path, info), info)
     extras = w4a8.pop_extras(checkpoint)
+    file_scales, file_inputs = (_popped(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))  # traced, not converted
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
         model = cls.from_config(config)
     expected = model.state_dict()
-    shapes = {k: tuple(t.shape) for k, t in checkpoint.items() if not k.endswith((SCALE_KEY, INPUT_KEY))}
-    file_scales, file_inputs = (_by_layer(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))
+    shapes = {k: tuple(t.shape) for k, t in checkpoint.items()}
     convert = mapping["checkpoint_mapping_fn"]
     try:
         converted = checkpoint if set(expected) <= set(checkpoint) else convert(config=config, checkpoint=checkpoint)
     except Exception as exc:  # diffusers' own conversion error, named with the file
         raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion failed on it "
                               f"({type(exc).__name__}: {exc}); is it a complete {cls.__name__} file?") from exc
-    if extras:  # W4A8 layers' row tensors follow their weights' rows through the conversion
-        traced = ({layer: (layer, slice(None)) for layer in extras} if converted is checkpoint
-                  else trace_rows(path, cls, convert, config, shapes, sorted(extras), "W4A8 layers"))
-        w4a8.attach(converted, extras, traced)
-    scales, inputs = ({k.removesuffix(key): converted.pop(k) for k in [k for k in converted if k.endswith(key)]}
-                      for key in (SCALE_KEY, INPUT_KEY))
-    if converted is not checkpoint:  # renamed, dropped (Flux), split or reordered (H3) by the conversion:
-        # traced through it, so a per-row scale follows its weight's rows (its key is only renamed)
-        scales = trace_scales(path, cls, convert, config, shapes, file_scales) if file_scales else scales
-        inputs = trace_scales(path, cls, convert, config, shapes, file_inputs) if file_inputs else inputs
-    groups = _traced_groups(path, cls, convert, config, shapes, convrot_groups(info), converted is checkpoint)
+    file_groups = {layer: g for layer, g in convrot_groups(info).items() if f"{layer}.weight" in shapes}
+    quantized = sorted({*extras, *file_scales, *file_inputs, *file_groups})
+    traced = ({layer: (layer, slice(None)) for layer in quantized} if converted is checkpoint  # one probe for all
+              else trace_rows(path, cls, convert, config, shapes, quantized, "quantized layers"))
+    w4a8.attach(converted, extras, {k: v for k, v in traced.items() if v[0] in extras})
+    scales, inputs = (follow_rows(traced, values, shapes) for values in (file_scales, file_inputs))
+    groups = {key: file_groups[layer] for key, (layer, _rows) in traced.items() if layer in file_groups}
     as_stored = _swap_w4a8(path, info, model, converted, cls, compute)
     _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)
     state = _compute_state(converted, scales, cls, compute, as_stored, groups)
@@ -190,20 +186,9 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     return model
 
 
-def _traced_groups(path: Path, cls: type, convert: Any, config: dict, shapes: dict[str, tuple[int, ...]],
-                   file_groups: dict[str, int], same: bool) -> dict[str, int]:
-    """Converted layer -> the convrot group size of the file layer its weight came from (``same``:
-    the file already has the model's names); a split weight keeps its group (its rows split). Only
-    the denoiser's layers (``shapes``: a checkpoint's other parts are not traced)."""
-    file_groups = {layer: g for layer, g in file_groups.items() if f"{layer}.weight" in shapes}
-    if same or not file_groups:
-        return file_groups
-    traced = trace_rows(path, cls, convert, config, shapes, sorted(file_groups), "convrot layers")
-    return {key: file_groups[layer] for key, (layer, _rows) in traced.items()}
-
-
-def _by_layer(checkpoint: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
-    return {k.removesuffix(suffix): t for k, t in checkpoint.items() if k.endswith(suffix)}
+def _popped(checkpoint: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
+    """The ``<layer><suffix>`` tensors taken out of ``checkpoint``, by layer."""
+    return {k.removesuffix(suffix): checkpoint.pop(k) for k in [k for k in checkpoint if k.endswith(suffix)]}
 
 
 def _matmul_off(info: SingleFileInfo) -> str:
@@ -216,8 +201,9 @@ def _matmul_off(info: SingleFileInfo) -> str:
 def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
     """The file's tensors less the marker, quant entries and a tokenizer it carries (not a weight:
     `carried.missing_tokenizers` reads it where the config folder has no tokenizer); weight and
-    input scales under one spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``) so the
-    conversion renames their layer part like the weight's. A legacy ``scale_input`` of 1 is dropped, as ComfyUI drops it
+    input scales under one spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``), taken
+    out by layer for a denoiser (`scale_trace` follows them through its conversion) and renamed with
+    their layers by a text encoder's layout. A legacy ``scale_input`` of 1 is dropped, as ComfyUI drops it
     (that layer's fp8 matmuls scale each input by its own largest value)."""
     try:
         checkpoint = load_file(str(path))
