@@ -300,7 +300,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
         if is_fp8(weight) or (weight.dtype == INT8 and keep_int8):
             scales[layer] = scale
         else:
-            state[layer + ".weight"] = _dequantized(path, layer, weight, scale, dtype, groups.pop(layer, 0))
+            state[layer + ".weight"] = decoded_weight(path, layer, weight, scale, dtype, groups.pop(layer, 0))
     if layers or fit is not None or padded or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
         return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, padded, groups)
     try:
@@ -378,11 +378,11 @@ def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict
         raise SingleFileError(str(exc)) from exc
 
 
-def _dequantized(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                 group: int) -> torch.Tensor:
-    """A text encoder's scaled weight that is not kept, in ``dtype``: int8 as ``(q.float() * scale).to(dtype)``
-    (per tensor or per row; ``group``: a convrot one rotated back), another float as ``w.to(dtype) * scale``
-    (per tensor only)."""
+def decoded_weight(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   group: int = 0) -> torch.Tensor:
+    """A file's scaled weight decoded at load (a text encoder's not kept, a VAE's) in ``dtype``: int8 as
+    ``(q.float() * scale).to(dtype)`` (per tensor or row; ``group``: a convrot one rotated back), another
+    float as ``w.to(dtype) * scale`` (per tensor only); a bad scale refused naming file and layer."""
     try:
         if weight.dtype == INT8:
             return decode_int8(weight, check_int8_scale(scale, layer, weight, str(path)), dtype, group)

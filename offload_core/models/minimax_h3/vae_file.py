@@ -20,7 +20,6 @@ from accelerate import init_empty_weights
 from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import load_file
 
-from ...formats.fp8 import check_int8_scale, decode_int8
 from ...formats.inspect import (
     INT8_QUANT,
     SingleFileError,
@@ -30,6 +29,7 @@ from ...formats.inspect import (
     inspect_safetensors,
     read_quant_layers,
 )
+from ...formats.single_file_pipeline import decoded_weight
 from ...formats.state_fit import mismatch_text
 from ...log import get_logger
 
@@ -82,12 +82,8 @@ def _decoded(path: Path, info: SingleFileInfo, state: dict[str, torch.Tensor]) -
     groups = convrot_groups(info)
     state = {k: v for k, v in state.items() if not k.endswith(".comfy_quant")}
     for layer, key in info.scales.items():
-        weight, scale = state[f"{layer}.weight"], state.pop(key)
-        try:
-            scale = check_int8_scale(scale, layer, weight, str(path))
-        except ValueError as exc:
-            raise SingleFileError(str(exc)) from exc
-        state[f"{layer}.weight"] = decode_int8(weight, scale, torch.float32, groups.get(layer, 0))
+        state[f"{layer}.weight"] = decoded_weight(path, layer, state[f"{layer}.weight"], state.pop(key), torch.float32,
+                                                  groups.get(layer, 0))
     log.info("%s: %d int8 layers (%d convrot) decoded to float32", path.name, len(layers), len(groups))
     return state
 
