@@ -17,8 +17,9 @@ import torch
 from accelerate import init_empty_weights
 
 from ..log import get_logger
-from .fp8 import INPUT_KEY, SCALE_KEY, dequantize, is_fp8, scale_value
-from .inspect import SingleFileError, SingleFileInfo
+from .decoded import decoded_weight
+from .fp8 import INPUT_KEY, INT8, SCALE_KEY, dequantize, is_fp8
+from .inspect import SingleFileError, SingleFileInfo, convrot_groups
 from .state_fit import keeps_fp32, mismatch_text
 
 log = get_logger("single_file")
@@ -59,7 +60,7 @@ def load_part(name: str, checkpoint: dict[str, torch.Tensor], info: SingleFileIn
               cls: type, dtype: torch.dtype) -> Any:
     """Component ``name`` (class ``cls``, config ``folder/name``) from the checkpoint's tensors."""
     prefixes = PARTS[info.family][name]
-    state = _dequantized({k: v for k, v in checkpoint.items() if k.startswith(prefixes)}, dtype)
+    state = _decoded({k: v for k, v in checkpoint.items() if k.startswith(prefixes)}, info, dtype)
     if name == "vae":
         return _from_single_file(cls, state, folder, name, dtype, info.path)
     if name == "audio_vae":
@@ -71,16 +72,23 @@ def load_part(name: str, checkpoint: dict[str, torch.Tensor], info: SingleFileIn
     return _assigned(cls, state, folder / name, dtype, info.path)
 
 
-def _dequantized(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """fp8 weights of a part decoded with their per-tensor scales (``<layer>.scale_weight``, the
-    spelling `single_file.read_checkpoint` gives them): these parts run once a prompt or a decode."""
+def _decoded(state: dict[str, torch.Tensor], info: SingleFileInfo, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A part's fp8 and int8 weights decoded to ``dtype`` with their scales (``<layer>.scale_weight``,
+    the spelling `single_file.read_checkpoint` gives them; int8 convrot rotated back): these parts
+    run once a prompt or a decode, so they keep no quantized storage."""
     scales = {k.removesuffix(SCALE_KEY): state.pop(k) for k in [k for k in state if k.endswith(SCALE_KEY)]}
     for key in [k for k in state if k.endswith(INPUT_KEY)]:
         state.pop(key)
+    groups = convrot_groups(info)
     for key, value in list(state.items()):
-        if is_fp8(value):
-            scale = scales.get(key.rsplit(".", 1)[0])
-            state[key] = dequantize(value, None if scale is None else scale_value(scale, dtype), dtype)
+        layer = key.rsplit(".", 1)[0]
+        if layer in scales and (is_fp8(value) or value.dtype == INT8):
+            state[key] = decoded_weight(info.path, layer, value, scales[layer], dtype, groups.get(layer, 0))
+        elif is_fp8(value):
+            state[key] = dequantize(value, None, dtype)
+        elif value.dtype == INT8:
+            raise SingleFileError(f"{info.path}: {key} is stored in int8 without a weight scale; the file is "
+                                  "incomplete, download it again")
     return state
 
 

@@ -19,7 +19,8 @@ from . import w4a8
 from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
 from .convrot import GROUP_KEY
-from .fp8 import INT8, check_int8_scale, decode_int8, dequantize, is_fp8, mark_fp8, scale_value
+from .decoded import decoded_weight
+from .fp8 import INT8, is_fp8, mark_fp8
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
     SingleFileError,
@@ -374,22 +375,6 @@ def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict
         return 0
     try:
         return len(mark_fp8(model, dtype, scales, source=str(path), convrot=groups).weights)
-    except ValueError as exc:
-        raise SingleFileError(str(exc)) from exc
-
-
-def decoded_weight(path: Path, layer: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                   group: int = 0) -> torch.Tensor:
-    """A file's scaled weight decoded at load (a text encoder's not kept, a VAE's) in ``dtype``: int8 as
-    ``(q.float() * scale).to(dtype)`` (per tensor or row; ``group``: a convrot one rotated back), another
-    float as ``w.to(dtype) * scale`` (per tensor only); a bad scale refused naming file and layer."""
-    try:
-        if weight.dtype == INT8:
-            return decode_int8(weight, check_int8_scale(scale, layer, weight, str(path)), dtype, group)
-        if scale.numel() != 1:
-            raise ValueError(f"{path}: the scale of {layer} has shape {tuple(scale.shape)}; scaled float "
-                             "text-encoder weights take per-tensor scales only")
-        return dequantize(weight, scale_value(scale, dtype), dtype)
     except ValueError as exc:
         raise SingleFileError(str(exc)) from exc
 

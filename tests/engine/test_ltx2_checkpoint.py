@@ -8,13 +8,14 @@ converters and the conversion script's tables)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 from diffusers import LTX2Pipeline
 from diffusers_offload.offload_core.formats import carried
-from diffusers_offload.offload_core.formats.checkpoint_parts import parts_in
+from diffusers_offload.offload_core.formats.checkpoint_parts import PARTS, parts_in
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures.comfy_files import configs_only_copy
@@ -79,6 +80,61 @@ def test_a_checkpoint_part_that_does_not_fit_is_refused_by_name(case, tmp_path):
     save_file(state, str(short))
     with pytest.raises(SingleFileError, match=r"ltx-2-short\.safetensors: its vocoder does not fit LTX2Vocoder .*conv_out"):
         load_pipeline_with_denoiser(configs, short, torch.float32)
+
+
+def _quantized_parts(state: dict[str, torch.Tensor], fmt: str) -> tuple[dict, dict]:
+    """(the checkpoint with its parts' matrices quantized, the same with those decoded as ComfyUI
+    decodes them, in float32): ``int8_convrot``: comfy-kitchen's convrot int8 where group 4 divides
+    the width, per-row int8 elsewhere (its dequantisation); ``fp8_scaled``: every part matrix and
+    convolution in fp8 with a ``scale_weight`` (``w.to(dtype) * scale``); the denoiser as it is."""
+    from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
+    from fixtures.comfy_files import FP8, FP8_MAX, int8_tensors
+
+    part = tuple(p for prefixes in PARTS["ltx2"].values() for p in prefixes)
+    matrices = {k: v for k, v in state.items() if k.startswith(part) and k.endswith(".weight") and v.ndim >= 2}
+    dense, quantized = dict(state), dict(state)
+    if fmt == "fp8_scaled":
+        quantized["scaled_fp8"] = torch.empty(0, dtype=FP8)
+        for key, w in matrices.items():
+            scale = (w.abs().amax() / FP8_MAX).clamp_min(1e-12).reshape(())
+            quantized[key] = (w / scale).to(FP8)
+            quantized[key.removesuffix("weight") + "scale_weight"] = scale
+            dense[key] = quantized[key].float() * scale
+        return quantized, dense
+    q, _header = int8_tensors({k: v for k, v in matrices.items() if v.ndim == 2}, per_row=True, convrot=4)
+    quantized |= q
+    for key in [k for k in q if k.endswith(".weight")]:
+        layer = key.removesuffix(".weight")
+        conf = json.loads(bytes(q[f"{layer}.comfy_quant"].tolist()))
+        params = TensorWiseINT8Layout.Params(scale=q[f"{layer}.weight_scale"], orig_dtype=torch.float32,
+                                             orig_shape=tuple(q[key].shape), convrot=bool(conf.get("convrot")),
+                                             convrot_groupsize=4)
+        dense[key] = TensorWiseINT8Layout.dequantize(q[key], params)
+    assert any(json.loads(bytes(v.tolist())).get("convrot") for k, v in q.items() if k.endswith("comfy_quant"))
+    return quantized, dense
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "fp8_scaled"])
+def test_a_quantized_checkpoints_parts_are_decoded_as_comfyui_decodes_them(case, tmp_path, fmt):
+    """A checkpoint whose parts (connectors, text projection, VAEs, vocoder) are stored quantized:
+    each part loads with every weight decoded as ComfyUI decodes it (the same model as from a file
+    holding those decoded values), the pipeline runs, and the file is unchanged."""
+    _folder, reference, path, configs = case
+    quantized, dense = _quantized_parts(load_file(str(path)), fmt)
+    files = {name: tmp_path / f"ltx-2-tiny-{name}.safetensors" for name in (fmt, "dense")}
+    save_file(quantized, str(files[fmt]))
+    save_file(dense, str(files["dense"]))
+    before = digest(files[fmt])
+    pipes = {name: load_pipeline_with_denoiser(configs, file, torch.float32) for name, file in files.items()}
+    for name in HELD:
+        got, want = (getattr(pipes[k], name).state_dict() for k in (fmt, "dense"))
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], v) for k, v in want.items()), name
+    pipe = pipes[fmt]
+    pipe.set_progress_bar_config(disable=True)
+    out = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
+    assert torch.isfinite(out.video).all() and not torch.equal(out.video, reference.video)  # quantized parts
+    assert digest(files[fmt]) == before
 
 
 def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_path):

@@ -20,6 +20,7 @@ from accelerate import init_empty_weights
 from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import load_file
 
+from ...formats.decoded import decoded_weight
 from ...formats.inspect import (
     INT8_QUANT,
     SingleFileError,
@@ -29,7 +30,6 @@ from ...formats.inspect import (
     inspect_safetensors,
     read_quant_layers,
 )
-from ...formats.single_file_pipeline import decoded_weight
 from ...formats.state_fit import mismatch_text
 from ...log import get_logger
 
