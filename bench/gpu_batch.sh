@@ -88,7 +88,7 @@ for row in "$@"; do
                   done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
-    int8) for st in ${INT8_ROWS:-int8 int8_convrot}; do  # ComfyUI int8_tensorwise blocks, convrot's input rotation
+    int8) for st in ${INT8_ROWS:-int8 int8_torchcast int8_convrot}; do  # ComfyUI int8_tensorwise blocks, convrot's input rotation
             run "$st" 120 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${INT8_CAPS:-12,24} \
               --workloads ${INT8_WORK:-small,video} --out "$ROWS_DIR"
           done ;;

@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import torch
 
-STORAGES = ("int8", "int8_convrot")
+STORAGES = ("int8", "int8_convrot", "int8_torchcast")  # _torchcast: plain int8 without the cast kernel
 GROUP = 256  # comfy-kitchen's default convrot_groupsize
 
 
-def to_int8(model: torch.nn.Module, blocks: list[torch.nn.Module], convrot: bool) -> int:
-    """Quantize the blocks' Linear weights in place (convrot where ``GROUP`` divides the width) and
-    mark the model; returns how many layers rotate their input."""
+def to_int8(model: torch.nn.Module, blocks: list[torch.nn.Module], storage: str) -> int:
+    """Quantize the blocks' Linear weights in place (``int8_convrot``: convrot where ``GROUP``
+    divides the width) and mark the model; returns how many layers rotate their input.
+    ``int8_torchcast``: the streamer's int8 units cast by torch, weight by weight (the kernel off)."""
     from comfy_kitchen.tensor.int8 import TensorWiseINT8Layout
     from diffusers_offload.offload_core.formats.fp8 import mark_fp8
+    from diffusers_offload.offload_core.transport import fp8_kernel
+
+    convrot = storage == "int8_convrot"
+    if storage == "int8_torchcast":
+        fp8_kernel.cast_int8_into = lambda *_args: False
 
     in_blocks = {id(m) for block in blocks for m in block.modules()}
     scales, groups = {}, {}

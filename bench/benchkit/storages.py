@@ -32,4 +32,4 @@ def apply(m: torch.nn.Module, storage: str, row: Any, cast_each_forward: bool = 
     elif storage == W4A8:
         row(section="w4a8", storage=storage, layers=to_w4a8(m, blocks_of(m)))
     elif storage in INT8_STORAGES:
-        row(section="int8", storage=storage, rotating=to_int8(m, blocks_of(m), storage == "int8_convrot"))
+        row(section="int8", storage=storage, rotating=to_int8(m, blocks_of(m), storage))

@@ -9,9 +9,10 @@ streamed image step (bench/README.md, formats). The storage bytes (a ring buffer
 are what moves and stays; the compute buffer lives only while the unit runs, from a small pool
 on the compute stream, so reusing one is ordered after the unit that last read it (a kept piece
 held as compute values, `held_casts.py`, is cast once instead).
-int8 units (ComfyUI's int8_tensorwise) never reach the kernel: each weight is cast by torch,
-`fp8.dequantize_int8` (``(q.float() * scale).to(compute)``, per-tensor or per-row scales), element
-for byte as well (int8 is one byte).
+int8 units (ComfyUI's int8_tensorwise) take the kernel's int8 twin, each element scaled by its row
+(the bits of `fp8.dequantize_int8`, ``(q.float() * scale).to(compute)``, per-tensor or per-row
+float32 scales); without it, or for float64 scales, torch casts each weight; element for byte as
+well (int8 is one byte).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class UnitCast:
 
     _table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (starts, scales), on the device
     _int8_on: list[torch.Tensor] | None = None  # int8_scales on the device
+    _int8_rows: tuple[torch.Tensor, ...] | None = None  # the int8 kernel's table, on the device
 
     @property
     def compute_bytes(self) -> int:
@@ -63,6 +65,23 @@ class UnitCast:
         if self._int8_on is None or self._int8_on[0].device != device:
             self._int8_on = [s.to(device) for s in self.int8_scales]
         return self._int8_on
+
+    def int8_rows(self, device: torch.device) -> tuple[torch.Tensor, ...] | None:
+        """The int8 kernel's row table for `fp8_kernel.cast_int8_into` (each row's start, width and
+        scale on the device, and the widest row); None where a scale is not float32 (torch casts those)."""
+        if any(s.dtype != torch.float32 for s in self.int8_scales):
+            return None
+        if self._int8_rows is None or self._int8_rows[0].device != device:
+            starts, widths, scales = [], [], []
+            for offset, shape, scale in zip(self.offsets, self.shapes, self.int8_scales, strict=True):
+                rows = shape[0] if len(shape) > 1 else 1
+                width = shape.numel() // rows
+                starts.append(offset + torch.arange(rows, dtype=torch.int64) * width)
+                widths.append(torch.full((rows,), width, dtype=torch.int64))
+                scales.append(scale.reshape(-1).expand(rows))
+            self._int8_rows = (*(torch.cat(t).to(device) for t in (starts, widths, scales)),
+                               max(int(w[0]) for w in widths))
+        return self._int8_rows
 
 
 def unit_cast(
@@ -94,6 +113,8 @@ def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: li
     `compute_views`)."""
     src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
     if cast.int8_scales is not None:
+        if fp8_kernel.cast_int8_into(dst, src, cast.int8_rows(buf.device)):
+            return
         for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
             dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)
     elif not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):

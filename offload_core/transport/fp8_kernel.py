@@ -1,5 +1,6 @@
-"""Fused kernels between fp8 and compute values: a unit's fp8 region into compute values with each
-weight's scale, and (for fp8 matmuls, `fp8_matmul.py`) an activation into fp8, clamped, in one pass.
+"""Fused kernels between stored and compute values: a unit's fp8 region into compute values with
+each weight's scale, a unit's int8 region (ComfyUI's int8_tensorwise) with each weight's per-tensor
+or per-row scales, and (for fp8 matmuls, `fp8_matmul.py`) an activation into fp8, clamped, in one pass.
 
 Own code because torch has none that does this at memory speed: its fp8 -> bf16 ``copy_`` runs
 at about a quarter of the H200's bandwidth and a separate scale multiply is another full pass
@@ -10,7 +11,11 @@ Each element takes the scale of the last weight starting at or before it (a weig
 an element offset of the region); a program covers ``BLOCK`` elements, wide enough for 16-byte
 loads (`bench/cast_probe.py` sweeps the width), finds the weights it meets from the whole table at
 once, and selects per element only where it meets more than one. Math: ``float(fp8) * scale``
-rounded once to the compute dtype, the bits of ``w.to(c) * scale``.
+rounded once to the compute dtype, the bits of ``w.to(c) * scale``. int8 the same way, each element's
+scale that of its row: a program covers columns of one row of one weight (a table of rows: start,
+width, scale), so no element searches; ``float(q) * scale`` rounded once, the bits of
+``fp8.dequantize_int8`` (float32 scales; torch's cast per weight costs ~55 ms a Wan-14B forward:
+bench/README.md, run 49; a first kernel that found each element's row by a division was slower).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ except ImportError:  # CPU-only torch builds
     triton = None
 
 BLOCK, WARPS = 4096, 4  # elements per program, warps per program (the probe's sweep picks them)
+INT8_BLOCK = 1024  # columns of one row per int8 program (unswept)
 _broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
 _unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one-segment table of scale 1, per device
 
@@ -46,6 +52,17 @@ if triton is not None:
         for i in range(first + 1, last + 1):  # none for a program inside one weight
             scale = tl.where(offs >= tl.load(starts + i), tl.load(scales + i), scale)
         tl.store(dst + offs, (x * scale).to(dst.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _int8_kernel(src, dst, starts, widths, scales, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # one row of one weight; axis 1: BLOCK columns of it
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        width = tl.load(widths + row)
+        mask = cols < width
+        at = tl.load(starts + row) + cols
+        x = tl.load(src + at, mask=mask).to(tl.float32)
+        tl.store(dst + at, (x * tl.load(scales + row)).to(dst.dtype.element_ty), mask=mask)
 
 
     @triton.jit
@@ -99,6 +116,28 @@ def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: t
     nseg = starts.numel()
     _cast_kernel[(triton.cdiv(src.numel(), block),)](src, out, starts, scales, src.numel(), nseg, BLOCK=block,
                                                      NSEG=triton.next_power_of_2(nseg), num_warps=warps)
+
+
+def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...] | None) -> bool:
+    """``out[i] = float(src[i]) * scale`` of the row holding ``i``: ``table`` is (starts, widths,
+    scales, widest): each row's element offset, width and float32 scale on the device (a per-tensor
+    weight's rows share its scale), and the widest row. False when the kernel cannot run here, or
+    ``table`` is None (the caller falls back)."""
+    if table is None or not available(src):
+        return False
+    try:
+        launch_int8(out, src, table)
+    except Exception:  # as for the fp8 kernel
+        _broken.add(src.device.index)
+        return False
+    return True
+
+
+def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...]) -> None:
+    """The int8 kernel on ``table`` (`cast_int8_into`; a CPU test runs it in Triton's interpreter)."""
+    starts, widths, _scales, widest = table
+    _int8_kernel[(starts.numel(), triton.cdiv(int(widest), INT8_BLOCK))](src, out, *table[:3], BLOCK=INT8_BLOCK,
+                                                                        num_warps=4)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
