@@ -29,7 +29,7 @@ except ImportError:  # CPU-only torch builds
     triton = None
 
 BLOCK, WARPS = 4096, 4  # elements per program, warps per program (the probe's sweep picks them)
-INT8_BLOCK = 1024  # columns of one row per int8 program (unswept)
+INT8_BLOCK, INT8_WARPS = 1024, 4  # columns of one row per int8 program, its warps (bench/int8_cast_probe.py)
 _broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
 _unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one-segment table of scale 1, per device
 
@@ -133,11 +133,14 @@ def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tens
     return True
 
 
-def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...]) -> None:
-    """The int8 kernel on ``table`` (`cast_int8_into`; a CPU test runs it in Triton's interpreter)."""
+def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...], block: int = 0,
+                warps: int = 0) -> None:
+    """The int8 kernel on ``table`` at the module's width, or another (`cast_int8_into`; the probe
+    sweeps widths; a CPU test runs it in Triton's interpreter)."""
     starts, widths, _scales, widest = table
-    _int8_kernel[(starts.numel(), triton.cdiv(int(widest), INT8_BLOCK))](src, out, *table[:3], BLOCK=INT8_BLOCK,
-                                                                        num_warps=4)
+    block, warps = block or INT8_BLOCK, warps or INT8_WARPS
+    _int8_kernel[(starts.numel(), triton.cdiv(int(widest), block))](src, out, *table[:3], BLOCK=block,
+                                                                   num_warps=warps)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
