@@ -42,6 +42,7 @@ class UnitCast:
     _table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (starts, scales), on the device
     _int8_on: list[torch.Tensor] | None = None  # int8_scales on the device
     _int8_rows: tuple[torch.Tensor, ...] | None = None  # the int8 kernel's table, on the device
+    _int8_tiles: dict[tuple[torch.device, int], tuple] = field(default_factory=dict)  # by (device, width)
 
     @property
     def compute_bytes(self) -> int:
@@ -83,6 +84,29 @@ class UnitCast:
                                max(int(w[0]) for w in widths))
         return self._int8_rows
 
+    def int8_tiles(self, device: torch.device, block: int) -> tuple | None:
+        """The tiled int8 kernel's table at ``block`` columns a tile (`fp8_kernel.launch_int8_tiles`):
+        per weight its first tile, element offset, row width, first scale and scale step (0: one
+        scale), every scale in a row, the tile count and the weight count; None where a scale is not
+        float32 or the unit has too many weights for one search (torch casts those)."""
+        if any(s.dtype != torch.float32 for s in self.int8_scales) or self.count > 256:
+            return None
+        if (device, block) not in self._int8_tiles:
+            firsts, widths, bases, steps, tiles, base = [], [], [], [], 0, 0
+            for shape, scale in zip(self.shapes, self.int8_scales, strict=True):
+                rows = shape[0] if len(shape) > 1 else 1
+                firsts.append(tiles)
+                widths.append(shape.numel() // rows)
+                bases.append(base)
+                steps.append(int(scale.numel() > 1))
+                tiles += rows * -(-widths[-1] // block)
+                base += scale.numel()
+            ints = [torch.tensor(t, dtype=torch.int32, device=device) for t in (firsts, widths, bases, steps)]
+            self._int8_tiles[(device, block)] = (
+                ints[0], torch.tensor(self.offsets, dtype=torch.int64, device=device), *ints[1:],
+                torch.cat([s.reshape(-1) for s in self.int8_scales]).to(device), tiles, self.count)
+        return self._int8_tiles[(device, block)]
+
 
 def unit_cast(
     table: Fp8Table | None, tensors: list[torch.Tensor], offsets: list[int], end: int
@@ -113,7 +137,7 @@ def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: li
     `compute_views`)."""
     src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
     if cast.int8_scales is not None:
-        if fp8_kernel.cast_int8_into(dst, src, cast.int8_rows(buf.device)):
+        if fp8_kernel.cast_int8_into(dst, src, cast.int8_tiles(buf.device, fp8_kernel.INT8_BLOCK)):
             return
         for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
             dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)

@@ -66,6 +66,24 @@ if triton is not None:
 
 
     @triton.jit
+    def _int8_tiles_kernel(src, dst, firsts, offsets, widths, bases, steps, scales, nw, BLOCK: tl.constexpr,
+                           NW: tl.constexpr):
+        pid = tl.program_id(0)  # one tile: BLOCK columns of one row of one weight
+        ws = tl.arange(0, NW)
+        w = tl.sum((tl.load(firsts + ws, mask=ws < nw, other=2**31 - 1) <= pid).to(tl.int32), axis=0) - 1
+        local = pid - tl.load(firsts + w)
+        width = tl.load(widths + w)
+        per_row = tl.cdiv(width, BLOCK)
+        row = local // per_row  # once a program, not per element
+        cols = (local - row * per_row) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        at = tl.load(offsets + w) + row.to(tl.int64) * width + cols
+        scale = tl.load(scales + tl.load(bases + w) + row * tl.load(steps + w))
+        x = tl.load(src + at, mask=mask).to(tl.float32)
+        tl.store(dst + at, (x * scale).to(dst.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
     def _cast_scalar_kernel(src, dst, n, scale, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -126,7 +144,7 @@ def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tens
     if table is None or not available(src):
         return False
     try:
-        launch_int8(out, src, table)
+        launch_int8_tiles(out, src, table)
     except Exception:  # as for the fp8 kernel
         _broken.add(src.device.index)
         return False
@@ -141,6 +159,13 @@ def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor,
     block, warps = block or INT8_BLOCK, warps or INT8_WARPS
     _int8_kernel[(starts.numel(), triton.cdiv(int(widest), block))](src, out, *table[:3], BLOCK=block,
                                                                    num_warps=warps)
+
+
+def launch_int8_tiles(out: torch.Tensor, src: torch.Tensor, table: tuple, block: int = 0, warps: int = 0) -> None:
+    """The tiled int8 kernel on ``table`` (`cast.UnitCast.int8_tiles`, built for ``block``)."""
+    *tensors, tiles, count = table
+    _int8_tiles_kernel[(tiles,)](src, out, *tensors, count, BLOCK=block or INT8_BLOCK,
+                                 NW=triton.next_power_of_2(count), num_warps=warps or INT8_WARPS)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:

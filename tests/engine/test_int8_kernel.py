@@ -31,12 +31,16 @@ SCRIPT = textwrap.dedent("""
         end += -(-shape.numel() // 512) * 512
     cast = UnitCast(torch.int8, torch.bfloat16, len(shapes), end, offsets, shapes, int8_scales=scales)
     region = torch.randint(-127, 128, (end,), dtype=torch.int8)
-    buf = torch.full((end,), float("nan"), dtype=torch.bfloat16)
-    fp8_kernel.launch_int8(buf, region, cast.int8_rows(torch.device("cpu")))
-    for view, offset, scale, shape in zip(compute_views(buf, cast), offsets, scales, shapes):
-        want = dequantize_int8(region[offset:offset + shape.numel()].view(shape), scale, torch.bfloat16).float()
-        step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-        assert bool(((view.float() - want).abs() <= step).all()), shape
+    cpu = torch.device("cpu")
+    for name, launch in {"rows": lambda buf: fp8_kernel.launch_int8(buf, region, cast.int8_rows(cpu)),
+                         "tiles": lambda buf: fp8_kernel.launch_int8_tiles(buf, region, cast.int8_tiles(cpu, 32), 32),
+                         }.items():
+        buf = torch.full((end,), float("nan"), dtype=torch.bfloat16)
+        launch(buf)
+        for view, offset, scale, shape in zip(compute_views(buf, cast), offsets, scales, shapes):
+            want = dequantize_int8(region[offset:offset + shape.numel()].view(shape), scale, torch.bfloat16).float()
+            step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
+            assert bool(((view.float() - want).abs() <= step).all()), (name, shape)
     print("int8 kernel ok")
 """)
 

@@ -33,10 +33,14 @@ def test_a_unit_casts_to_the_bits_of_torchs_cast() -> None:
     cast = UnitCast(torch.int8, torch.bfloat16, len(shapes), end, offsets, shapes, int8_scales=scales)
     region = torch.randint(-127, 128, (end,), dtype=torch.int8, device="cuda")
     buf = torch.empty(end, dtype=torch.bfloat16, device="cuda")
-    assert fp8_kernel.cast_int8_into(buf, region, cast.int8_rows(buf.device))
-    for view, offset, scale, shape in zip(compute_views(buf, cast), offsets, scales, shapes, strict=True):
-        want = dequantize_int8(region[offset:offset + shape.numel()].view(shape), scale.cuda(), torch.bfloat16)
-        assert torch.equal(view, want), shape
+    for launch in (lambda: fp8_kernel.launch_int8(buf, region, cast.int8_rows(buf.device)),
+                   lambda: fp8_kernel.launch_int8_tiles(buf, region, cast.int8_tiles(buf.device, 256), 256),
+                   lambda: fp8_kernel.cast_int8_into(buf, region, cast.int8_tiles(buf.device, fp8_kernel.INT8_BLOCK))):
+        buf.fill_(float("nan"))
+        assert launch() is not False
+        for view, offset, scale, shape in zip(compute_views(buf, cast), offsets, scales, shapes, strict=True):
+            want = dequantize_int8(region[offset:offset + shape.numel()].view(shape), scale.cuda(), torch.bfloat16)
+            assert torch.equal(view, want), shape
 
 
 @pytest.mark.parametrize("convrot", [0, 16], ids=["int8", "convrot"])
