@@ -1,7 +1,6 @@
 """How fast a unit of int8 weights (ComfyUI's int8_tensorwise, per-row float32 scales) becomes bf16
 on this GPU: torch's cast weight by weight (`fp8.dequantize_int8`, the streamer's fallback) against
-the pack's two Triton kernels at several program widths (`launch_int8`: a program per row and column
-block, the rows' table; `launch_int8_tiles`: a program per tile, the weights' table), on one
+the pack's Triton kernel (`fp8_kernel.launch_int8`: a program per tile of a row) at several widths, on one
 Wan-14B block (its ten Linear weights, ~0.34 GB of int8), bytes read + written per second, and
 whether the kernel gives torch's bits.
 
@@ -55,8 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     cast, region, buf = unit()
     views = compute_views(buf, cast)
-    scales = cast.int8_table(buf.device)
-    table = cast.int8_rows(buf.device)
+    scales = cast.int8_scales_on(buf.device)
     moved = sum(v.numel() for v in views) * 3  # 1 byte read, 2 written per element
 
     def by_torch() -> None:
@@ -67,13 +65,11 @@ def main() -> None:
     ref = buf.clone()
     rows = {"torch": {"ms": t * 1e3, "gb_s": moved / t / 1e9}, "kernel": []}
     for block, warps in WIDTHS:
-        tiles = cast.int8_tiles(buf.device, block)
-        for name, launch in (("rows", lambda b=block, w=warps: fp8_kernel.launch_int8(buf, region, table, b, w)),
-                             ("tiles", lambda b=block, w=warps, t=tiles: fp8_kernel.launch_int8_tiles(buf, region, t, b, w))):
-            buf.zero_()
-            t = timed(launch, args.repeats)
-            rows["kernel"].append({"kernel": name, "block": block, "warps": warps, "ms": t * 1e3,
-                                   "gb_s": moved / t / 1e9, "bit_equal": bool(torch.equal(buf, ref))})
+        table = fp8_kernel.int8_table(cast.offsets, cast.shapes, cast.int8_scales, buf.device, block)
+        buf.zero_()
+        t = timed(lambda b=block, w=warps, t=table: fp8_kernel.launch_int8(buf, region, t, b, w), args.repeats)
+        rows["kernel"].append({"block": block, "warps": warps, "ms": t * 1e3, "gb_s": moved / t / 1e9,
+                               "bit_equal": bool(torch.equal(buf, ref))})
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "int8_mb": round(moved / 3 / 2**20), **rows}))
 

@@ -35,14 +35,11 @@ class UnitCast:
     shapes: list[torch.Size]  # and its shape
     scaled: list[int] = field(default_factory=list)  # positions (among the fp8 slots) with a scale
     scales: list[float] = field(default_factory=list)
-    int8_scales: list[torch.Tensor] | None = (
-        None  # an int8 unit: each slot's scale (the torch cast, no kernel)
-    )
+    int8_scales: list[torch.Tensor] | None = None  # an int8 unit: each slot's scale
 
     _table: tuple[torch.Tensor, torch.Tensor] | None = None  # the kernel's (starts, scales), on the device
     _int8_on: list[torch.Tensor] | None = None  # int8_scales on the device
-    _int8_rows: tuple[torch.Tensor, ...] | None = None  # the int8 kernel's table, on the device
-    _int8_tiles: dict[tuple[torch.device, int], tuple] = field(default_factory=dict)  # by (device, width)
+    _int8_kernel_table: dict[torch.device, tuple | None] = field(default_factory=dict)  # the int8 kernel's table
 
     @property
     def compute_bytes(self) -> int:
@@ -61,51 +58,17 @@ class UnitCast:
             )
         return self._table
 
-    def int8_table(self, device: torch.device) -> list[torch.Tensor]:
+    def int8_scales_on(self, device: torch.device) -> list[torch.Tensor]:
         """Each int8 weight's scale on the device (copied there once)."""
         if self._int8_on is None or self._int8_on[0].device != device:
             self._int8_on = [s.to(device) for s in self.int8_scales]
         return self._int8_on
 
-    def int8_rows(self, device: torch.device) -> tuple[torch.Tensor, ...] | None:
-        """The int8 kernel's row table for `fp8_kernel.cast_int8_into` (each row's start, width and
-        scale on the device, and the widest row); None where a scale is not float32 (torch casts those)."""
-        if any(s.dtype != torch.float32 for s in self.int8_scales):
-            return None
-        if self._int8_rows is None or self._int8_rows[0].device != device:
-            starts, widths, scales = [], [], []
-            for offset, shape, scale in zip(self.offsets, self.shapes, self.int8_scales, strict=True):
-                rows = shape[0] if len(shape) > 1 else 1
-                width = shape.numel() // rows
-                starts.append(offset + torch.arange(rows, dtype=torch.int64) * width)
-                widths.append(torch.full((rows,), width, dtype=torch.int64))
-                scales.append(scale.reshape(-1).expand(rows))
-            self._int8_rows = (*(torch.cat(t).to(device) for t in (starts, widths, scales)),
-                               max(int(w[0]) for w in widths))
-        return self._int8_rows
-
-    def int8_tiles(self, device: torch.device, block: int) -> tuple | None:
-        """The tiled int8 kernel's table at ``block`` columns a tile (`fp8_kernel.launch_int8_tiles`):
-        per weight its first tile, element offset, row width, first scale and scale step (0: one
-        scale), every scale in a row, the tile count and the weight count; None where a scale is not
-        float32 or the unit has too many weights for one search (torch casts those)."""
-        if any(s.dtype != torch.float32 for s in self.int8_scales) or self.count > 256:
-            return None
-        if (device, block) not in self._int8_tiles:
-            firsts, widths, bases, steps, tiles, base = [], [], [], [], 0, 0
-            for shape, scale in zip(self.shapes, self.int8_scales, strict=True):
-                rows = shape[0] if len(shape) > 1 else 1
-                firsts.append(tiles)
-                widths.append(shape.numel() // rows)
-                bases.append(base)
-                steps.append(int(scale.numel() > 1))
-                tiles += rows * -(-widths[-1] // block)
-                base += scale.numel()
-            ints = [torch.tensor(t, dtype=torch.int32, device=device) for t in (firsts, widths, bases, steps)]
-            self._int8_tiles[(device, block)] = (
-                ints[0], torch.tensor(self.offsets, dtype=torch.int64, device=device), *ints[1:],
-                torch.cat([s.reshape(-1) for s in self.int8_scales]).to(device), tiles, self.count)
-        return self._int8_tiles[(device, block)]
+    def int8_table(self, device: torch.device) -> tuple | None:
+        """The int8 kernel's table of this unit's weights on ``device`` (`fp8_kernel.int8_table`, made once)."""
+        if device not in self._int8_kernel_table:
+            self._int8_kernel_table[device] = fp8_kernel.int8_table(self.offsets, self.shapes, self.int8_scales, device)
+        return self._int8_kernel_table[device]
 
 
 def unit_cast(
@@ -137,9 +100,9 @@ def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: li
     `compute_views`)."""
     src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
     if cast.int8_scales is not None:
-        if fp8_kernel.cast_int8_into(dst, src, cast.int8_tiles(buf.device, fp8_kernel.INT8_BLOCK)):
+        if fp8_kernel.cast_int8_into(dst, src, cast.int8_table(buf.device)):
             return
-        for view, o, scale in zip(views, cast.offsets, cast.int8_table(buf.device), strict=True):
+        for view, o, scale in zip(views, cast.offsets, cast.int8_scales_on(buf.device), strict=True):
             dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)
     elif not fp8_kernel.cast_into(dst, src, *cast.table(buf.device)):
         dst.copy_(src)

@@ -5,7 +5,8 @@ computes fp8 matmuls, the hook is `Fp8MatmulHook` on every transport, the stream
 Registered before a transport is applied, so that it sits inside the transport's own hooks (a
 leaf group's onload runs first, then the dequantisation on the device); the block streamer casts
 its units itself (one cast per unit, `cast.py`) and takes these hooks off the layers it streams.
-int8 weights (ComfyUI's int8_tensorwise) take the torch cast here too, never the fp8 kernel.
+int8 weights (ComfyUI's int8_tensorwise) take the int8 kernel with a one-weight table (made once
+per layer and device), torch's cast where it cannot run.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import Fp8Table, dequantize_int8, table_of
 from ..state import DEQUANT_HOOK, REGISTRY, is_ours
+from . import fp8_kernel
 from .base import add_hook, remove_hook
 from .cast import weight_value
 from .fp8_matmul import Fp8MatmulHook
@@ -27,6 +29,7 @@ class DequantHook(ModelHook):
         super().__init__()
         self.table = table
         self.stored: torch.Tensor | None = None  # the fp8 tensor while its compute value is bound
+        self.int8_tables: dict[torch.device, tuple | None] = {}  # an int8 weight's kernel table, by device
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -39,12 +42,23 @@ class DequantHook(ModelHook):
             weight.data = self.stored
         if weight.dtype == self.table.storage and self.table.int8:
             self.stored = weight.data
-            scale = self.table.int8_scale(weight, weight.device)
-            weight.data = dequantize_int8(weight.data, scale, self.table.compute)
+            weight.data = self._int8_value(weight)
         elif weight.dtype == self.table.storage:
             self.stored = weight.data
             weight.data = weight_value(self.table, weight)
         return args, kwargs
+
+    def _int8_value(self, weight: torch.Tensor) -> torch.Tensor:
+        """An int8 weight's compute value: the kernel where it runs, else torch's cast (same bits)."""
+        data, device, compute = weight.data, weight.device, self.table.compute
+        scale = self.table.int8_scale(weight, device)
+        if fp8_kernel.available(data) and data.is_contiguous():
+            if device not in self.int8_tables:
+                self.int8_tables[device] = fp8_kernel.int8_table([0], [data.shape], [scale], device)
+            out = torch.empty(data.shape, dtype=compute, device=device)
+            if fp8_kernel.cast_int8_into(out.view(-1), data.view(-1), self.int8_tables[device]):
+                return out
+        return dequantize_int8(data, scale, compute)
 
     def post_forward(self, module: torch.nn.Module, output):
         self._restore(module)

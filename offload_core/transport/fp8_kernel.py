@@ -12,10 +12,10 @@ an element offset of the region); a program covers ``BLOCK`` elements, wide enou
 loads (`bench/cast_probe.py` sweeps the width), finds the weights it meets from the whole table at
 once, and selects per element only where it meets more than one. Math: ``float(fp8) * scale``
 rounded once to the compute dtype, the bits of ``w.to(c) * scale``. int8 the same way, each element's
-scale that of its row: a program covers columns of one row of one weight (a table of rows: start,
-width, scale), so no element searches; ``float(q) * scale`` rounded once, the bits of
-``fp8.dequantize_int8`` (float32 scales; torch's cast per weight costs ~55 ms a Wan-14B forward:
-bench/README.md, run 49; a first kernel that found each element's row by a division was slower).
+scale that of its row: a program covers a tile (``INT8_BLOCK`` columns of one row of one weight),
+finds its weight in the table of the region's weights at once and its row by one division, so no
+element searches; ``float(q) * scale`` rounded once, the bits of ``fp8.dequantize_int8`` (float32
+scales; torch's cast makes a float32 copy: bench/README.md, runs 49-50).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ except ImportError:  # CPU-only torch builds
     triton = None
 
 BLOCK, WARPS = 4096, 4  # elements per program, warps per program (the probe's sweep picks them)
-INT8_BLOCK, INT8_WARPS = 1024, 4  # columns of one row per int8 program, its warps (bench/int8_cast_probe.py)
+INT8_BLOCK, INT8_WARPS = 1024, 4  # columns of one row per int8 tile, warps per program (bench/int8_cast_probe.py)
 _broken: set[int] = set()  # devices where the kernel failed once: they use the fallback
 _unscaled: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # the one-segment table of scale 1, per device
 
@@ -55,18 +55,7 @@ if triton is not None:
 
 
     @triton.jit
-    def _int8_kernel(src, dst, starts, widths, scales, BLOCK: tl.constexpr):
-        row = tl.program_id(0)  # one row of one weight; axis 1: BLOCK columns of it
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        width = tl.load(widths + row)
-        mask = cols < width
-        at = tl.load(starts + row) + cols
-        x = tl.load(src + at, mask=mask).to(tl.float32)
-        tl.store(dst + at, (x * tl.load(scales + row)).to(dst.dtype.element_ty), mask=mask)
-
-
-    @triton.jit
-    def _int8_tiles_kernel(src, dst, firsts, offsets, widths, bases, steps, scales, nw, BLOCK: tl.constexpr,
+    def _int8_kernel(src, dst, firsts, offsets, widths, bases, steps, scales, nw, BLOCK: tl.constexpr,
                            NW: tl.constexpr):
         pid = tl.program_id(0)  # one tile: BLOCK columns of one row of one weight
         ws = tl.arange(0, NW)
@@ -136,35 +125,46 @@ def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: t
                                                      NSEG=triton.next_power_of_2(nseg), num_warps=warps)
 
 
-def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...] | None) -> bool:
-    """``out[i] = float(src[i]) * scale`` of the row holding ``i``: ``table`` is (starts, widths,
-    scales, widest): each row's element offset, width and float32 scale on the device (a per-tensor
-    weight's rows share its scale), and the widest row. False when the kernel cannot run here, or
-    ``table`` is None (the caller falls back)."""
+def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple | None) -> bool:
+    """``out[i] = float(src[i]) * scale`` of the row holding ``i`` (``table``: `int8_table` on the
+    device). False when the kernel cannot run here, or ``table`` is None (the caller falls back)."""
     if table is None or not available(src):
         return False
     try:
-        launch_int8_tiles(out, src, table)
+        launch_int8(out, src, table)
     except Exception:  # as for the fp8 kernel
         _broken.add(src.device.index)
         return False
     return True
 
 
-def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple[torch.Tensor, ...], block: int = 0,
-                warps: int = 0) -> None:
-    """The int8 kernel on ``table`` at the module's width, or another (`cast_int8_into`; the probe
-    sweeps widths; a CPU test runs it in Triton's interpreter)."""
-    starts, widths, _scales, widest = table
-    block, warps = block or INT8_BLOCK, warps or INT8_WARPS
-    _int8_kernel[(starts.numel(), triton.cdiv(int(widest), block))](src, out, *table[:3], BLOCK=block,
-                                                                   num_warps=warps)
+def int8_table(offsets: list[int], shapes: list[torch.Size], scales: list[torch.Tensor], device: torch.device,
+               block: int = INT8_BLOCK) -> tuple | None:
+    """The int8 kernel's table for weights at element ``offsets`` of a region, at ``block`` columns
+    a tile: per weight its first tile, offset, row width, first scale and scale step (0: one scale),
+    every scale in a row, the tile count and the weight count; None where a scale is not float32
+    or there are too many weights for one search (the caller casts by torch)."""
+    if any(s.dtype != torch.float32 for s in scales) or len(shapes) > 256:
+        return None
+    firsts, widths, bases, steps, tiles, base = [], [], [], [], 0, 0
+    for shape, scale in zip(shapes, scales, strict=True):
+        rows = shape[0] if len(shape) > 1 else 1
+        firsts.append(tiles)
+        widths.append(shape.numel() // rows)
+        bases.append(base)
+        steps.append(int(scale.numel() > 1))
+        tiles += rows * -(-widths[-1] // block)
+        base += scale.numel()
+    ints = [torch.tensor(t, dtype=torch.int32, device=device) for t in (firsts, widths, bases, steps)]
+    return (ints[0], torch.tensor(offsets, dtype=torch.int64, device=device), *ints[1:],
+            torch.cat([s.reshape(-1) for s in scales]).to(device), tiles, len(shapes))
 
 
-def launch_int8_tiles(out: torch.Tensor, src: torch.Tensor, table: tuple, block: int = 0, warps: int = 0) -> None:
-    """The tiled int8 kernel on ``table`` (`cast.UnitCast.int8_tiles`, built for ``block``)."""
+def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple, block: int = 0, warps: int = 0) -> None:
+    """The int8 kernel on ``table`` (`int8_table`, built for ``block``; the probe sweeps widths, a CPU
+    test runs it in Triton's interpreter)."""
     *tensors, tiles, count = table
-    _int8_tiles_kernel[(tiles,)](src, out, *tensors, count, BLOCK=block or INT8_BLOCK,
+    _int8_kernel[(tiles,)](src, out, *tensors, count, BLOCK=block or INT8_BLOCK,
                                  NW=triton.next_power_of_2(count), num_warps=warps or INT8_WARPS)
 
 

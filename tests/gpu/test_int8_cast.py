@@ -1,7 +1,7 @@
 """The int8 cast kernel on a CUDA device: a unit of int8 weights (per-row and per-tensor scales,
 alignment gaps) cast in one launch to the bits of `fp8.dequantize_int8` per weight; and a ComfyUI
-int8 file (plain and convrot) streamed in parts (the kernel) gives the bits of the same model
-placed in mode leaf (torch's per-layer cast), CUDA graphs and compiling off."""
+int8 file (plain and convrot) streamed in parts gives the bits of the same model placed in mode leaf
+(the kernel weight by weight, and torch's cast), CUDA graphs and compiling off."""
 
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ def test_a_unit_casts_to_the_bits_of_torchs_cast() -> None:
     cast = UnitCast(torch.int8, torch.bfloat16, len(shapes), end, offsets, shapes, int8_scales=scales)
     region = torch.randint(-127, 128, (end,), dtype=torch.int8, device="cuda")
     buf = torch.empty(end, dtype=torch.bfloat16, device="cuda")
-    for launch in (lambda: fp8_kernel.launch_int8(buf, region, cast.int8_rows(buf.device)),
-                   lambda: fp8_kernel.launch_int8_tiles(buf, region, cast.int8_tiles(buf.device, 256), 256),
-                   lambda: fp8_kernel.cast_int8_into(buf, region, cast.int8_tiles(buf.device, fp8_kernel.INT8_BLOCK))):
+    for launch in (lambda: fp8_kernel.launch_int8(buf, region, fp8_kernel.int8_table(offsets, shapes, scales,
+                                                                                     buf.device, 256), 256),
+                   lambda: fp8_kernel.cast_int8_into(buf, region, cast.int8_table(buf.device))):
         buf.fill_(float("nan"))
         assert launch() is not False
         for view, offset, scale, shape in zip(compute_views(buf, cast), offsets, scales, shapes, strict=True):
@@ -45,10 +45,15 @@ def test_a_unit_casts_to_the_bits_of_torchs_cast() -> None:
 
 @pytest.mark.parametrize("convrot", [0, 16], ids=["int8", "convrot"])
 def test_a_streamed_int8_file_gives_the_bits_of_per_layer_casts(tiny_wan_dir, wide_wan_dir, comfy_int8_wan,
-                                                                convrot) -> None:
+                                                                convrot, monkeypatch) -> None:
+    """Streamed in parts (the unit kernel), placed in mode leaf (the kernel weight by weight) and in
+    mode leaf with the kernel off (torch's cast): the same bits."""
     file = comfy_int8_wan(per_row=True, wide=wide_wan_dir, convrot=convrot)
     outs = {}
-    for name, placement in {"auto": dict(mode="auto", preload="0.0005"), "leaf": dict(mode="leaf")}.items():
+    placements = {"auto": dict(mode="auto", preload="0.0005"), "leaf": dict(mode="leaf"), "torch": dict(mode="leaf")}
+    for name, placement in placements.items():
+        if name == "torch":
+            monkeypatch.setattr(fp8_kernel, "cast_int8_into", lambda *_args: False)
         pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, wide_wan_dir, torch.bfloat16))
         engine = Engine()
         engine.place(pipe, OffloadConfig(**BASE, **placement))
@@ -57,3 +62,4 @@ def test_a_streamed_int8_file_gives_the_bits_of_per_layer_casts(tiny_wan_dir, wi
         finally:
             engine.release(pipe)
     assert torch.equal(outs["auto"], outs["leaf"])
+    assert torch.equal(outs["leaf"], outs["torch"])
