@@ -9,6 +9,7 @@ converters and the conversion script's tables)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -135,6 +136,19 @@ def test_a_quantized_checkpoints_parts_are_decoded_as_comfyui_decodes_them(case,
     out = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
     assert torch.isfinite(out.video).all() and not torch.equal(out.video, reference.video)  # quantized parts
     assert digest(files[fmt]) == before
+
+
+def test_an_int8_checkpoint_part_without_its_scale_is_refused_by_name(case, tmp_path):
+    _folder, _reference, path, configs = case
+    quantized, _dense = _quantized_parts(load_file(str(path)), "int8_convrot")
+    lost = next(k for k in quantized if k.endswith(".weight_scale"))  # (only the parts are quantized)
+    del quantized[lost]
+    broken = tmp_path / "ltx-2-noscale.safetensors"
+    save_file(quantized, str(broken))
+    layer = lost.removesuffix(".weight_scale")
+    match = rf"ltx-2-noscale\.safetensors: {re.escape(layer)}\.weight is stored in int8 without a weight scale"
+    with pytest.raises(SingleFileError, match=match):
+        load_pipeline_with_denoiser(configs, broken, torch.float32)
 
 
 def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_path):
