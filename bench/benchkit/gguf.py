@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-QTYPES = ("gguf_q8_0", "gguf_q4_k")
+QTYPES = ("gguf_q8_0", "gguf_q4_k", "gguf_q8_0_torch", "gguf_q4_k_torch")  # _torch: the pack's kernel off
 
 
 def _q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -35,12 +35,17 @@ def _q4_k(w: torch.Tensor) -> torch.Tensor:
 
 
 def to_gguf(model: torch.nn.Module, blocks: list[torch.nn.Module], storage: str) -> int:
-    """Replace the blocks' Linear layers (widths the quant type divides) in place; returns how many."""
+    """Replace the blocks' Linear layers (widths the quant type divides) in place; returns how many.
+    ``*_torch``: the same with the pack's GGUF kernel switched off (the side-by-side anchor)."""
     from diffusers.quantizers.gguf.utils import GGUFLinear, GGUFParameter
     from gguf import GGMLQuantizationType
 
+    if storage.endswith("_torch"):  # diffusers' own dequantisation, as without the pack's GGUF kernel
+        from diffusers_offload.offload_core.transport import gguf_kernel
+
+        gguf_kernel.dequantized = lambda *_args: None
     qtype, pack, width = {"gguf_q8_0": (GGMLQuantizationType.Q8_0, _q8_0, 32),
-                          "gguf_q4_k": (GGMLQuantizationType.Q4_K, _q4_k, 256)}[storage]
+                          "gguf_q4_k": (GGMLQuantizationType.Q4_K, _q4_k, 256)}[storage.removesuffix("_torch")]
     count = 0
     for block in blocks:
         for parent in list(block.modules()):

@@ -17,7 +17,7 @@ from .w4a8 import STORAGE as W4A8
 from .w4a8 import to_w4a8
 
 STORAGES = ("bf16", *FP8_STORAGES, *GGUF_TYPES, W4A8, *INT8_STORAGES)
-CAST = (*FP8_STORAGES, *INT8_STORAGES)  # stored weights cast by the engine: no plain resident forward
+CAST = (*FP8_STORAGES, *INT8_STORAGES, *GGUF_TYPES)  # dequantised by the engine's hooks: no plain resident forward
 HELP = ("weight storage (main model only): fp8 Linear weights computing in bf16 (_fast: fp8 matmuls); gguf_* "
         "diffusers' GGUF layers (benchkit/gguf.py); w4a8 the pack's W4A8 layers over comfy-kitchen's "
         "(benchkit/w4a8.py); int8[_convrot] ComfyUI int8_tensorwise layers (benchkit/int8.py)")

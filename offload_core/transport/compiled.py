@@ -49,6 +49,7 @@ from .fp8_matmul import (
     takes,
     torch_quantise,
 )
+from .gguf_dequant import GgufDequantHook
 from .gguf_twin import gguf_bound, gguf_layer, gguf_twin
 from .lora_twin import lora_of, lora_twin
 
@@ -158,14 +159,14 @@ def _hooks(module: torch.nn.Module) -> dict[str, object]:
 
 def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> str | None:
     """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's (or
-    a Linear's fp8 matmul where ``device`` has them, or an unfused LoRA on a quantized Linear) on
-    it or a layer under it, a tensor subclass
-    among its weights (but diffusers' GGUF layers'), or a stored weight on a layer other than a
-    plain Linear."""
+    a Linear's fp8 matmul where ``device`` has them, a GGUF layer's kernel, or an unfused LoRA on a
+    quantized Linear) on it or a layer under it, a tensor subclass among its weights (but
+    diffusers' GGUF layers'), or a stored weight on a layer other than a plain Linear."""
     for name, module in block.named_modules():
         lora = lora_of(module, _hooks(module)) if _compute_of(module, fp8) is not None else None
         hooks = [key for key, hook in _hooks(module).items()
-                 if key != STREAM_HOOK and hook is not lora and not _matmul(module, hook, device)]
+                 if key != STREAM_HOOK and hook is not lora and not _matmul(module, hook, device)
+                 and not (isinstance(hook, GgufDequantHook) and gguf_layer(module))]
         if hooks:
             return f"hook {hooks[0]} on {name or 'the block'}"
         if _stored(module, fp8) and type(module).forward not in (torch.nn.Linear.forward, RotatingLinear.forward):

@@ -6,7 +6,7 @@ Registered before a transport is applied, so that it sits inside the transport's
 leaf group's onload runs first, then the dequantisation on the device); the block streamer casts
 its units itself (one cast per unit, `cast.py`) and takes these hooks off the layers it streams.
 int8 weights (ComfyUI's int8_tensorwise) take the int8 kernel with a one-weight table (made once
-per layer and device), torch's cast where it cannot run.
+per layer and device), torch's cast where it cannot run. GGUF layers take `gguf_dequant.py`'s hook.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from . import fp8_kernel
 from .base import add_hook, remove_hook
 from .cast import weight_value
 from .fp8_matmul import Fp8MatmulHook
+from .gguf_dequant import GgufDequantHook, gguf_layers
 
 
 class DequantHook(ModelHook):
@@ -96,11 +97,15 @@ def refuse_layerwise_casting(components) -> None:
 
 
 def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """A dequantising (or fp8 matmul) hook on each fp8 Linear of ``model``; returns those layers."""
+    """A dequantising (or fp8 matmul) hook on each fp8 Linear of ``model``, returning those layers,
+    and the GGUF kernel's hook on each GGUF Linear (`gguf_dequant.py`; a user's hook of that name stays)."""
     table = table_of(model)
     layers = fp8_layers(model)
     for layer in layers:
         add_hook(layer, Fp8MatmulHook(table) if table.matmul else DequantHook(table), DEQUANT_HOOK)
+    for layer in gguf_layers(model):
+        if DEQUANT_HOOK not in getattr(vars(layer).get(REGISTRY), "hooks", {}):
+            add_hook(layer, GgufDequantHook(layer.compute_dtype), DEQUANT_HOOK)
     return layers
 
 

@@ -33,7 +33,9 @@ from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tenso
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.components import describe
 from diffusers_offload.offload_core.formats.gguf import GgufFileError, inspect_gguf
-from diffusers_offload.offload_core.state import leftovers
+from diffusers_offload.offload_core.state import DEQUANT_HOOK, REGISTRY, leftovers
+from diffusers_offload.offload_core.transport import gguf_kernel
+from diffusers_offload.offload_core.transport.gguf_dequant import GgufDequantHook
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from diffusers_offload.offload_core.transport.streamer import BlockStreamer
 from fixtures.gguf_files import (  # noqa: F401  (session fixtures)
@@ -160,22 +162,35 @@ def test_gguf_layers_compute_from_packed_weights_that_kept_their_quant_type(
         if isinstance(p, GGUFParameter)
     }
     seen: list[tuple[int, object]] = []
-    real = gguf_utils.dequantize_gguf_tensor
+    real, real_kernel = gguf_utils.dequantize_gguf_tensor, gguf_kernel.dequantized
 
-    def watching(tensor):
+    def check(tensor):
         assert isinstance(tensor, GGUFParameter) and id(tensor) in expected, (
             "a layer computes from another tensor"
         )
         assert (tensor.quant_type, tuple(tensor.quant_shape)) == expected[id(tensor)]
         assert tensor.dtype == torch.uint8 and tensor.device.type == device
         seen.append((id(tensor), tensor.quant_type))
+
+    def watching(tensor):
+        check(tensor)
         return real(tensor)
 
+    def kernel_watching(tensor, compute):  # (CUDA: the kernel's hook, `gguf_dequant.py`)
+        out = real_kernel(tensor, compute)
+        if out is not None:
+            check(tensor)
+        return out
+
     monkeypatch.setattr(gguf_utils, "dequantize_gguf_tensor", watching)
+    monkeypatch.setattr(gguf_kernel, "dequantized", kernel_watching)
     engine = Engine()
     engine.place(pipe, OffloadConfig(**CONFIGS[config], device=device, **BASE))
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, gguf_utils.GGUFLinear)]
+    assert layers and all(isinstance(m._diffusers_hook.hooks.get(DEQUANT_HOOK), GgufDequantHook) for m in layers)
     run_wan(pipe, num_inference_steps=1)
     engine.release(pipe)
+    assert not any(DEQUANT_HOOK in getattr(vars(m).get(REGISTRY), "hooks", {}) for m in layers)
     assert {i for i, _q in seen} == set(expected), "every GGUF layer ran"
     assert {q.name for _i, q in seen} == {qtype, K_QUANTS[qtype][1]}
 
