@@ -12,23 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from benchkit import pack
+from benchkit.measure import loop_time
 
 pack()
 from diffusers_offload.offload_core.transport import fp8_kernel  # noqa: E402
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
 
 
 def sweep(src: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, repeats: int) -> list[dict]:
@@ -43,9 +33,9 @@ def sweep(src: torch.Tensor, out: torch.Tensor, ref: torch.Tensor, repeats: int)
     rows = []
     for block, warps in [(512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 8),
                          (8192, 16), (16384, 16)]:
-        plain = timed(lambda b=block, w=warps: fp8_kernel.launch(out, src, *one, b, w), repeats)
+        plain = loop_time(lambda b=block, w=warps: fp8_kernel.launch(out, src, *one, b, w), repeats, warmup=1)
         equal = bool(torch.equal(out, ref))
-        scaled = timed(lambda b=block, w=warps: fp8_kernel.launch(out, src, starts, scales, b, w), repeats)
+        scaled = loop_time(lambda b=block, w=warps: fp8_kernel.launch(out, src, starts, scales, b, w), repeats, warmup=1)
         rows.append({"block": block, "warps": warps, "gb_s": n * 3 / plain / 1e9, "scaled_gb_s": n * 3 / scaled / 1e9,
                      "bit_equal": equal and bool(torch.equal(out, scaled_ref))})
     return rows
@@ -61,9 +51,9 @@ def quantise_rows(repeats: int) -> list[dict]:
         inv = torch.tensor(0.37, device="cuda").to(torch.bfloat16)
         row = {"shape": [tokens, width]}
         for name, scale in (("plain", None), ("scaled", inv)):
-            torch_us = timed(lambda s=scale, x=x: (x if s is None else x * s).clamp(-448, 448).to(torch.float8_e4m3fn),
-                             repeats) * 1e6
-            fused_us = timed(lambda s=scale, x=x: fp8_kernel.quantized(x, s), repeats) * 1e6
+            torch_us = loop_time(lambda s=scale, x=x: (x if s is None else x * s).clamp(-448, 448).to(torch.float8_e4m3fn),
+                             repeats, warmup=1) * 1e6
+            fused_us = loop_time(lambda s=scale, x=x: fp8_kernel.quantized(x, s), repeats, warmup=1) * 1e6
             ref = (x if scale is None else x * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
             equal = bool(torch.equal(fp8_kernel.quantized(x, scale).view(torch.uint8), ref.view(torch.uint8)))
             row[name] = {"torch_us": round(torch_us, 1), "fused_us": round(fused_us, 1), "bit_equal": equal}
@@ -89,7 +79,7 @@ def main() -> None:
         "triton": lambda: fp8_kernel.cast_into(out, src),
         "compile": lambda: compiled(src),
     }.items():
-        s = timed(fn, args.repeats)
+        s = loop_time(fn, args.repeats, warmup=1)
         rows[name] = {"ms": s * 1e3, "gb_s": moved / s / 1e9}
     fp8_kernel.cast_into(out, src)
     rows["triton_bit_equal"] = bool(torch.equal(out, ref))
@@ -104,7 +94,7 @@ def main() -> None:
     rows["compile_bit_equal"] = bool(torch.equal(compiled(src), ref))
     rows["quantise"] = quantise_rows(args.repeats)
     if args.sweep:
-        rows["sweep"] = sweep(src, out, ref, args.repeats)
+        rows["sweep"] = sweep(src, out, ref, args.repeats, warmup=1)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mb": args.mb, **rows}))
 
 

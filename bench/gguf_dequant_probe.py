@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from benchkit import pack
+from benchkit.measure import loop_time
 
 pack()
 from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor  # noqa: E402
@@ -24,15 +24,6 @@ TYPES = {"Q8_0": 8, "Q4_0": 2, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 HALVES = {2: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # each type's fp16 fields
 ROWS, COLS = 13824, 5120
 
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
 
 
 def weight(qt: int) -> GGUFParameter:
@@ -52,8 +43,8 @@ def main() -> None:
     for name, qt in TYPES.items():
         w = weight(qt)
         moved = w.numel() + ROWS * COLS * 2
-        torch_s = timed(lambda w=w: dequantize_gguf_tensor(w).to(torch.bfloat16), args.repeats)
-        kernel_s = timed(lambda w=w: gguf_kernel.dequantized(w, torch.bfloat16), args.repeats)
+        torch_s = loop_time(lambda w=w: dequantize_gguf_tensor(w).to(torch.bfloat16), args.repeats, warmup=1)
+        kernel_s = loop_time(lambda w=w: gguf_kernel.dequantized(w, torch.bfloat16), args.repeats, warmup=1)
         equal = torch.equal(gguf_kernel.dequantized(w, torch.bfloat16), dequantize_gguf_tensor(w).to(torch.bfloat16))
         rows.append({"type": name, "packed_mb": round(w.numel() / 2**20), "torch_ms": torch_s * 1e3,
                      "kernel_ms": kernel_s * 1e3, "kernel_gb_s": moved / kernel_s / 1e9, "bit_equal": equal})

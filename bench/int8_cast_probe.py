@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 from benchkit import pack
+from benchkit.measure import loop_time
 
 pack()
 from diffusers_offload.offload_core.formats.fp8 import dequantize_int8  # noqa: E402
@@ -24,15 +24,6 @@ from diffusers_offload.offload_core.transport.cast import UnitCast, compute_view
 SHAPES = [(5120, 5120)] * 8 + [(13824, 5120), (5120, 13824)]  # a Wan-14B block: two attentions, the ffn
 WIDTHS = [(256, 1), (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
 
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / repeats
 
 
 def unit() -> tuple[UnitCast, torch.Tensor, torch.Tensor]:
@@ -61,13 +52,13 @@ def main() -> None:
         for view, o, scale in zip(views, cast.offsets, scales, strict=True):
             dequantize_int8(region[o : o + view.numel()].view(view.shape), scale, torch.bfloat16, out=view)
 
-    t = timed(by_torch, args.repeats)
+    t = loop_time(by_torch, args.repeats, warmup=1)
     ref = buf.clone()
     rows = {"torch": {"ms": t * 1e3, "gb_s": moved / t / 1e9}, "kernel": []}
     for block, warps in WIDTHS:
         table = fp8_kernel.int8_table(cast.offsets, cast.shapes, cast.int8_scales, buf.device, block)
         buf.zero_()
-        t = timed(lambda b=block, w=warps, t=table: fp8_kernel.launch_int8(buf, region, t, b, w), args.repeats)
+        t = loop_time(lambda b=block, w=warps, t=table: fp8_kernel.launch_int8(buf, region, t, b, w), args.repeats, warmup=1)
         rows["kernel"].append({"block": block, "warps": warps, "ms": t * 1e3, "gb_s": moved / t / 1e9,
                                "bit_equal": bool(torch.equal(buf, ref))})
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -244,10 +244,12 @@ def python_speed_ms(repeats: int = 5) -> float:
     return statistics.median(times) * 1e3
 
 
-def loop_time(fn: Callable[[], object], repeats: int) -> float:
-    """The mean step of ``repeats`` calls queued back to back with one synchronize at the end, as
-    a sampling loop runs them: the host's work at a forward's start then overlaps the last
-    forward's GPU work, where ``timed`` leaves the GPU waiting for it."""
+def loop_time(fn: Callable[[], object], repeats: int, warmup: int = 0) -> float:
+    """The mean step of ``repeats`` calls queued back to back with one synchronize at the end (after
+    ``warmup`` calls), as a sampling loop runs them: the host's work at a forward's start then
+    overlaps the last forward's GPU work, where ``timed`` leaves the GPU waiting for it."""
+    for _ in range(warmup):
+        fn()
     sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
