@@ -11,8 +11,9 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import dequantize_int8
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.transport import fp8_kernel
-from diffusers_offload.offload_core.transport.cast import UnitCast, compute_views
+from diffusers_offload.offload_core.transport.cast import compute_views
 from fixtures import comfy_files
+from fixtures.kernels import int8_unit
 from fixtures.quantized import wan_pipe
 from fixtures.tiny_models import run_wan
 
@@ -24,14 +25,9 @@ BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", cuda_g
 
 def test_a_unit_casts_to_the_bits_of_torchs_cast() -> None:
     torch.manual_seed(0)
-    shapes = [torch.Size(s) for s in ([3072, 5120], [50, 100], [130, 24], [3, 3])]
     scales = [torch.rand(3072, 1) + 0.01, torch.tensor(0.02), torch.rand(130, 1) * 4, torch.rand(3, 1)]
-    offsets, end = [], 0
-    for shape in shapes:
-        offsets.append(end)
-        end += -(-shape.numel() // 512) * 512
-    cast = UnitCast(torch.int8, torch.bfloat16, len(shapes), end, offsets, shapes, int8_scales=scales)
-    region = torch.randint(-127, 128, (end,), dtype=torch.int8, device="cuda")
+    cast, offsets, region = int8_unit([(3072, 5120), (50, 100), (130, 24), (3, 3)], scales, "cuda")
+    shapes, end = cast.shapes, cast.nbytes
     buf = torch.empty(end, dtype=torch.bfloat16, device="cuda")
     for launch in (lambda: fp8_kernel.launch_int8(buf, region, fp8_kernel.int8_table(offsets, shapes, scales,
                                                                                      buf.device, 256), 256),
