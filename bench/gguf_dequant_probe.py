@@ -20,8 +20,8 @@ pack()
 from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor  # noqa: E402
 from diffusers_offload.offload_core.transport import gguf_kernel  # noqa: E402
 
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q5_1": 7, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-HALVES = {2: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # each type's fp16 fields
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q5_1": 7, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+HALVES = {2: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # fp16 fields
 ROWS, COLS = 13824, 5120
 
 

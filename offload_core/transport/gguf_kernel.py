@@ -1,5 +1,5 @@
-"""A GGUF weight's packed blocks into compute values in one launch (Q8_0, Q4_0/1, Q5_0/1, Q4_K, Q5_K,
-Q6_K), for diffusers' ``GGUFLinear`` on a CUDA device (`dequant.GgufDequantHook`).
+"""A GGUF weight's packed blocks into compute values in one launch (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K,
+Q4_K, Q5_K, Q6_K), for diffusers' ``GGUFLinear`` on a CUDA device (`dequant.GgufDequantHook`).
 
 Own code because diffusers dequantises with a dozen torch ops per layer (splits, shifts, masks,
 products; ``quantizers/gguf/utils.py``), each a launch and a full-size temporary, and its fast path
@@ -22,7 +22,8 @@ except ImportError:  # CPU-only torch builds
 
 # ggml quant type -> (values per block, bytes per block)
 LAYOUTS: dict[int, tuple[int, int]] = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                                       12: (256, 144), 13: (256, 176), 14: (256, 210)}
+                                       10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176),
+                                       14: (256, 210)}
 VALUES_PER_PROGRAM, WARPS = 1024, 4
 _broken: set[int] = set()  # devices where the kernel failed once: they use diffusers' ops
 
@@ -86,6 +87,22 @@ if triton is not None:
                 q = (_byte(at + 48 + (j // 2) * 32 + c, mask) >> ((j % 2) * 4)) & 15
                 q = q | (((_byte(at + 16 + c, mask) >> j) & 1) << 4)
             out = _f16(_f16(_f16(d * sc) * q.to(tl.float32)) - _f16(_half(at + 2, valid[:, None]) * mn))
+        elif QT == 10:  # Q2_K: 16 scale bytes (scale low, min high), 64 bytes of 2-bit codes, d, dmin
+            sb = _byte(at + e // 16, mask)
+            h, r = e // 128, e % 128
+            q = (_byte(at + 16 + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+            dl = _f16(_half(at + 80, valid[:, None]) * (sb & 15).to(tl.float32))
+            ml = _f16(_half(at + 82, valid[:, None]) * (sb >> 4).to(tl.float32))
+            out = _f16(_f16(dl * q.to(tl.float32)) - ml)
+        elif QT == 11:  # Q3_K: 32 inverted high-bit bytes, 64 bytes of 2-bit codes, 12 bytes of 6-bit scales, d
+            t = e // 16
+            low = (_byte(at + 96 + t % 8, mask) >> ((t // 8) * 4)) & 15
+            high = (_byte(at + 104 + t % 4, mask) >> ((t // 4) * 2)) & 3
+            h, r = e // 128, e % 128
+            q = (_byte(at + 32 + h * 32 + r % 32, mask) >> ((r // 32) * 2)) & 3
+            q = q - ((((_byte(at + e % 32, mask) >> (e // 32)) & 1) ^ 1) << 2)
+            dl = _f16(_half(at + 108, valid[:, None]) * ((low | (high << 4)) - 32).to(tl.float32))
+            out = _f16(dl * q.to(tl.float32))
         else:  # Q6_K: 128 low-nibble bytes, 64 high-bit bytes, 16 int8 scales, d
             d = _half(at + 208, valid[:, None])
             h, r = e // 128, e % 128

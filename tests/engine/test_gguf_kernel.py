@@ -13,7 +13,8 @@ import torch
 from diffusers.quantizers.gguf.utils import dequantize_functions
 from diffusers_offload.offload_core.transport import gguf_kernel
 
-HALVES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # fp16 fields
+HALVES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+          14: (208,)}  # fp16 fields
 torch.manual_seed(0)
 for qt, (values, size) in gguf_kernel.LAYOUTS.items():
     nblocks = 37  # not a multiple of a program's blocks: the last program is masked

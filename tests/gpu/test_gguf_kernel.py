@@ -15,7 +15,8 @@ from fixtures.gguf_files import load_gguf_wan, wan_gguf_fixture  # noqa: F401  (
 from fixtures.tiny_models import run_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel runs on a CUDA device")
-HALVES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # fp16 fields
+HALVES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+          14: (208,)}  # fp16 fields
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", compile_blocks=False)
 
 
