@@ -100,7 +100,7 @@ def cast_into(cast: UnitCast, region: torch.Tensor, buf: torch.Tensor, views: li
     `compute_views`)."""
     src, dst = region[: cast.nbytes].view(cast.storage), buf[: cast.nbytes]
     if cast.int8_scales is not None:
-        if fp8_kernel.cast_int8_into(dst, src, cast.int8_table(buf.device)):
+        if fp8_kernel.available(src, fp8=False) and fp8_kernel.cast_int8_into(dst, src, cast.int8_table(buf.device)):
             return
         for view, o, scale in zip(views, cast.offsets, cast.int8_scales_on(buf.device), strict=True):
             dequantize_int8(src[o : o + view.numel()].view(view.shape), scale, cast.compute, out=view)

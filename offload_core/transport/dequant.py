@@ -53,7 +53,7 @@ class DequantHook(ModelHook):
         """An int8 weight's compute value: the kernel where it runs, else torch's cast (same bits)."""
         data, device, compute = weight.data, weight.device, self.table.compute
         scale = self.table.int8_scale(weight, device)
-        if fp8_kernel.available(data) and data.is_contiguous():
+        if fp8_kernel.available(data, fp8=False) and data.is_contiguous():
             if device not in self.int8_tables:
                 self.int8_tables[device] = fp8_kernel.int8_table([0], [data.shape], [scale], device)
             out = torch.empty(data.shape, dtype=compute, device=device)

@@ -56,7 +56,7 @@ if triton is not None:
 
     @triton.jit
     def _int8_kernel(src, dst, firsts, offsets, widths, bases, steps, scales, nw, BLOCK: tl.constexpr,
-                           NW: tl.constexpr):
+                     NW: tl.constexpr):
         pid = tl.program_id(0)  # one tile: BLOCK columns of one row of one weight
         ws = tl.arange(0, NW)
         w = tl.sum((tl.load(firsts + ws, mask=ws < nw, other=2**31 - 1) <= pid).to(tl.int32), axis=0) - 1
@@ -91,10 +91,11 @@ if triton is not None:
         tl.store(dst + offs, x.to(tl.float8e4nv), mask=mask)
 
 
-def available(t: torch.Tensor) -> bool:
+def available(t: torch.Tensor, fp8: bool = True) -> bool:
+    """Whether the kernels run on ``t``'s device (``fp8``: one with fp8 conversions, sm_89 on)."""
     if triton is None or not t.is_cuda or t.device.index in _broken:
         return False
-    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return not fp8 or torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
 def cast_into(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor | None = None,
@@ -128,7 +129,7 @@ def launch(out: torch.Tensor, src: torch.Tensor, starts: torch.Tensor, scales: t
 def cast_int8_into(out: torch.Tensor, src: torch.Tensor, table: tuple | None) -> bool:
     """``out[i] = float(src[i]) * scale`` of the row holding ``i`` (``table``: `int8_table` on the
     device). False when the kernel cannot run here, or ``table`` is None (the caller falls back)."""
-    if table is None or not available(src):
+    if table is None or not available(src, fp8=False):
         return False
     try:
         launch_int8(out, src, table)
@@ -164,8 +165,8 @@ def launch_int8(out: torch.Tensor, src: torch.Tensor, table: tuple, block: int =
     """The int8 kernel on ``table`` (`int8_table`, built for ``block``; the probe sweeps widths, a CPU
     test runs it in Triton's interpreter)."""
     *tensors, tiles, count = table
-    _int8_kernel[(tiles,)](src, out, *tensors, count, BLOCK=block or INT8_BLOCK,
-                                 NW=triton.next_power_of_2(count), num_warps=warps or INT8_WARPS)
+    _int8_kernel[(tiles,)](src, out, *tensors, count, BLOCK=block or INT8_BLOCK, NW=triton.next_power_of_2(count),
+                           num_warps=warps or INT8_WARPS)
 
 
 def dequantized(weight: torch.Tensor, scale: float | None, compute: torch.dtype) -> torch.Tensor | None:
