@@ -1,5 +1,5 @@
 """A GGUF weight's packed blocks into compute values in one launch (Q8_0, Q4_0/1, Q5_0/1, Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K), for diffusers' ``GGUFLinear`` on a CUDA device (`dequant.GgufDequantHook`).
+Q4_K, Q5_K, Q6_K), for diffusers' ``GGUFLinear`` on a CUDA device (`gguf_dequant.GgufDequantHook`).
 
 Own code because diffusers dequantises with a dozen torch ops per layer (splits, shifts, masks,
 products; ``quantizers/gguf/utils.py``), each a launch and a full-size temporary, and its fast path
