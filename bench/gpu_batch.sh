@@ -62,7 +62,7 @@ for row in "$@"; do
     int8cast) run int8cast 30 python3 bench/int8_cast_probe.py ;;  # int8 units: torch's cast against the row kernel's widths
     ggufk) run ggufprobe 30 python3 bench/gguf_dequant_probe.py  # one weight per quant type: diffusers' ops against the kernel
            for st in ${GGUF_ROWS:-gguf_q4_k gguf_q4_k_torch gguf_q8_0 gguf_q8_0_torch}; do
-             run "$st" 50 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${GGUF_CAPS:-12} \
+             run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${GGUF_CAPS:-12} --warmup 6 \
                --workloads small --out "$ROWS_DIR"
            done ;;
     stepprof) for i in $(seq "${STEPPROF_N:-4}"); do  # four fresh processes: the launch block by block and the driver calls' time
