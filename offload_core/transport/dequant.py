@@ -15,12 +15,15 @@ import torch
 from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import Fp8Table, dequantize_int8, table_of
+from ..log import get_logger
 from ..state import DEQUANT_HOOK, REGISTRY, is_ours
 from . import fp8_kernel
 from .base import add_hook, remove_hook
 from .cast import weight_value
 from .fp8_matmul import Fp8MatmulHook
 from .gguf_dequant import GgufDequantHook, gguf_layers
+
+log = get_logger("dequant")
 
 
 class DequantHook(ModelHook):
@@ -103,9 +106,12 @@ def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = fp8_layers(model)
     for layer in layers:
         add_hook(layer, Fp8MatmulHook(table) if table.matmul else DequantHook(table), DEQUANT_HOOK)
-    for layer in gguf_layers(model):
-        if DEQUANT_HOOK not in getattr(vars(layer).get(REGISTRY), "hooks", {}):
-            add_hook(layer, GgufDequantHook(layer.compute_dtype), DEQUANT_HOOK)
+    gguf = [m for m in gguf_layers(model) if DEQUANT_HOOK not in getattr(vars(m).get(REGISTRY), "hooks", {})]
+    for layer in gguf:
+        add_hook(layer, GgufDequantHook(layer.compute_dtype), DEQUANT_HOOK)
+    if gguf:
+        log.info("%s: %d GGUF layers dequantised by the pack's kernel on a CUDA device (by diffusers' ops "
+                 "elsewhere)", type(model).__name__, len(gguf))
     return layers
 
 
