@@ -41,10 +41,15 @@ def test_each_quant_type_dequantises_to_diffusers_bits(qt: int) -> None:
 def test_a_placed_gguf_file_gives_the_bits_of_diffusers_dequantisation(tiny_wan_dir, wan_gguf, qtype,
                                                                       monkeypatch) -> None:
     file = wan_gguf(qtype)
-    outs = {}
+    outs, ran, real = {}, [], gguf_kernel.dequantized
+
+    def counting(weight, compute):
+        out = real(weight, compute)
+        ran.append(out is not None)
+        return out
+
     for kernel in (True, False):
-        if not kernel:
-            monkeypatch.setattr(gguf_kernel, "dequantized", lambda *_args: None)
+        monkeypatch.setattr(gguf_kernel, "dequantized", counting if kernel else lambda *_args: None)
         for name, placement in {"auto": dict(mode="auto", preload="0.0005"), "leaf": dict(mode="leaf")}.items():
             pipe = load_gguf_wan(tiny_wan_dir, file)
             engine = Engine()
@@ -53,6 +58,7 @@ def test_a_placed_gguf_file_gives_the_bits_of_diffusers_dequantisation(tiny_wan_
                 outs[(name, kernel)] = [run_wan(pipe).cpu() for _ in range(2)]  # (the second replays graphs)
             finally:
                 engine.release(pipe)
+    assert ran and all(ran), "the kernel dequantised every call while on"
     for name in ("auto", "leaf"):
         for a, b in zip(outs[(name, True)], outs[(name, False)], strict=True):
             assert torch.equal(a, b), name
