@@ -18,7 +18,7 @@ from accelerate import init_empty_weights
 
 from ..log import get_logger
 from .decoded import decoded_weight
-from .fp8 import INPUT_KEY, INT8, SCALE_KEY, dequantize, is_fp8
+from .fp8 import INPUT_KEY, INT8, SCALE_KEY, dequantize, is_fp8, popped
 from .inspect import SingleFileError, SingleFileInfo, convrot_groups
 from .state_fit import keeps_fp32, mismatch_text
 
@@ -76,9 +76,8 @@ def _decoded(state: dict[str, torch.Tensor], info: SingleFileInfo, dtype: torch.
     """A part's fp8 and int8 weights decoded to ``dtype`` with their scales (``<layer>.scale_weight``,
     the spelling `single_file.read_checkpoint` gives them; int8 convrot rotated back): these parts
     run once a prompt or a decode, so they keep no quantized storage."""
-    scales = {k.removesuffix(SCALE_KEY): state.pop(k) for k in [k for k in state if k.endswith(SCALE_KEY)]}
-    for key in [k for k in state if k.endswith(INPUT_KEY)]:
-        state.pop(key)
+    scales = popped(state, SCALE_KEY)
+    popped(state, INPUT_KEY)
     groups = convrot_groups(info)
     for key, value in list(state.items()):
         layer = key.rsplit(".", 1)[0]

@@ -31,8 +31,13 @@ log = get_logger("fp8")
 SCALE_KEY = ".scale_weight"  # the spelling both ComfyUI layouts are normalised to before conversion
 INPUT_KEY = ".scale_input"  # the same for static input scales
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-INT8 = torch.int8  # ComfyUI's int8_tensorwise weights: dequantised by torch on every transport, no kernel
+INT8 = torch.int8  # ComfyUI's int8_tensorwise weights
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def popped(state: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
+    """The ``<layer><suffix>`` tensors (``SCALE_KEY``, ``INPUT_KEY``, ...) taken out of ``state``, by layer."""
+    return {k.removesuffix(suffix): state.pop(k) for k in [k for k in state if k.endswith(suffix)]}
 
 
 @dataclass

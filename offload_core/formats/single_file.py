@@ -34,6 +34,7 @@ from .fp8 import (
     dequantize,
     is_fp8,
     mark_fp8,
+    popped,
     scale_value,
 )
 from .inspect import (
@@ -144,7 +145,7 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
     checkpoint = denoiser_only(read_checkpoint(path, info), info)
     extras = w4a8.pop_extras(checkpoint)
-    file_scales, file_inputs = (_popped(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))  # traced, not converted
+    file_scales, file_inputs = (popped(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))  # traced, not converted
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
         model = cls.from_config(config)
@@ -184,11 +185,6 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     log.info("%s: %s denoiser in %s (%d %s scales, %d input scales for fp8 matmuls) loaded as %s, %s storage kept",
              path.name, info.family, info.format, len(scales), kind, len(table.inputs), cls.__name__, storage)
     return model
-
-
-def _popped(checkpoint: dict[str, torch.Tensor], suffix: str) -> dict[str, torch.Tensor]:
-    """The ``<layer><suffix>`` tensors taken out of ``checkpoint``, by layer."""
-    return {k.removesuffix(suffix): checkpoint.pop(k) for k in [k for k in checkpoint if k.endswith(suffix)]}
 
 
 def _matmul_off(info: SingleFileInfo) -> str:

@@ -20,7 +20,7 @@ from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
 from .convrot import GROUP_KEY
 from .decoded import decoded_weight
-from .fp8 import INT8, is_fp8, mark_fp8
+from .fp8 import INT8, is_fp8, mark_fp8, popped
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import (
     SingleFileError,
@@ -287,16 +287,14 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     state |= {layer + GROUP_KEY: torch.tensor(g) for layer, g in convrot_groups(info).items()}
     if fit is not None:
         state = fit.keys(state)  # (renames the convrot marks with their layers)
-    groups = {k.removesuffix(GROUP_KEY): int(state.pop(k)) for k in [k for k in state if k.endswith(GROUP_KEY)]}
+    groups = {layer: int(g) for layer, g in popped(state, GROUP_KEY).items()}
     padded = {k for k, v in state.items() if id(v) in decoded}  # (under the names the fit gave them)
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
-    for key in [k for k in state if k.endswith(INPUT_KEY)]:  # (no fp8 matmuls in text encoders)
-        state.pop(key)
+    popped(state, INPUT_KEY)  # (no fp8 matmuls in text encoders)
     scales = {}  # stored weights' scales, by layer
     keep_int8 = not any(is_fp8(t) for t in state.values())  # (one storage dtype per model)
-    for key in [k for k in state if k.endswith(SCALE_KEY)]:
-        layer, scale = key.removesuffix(SCALE_KEY), state.pop(key)
+    for layer, scale in popped(state, SCALE_KEY).items():
         weight = state[layer + ".weight"]
         if is_fp8(weight) or (weight.dtype == INT8 and keep_int8):
             scales[layer] = scale
