@@ -15,7 +15,7 @@ from .components import describe
 from .config import OffloadConfig, OffloadConfigError
 from .log import get_logger
 from .roles import Role, RoleDecision, decide
-from .state import COMPONENT, DIFFUSERS_GROUP_HOOKS, REGISTRY
+from .state import COMPONENT, DIFFUSERS_GROUP_HOOKS, hooks_of
 
 log = get_logger("guards")
 
@@ -66,7 +66,7 @@ def refuse_foreign_offload(components: Iterable[tuple[str, torch.nn.Module]]) ->
                     "pipe.remove_all_hooks() (undo enable_model_cpu_offload / enable_sequential_cpu_offload) "
                     "before handing the pipeline to the offload engine"
                 )
-            hooks = getattr(vars(sub).get(REGISTRY), "hooks", {})
+            hooks = hooks_of(sub)
             if any(h in hooks for h in DIFFUSERS_GROUP_HOOKS):
                 raise ValueError(
                     f"{where} is managed by diffusers' group offload (enable_group_offload / "

@@ -92,6 +92,11 @@ def is_ours(name: str, hook: object) -> bool:
 
 DIFFUSERS_GROUP_HOOKS = (_GROUP_OFFLOADING, _LAYER_EXECUTION_TRACKER, _LAZY_PREFETCH_GROUP_OFFLOADING)
 REGISTRY = "_diffusers_hook"
+
+
+def hooks_of(module: torch.nn.Module) -> dict[str, object]:
+    """The diffusers hooks on ``module`` itself, by name (empty without a registry)."""
+    return getattr(vars(module).get(REGISTRY), "hooks", {})
 BRIDGE = "_hf_hook"
 _WRAPPED = "__diffusers_offload_entry__"
 
@@ -169,7 +174,7 @@ def leftovers(root: torch.nn.Module) -> list[str]:
         where = path or type(root).__name__
         found += [f"{where}: {attr}" for attr in vars(module)
                   if attr.startswith(PREFIX) and attr not in KEPT_ON_PURPOSE]
-        found += [f"{where}: hook {name}" for name, hook in getattr(vars(module).get(REGISTRY), "hooks", {}).items()
+        found += [f"{where}: hook {name}" for name, hook in hooks_of(module).items()
                   if name in (*OUR_HOOKS, *DIFFUSERS_GROUP_HOOKS) and is_ours(name, hook)]
         if isinstance(vars(module).get(BRIDGE), Bridge):
             found.append(f"{where}: {BRIDGE} bridge")

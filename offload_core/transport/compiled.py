@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from ..formats.convrot import RotatingLinear, group_of, hadamard, rotated
 from ..formats.fp8 import Fp8Table
 from ..log import get_logger
-from ..state import COMPILED, DEQUANT_HOOK, REGISTRY, STREAM_HOOK
+from ..state import COMPILED, DEQUANT_HOOK, REGISTRY, STREAM_HOOK, hooks_of
 from .blocks import StreamBlock
 from .fp8_matmul import (
     Fp8MatmulHook,
@@ -82,7 +82,7 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
         scale = torch.tensor(fp8.scale_of(weight) or 1.0, dtype=fp8.compute, device=device)
         attrs["_buffers"] = {**module._buffers, "fp8_scale": scale}
         attrs["fp8_storage"], attrs["fp8_compute"] = fp8.storage, fp8.compute
-        matmul = isinstance(_hooks(module).get(DEQUANT_HOOK), Fp8MatmulHook)
+        matmul = isinstance(hooks_of(module).get(DEQUANT_HOOK), Fp8MatmulHook)
         copy.__class__ = (_fp8_matmul if matmul else _dequantizing)(type(module))
         if matmul:
             one, wscale, static = scale_tensors(fp8, weight, device)
@@ -90,7 +90,7 @@ def twin(module: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.dev
     if group_of(module):  # a convrot layer's matrix, on the device before any capture
         dtype = fp8.compute if stored else module.weight.dtype
         attrs["_buffers"] = {**attrs["_buffers"], "convrot_h": hadamard(group_of(module), dtype, device or weight.device)}
-    lora = lora_of(module, _hooks(module))
+    lora = lora_of(module, hooks_of(module))
     if lora is not None:
         lora_twin(copy, attrs, lora, device, _compute_of(module, fp8))
     copy.__dict__.update(attrs)
@@ -153,18 +153,14 @@ def _fp8_matmul(kind: type) -> type:
     return type(f"Fp8Matmul{kind.__name__}", (kind,), {"forward": _fp8_matmul_forward})
 
 
-def _hooks(module: torch.nn.Module) -> dict[str, object]:
-    return getattr(vars(module).get(REGISTRY), "hooks", {})
-
-
 def refusal(block: torch.nn.Module, fp8: Fp8Table | None = None, device: torch.device | None = None) -> str | None:
     """Why ``block`` cannot run as its twin (None: it can): a hook other than the streamer's (or
     a Linear's fp8 matmul where ``device`` has them, a GGUF layer's kernel, or an unfused LoRA on a
     quantized Linear) on it or a layer under it, a tensor subclass among its weights (but
     diffusers' GGUF layers'), or a stored weight on a layer other than a plain Linear."""
     for name, module in block.named_modules():
-        lora = lora_of(module, _hooks(module)) if _compute_of(module, fp8) is not None else None
-        hooks = [key for key, hook in _hooks(module).items()
+        lora = lora_of(module, hooks_of(module)) if _compute_of(module, fp8) is not None else None
+        hooks = [key for key, hook in hooks_of(module).items()
                  if key != STREAM_HOOK and hook is not lora and not _matmul(module, hook, device)
                  and not (isinstance(hook, GgufDequantHook) and gguf_layer(module))]
         if hooks:

@@ -16,7 +16,7 @@ from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import Fp8Table, dequantize_int8, table_of
 from ..log import get_logger
-from ..state import DEQUANT_HOOK, REGISTRY, is_ours
+from ..state import DEQUANT_HOOK, hooks_of, is_ours
 from . import fp8_kernel
 from .base import add_hook, remove_hook
 from .cast import weight_value
@@ -91,7 +91,7 @@ def refuse_layerwise_casting(components) -> None:
     for name, model in components:
         held = {id(layer) for layer in fp8_layers(model)}
         for path, layer in model.named_modules():
-            hook = getattr(vars(layer).get(REGISTRY), "hooks", {}).get(DEQUANT_HOOK)
+            hook = hooks_of(layer).get(DEQUANT_HOOK)
             if id(layer) in held and hook is not None and not is_ours(DEQUANT_HOOK, hook):
                 raise ValueError(
                     f"{name}.{path} carries diffusers' layerwise casting (enable_layerwise_casting): "
@@ -106,7 +106,7 @@ def register_dequant(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = fp8_layers(model)
     for layer in layers:
         add_hook(layer, Fp8MatmulHook(table) if table.matmul else DequantHook(table), DEQUANT_HOOK)
-    gguf = [m for m in gguf_layers(model) if DEQUANT_HOOK not in getattr(vars(m).get(REGISTRY), "hooks", {})]
+    gguf = [m for m in gguf_layers(model) if DEQUANT_HOOK not in hooks_of(m)]
     for layer in gguf:
         add_hook(layer, GgufDequantHook(layer.compute_dtype), DEQUANT_HOOK)
     if gguf:
