@@ -242,8 +242,8 @@ def _log_int8(what: str, table: Fp8Table) -> None:
     rows = sum(s.ndim > 0 for s in table.int8_scales.values())
     log.info(
         "%s: %d Linear weights stored in int8 (ComfyUI int8_tensorwise: %d per-row, %d per-tensor scales), "
-        "computing in %s; int8 uses the torch cast ((q.float() * scale).to(compute)) on every transport, "
-        "not the fp8 kernel",
+        "computing in %s, cast as (q.float() * scale).to(compute) by the int8 kernel on a CUDA card "
+        "(by torch elsewhere)",
         what,
         len(table.weights),
         rows,
