@@ -13,8 +13,8 @@ import torch
 
 from .formats.convrot import RotatingLinear
 from .formats.gguf import gguf_quant_types
+from .formats.stored_linear import stored_format
 from .formats.torchao import storage_bytes
-from .formats.w4a8 import holds_w4a8
 from .log import get_logger
 from .state import FP8
 
@@ -135,7 +135,7 @@ def _is_bridged(method: object) -> bool:
 
 def _quantization(module: torch.nn.Module) -> str | None:
     """How the weights are quantized: GGUF types, a diffusers ``quant_method``, the library and
-    type of a tensor-subclass weight, ComfyUI's W4A8 or int8 (convrot) layers, plain fp8 weights, or None."""
+    type of a tensor-subclass weight, ComfyUI's stored (W4A8, NVFP4) or int8 (convrot) layers, plain fp8 weights, or None."""
     gguf = gguf_quant_types(module)  # from_single_file sets no config.quantization_config
     if gguf:
         return "gguf " + "/".join(gguf)
@@ -151,8 +151,9 @@ def _quantization(module: torch.nn.Module) -> str | None:
     if odd is not None:  # a tensor subclass without a config (torchao's quantize_, bitsandbytes, quanto)
         lib = "optimum.quanto" if odd.__module__.startswith("optimum.quanto") else odd.__module__.split(".")[0]
         return f"{lib} {odd.__name__}"
-    if holds_w4a8(module):
-        return "comfy asym_w4a8_int8"
+    stored = stored_format(module)
+    if stored is not None:
+        return "comfy " + stored
     table = FP8.get(module)
     if table is not None and table.int8:
         return "comfy int8_tensorwise" + (" convrot" if any(isinstance(m, RotatingLinear) for m in module.modules()) else "")

@@ -19,7 +19,8 @@ from accelerate import init_empty_weights
 from ..log import get_logger
 from .decoded import decoded_weight
 from .fp8 import INPUT_KEY, INT8, SCALE_KEY, dequantize, is_fp8, popped
-from .inspect import SingleFileError, SingleFileInfo, convrot_groups
+from .inspect import SingleFileError, SingleFileInfo
+from .quant_entries import convrot_groups
 from .state_fit import keeps_fp32, mismatch_text
 
 log = get_logger("single_file")

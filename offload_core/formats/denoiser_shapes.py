@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .inspect import SingleFileError, SingleFileInfo
+from .quant_entries import PACKED_QUANT, read_quant_layers
 
 PREFIX = re.compile(r"^(model\.diffusion_model\.|diffusion_model\.)")
 WAN_EXTRAS = (("vace_blocks.", "VACE"), ("motion_encoder.", "Animate"))  # key prefix -> what it is
@@ -80,8 +81,11 @@ Shape = WanShape | FluxShape | Ltx2Shape
 
 
 def file_shape(info: SingleFileInfo) -> Shape:
-    """The shape of the denoiser ``info`` describes (its family's reader)."""
-    shapes = {PREFIX.sub("", k): s for k, s in info.shapes.items()}
+    """The shape of the denoiser ``info`` describes (its family's reader); a layer stored two weights
+    a byte (W4A8, NVFP4) is read at its width, twice its stored weight's."""
+    packed = {f"{layer}.weight" for layer, conf in read_quant_layers(info).items()
+              if isinstance(conf, dict) and conf.get("format") in PACKED_QUANT}
+    shapes = {PREFIX.sub("", k): (s[0], s[1] * 2) if k in packed and len(s) == 2 else s for k, s in info.shapes.items()}
     try:
         return FILE_READERS[info.family](shapes)
     except (KeyError, ValueError, IndexError) as exc:

@@ -24,7 +24,7 @@ from ..components import denoisers
 from ..log import get_logger
 from ..state import FP8
 from .convrot import rotate_back, rotate_inputs
-from .w4a8 import W4A8Linear
+from .stored_linear import StoredLinear
 
 log = get_logger("fp8")
 
@@ -261,11 +261,11 @@ def _dequantize_others(
     convrot: dict[str, int],
 ) -> None:
     """fp8 tensors outside Linear weights (a conv, a norm, a bias) become compute-dtype values, and
-    so do int8 weights there (they need their scale; a convrot one is rotated back); W4A8 layers
-    keep theirs (fp8 group scales)."""
+    so do int8 weights there (they need their scale; a convrot one is rotated back); stored layers
+    (W4A8, NVFP4) keep theirs (fp8 scales)."""
     stored = {id(layer) for _name, layer in _linears(model)}
     for name, module in model.named_modules():
-        if isinstance(module, W4A8Linear):
+        if isinstance(module, StoredLinear):
             continue
         for pname, t in (*module._parameters.items(), *module._buffers.items()):
             if t is None or (pname == "weight" and id(module) in stored):

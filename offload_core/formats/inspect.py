@@ -15,10 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
-from . import w4a8
-from .convrot import DEFAULT_GROUP, group_error
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 FP8_NAMES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -40,15 +36,6 @@ INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")
 QUANT_SUFFIX = ".comfy_quant"
 TOKENIZER_KEYS = ("spiece_model", "tokenizer_json", "tekken_model")  # tokenizers ComfyUI's files carry (comfy/sd.py)
 QUANT_METADATA = "_quantization_metadata"
-LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8"}  # per-tensor fp8 (fp8_scaled by another
-# name); int8 with a per-tensor or per-row scale, convrot (Hadamard-rotated weights) or not
-INT8_QUANT = "int8_tensorwise"
-W4A8_FORMAT = w4a8.FORMAT
-ACCEPTED_QUANT = (
-    "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise with or without convrot "
-    "(per-tensor or per-row scales) and asym_w4a8_int8 (W4A8, through comfy-kitchen)"
-)
-
 # (pattern on any key, what the file looks like, its role): first match wins; before the denoiser
 # detector, since a text encoder never carries a denoiser's keys.
 KEY_SIGNS: tuple[tuple[str, str, str], ...] = (
@@ -271,128 +258,3 @@ def _diffusers_model_type(info: SingleFileInfo) -> str | None:
 def _ltx2(keys: dict, names: list[str]) -> bool:
     """diffusers' LTX-2 keys, with ComfyUI's ``model.diffusion_model.`` prefix or without it."""
     return any(n in keys or n.removeprefix("model.diffusion_model.") in keys for n in names)
-
-
-def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
-    """ComfyUI's self-describing quant config, layer -> {"format": ...}: the header metadata's
-    ``_quantization_metadata`` and every ``<layer>.comfy_quant`` entry (uint8 JSON bytes)."""
-    layers: dict[str, dict] = {}
-    raw = info.metadata.get(QUANT_METADATA)
-    if raw is not None:
-        try:
-            parsed = json.loads(raw)
-            layers.update(parsed["layers"])
-        except (ValueError, TypeError, KeyError) as exc:
-            raise SingleFileError(
-                f"{info.path}: its {QUANT_METADATA} header entry is not valid ({exc})"
-            ) from exc
-    if info.quant_keys:
-        with safe_open(str(info.path), framework="pt") as f:
-            for key in info.quant_keys:
-                try:
-                    layers[key.removesuffix(QUANT_SUFFIX)] = json.loads(bytes(f.get_tensor(key).tolist()))
-                except (ValueError, TypeError) as exc:
-                    raise SingleFileError(
-                        f"{info.path}: {key} is not a valid comfy_quant entry ({exc})"
-                    ) from exc
-    return layers
-
-
-def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset()) -> None:
-    """Refuse, by name, a ComfyUI quant format this engine cannot run. Per-tensor fp8 passes (it is
-    fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
-    ``int8_tensorwise``: an int8 weight and its ``weight_scale`` (with convrot, a matrix its group
-    size can rotate); an int8 weight
-    no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess). The
-    caller names the ``decoded`` formats it decodes at load (a text encoder's NVFP4)."""
-    layers = read_quant_layers(info)
-    formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
-    unknown = sorted(formats - LOADABLE_QUANT - decoded)
-    if unknown:
-        raise SingleFileError(
-            f"{info.path} is a ComfyUI quantized file ({len(layers)} layers, formats {', '.join(sorted(formats))}): "
-            f"this pack does not run comfy-kitchen layouts ({', '.join(unknown)}) yet; it runs {ACCEPTED_QUANT}. "
-            "Use such a file, an fp8, fp8_scaled, GGUF or bf16 file of the model, or ComfyUI's own loader"
-        )
-    _check_convrot(info)
-    full = [k for k, conf in layers.items()
-            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in {W4A8_FORMAT, *decoded}]
-    if full:
-        raise SingleFileError(
-            f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
-        )
-    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT})
-    _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
-
-
-def convrot_groups(info: SingleFileInfo) -> dict[str, int]:
-    """The file's convrot int8 layers (by file layer name) and their group sizes, read as ComfyUI's
-    ops.py reads them: ``convrot`` and ``convrot_groupsize`` from the entry, then its ``params``."""
-    groups = {}
-    for layer, conf in read_quant_layers(info).items():
-        params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
-        if conf.get("format") == INT8_QUANT and conf.get("convrot", params.get("convrot", False)):
-            groups[layer] = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", DEFAULT_GROUP)))
-    return groups
-
-
-def _check_convrot(info: SingleFileInfo) -> None:
-    """Each convrot layer's weight is a matrix its group size can rotate (a power of 4 dividing its width)."""
-    for layer, group in sorted(convrot_groups(info).items()):
-        shape = info.shapes.get(f"{layer}.weight", ())
-        why = (f"its weight has shape {tuple(shape)}, not a matrix" if len(shape) != 2
-               else group_error(group, shape[1]))
-        if why is not None:
-            raise SingleFileError(f"{info.path}: layer {layer} is declared int8_tensorwise with convrot, but {why}; "
-                                  "the file is inconsistent, download it again")
-
-
-def w4a8_conf(info: SingleFileInfo) -> w4a8.W4A8Conf:
-    """The group geometry of the file's W4A8 layers (`check_quant_layers` allows one per file)."""
-    return next((w4a8.W4A8Conf.of(c) for c in read_quant_layers(info).values()
-                 if isinstance(c, dict) and c.get("format") == W4A8_FORMAT), w4a8.W4A8Conf())
-
-
-def _check_w4a8(info: SingleFileInfo, layers: dict[str, dict]) -> None:
-    """W4A8 layers need comfy-kitchen, one group geometry, and each its int8 weight and scales."""
-    if not layers:
-        return
-    try:
-        w4a8.kitchen()
-    except ImportError as exc:
-        raise SingleFileError(f"{info.path} is a W4A8 (asym_w4a8_int8) file: {exc}") from exc
-    confs = {w4a8.W4A8Conf.of(conf) for conf in layers.values()}
-    if len(confs) > 1:
-        raise SingleFileError(f"{info.path}: its W4A8 layers use {len(confs)} group geometries "
-                              f"({sorted((c.group_size, c.convrot_groupsize) for c in confs)}); one per file is supported")
-    for layer in sorted(layers):
-        held = {s: info.dtypes.get(f"{layer}.{s}") for s in ("weight", "weight_s_rel", "weight_s_channel")}
-        if held["weight"] != torch.int8 or None in held.values():
-            missing = [s for s, d in held.items() if d is None]
-            raise SingleFileError(f"{info.path}: layer {layer} is declared asym_w4a8_int8 but the file lacks "
-                                  f"{', '.join(missing) or 'an int8 weight'} for it; the file is inconsistent, "
-                                  "download it again")
-
-
-def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
-    """Each ``int8_tensorwise`` layer has an int8 weight and a scale; each int8 weight is declared."""
-    for layer in sorted(declared):
-        dtype = info.dtypes.get(f"{layer}.weight")
-        if dtype != torch.int8 or layer not in info.scales:
-            stored = "no weight" if dtype is None else f"a {str(dtype).removeprefix('torch.')} weight"
-            scale = "" if layer in info.scales else " and no weight_scale"
-            raise SingleFileError(
-                f"{info.path}: layer {layer} is declared int8_tensorwise but the file holds "
-                f"{stored}{scale} for it; the file is inconsistent, download it again"
-            )
-    stray = sorted(
-        k
-        for k, d in info.dtypes.items()
-        if d == torch.int8 and k.endswith(".weight") and k.removesuffix(".weight") not in declared
-        and k.removesuffix(".weight") + ".weight_s_rel" not in info.dtypes
-    )
-    if stray:
-        raise SingleFileError(
-            f"{info.path}: {len(stray)} int8 weights ({', '.join(stray[:3])}) have no int8_tensorwise "
-            "comfy_quant entry; this pack runs ComfyUI's self-describing int8 files only"
-        )

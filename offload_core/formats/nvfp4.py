@@ -1,35 +1,159 @@
-"""ComfyUI's NVFP4 layers (comfy-kitchen's ``TensorCoreNVFP4Layout``: a packed fp4 weight padded to
-16 × 16, fp8 block scales under ``weight_scale`` and a per-tensor ``weight_scale_2``) decoded to the
-compute dtype at load by comfy-kitchen's own ``dequantize_nvfp4``.
+"""ComfyUI's NVFP4 layers (comfy-kitchen's ``TensorCoreNVFP4Layout``): a packed fp4 (E2M1) weight
+padded to 16 × 16, fp8 block scales (one per 16 values of a row) under ``weight_scale`` in cuBLAS's
+tiled ("swizzled") layout, a per-tensor ``weight_scale_2`` and, for AWQ files, an input scaling
+``pre_quant_scale``.
 
-Why only decoded, and only for text encoders: they run once a prompt (ComfyUI's LTX-2 blueprints
-name an nvfp4-mixed Gemma 3), while NVFP4 matmuls need Blackwell tensor cores this engine does not
-stream for; comfy-kitchen is the reference for the format, so its decode is used as is.
+A denoiser keeps them as stored (`NVFP4Linear`): 4.5 bits a weight are what is pinned, streamed and
+kept, and each layer computes as ComfyUI's does on a card without fp4 tensor cores (its
+``nvfp4`` ops are "emulated" below Blackwell): ``F.linear(x, dequantize_nvfp4(...)[:out, :in])``,
+comfy-kitchen's own decode (its CUDA kernel on a GPU). Text encoders, which run once a prompt, are
+decoded at load (`decode_nvfp4`). No NVFP4 matmuls: they need Blackwell tensor cores, which the
+engine has not been measured on.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from .fp8 import SCALE_KEY
+from ..log import get_logger
+from . import stored_linear
+from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
+from .stored_linear import StoredLinear
 
 NVFP4 = "nvfp4"
+BLOCK = 16  # values per block scale
 TENSOR_SCALE = ".weight_scale_2"
 AWQ_SCALE = ".pre_quant_scale"  # an input scaling (AWQ) a decoded weight does not carry
+log = get_logger("nvfp4")
+
+
+@functools.cache  # looked up by every layer's forward; a failed import is not cached
+def kitchen():
+    """comfy-kitchen, or an ImportError saying what to install."""
+    try:
+        import comfy_kitchen
+    except ImportError as exc:
+        raise ImportError("NVFP4 files are read by comfy-kitchen, which this Python does not have: update ComfyUI "
+                          "(its requirements install comfy-kitchen) or pip install comfy-kitchen") from exc
+    return comfy_kitchen
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class NVFP4Linear(StoredLinear):
+    """``nn.Linear``'s interface over NVFP4 storage: the weight decoded to ``compute`` at each
+    forward, cut to the layer's shape, then the input's dtype."""
+
+    FORMAT, NAME, TENSORS = NVFP4, "nvfp4", ("weight_scale", "weight_scale_2", "pre_quant_scale")
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, compute: torch.dtype, awq: torch.dtype | None,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(in_features, out_features, bias, compute, device)
+        rows, cols = _round16(out_features), _round16(in_features)
+        self.stored("weight", rows, cols // 2, dtype=torch.uint8, device=device)
+        self.stored("weight_scale", -(-rows // 128) * 128, -(-cols // (4 * BLOCK)) * 4, dtype=torch.float8_e4m3fn,
+                    device=device)
+        self.stored("weight_scale_2", dtype=torch.float32, device=device)
+        if awq is not None:
+            self.stored("pre_quant_scale", in_features, dtype=awq, device=device)
+        else:
+            self.register_buffer("pre_quant_scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_quant_scale is not None:  # ComfyUI: the input times the scale, in the input's dtype
+            x = x * self.pre_quant_scale.to(x.dtype)
+        weight = kitchen().dequantize_nvfp4(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
+        weight = weight[: self.out_features, : self.in_features].to(x.dtype)
+        return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def converted_layers(state: dict[str, torch.Tensor]) -> list[str]:
+    """The layers of a state dict stored as NVFP4: a packed uint8 weight beside a ``weight_scale_2``
+    (`quant_entries.check_quant_layers` has matched them to the file's entries)."""
+    return sorted(layer for layer in (k.removesuffix(TENSOR_SCALE) for k in state if k.endswith(TENSOR_SCALE))
+                  if getattr(state.get(layer + ".weight"), "dtype", None) == torch.uint8)
+
+
+def pop_extras(path: Path, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Each NVFP4 layer's tensors other than the weight, taken out of a file's state (so that a key
+    conversion sees weights only): file layer -> {"weight_scale": block scales unswizzled to one row
+    per weight row (`attach` takes a split layer's rows), "weight_scale_2": ..., "pre_quant_scale": ...}.
+    Input scales (for fp4 matmuls only) are dropped, logged once."""
+    layers = converted_layers(state)
+    if not layers:
+        return {}
+    from comfy_kitchen.float_utils import from_blocked
+
+    extras, inputs = {}, 0
+    for layer in layers:
+        weight = state[layer + ".weight"]
+        blocks = state.pop(layer + SCALE_KEY)
+        blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
+        held = {"weight_scale": from_blocked(blocks, weight.shape[0], weight.shape[1] * 2 // BLOCK).contiguous(),
+                "weight_scale_2": state.pop(layer + TENSOR_SCALE).float().reshape(())}
+        if layer + AWQ_SCALE in state:
+            held["pre_quant_scale"] = state.pop(layer + AWQ_SCALE)
+        inputs += state.pop(layer + INPUT_KEY, None) is not None
+        extras[layer] = held
+    if inputs:
+        log.info("%s: the input scales of %d NVFP4 layers are not used (they serve fp4 matmuls; the layers compute "
+                 "from their decoded weights, as ComfyUI's do below Blackwell)", path.name, inputs)
+    return extras
+
+
+def attach(state: dict[str, torch.Tensor], extras: dict[str, dict[str, torch.Tensor]],
+           traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
+    """Put the extras back beside the converted weights, ``traced`` mapping each converted layer to
+    its file layer and rows: a split layer takes its rows' block scales, swizzled again as
+    comfy-kitchen reads them; the per-tensor scale and the input scaling go whole."""
+    from comfy_kitchen.float_utils import to_blocked
+
+    for layer, (source, rows) in traced.items():
+        held = extras[source]
+        state[f"{layer}.weight_scale"] = to_blocked(held["weight_scale"][rows], flatten=False)
+        for name in ("weight_scale_2", "pre_quant_scale"):
+            if name in held:
+                state[f"{layer}.{name}"] = held[name]
+
+
+def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], compute: torch.dtype) -> None:
+    """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by an `NVFP4Linear`."""
+    def make(name: str, linear: torch.nn.Linear) -> NVFP4Linear:
+        awq = state.get(f"{name}.pre_quant_scale")
+        return NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None, compute,
+                           None if awq is None else awq.dtype, device="meta")
+
+    stored_linear.swap_in(model, layers, make)
+
+
+def decoded(state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A converted NVFP4 layer's weight decoded to ``dtype`` and cut to ``shape``, its tensors taken
+    out of ``state`` (a layer diffusers keeps in float32); an AWQ layer cannot be (its input scaling)."""
+    if f"{name}.pre_quant_scale" in state:
+        raise SingleFileError(f"the NVFP4 layer {name} scales its input (AWQ pre_quant_scale) but diffusers keeps "
+                              "it in float32, so it cannot be decoded; use a bf16, fp8 or fp8_scaled file")
+    scale, blocks = state.pop(f"{name}.weight_scale_2"), state.pop(f"{name}.weight_scale")
+    weight = kitchen().dequantize_nvfp4(state.pop(f"{name}.weight"), scale, blocks, dtype)
+    return weight[: shape[0], : shape[1]].contiguous()
 
 
 def decode_nvfp4(path: Path, state: dict[str, torch.Tensor], layers: list[str], dtype: torch.dtype) -> set[str]:
     """Replaces each NVFP4 layer's weight and scales in ``state`` (scales as `single_file.read_checkpoint`
     spells them) by its decoded weight, still padded to 16 × 16; returns those weights' keys, to be
-    cut to the model's shapes."""
+    cut to the model's shapes (a text encoder's, which runs once a prompt)."""
     try:
-        import comfy_kitchen
+        ck = kitchen()
     except ImportError as exc:
-        raise SingleFileError(f"{path} has NVFP4 layers ({layers[:3]}): reading them needs comfy-kitchen "
-                              "(ComfyUI's 2026 requirements install it)") from exc
+        raise SingleFileError(f"{path} has NVFP4 layers ({layers[:3]}): {exc}") from exc
     awq = [layer for layer in layers if layer + AWQ_SCALE in state]
     if awq:
         raise SingleFileError(f"{path}: NVFP4 layers {awq[:3]} scale their input (AWQ pre_quant_scale), which this "
@@ -42,6 +166,6 @@ def decode_nvfp4(path: Path, state: dict[str, torch.Tensor], layers: list[str], 
             raise SingleFileError(f"{path}: the NVFP4 layer {layer} lacks {exc.args[0]}: the file is incomplete"
                                   ) from exc
         blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
-        state[layer + ".weight"] = comfy_kitchen.dequantize_nvfp4(packed, scale.float(), blocks, dtype)
+        state[layer + ".weight"] = ck.dequantize_nvfp4(packed, scale.float(), blocks, dtype)
         padded.add(layer + ".weight")
     return padded

@@ -22,16 +22,9 @@ from .convrot import GROUP_KEY
 from .decoded import decoded_weight
 from .fp8 import INT8, is_fp8, mark_fp8, popped
 from .gguf_text_encoder import load_gguf_text_encoder
-from .inspect import (
-    SingleFileError,
-    SingleFileInfo,
-    check_quant_layers,
-    convrot_groups,
-    inspect_safetensors,
-    read_quant_layers,
-    w4a8_conf,
-)
+from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
 from .nvfp4 import NVFP4, decode_nvfp4
+from .quant_entries import check_quant_layers, convrot_groups, read_quant_layers, w4a8_conf
 from .single_file import (
     INPUT_KEY,
     SCALE_KEY,
@@ -41,6 +34,7 @@ from .single_file import (
     read_checkpoint,
     short_dtype,
 )
+from .stored_linear import stored_keys
 from .text_encoder_layouts import comfy_layout, drop_absent, renamer
 from .wan_vae import is_wan22_vae, load_wan22_vae
 
@@ -341,7 +335,7 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     for key in padded & expected.keys():
         rows, cols = expected[key].shape
         state[key] = state[key][:rows, :cols].contiguous()
-    stored = w4a8.stored_keys(layers)
+    stored = stored_keys(layers, w4a8.W4A8Linear.TENSORS)
     state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
              and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}
     params = dict(model.named_parameters())

@@ -2,12 +2,8 @@
 int4 weights packed two per int8 byte ``[out, in / 2]``, fp8 group scales ``weight_s_rel``,
 float32 channel scales ``weight_s_channel`` and an optional 16-level ``weight_codebook``, run by
 comfy-kitchen's own ``w4a8_int8_linear`` (its kernels on a GPU, its eager ops elsewhere): the call
-ComfyUI's quantized Linear makes, so the outputs are ComfyUI's.
-
-Why a layer of our own rather than comfy-kitchen's ``QuantizedTensor``: a tensor subclass is what
-the transports cannot move (SPEC §11); plain parameters are pinned, streamed and kept as storage
-bytes by every transport with no special case. comfy-kitchen comes with ComfyUI (2026 tree); where
-it is missing, a W4A8 file is refused by name.
+ComfyUI's quantized Linear makes, so the outputs are ComfyUI's. A `stored_linear.StoredLinear`.
+comfy-kitchen comes with ComfyUI (2026 tree); where it is missing, a W4A8 file is refused by name.
 """
 
 from __future__ import annotations
@@ -16,6 +12,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from . import stored_linear
+from .stored_linear import StoredLinear
 
 FORMAT = "asym_w4a8_int8"
 TENSORS = ("weight_s_rel", "weight_s_channel", "weight_codebook")  # beside ``<layer>.weight``
@@ -46,27 +45,24 @@ def kitchen():
     return w4a8_int8
 
 
-class W4A8Linear(torch.nn.Module):
-    """``nn.Linear``'s interface over W4A8 storage; ``compute`` is the bias's dtype; the output takes
-    the input's dtype, as ComfyUI's layer gives it."""
+class W4A8Linear(StoredLinear):
+    """``nn.Linear``'s interface over W4A8 storage; the output takes the input's dtype, as
+    ComfyUI's layer gives it."""
+
+    FORMAT, NAME, TENSORS = FORMAT, "w4a8", TENSORS
 
     def __init__(self, in_features: int, out_features: int, bias: bool, conf: W4A8Conf, codebook: bool,
                  compute: torch.dtype, device: torch.device | str | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.conf, self.compute = in_features, out_features, conf, compute
-
-        def empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        # The scales are buffers: a model's dtype is read from its first float parameter
-        # (diffusers' get_parameter_dtype; MiniMax-H3 casts its inputs to it), which must not be
-        # an fp8 group scale or a float32 channel scale.
-        self.weight = torch.nn.Parameter(empty(out_features, in_features // 2, dtype=torch.int8), requires_grad=False)
-        self.register_buffer("weight_s_rel", empty(out_features, in_features // conf.group_size,
-                                                   dtype=torch.float8_e4m3fn))
-        self.register_buffer("weight_s_channel", empty(out_features, dtype=torch.float32))
-        self.register_buffer("weight_codebook", empty(16, dtype=torch.float32) if codebook else None)
-        self.bias = torch.nn.Parameter(empty(out_features, dtype=compute), requires_grad=False) if bias else None
+        super().__init__(in_features, out_features, bias, compute, device)
+        self.conf = conf
+        self.stored("weight", out_features, in_features // 2, dtype=torch.int8, device=device)
+        self.stored("weight_s_rel", out_features, in_features // conf.group_size, dtype=torch.float8_e4m3fn,
+                    device=device)
+        self.stored("weight_s_channel", out_features, dtype=torch.float32, device=device)
+        if codebook:
+            self.stored("weight_codebook", 16, dtype=torch.float32, device=device)
+        else:
+            self.register_buffer("weight_codebook", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kitchen().w4a8_int8_linear(
@@ -84,25 +80,13 @@ def w4a8_layers(state: dict[str, torch.Tensor]) -> list[str]:
     return sorted(k.removesuffix(".weight_s_rel") for k in state if k.endswith(".weight_s_rel"))
 
 
-def stored_keys(layers: list[str]) -> set[str]:
-    """The state-dict keys W4A8 ``layers`` hold as stored (never cast to the compute dtype)."""
-    return {f"{n}.{t}" for n in layers for t in ("weight", *TENSORS)}
-
-
 def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], conf: W4A8Conf,
             compute: torch.dtype) -> None:
     """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by a `W4A8Linear` the
     state's tensors fit; a layer that is no Linear raises ValueError naming it."""
-    for name in layers:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, child, None)
-        if not isinstance(linear, torch.nn.Linear):
-            raise ValueError(f"{name} is stored as W4A8 but is a {type(linear).__name__} in "
-                             f"{type(model).__name__}, not a Linear layer")
-        layer = W4A8Linear(linear.in_features, linear.out_features, linear.bias is not None, conf,
-                           codebook=f"{name}.weight_codebook" in state, compute=compute, device="meta")
-        setattr(parent, child, layer)
+    stored_linear.swap_in(model, layers, lambda name, linear: W4A8Linear(
+        linear.in_features, linear.out_features, linear.bias is not None, conf,
+        codebook=f"{name}.weight_codebook" in state, compute=compute, device="meta"))
 
 
 def load_state(state: dict[str, torch.Tensor], layers: list[str]) -> None:
@@ -117,10 +101,6 @@ def load_state(state: dict[str, torch.Tensor], layers: list[str]) -> None:
             state[key] = state[key].float().reshape(-1)
         if f"{name}.weight_codebook" in state:
             state[f"{name}.weight_codebook"] = state[f"{name}.weight_codebook"].float()
-
-
-def holds_w4a8(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, W4A8Linear) for m in model.modules())
 
 
 def dequantize_into(state: dict[str, torch.Tensor], name: str, conf: W4A8Conf, compute: torch.dtype) -> None:

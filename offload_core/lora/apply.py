@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..components import denoisers, iter_modules
-from ..formats.w4a8 import W4A8Linear
+from ..formats.stored_linear import StoredLinear
 from ..log import get_logger
 from ..state import COMPONENT, LORA, LORA_REPORT, PIPELINE
 from ..transport.base import Masters
@@ -34,7 +34,7 @@ from .files import LoraError, LoraFile, LoraLayer, identity, read_lora
 from .restore import FileSource, WeightFiles, check_unchanged
 
 log = get_logger("lora")
-LINEAR = (torch.nn.Linear, W4A8Linear)  # layers an unfused LoRA adds its product to
+LINEAR = (torch.nn.Linear, StoredLinear)  # layers an unfused LoRA adds its product to
 
 __all__ = ["INTO", "LoraError", "LoraSpec", "activate", "check", "set_signature"]
 
@@ -226,7 +226,7 @@ def _check_shape(lora: LoraFile, comp: str, path: str, target: torch.nn.Module, 
     weight = target.weight
     if layer.up is None:
         return
-    if isinstance(target, LINEAR):  # a GGUF or W4A8 weight's shape is its packed bytes'
+    if isinstance(target, LINEAR):  # a GGUF or stored layer's weight's shape is its packed bytes'
         want = (target.out_features, target.in_features)
     else:
         want = (weight.shape[0], weight[0].numel())

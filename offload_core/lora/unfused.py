@@ -3,7 +3,7 @@
 
 Why unfused: an fp8 or GGUF weight cannot take a delta in place without rounding most of it away,
 and removal must be bit-exact (taking the hook off is). Which layers: a weight the model's fp8
-table holds, a GGUF parameter, a W4A8 layer, any other tensor subclass or non-float weight, and every layer of a
+table holds, a GGUF parameter, a stored (W4A8, NVFP4) layer, any other tensor subclass or non-float weight, and every layer of a
 component another quantizer made (its float weights may be views of packed data).
 
 Where the factors live: resident on the device the layer computes on, copied there at the
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
 from ..formats.fp8 import table_of
-from ..formats.w4a8 import W4A8Linear
+from ..formats.stored_linear import StoredLinear
 from ..state import LORA_HOOK, REGISTRY
 from ..transport.base import add_hook, remove_hook
 from .files import LoraLayer
@@ -107,8 +107,8 @@ class LoraHook(ModelHook):
 
 def unfused_reason(component: torch.nn.Module, layer: torch.nn.Module) -> str | None:
     """Why ``layer``'s weight cannot take a fused delta (``"fp8"``, ``"gguf"``, ...), or None."""
-    if isinstance(layer, W4A8Linear):
-        return "w4a8"
+    if isinstance(layer, StoredLinear):
+        return layer.NAME
     weight = layer.weight
     table = table_of(component)
     if table is not None and table.holds(weight):

@@ -197,7 +197,8 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
 
 def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
     from diffusers import LTX2Pipeline
-    from fixtures.ltx2_files import comfy_gemma3_text_state, nvfp4_layers, write_ltx2_checkpoint
+    from fixtures.ltx2_files import comfy_gemma3_text_state, write_ltx2_checkpoint
+    from fixtures.nvfp4_files import nvfp4_layers
 
     pipe = LTX2Pipeline.from_pretrained(str(folder), dtype=torch.float32)
     if file.input == "denoiser":

@@ -171,6 +171,23 @@ def test_each_released_flux_shape_picks_its_own_folder(folder: Path) -> None:
         carried.choose(describe_keys(Path("flux1-fill-dev.safetensors"), fill), False, carried.carried())
 
 
+def test_a_flux_file_with_packed_input_layers_picks_its_folder_by_their_width() -> None:
+    """Layers stored two weights a byte (NVFP4, W4A8: half the stored columns) are read at their
+    width: FLUX.1 dev's input layers so stored still pick dev."""
+    folder = next(f for f in FLUX if "dev" in f.name)
+    model = _meta(diffusers.FluxTransformer2DModel, folder / "transformer")
+    shapes = {k: tuple(v.shape) for k, v in bfl_flux_state(model).items()}
+    packed = ("img_in", "txt_in", "vector_in.in_layer")
+    for layer in packed:
+        rows, cols = shapes[f"{layer}.weight"]
+        shapes[f"{layer}.weight"] = (rows, cols // 2)
+    info = describe_keys(Path("flux1-dev-nvfp4.safetensors"), shapes)
+    with pytest.raises(SingleFileError, match="none of the configs the pack carries"):
+        carried.choose(info, False, carried.carried())  # undeclared, the halved widths fit no folder
+    info.metadata["_quantization_metadata"] = json.dumps({"layers": {k: {"format": "nvfp4"} for k in packed}})
+    assert carried.choose(info, False, carried.carried()) == folder
+
+
 @pytest.mark.parametrize("folder", WAN, ids=lambda p: p.name)
 def test_each_released_wan_shape_picks_its_own_folder(folder: Path) -> None:
     """A file holding the released model's tensors (its header: the shapes of the model built on

@@ -192,7 +192,8 @@ def test_an_nvfp4_gemma_file_is_decoded_as_comfy_kitchen_decodes_it(case, tmp_pa
     model's key and value projections are 8 rows), the other layers as stored; the file unchanged."""
     from comfy_kitchen import dequantize_nvfp4
     from diffusers_offload.offload_core.formats.single_file_pipeline import load_text_encoder
-    from fixtures.ltx2_files import comfy_gemma3_text_state, nvfp4_layers
+    from fixtures.ltx2_files import comfy_gemma3_text_state
+    from fixtures.nvfp4_files import nvfp4_layers
     from fixtures.tiny_tok import tiny_gemma_spiece
 
     folder = case[0]

@@ -21,15 +21,8 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import load_file
 
 from ...formats.decoded import decoded_weight
-from ...formats.inspect import (
-    INT8_QUANT,
-    SingleFileError,
-    SingleFileInfo,
-    check_quant_layers,
-    convrot_groups,
-    inspect_safetensors,
-    read_quant_layers,
-)
+from ...formats.inspect import SingleFileError, SingleFileInfo, inspect_safetensors
+from ...formats.quant_entries import INT8_QUANT, check_quant_layers, convrot_groups, read_quant_layers
 from ...formats.state_fit import mismatch_text
 from ...log import get_logger
 

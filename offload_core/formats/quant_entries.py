@@ -1,0 +1,179 @@
+"""ComfyUI's self-describing quant entries (a ``<layer>.comfy_quant`` entry per layer, or the
+header's ``_quantization_metadata``): read, and checked against the tensors the header holds, so
+that a format this engine cannot run, or an inconsistent file, is refused by name before loading.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors import safe_open
+
+from . import w4a8
+from .convrot import DEFAULT_GROUP, group_error
+from .inspect import QUANT_METADATA, QUANT_SUFFIX, SingleFileError, SingleFileInfo
+
+LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8", "nvfp4"}  # per-tensor fp8 (fp8_scaled by another
+# name); int8 with a per-tensor or per-row scale, convrot (Hadamard-rotated weights) or not
+INT8_QUANT = "int8_tensorwise"
+W4A8_FORMAT, NVFP4_FORMAT = w4a8.FORMAT, "nvfp4"
+PACKED_QUANT = {W4A8_FORMAT, NVFP4_FORMAT}  # two weights a byte: a layer's width is twice its stored weight's
+ACCEPTED_QUANT = (
+    "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise with or without convrot "
+    "(per-tensor or per-row scales), asym_w4a8_int8 (W4A8) and nvfp4 (both through comfy-kitchen)"
+)
+
+def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
+    """ComfyUI's self-describing quant config, layer -> {"format": ...}: the header metadata's
+    ``_quantization_metadata`` and every ``<layer>.comfy_quant`` entry (uint8 JSON bytes)."""
+    layers: dict[str, dict] = {}
+    raw = info.metadata.get(QUANT_METADATA)
+    if raw is not None:
+        try:
+            parsed = json.loads(raw)
+            layers.update(parsed["layers"])
+        except (ValueError, TypeError, KeyError) as exc:
+            raise SingleFileError(
+                f"{info.path}: its {QUANT_METADATA} header entry is not valid ({exc})"
+            ) from exc
+    if info.quant_keys:
+        with safe_open(str(info.path), framework="pt") as f:
+            for key in info.quant_keys:
+                try:
+                    layers[key.removesuffix(QUANT_SUFFIX)] = json.loads(bytes(f.get_tensor(key).tolist()))
+                except (ValueError, TypeError) as exc:
+                    raise SingleFileError(
+                        f"{info.path}: {key} is not a valid comfy_quant entry ({exc})"
+                    ) from exc
+    return layers
+
+
+def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset()) -> None:
+    """Refuse, by name, a ComfyUI quant format this engine cannot run. Per-tensor fp8 passes (it is
+    fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
+    ``int8_tensorwise``: an int8 weight and its ``weight_scale`` (with convrot, a matrix its group
+    size can rotate); an int8 weight
+    no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess). The
+    caller names the ``decoded`` formats it decodes at load (a text encoder's NVFP4)."""
+    layers = read_quant_layers(info)
+    formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
+    unknown = sorted(formats - LOADABLE_QUANT - decoded)
+    if unknown:
+        raise SingleFileError(
+            f"{info.path} is a ComfyUI quantized file ({len(layers)} layers, formats {', '.join(sorted(formats))}): "
+            f"this pack does not run comfy-kitchen layouts ({', '.join(unknown)}) yet; it runs {ACCEPTED_QUANT}. "
+            "Use such a file, an fp8, fp8_scaled, GGUF or bf16 file of the model, or ComfyUI's own loader"
+        )
+    _check_convrot(info)
+    full = [k for k, conf in layers.items()
+            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in {*PACKED_QUANT, *decoded}]
+    if full:
+        raise SingleFileError(
+            f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
+        )
+    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT})
+    _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
+    if NVFP4_FORMAT not in decoded:
+        _check_nvfp4(info, sorted(k for k, conf in layers.items() if conf.get("format") == NVFP4_FORMAT))
+
+
+def convrot_groups(info: SingleFileInfo) -> dict[str, int]:
+    """The file's convrot int8 layers (by file layer name) and their group sizes, read as ComfyUI's
+    ops.py reads them: ``convrot`` and ``convrot_groupsize`` from the entry, then its ``params``."""
+    groups = {}
+    for layer, conf in read_quant_layers(info).items():
+        params = conf.get("params") if isinstance(conf.get("params"), dict) else {}
+        if conf.get("format") == INT8_QUANT and conf.get("convrot", params.get("convrot", False)):
+            groups[layer] = int(conf.get("convrot_groupsize", params.get("convrot_groupsize", DEFAULT_GROUP)))
+    return groups
+
+
+def _check_convrot(info: SingleFileInfo) -> None:
+    """Each convrot layer's weight is a matrix its group size can rotate (a power of 4 dividing its width)."""
+    for layer, group in sorted(convrot_groups(info).items()):
+        shape = info.shapes.get(f"{layer}.weight", ())
+        why = (f"its weight has shape {tuple(shape)}, not a matrix" if len(shape) != 2
+               else group_error(group, shape[1]))
+        if why is not None:
+            raise SingleFileError(f"{info.path}: layer {layer} is declared int8_tensorwise with convrot, but {why}; "
+                                  "the file is inconsistent, download it again")
+
+
+def w4a8_conf(info: SingleFileInfo) -> w4a8.W4A8Conf:
+    """The group geometry of the file's W4A8 layers (`check_quant_layers` allows one per file)."""
+    return next((w4a8.W4A8Conf.of(c) for c in read_quant_layers(info).values()
+                 if isinstance(c, dict) and c.get("format") == W4A8_FORMAT), w4a8.W4A8Conf())
+
+
+def _check_w4a8(info: SingleFileInfo, layers: dict[str, dict]) -> None:
+    """W4A8 layers need comfy-kitchen, one group geometry, and each its int8 weight and scales."""
+    if not layers:
+        return
+    try:
+        w4a8.kitchen()
+    except ImportError as exc:
+        raise SingleFileError(f"{info.path} is a W4A8 (asym_w4a8_int8) file: {exc}") from exc
+    confs = {w4a8.W4A8Conf.of(conf) for conf in layers.values()}
+    if len(confs) > 1:
+        raise SingleFileError(f"{info.path}: its W4A8 layers use {len(confs)} group geometries "
+                              f"({sorted((c.group_size, c.convrot_groupsize) for c in confs)}); one per file is supported")
+    for layer in sorted(layers):
+        held = {s: info.dtypes.get(f"{layer}.{s}") for s in ("weight", "weight_s_rel", "weight_s_channel")}
+        if held["weight"] != torch.int8 or None in held.values():
+            missing = [s for s, d in held.items() if d is None]
+            raise SingleFileError(f"{info.path}: layer {layer} is declared asym_w4a8_int8 but the file lacks "
+                                  f"{', '.join(missing) or 'an int8 weight'} for it; the file is inconsistent, "
+                                  "download it again")
+
+
+def _check_nvfp4(info: SingleFileInfo, layers: list[str]) -> None:
+    """NVFP4 layers need comfy-kitchen, and each a packed uint8 weight padded to 16 x 16, its block
+    scales in comfy-kitchen's tiled layout for that weight, and a per-tensor scale."""
+    if not layers:
+        return
+    try:
+        import comfy_kitchen  # noqa: F401
+    except ImportError as exc:
+        raise SingleFileError(f"{info.path} is an NVFP4 file: reading it needs comfy-kitchen (ComfyUI's 2026 "
+                              "requirements install it; or pip install comfy-kitchen)") from exc
+    for layer in layers:
+        shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
+        blocks = info.shapes.get(info.scales.get(layer, ""))
+        why = ("no weight" if shape is None else
+               f"a {str(dtype).removeprefix('torch.')} weight, not packed uint8" if dtype != torch.uint8 or len(shape) != 2
+               else f"a weight of shape {tuple(shape)}, not padded to 16 x 16" if shape[0] % 16 or shape[1] % 8
+               else "no weight_scale" if blocks is None
+               else "no weight_scale_2" if f"{layer}.weight_scale_2" not in info.shapes
+               else None)
+        if why is None:
+            want = (-(-shape[0] // 128) * 128, -(-shape[1] // 32) * 4)  # 16 weights a block, 4 blocks a tile's width
+            if tuple(blocks) != want:
+                why = f"block scales of shape {tuple(blocks)} for a weight of shape {tuple(shape)} (expected {want})"
+        if why is not None:
+            raise SingleFileError(f"{info.path}: layer {layer} is declared nvfp4 but the file holds {why} for it; "
+                                  "the file is inconsistent, download it again")
+
+
+def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
+    """Each ``int8_tensorwise`` layer has an int8 weight and a scale; each int8 weight is declared."""
+    for layer in sorted(declared):
+        dtype = info.dtypes.get(f"{layer}.weight")
+        if dtype != torch.int8 or layer not in info.scales:
+            stored = "no weight" if dtype is None else f"a {str(dtype).removeprefix('torch.')} weight"
+            scale = "" if layer in info.scales else " and no weight_scale"
+            raise SingleFileError(
+                f"{info.path}: layer {layer} is declared int8_tensorwise but the file holds "
+                f"{stored}{scale} for it; the file is inconsistent, download it again"
+            )
+    stray = sorted(
+        k
+        for k, d in info.dtypes.items()
+        if d == torch.int8 and k.endswith(".weight") and k.removesuffix(".weight") not in declared
+        and k.removesuffix(".weight") + ".weight_s_rel" not in info.dtypes
+    )
+    if stray:
+        raise SingleFileError(
+            f"{info.path}: {len(stray)} int8 weights ({', '.join(stray[:3])}) have no int8_tensorwise "
+            "comfy_quant entry; this pack runs ComfyUI's self-describing int8 files only"
+        )

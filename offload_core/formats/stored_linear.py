@@ -1,0 +1,65 @@
+"""A ComfyUI quantized layer held as stored (`w4a8.W4A8Linear`, `nvfp4.NVFP4Linear`):
+``nn.Linear``'s interface over the file's own tensors, computed by comfy-kitchen as ComfyUI's layer
+computes it.
+
+Why a layer rather than comfy-kitchen's ``QuantizedTensor``: a tensor subclass is what the
+transports cannot move (SPEC §11); plain parameters and buffers are pinned, streamed and kept as
+storage bytes by every transport with no special case. A layer's scales are buffers: a model's
+dtype is read from its first float parameter (diffusers' ``get_parameter_dtype``; MiniMax-H3 casts
+its inputs to it), which must not be an fp8 scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+
+class StoredLinear(torch.nn.Module):
+    """The base of the stored layers: ``FORMAT`` is the ``comfy_quant`` format, ``NAME`` its short
+    name (logs, the LoRA report), ``TENSORS`` what the file holds beside ``<layer>.weight``;
+    ``compute`` is the bias's dtype."""
+
+    FORMAT: ClassVar[str]
+    NAME: ClassVar[str]
+    TENSORS: ClassVar[tuple[str, ...]]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, compute: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.compute = in_features, out_features, compute
+        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=compute, device=device),
+                                       requires_grad=False) if bias else None
+
+    def stored(self, name: str, *shape: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
+        """Register the stored tensor ``name``: the weight a parameter (no gradient), the rest buffers."""
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if name == "weight":
+            self.weight = torch.nn.Parameter(t, requires_grad=False)
+        else:
+            self.register_buffer(name, t)
+
+
+def swap_in(model: torch.nn.Module, layers: list[str], make: Callable[[str, torch.nn.Linear], StoredLinear]) -> None:
+    """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by ``make(name, linear)``;
+    a layer that is no Linear raises ValueError naming it."""
+    for name in layers:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child, None)
+        if not isinstance(linear, torch.nn.Linear):
+            raise ValueError(f"{name} is stored quantized but is a {type(linear).__name__} in "
+                             f"{type(model).__name__}, not a Linear layer")
+        setattr(parent, child, make(name, linear))
+
+
+def stored_keys(layers: list[str], tensors: tuple[str, ...]) -> set[str]:
+    """The state-dict keys stored ``layers`` hold as stored (never cast to the compute dtype)."""
+    return {f"{n}.{t}" for n in layers for t in ("weight", *tensors)}
+
+
+def stored_format(model: torch.nn.Module) -> str | None:
+    """The ``comfy_quant`` format of the model's first stored layer, or None."""
+    return next((m.FORMAT for m in model.modules() if isinstance(m, StoredLinear)), None)

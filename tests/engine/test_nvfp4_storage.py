@@ -1,0 +1,238 @@
+"""ComfyUI NVFP4 single files (comfy-kitchen's ``TensorCoreNVFP4Layout``, quantized here by
+comfy-kitchen itself): loaded with their packed fp4 weights, block scales and tensor scales kept as
+stored, and run, in every placement, bit for bit like ComfyUI's layer on a card without fp4 tensor
+cores — the same model with each such weight a comfy-kitchen ``QuantizedTensor`` under a plain
+``nn.Linear`` (its linear falls back to the decoded weight) and an AWQ layer's input scaled first,
+as ComfyUI's mixed precision ops do; widths padded to 16 are cut back; what the streamer moves is
+storage bytes; LoRA is unfused and comes off bit-exactly; bad files are refused by name; no file changes."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.nvfp4 import NVFP4Linear, kitchen
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.lora import LoraSpec, activate
+from diffusers_offload.offload_core.state import leftovers
+from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, write_comfy_nvfp4_wan
+from fixtures.placements import PLACEMENTS
+from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
+from fixtures.tiny_loras import wan_lora
+from fixtures.tiny_models import load_wan, run_wan
+from safetensors.torch import load_file, save_file
+
+BF16 = torch.bfloat16
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+EXTRA = (".weight_scale", ".weight_scale_2", ".pre_quant_scale", ".comfy_quant")
+STORED = (torch.uint8, torch.float8_e4m3fn)
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name, detached (an NVFP4 layer's scales are buffers)."""
+    return {n: t.detach() for n, t in (*model.named_parameters(), *model.named_buffers())}
+
+
+@pytest.fixture(scope="module")
+def nvfp4_file(tiny_wan_dir, tmp_path_factory) -> Path:
+    return write_comfy_nvfp4_wan(tiny_wan_dir, tmp_path_factory.mktemp("nvfp4") / "wan-tiny-nvfp4.safetensors")
+
+
+def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
+    """The file as ComfyUI holds it: its plain tensors and each NVFP4 weight decoded (for diffusers'
+    folder loader: shapes, and the fp32 modules' values) converted and loaded in bf16; then each
+    NVFP4 layer outside diffusers' fp32 modules gets the packed weight as comfy-kitchen's
+    ``QuantizedTensor``, and an AWQ layer multiplies its input by its scale first (ComfyUI's forward)."""
+    import comfy_kitchen as ck
+    from comfy_kitchen.tensor.base import QuantizedTensor
+    from comfy_kitchen.tensor.nvfp4 import TensorCoreNVFP4Layout
+
+    tensors = load_file(str(path))
+    layers = [k.removesuffix(".weight_scale_2") for k in tensors if k.endswith(".weight_scale_2")]
+    shapes = {k: tuple(t.shape) for k, t in comfy_wan_state_dict_shapes(folder).items()}
+    plain = {k: t for k, t in tensors.items() if not k.endswith(EXTRA)}
+    for layer in layers:
+        rows, cols = shapes[f"{layer}.weight"]
+        full = ck.dequantize_nvfp4(tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale_2"],
+                                   tensors[f"{layer}.weight_scale"], BF16)
+        plain[f"{layer}.weight"] = full[:rows, :cols].contiguous()
+    ref = tmp / "comfyui-twin" / "transformer"
+    ref.mkdir(parents=True)
+    shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
+    save_file(convert_wan_transformer_to_diffusers(plain), str(ref / "diffusion_pytorch_model.safetensors"))
+    model = WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
+    names = convert_wan_transformer_to_diffusers({f"{layer}.weight": torch.tensor(i) for i, layer in enumerate(layers)})
+    for key, index in names.items():
+        linear = model.get_submodule(key.removesuffix(".weight"))
+        if linear.weight.dtype == torch.float32:  # diffusers' fp32 modules: the decoded weight, upcast
+            continue
+        layer = layers[int(index)]
+        params = TensorCoreNVFP4Layout.Params(
+            scale=tensors[f"{layer}.weight_scale_2"], orig_dtype=BF16, orig_shape=tuple(linear.weight.shape),
+            block_scale=tensors[f"{layer}.weight_scale"])
+        linear.weight = torch.nn.Parameter(
+            QuantizedTensor(tensors[f"{layer}.weight"], "TensorCoreNVFP4Layout", params), requires_grad=False)
+        if f"{layer}.pre_quant_scale" in tensors:
+            smooth = tensors[f"{layer}.pre_quant_scale"]
+            linear.register_forward_pre_hook(lambda _m, args, s=smooth: (args[0] * s.to(args[0].dtype),))
+    return model
+
+
+def comfy_wan_state_dict_shapes(folder: Path) -> dict[str, torch.Tensor]:
+    from fixtures.gguf_files import comfy_wan_state_dict
+
+    return comfy_wan_state_dict(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_wan_dir, nvfp4_file, tmp_path_factory) -> torch.Tensor:
+    return run_wan(wan_pipe(tiny_wan_dir, _comfyui_twin(nvfp4_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
+
+
+def test_the_file_is_comfy_kitchens_nvfp4_padded(nvfp4_file, tiny_wan_dir):
+    """Packed uint8 weights padded to 16 x 16 (the tiny Wan's width 24 becomes 32), fp8 block scales
+    in comfy-kitchen's tiled layout, on the blocks (streamed) and outside them."""
+    tensors = load_file(str(nvfp4_file))
+    q = tensors["blocks.0.self_attn.q.weight"]
+    assert q.dtype == torch.uint8 and q.shape == (32, 16)
+    assert tensors["blocks.0.self_attn.q.weight_scale"].shape == (128, 4)
+    assert tensors["blocks.0.self_attn.q.weight_scale"].dtype == torch.float8_e4m3fn
+    assert "head.head.weight_scale_2" in tensors and f"{AWQ_LAYER}.pre_quant_scale" in tensors
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_nvfp4_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, nvfp4_file, reference):
+    before = digest(nvfp4_file)
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(nvfp4_file, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    assert any(isinstance(m, NVFP4Linear) for m in model.blocks.modules()) and isinstance(model.proj_out, NVFP4Linear)
+    assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # decoded, fp32 module
+    assert model.dtype == BF16
+    stored = {n: t.clone() for n, t in _tensors(model).items() if t.dtype in STORED}
+    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+    assert torch.equal(first, reference) and torch.equal(second, reference)
+    assert leftovers(model) == []
+    for name, p in _tensors(model).items():
+        if name in stored:
+            assert p.dtype == stored[name].dtype and p.device.type == "cpu" and torch.equal(p, stored[name]), name
+    assert digest(nvfp4_file) == before
+
+
+def test_the_awq_input_scaling_is_applied(tiny_wan_dir, nvfp4_file, reference):
+    """Dropping the AWQ layer's input scaling changes the output (the placement test cannot pass
+    with the scaling ignored)."""
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(nvfp4_file, tiny_wan_dir, BF16))
+    layer = pipe.transformer.blocks[1].ffn.net[2]
+    assert isinstance(layer, NVFP4Linear) and layer.pre_quant_scale is not None
+    layer.pre_quant_scale = None
+    assert not torch.allclose(run_wan(pipe), reference, atol=1e-3)
+
+
+def test_streamer_moves_nvfp4_storage_bytes(tiny_wan_dir, nvfp4_file, monkeypatch):
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(nvfp4_file, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    blocks = sum(t.numel() * t.element_size() for b in model.blocks for t in _tensors(b).values())
+    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
+    assert sum(moved) == 2 * blocks  # one step, two forwards (CFG): the blocks' stored bytes, no more
+    assert {torch.uint8, torch.float8_e4m3fn} <= dtypes
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
+    assert report.component("transformer").quantization == "comfy nvfp4"
+    engine.release(pipe)
+
+
+LORA_TARGETS = ("to_q", "ffn.net.2")
+
+
+@pytest.fixture(scope="module")
+def nvfp4_lora(tiny_wan_dir, tmp_path_factory) -> Path:
+    return wan_lora(load_wan(tiny_wan_dir).transformer, tmp_path_factory.mktemp("nvfp4-lora"), seed=7,
+                    targets=LORA_TARGETS)
+
+
+@pytest.mark.parametrize("placement", ["none", "auto", "leaf"])
+def test_lora_on_nvfp4_layers_is_unfused_and_comes_off_bit_exactly(placement, tiny_wan_dir, nvfp4_file, nvfp4_lora,
+                                                                    reference):
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(nvfp4_file, tiny_wan_dir, BF16))
+    model = pipe.transformer
+    stored = {n: t.clone() for n, t in _tensors(model).items() if t.dtype in STORED}
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
+    activate(pipe, [LoraSpec(str(nvfp4_lora))])
+    with_lora = run_wan(pipe)
+    assert not torch.equal(with_lora, reference)
+    lora = engine.report(pipe).component("transformer").details["lora"]
+    assert lora["path"] == "unfused" and set(lora["unfused"].values()) == {"nvfp4"}
+    assert all(torch.equal(_tensors(model)[n], t) for n, t in stored.items()), "an NVFP4 tensor was written"
+    activate(pipe, [])
+    assert torch.equal(run_wan(pipe), reference)
+    engine.release(pipe)
+    assert leftovers(model) == []
+
+
+# -- refused by name, files untouched ---------------------------------------------------------------
+
+@pytest.mark.parametrize("fault, match", [
+    ("no_tensor_scale", r"blocks\.0\.self_attn\.q is declared nvfp4 but the file holds no weight_scale_2"),
+    ("wrong_blocks", r"blocks\.0\.self_attn\.q is declared nvfp4 but the file holds block scales of shape \(128, 8\)"),
+    ("bf16_weight", r"blocks\.0\.self_attn\.q is declared nvfp4 but the file holds a bfloat16 weight"),
+])
+def test_inconsistent_nvfp4_files_are_refused(fault, match, tiny_wan_dir, tmp_path):
+    tensors = comfy_nvfp4_wan_tensors(tiny_wan_dir)
+    layer = "blocks.0.self_attn.q"
+    if fault == "no_tensor_scale":
+        tensors.pop(f"{layer}.weight_scale_2")
+    elif fault == "wrong_blocks":
+        tensors[f"{layer}.weight_scale"] = torch.zeros(128, 8, dtype=torch.float8_e4m3fn)
+    else:
+        tensors[f"{layer}.weight"] = torch.zeros(24, 24, dtype=BF16)
+    path = tmp_path / f"wan-nvfp4-{fault}.safetensors"
+    save_file(tensors, str(path))
+    refused(match, path, tiny_wan_dir)
+
+
+def test_without_comfy_kitchen_an_nvfp4_file_is_refused_naming_it(tiny_wan_dir, nvfp4_file, monkeypatch):
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # import fails as if not installed
+    kitchen.cache_clear()
+    err = refused(r"is an NVFP4 file: reading it needs comfy-kitchen", nvfp4_file, tiny_wan_dir)
+    assert "pip install comfy-kitchen" in str(err)
+    kitchen.cache_clear()
+
+
+def test_an_h3_nvfp4_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path):
+    """diffusers' H3 conversion splits the Comfy-Org layout's fused ``[q; k; v]`` attention and
+    swaps its feed-forward's ``[gate; value]`` halves: each part must take its own rows' block
+    scales, re-tiled as comfy-kitchen reads them. Each loaded layer decodes to the conversion of the
+    file's decoded weights (an NVFP4 row decodes from its own bytes and block scales alone)."""
+    import comfy_kitchen as ck
+    from diffusers import MiniMaxH3Transformer3DModel
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from fixtures.h3_files import build_wide_h3, comfy_h3_state_dict, write
+    from fixtures.nvfp4_files import nvfp4_layers
+
+    folder = build_wide_h3(tmp_path / "h3")
+    original = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=BF16)
+    comfy = comfy_h3_state_dict(original.state_dict(), dict(original.config))
+    layers = [k.removesuffix(".weight") for k, t in comfy.items() if k.endswith(".weight") and t.ndim == 2]
+    path = write(nvfp4_layers(comfy, layers), tmp_path / "h3-nvfp4.safetensors")
+    before = digest(path)
+    model = load_denoiser(path, folder, BF16)
+    file = load_file(str(path))
+    decoded = {k: t for k, t in comfy.items()}
+    for layer in layers:
+        rows, cols = comfy[f"{layer}.weight"].shape
+        decoded[f"{layer}.weight"] = ck.dequantize_nvfp4(file[f"{layer}.weight"], file[f"{layer}.weight_scale_2"],
+                                                         file[f"{layer}.weight_scale"], BF16)[:rows, :cols]
+    convert = SINGLE_FILE_LOADABLE_CLASSES["MiniMaxH3Transformer3DModel"]["checkpoint_mapping_fn"]
+    expected = convert(config=MiniMaxH3Transformer3DModel.load_config(str(folder / "transformer")), checkpoint=decoded)
+    got = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    split = {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")} | {"transformer_blocks.0.ff.net.0.proj"}
+    assert split <= set(got)
+    for name, layer in got.items():
+        weight = kitchen().dequantize_nvfp4(layer.weight, layer.weight_scale_2, layer.weight_scale, BF16)
+        assert torch.equal(weight[: layer.out_features, : layer.in_features], expected[f"{name}.weight"]), name
+    assert digest(path) == before
