@@ -3,7 +3,8 @@
 # (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
 # Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
-# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), int8 (ComfyUI int8_tensorwise
+# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), nvfp4 (the blocks as ComfyUI
+# NVFP4 layers, then fp8 storage, at 12 and 24 GiB, image-like), int8 (ComfyUI int8_tensorwise
 # blocks plain and convrot, at 12 and 24 GiB, image-like and video),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fp8trace (the same
 # for fp8 storage at 12 GiB; fasttrace: with fp8 matmuls), spread24 (the 24 GiB bf16 plan against its mirror, each with and without copies queued across a forward's end, in one process; spreadfast: the same for fp8 matmuls at 12 GiB), fast (wan_bench with fp8 matmuls at 12 and 24 GiB, ~4 min), cast (cast_probe.py: the fp8 cast and fp8 matmuls' input quantisation, torch against the kernels), castsweep (cast_probe.py --sweep: the fp8 cast kernel's widths), int8cast (int8_cast_probe.py: a Wan-14B block's int8 weights, torch's cast against the row kernel's widths), ggufk (gguf_dequant_probe.py, then GGUF Q4_K and Q8_0 blocks with the pack's GGUF kernel and without it, at 12 GiB), stepprof (the same in four
@@ -94,6 +95,10 @@ for row in "$@"; do
                   done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
+    nvfp4) for st in ${NVFP4_ROWS:-nvfp4 fp8_e4m3fn}; do  # ComfyUI NVFP4 blocks (comfy-kitchen's CUDA decode), fp8 storage beside
+             run "$st" 120 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${NVFP4_CAPS:-12,24} \
+               --workloads ${NVFP4_WORK:-small} --warmup 6 --out "$ROWS_DIR"
+           done ;;
     int8) for st in ${INT8_ROWS:-int8 int8_torchcast int8_convrot}; do  # ComfyUI int8_tensorwise blocks, convrot's input rotation
             run "$st" 120 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${INT8_CAPS:-12,24} \
               --workloads ${INT8_WORK:-small,video} --out "$ROWS_DIR"

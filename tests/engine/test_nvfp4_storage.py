@@ -6,20 +6,17 @@ cores — the same model with each such weight a comfy-kitchen ``QuantizedTensor
 as ComfyUI's mixed precision ops do; widths padded to 16 are cut back; what the streamer moves is
 storage bytes; LoRA is unfused and comes off bit-exactly; bad files are refused by name; no file changes."""
 
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from diffusers import WanTransformer3DModel
-from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.nvfp4 import NVFP4Linear, kitchen
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
-from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, write_comfy_nvfp4_wan
+from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, comfyui_twin, write_comfy_nvfp4_wan
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
 from fixtures.tiny_loras import wan_lora
@@ -28,7 +25,6 @@ from safetensors.torch import load_file, save_file
 
 BF16 = torch.bfloat16
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
-EXTRA = (".weight_scale", ".weight_scale_2", ".pre_quant_scale", ".comfy_quant")
 STORED = (torch.uint8, torch.float8_e4m3fn)
 
 
@@ -42,55 +38,9 @@ def nvfp4_file(tiny_wan_dir, tmp_path_factory) -> Path:
     return write_comfy_nvfp4_wan(tiny_wan_dir, tmp_path_factory.mktemp("nvfp4") / "wan-tiny-nvfp4.safetensors")
 
 
-def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
-    """The file as ComfyUI holds it: its plain tensors and each NVFP4 weight decoded (for diffusers'
-    folder loader: shapes, and the fp32 modules' values) converted and loaded in bf16; then each
-    NVFP4 layer outside diffusers' fp32 modules gets the packed weight as comfy-kitchen's
-    ``QuantizedTensor``, and an AWQ layer multiplies its input by its scale first (ComfyUI's forward)."""
-    import comfy_kitchen as ck
-    from comfy_kitchen.tensor.base import QuantizedTensor
-    from comfy_kitchen.tensor.nvfp4 import TensorCoreNVFP4Layout
-
-    tensors = load_file(str(path))
-    layers = [k.removesuffix(".weight_scale_2") for k in tensors if k.endswith(".weight_scale_2")]
-    shapes = {k: tuple(t.shape) for k, t in comfy_wan_state_dict_shapes(folder).items()}
-    plain = {k: t for k, t in tensors.items() if not k.endswith(EXTRA)}
-    for layer in layers:
-        rows, cols = shapes[f"{layer}.weight"]
-        full = ck.dequantize_nvfp4(tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale_2"],
-                                   tensors[f"{layer}.weight_scale"], BF16)
-        plain[f"{layer}.weight"] = full[:rows, :cols].contiguous()
-    ref = tmp / "comfyui-twin" / "transformer"
-    ref.mkdir(parents=True)
-    shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
-    save_file(convert_wan_transformer_to_diffusers(plain), str(ref / "diffusion_pytorch_model.safetensors"))
-    model = WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
-    names = convert_wan_transformer_to_diffusers({f"{layer}.weight": torch.tensor(i) for i, layer in enumerate(layers)})
-    for key, index in names.items():
-        linear = model.get_submodule(key.removesuffix(".weight"))
-        if linear.weight.dtype == torch.float32:  # diffusers' fp32 modules: the decoded weight, upcast
-            continue
-        layer = layers[int(index)]
-        params = TensorCoreNVFP4Layout.Params(
-            scale=tensors[f"{layer}.weight_scale_2"], orig_dtype=BF16, orig_shape=tuple(linear.weight.shape),
-            block_scale=tensors[f"{layer}.weight_scale"])
-        linear.weight = torch.nn.Parameter(
-            QuantizedTensor(tensors[f"{layer}.weight"], "TensorCoreNVFP4Layout", params), requires_grad=False)
-        if f"{layer}.pre_quant_scale" in tensors:
-            smooth = tensors[f"{layer}.pre_quant_scale"]
-            linear.register_forward_pre_hook(lambda _m, args, s=smooth: (args[0] * s.to(args[0].dtype),))
-    return model
-
-
-def comfy_wan_state_dict_shapes(folder: Path) -> dict[str, torch.Tensor]:
-    from fixtures.gguf_files import comfy_wan_state_dict
-
-    return comfy_wan_state_dict(folder)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_wan_dir, nvfp4_file, tmp_path_factory) -> torch.Tensor:
-    return run_wan(wan_pipe(tiny_wan_dir, _comfyui_twin(nvfp4_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
+    return run_wan(wan_pipe(tiny_wan_dir, comfyui_twin(nvfp4_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
 
 
 def test_the_file_is_comfy_kitchens_nvfp4_padded(nvfp4_file, tiny_wan_dir):
