@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--native-weight-dtype", choices=dtypes, default="default", help="UNETLoader's weight_dtype"
     )
     ap.add_argument("--full-precision-mm", action="store_true", help="a 2-element scaled_fp8 marker (above)")
+    ap.add_argument("--nvfp4", action="store_true", help="the denoiser as a ComfyUI NVFP4 file (benchkit/nvfp4_file.py); "
+                    "native loads it as stored (weight_dtype default: ComfyUI decodes NVFP4 below Blackwell)")
     ap.add_argument("--fp8-matmul", action="store_true", help="our loader's fp8_matmul on (ComfyUI's _fast)")
     ap.add_argument("--no-resident", action="store_true", help="skip the uncapped fp8-resident phases")
     ap.add_argument("--coexist", action="store_true", help="do not unload the other model before a phase")
@@ -111,10 +113,10 @@ def anchor_dir(a: argparse.Namespace) -> Path:
 def paths(a: argparse.Namespace) -> SimpleNamespace:
     """Every file of a geometry under its own names (a config folder says its block count)."""
     base, size = Path(a.work).resolve(), "tiny" if a.tiny else "14b"
-    tag = f"{size}_L{a.layers}{'_fpmm' if a.full_precision_mm else ''}"
+    tag = f"{size}_L{a.layers}{'_fpmm' if a.full_precision_mm else ''}{'_nvfp4' if a.nvfp4 else ''}"
     names = SimpleNamespace(
         config=f"wan21_t2v_{tag}_configs",
-        denoiser=f"wan21_t2v_{tag}_random_fp8_scaled.safetensors",
+        denoiser=f"wan21_t2v_{tag}_random_{'nvfp4' if a.nvfp4 else 'fp8_scaled'}.safetensors",
         text_encoder=f"umt5_1layer_{size}_random.safetensors",
         vae=f"wan21_vae_{size}_random.safetensors",
     )
@@ -138,7 +140,7 @@ def geometry(a: argparse.Namespace) -> dict[str, int]:
 # -- the files, written by a process of its own (its allocations and RNG never touch this one) ----
 def ensure_models(a: argparse.Namespace) -> dict[str, Any]:
     p = paths(a)
-    key = [a.layers, a.tiny, a.full_precision_mm, STAMP_VERSION]
+    key = [a.layers, a.tiny, a.full_precision_mm, a.nvfp4, STAMP_VERSION]
     ready = all(
         f.is_file() for f in (p.stamp, p.denoiser, p.text_encoder, p.vae, p.config_dir / "model_index.json")
     )
@@ -159,8 +161,8 @@ def build_only(a: argparse.Namespace) -> int:
 
     p = paths(a)
     device = "cuda" if (not a.cpu and torch.cuda.is_available()) else "cpu"
-    info = build(anchor_dir(a), p, geometry(a), device, a.tiny, 2 if a.full_precision_mm else 0)
-    key = [a.layers, a.tiny, a.full_precision_mm, STAMP_VERSION]
+    info = build(anchor_dir(a), p, geometry(a), device, a.tiny, 2 if a.full_precision_mm else 0, a.nvfp4)
+    key = [a.layers, a.tiny, a.full_precision_mm, a.nvfp4, STAMP_VERSION]
     p.stamp.write_text(json.dumps({"args": key, "geometry": geometry(a), "build": info}))
     print("BUILD " + json.dumps(info), flush=True)
     return 0

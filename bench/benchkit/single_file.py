@@ -28,7 +28,7 @@ TEXT_DIM = 4096  # ComfyUI's WanModel takes text_dim 4096 whatever the file hold
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
 MARKER = "scaled_fp8"
-SIZES = {"F8_E4M3": 1, "F32": 4, "BF16": 2}
+SIZES = {"F8_E4M3": 1, "F32": 4, "BF16": 2, "U8": 1}
 UMT5 = dict(d_model=TEXT_DIM, d_kv=64, d_ff=256, num_layers=1, num_heads=4, relative_attention_num_buckets=8)
 UMT5_IDS = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 WAN_VAE = dict(z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
@@ -165,14 +165,20 @@ def write_parts(config_dir: Path, te_file: Path, vae_file: Path, transformer: di
     return {"text_encoder_bytes": te_file.stat().st_size, "vae_bytes": vae_file.stat().st_size}
 
 
-def build(anchor: Path, files: Any, native: dict, device: str, tiny: bool, marker: int = 0) -> dict[str, Any]:
+def build(anchor: Path, files: Any, native: dict, device: str, tiny: bool, marker: int = 0,
+          nvfp4: bool = False) -> dict[str, Any]:
     """Everything the run needs (``files``: config_dir, denoiser, text_encoder, vae paths), timed."""
     mk = load_module("make_wan_sd", anchor / "make_wan_sd.py")
     t0 = time.perf_counter()
     specs = mk.wan_tensor_specs(native["dim"], native["ffn_dim"], native["layers"], text_dim=TEXT_DIM)
     files.denoiser.parent.mkdir(parents=True, exist_ok=True)
     meta = {"random_weights": "1", "wan_config": json.dumps(native)}
-    out = dict(device=device, **write_fp8_scaled(files.denoiser, specs, device, 1, meta, marker))
+    if nvfp4:
+        from .nvfp4_file import write_nvfp4
+
+        out = dict(device=device, **write_nvfp4(files.denoiser, specs, device, 1, meta))
+    else:
+        out = dict(device=device, **write_fp8_scaled(files.denoiser, specs, device, 1, meta, marker))
     out["denoiser_write_s"], t1 = round(time.perf_counter() - t0, 2), time.perf_counter()
     config = diffusers_config(native["dim"], native["ffn_dim"], native["layers"])
     out.update(write_parts(files.config_dir, files.text_encoder, files.vae, config, tiny))

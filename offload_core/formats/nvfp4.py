@@ -3,17 +3,18 @@ padded to 16 × 16, fp8 block scales (one per 16 values of a row) under ``weight
 tiled ("swizzled") layout, a per-tensor ``weight_scale_2`` and, for AWQ files, an input scaling
 ``pre_quant_scale``.
 
-A denoiser keeps them as stored (`NVFP4Linear`): 4.5 bits a weight are what is pinned, streamed and
+They are kept as stored (`NVFP4Linear`): 4.5 bits a weight are what is pinned, streamed and
 kept, and each layer computes as ComfyUI's does on a card without fp4 tensor cores (its
 ``nvfp4`` ops are "emulated" below Blackwell): ``F.linear(x, dequantize_nvfp4(...)[:out, :in])``,
-comfy-kitchen's own decode (its CUDA kernel on a GPU). Text encoders, which run once a prompt, are
-decoded at load (`decode_nvfp4`). No NVFP4 matmuls: they need Blackwell tensor cores, which the
-engine has not been measured on.
+comfy-kitchen's own decode (its CUDA kernel on a GPU); so do text encoders (an nvfp4-mixed Gemma 3
+decoded would take the RAM its file was chosen to save). No NVFP4 matmuls: they need Blackwell
+tensor cores, which the engine has not been measured on.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from .stored_linear import StoredLinear
 NVFP4 = "nvfp4"
 BLOCK = 16  # values per block scale
 TENSOR_SCALE = ".weight_scale_2"
-AWQ_SCALE = ".pre_quant_scale"  # an input scaling (AWQ) a decoded weight does not carry
+AWQ_SCALE = ".pre_quant_scale"  # an input scaling (AWQ)
 log = get_logger("nvfp4")
 
 
@@ -83,46 +84,63 @@ def converted_layers(state: dict[str, torch.Tensor]) -> list[str]:
                   if getattr(state.get(layer + ".weight"), "dtype", None) == torch.uint8)
 
 
-def pop_extras(path: Path, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """Each NVFP4 layer's tensors other than the weight, taken out of a file's state (so that a key
-    conversion sees weights only): file layer -> {"weight_scale": block scales unswizzled to one row
-    per weight row (`attach` takes a split layer's rows), "weight_scale_2": ..., "pre_quant_scale": ...}.
-    Input scales (for fp4 matmuls only) are dropped, logged once."""
-    layers = converted_layers(state)
-    if not layers:
-        return {}
-    from comfy_kitchen.float_utils import from_blocked
+@dataclass(frozen=True)
+class Held:
+    """An NVFP4 layer's tensors beside its weight, as the file stores them, and its weight's rows."""
 
+    blocks: torch.Tensor  # fp8 block scales, comfy-kitchen's tiled layout
+    scale: torch.Tensor  # the per-tensor scale, float32
+    awq: torch.Tensor | None  # the input scaling, if any
+    rows: int
+
+
+def pop_extras(path: Path, state: dict[str, torch.Tensor]) -> dict[str, Held]:
+    """Each NVFP4 layer's tensors other than the weight, taken out of a file's state (so that a key
+    conversion sees weights only), by file layer. Input scales (for fp4 matmuls only) are dropped,
+    logged once."""
     extras, inputs = {}, 0
-    for layer in layers:
-        weight = state[layer + ".weight"]
-        blocks = state.pop(layer + SCALE_KEY)
+    for layer in converted_layers(state):
+        blocks, awq = state.pop(layer + SCALE_KEY), state.pop(layer + AWQ_SCALE, None)
         blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
-        held = {"weight_scale": from_blocked(blocks, weight.shape[0], weight.shape[1] * 2 // BLOCK).contiguous(),
-                "weight_scale_2": state.pop(layer + TENSOR_SCALE).float().reshape(())}
-        if layer + AWQ_SCALE in state:
-            held["pre_quant_scale"] = state.pop(layer + AWQ_SCALE)
+        scale = state.pop(layer + TENSOR_SCALE).float().reshape(())
+        extras[layer] = Held(blocks, scale, awq, state[layer + ".weight"].shape[0])
         inputs += state.pop(layer + INPUT_KEY, None) is not None
-        extras[layer] = held
     if inputs:
         log.info("%s: the input scales of %d NVFP4 layers are not used (they serve fp4 matmuls; the layers compute "
                  "from their decoded weights, as ComfyUI's do below Blackwell)", path.name, inputs)
     return extras
 
 
-def attach(state: dict[str, torch.Tensor], extras: dict[str, dict[str, torch.Tensor]],
-           traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
-    """Put the extras back beside the converted weights, ``traced`` mapping each converted layer to
-    its file layer and rows: a split layer takes its rows' block scales, swizzled again as
-    comfy-kitchen reads them; the per-tensor scale and the input scaling go whole."""
-    from comfy_kitchen.float_utils import to_blocked
-
+def attach(state: dict[str, torch.Tensor], extras: dict[str, Held], traced: dict[str, tuple[str, torch.Tensor | slice]]
+           ) -> None:
+    """Put the extras back beside the converted weights under the names `NVFP4Linear` holds,
+    ``traced`` mapping each converted layer to its file layer and rows: a part of a split layer takes
+    its rows' block scales, re-tiled as comfy-kitchen reads them; the per-tensor scale and the input
+    scaling go whole."""
     for layer, (source, rows) in traced.items():
         held = extras[source]
-        state[f"{layer}.weight_scale"] = to_blocked(held["weight_scale"][rows], flatten=False)
-        for name in ("weight_scale_2", "pre_quant_scale"):
-            if name in held:
-                state[f"{layer}.{name}"] = held[name]
+        state[f"{layer}.weight_scale"] = held.blocks if _all_rows(rows, held.rows) else _rows_of(held.blocks, rows)
+        state[f"{layer}.weight_scale_2"] = held.scale
+        if held.awq is not None:
+            state[f"{layer}.pre_quant_scale"] = held.awq
+
+
+def whole(extras: dict[str, Held]) -> dict[str, tuple[str, slice]]:
+    """`attach`'s ``traced`` for a state no conversion splits (a text encoder's renames)."""
+    return {layer: (layer, slice(None)) for layer in extras}
+
+
+def _all_rows(rows: torch.Tensor | slice, count: int) -> bool:
+    if isinstance(rows, slice):
+        return rows == slice(None)
+    return rows.numel() == count and torch.equal(rows, torch.arange(count))
+
+
+def _rows_of(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The block scales of weight ``rows``: untiled whole (padding included), taken, tiled again."""
+    from comfy_kitchen.float_utils import from_blocked, to_blocked
+
+    return to_blocked(from_blocked(blocks, *blocks.shape)[rows], flatten=False)
 
 
 def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], compute: torch.dtype) -> None:
@@ -144,28 +162,3 @@ def decoded(state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], d
     scale, blocks = state.pop(f"{name}.weight_scale_2"), state.pop(f"{name}.weight_scale")
     weight = kitchen().dequantize_nvfp4(state.pop(f"{name}.weight"), scale, blocks, dtype)
     return weight[: shape[0], : shape[1]].contiguous()
-
-
-def decode_nvfp4(path: Path, state: dict[str, torch.Tensor], layers: list[str], dtype: torch.dtype) -> set[str]:
-    """Replaces each NVFP4 layer's weight and scales in ``state`` (scales as `single_file.read_checkpoint`
-    spells them) by its decoded weight, still padded to 16 × 16; returns those weights' keys, to be
-    cut to the model's shapes (a text encoder's, which runs once a prompt)."""
-    try:
-        ck = kitchen()
-    except ImportError as exc:
-        raise SingleFileError(f"{path} has NVFP4 layers ({layers[:3]}): {exc}") from exc
-    awq = [layer for layer in layers if layer + AWQ_SCALE in state]
-    if awq:
-        raise SingleFileError(f"{path}: NVFP4 layers {awq[:3]} scale their input (AWQ pre_quant_scale), which this "
-                              "pack does not decode; use a bf16, fp8 or fp8_scaled file of the model")
-    padded = set()
-    for layer in layers:
-        try:
-            packed, blocks, scale = (state.pop(layer + suffix) for suffix in (".weight", SCALE_KEY, TENSOR_SCALE))
-        except KeyError as exc:
-            raise SingleFileError(f"{path}: the NVFP4 layer {layer} lacks {exc.args[0]}: the file is incomplete"
-                                  ) from exc
-        blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
-        state[layer + ".weight"] = ck.dequantize_nvfp4(packed, scale.float(), blocks, dtype)
-        padded.add(layer + ".weight")
-    return padded

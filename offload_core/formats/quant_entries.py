@@ -49,16 +49,15 @@ def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
     return layers
 
 
-def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset()) -> None:
+def check_quant_layers(info: SingleFileInfo) -> None:
     """Refuse, by name, a ComfyUI quant format this engine cannot run. Per-tensor fp8 passes (it is
     fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
     ``int8_tensorwise``: an int8 weight and its ``weight_scale`` (with convrot, a matrix its group
-    size can rotate); an int8 weight
-    no ``int8_tensorwise`` entry declares is refused (its dequantisation would be a guess). The
-    caller names the ``decoded`` formats it decodes at load (a text encoder's NVFP4)."""
+    size can rotate); an int8 weight no ``int8_tensorwise`` entry declares is refused (its
+    dequantisation would be a guess); W4A8 and NVFP4 layers hold what comfy-kitchen reads."""
     layers = read_quant_layers(info)
     formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
-    unknown = sorted(formats - LOADABLE_QUANT - decoded)
+    unknown = sorted(formats - LOADABLE_QUANT)
     if unknown:
         raise SingleFileError(
             f"{info.path} is a ComfyUI quantized file ({len(layers)} layers, formats {', '.join(sorted(formats))}): "
@@ -67,15 +66,14 @@ def check_quant_layers(info: SingleFileInfo, decoded: frozenset[str] = frozenset
         )
     _check_convrot(info)
     full = [k for k, conf in layers.items()
-            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in {*PACKED_QUANT, *decoded}]
+            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in PACKED_QUANT]
     if full:
         raise SingleFileError(
             f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
         )
     _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT})
     _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
-    if NVFP4_FORMAT not in decoded:
-        _check_nvfp4(info, sorted(k for k, conf in layers.items() if conf.get("format") == NVFP4_FORMAT))
+    _check_nvfp4(info, sorted(k for k, conf in layers.items() if conf.get("format") == NVFP4_FORMAT))
 
 
 def convrot_groups(info: SingleFileInfo) -> dict[str, int]:

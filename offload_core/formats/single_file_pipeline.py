@@ -15,7 +15,7 @@ import diffusers
 import torch
 
 from ..log import get_logger
-from . import w4a8
+from . import nvfp4, w4a8
 from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
 from .convrot import GROUP_KEY
@@ -23,8 +23,7 @@ from .decoded import decoded_weight
 from .fp8 import INT8, is_fp8, mark_fp8, popped
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
-from .nvfp4 import NVFP4, decode_nvfp4
-from .quant_entries import check_quant_layers, convrot_groups, read_quant_layers, w4a8_conf
+from .quant_entries import check_quant_layers, convrot_groups, w4a8_conf
 from .single_file import (
     INPUT_KEY,
     SCALE_KEY,
@@ -34,7 +33,7 @@ from .single_file import (
     read_checkpoint,
     short_dtype,
 )
-from .stored_linear import stored_keys
+from .stored_linear import StoredLinear, stored_keys
 from .text_encoder_layouts import comfy_layout, drop_absent, renamer
 from .wan_vae import is_wan22_vae, load_wan22_vae
 
@@ -266,23 +265,22 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
     half the RAM and pinned bytes of a decoded copy), and so do ComfyUI int8_tensorwise layers,
     convrot ones included, in a file without fp8 weights (in one with, they are decoded to ``dtype``
-    here, as comfy-kitchen decodes them); NVFP4 layers are decoded by comfy-kitchen (`nvfp4`); W4A8
-    layers stay W4A8 (`w4a8.W4A8Linear`: decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8
-    file was chosen for); other quant formats are refused by name."""
+    here, as comfy-kitchen decodes them); W4A8 and NVFP4 layers stay as stored (`stored_linear`:
+    decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant formats
+    are refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)
     if not isinstance(cls, type):
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
-    check_quant_layers(info, decoded=frozenset({NVFP4}))
+    check_quant_layers(info)
     state = read_checkpoint(path, info)
-    nvfp4 = [k for k, conf in read_quant_layers(info).items() if isinstance(conf, dict) and conf.get("format") == NVFP4]
-    decoded = {id(state[k]) for k in decode_nvfp4(path, state, nvfp4, dtype)} if nvfp4 else set()
+    fp4 = nvfp4.pop_extras(path, state)
+    nvfp4.attach(state, fp4, nvfp4.whole(fp4))  # (under the names the layer holds; a text encoder splits nothing)
     state |= {layer + GROUP_KEY: torch.tensor(g) for layer, g in convrot_groups(info).items()}
     if fit is not None:
-        state = fit.keys(state)  # (renames the convrot marks with their layers)
+        state = fit.keys(state)  # (renames the convrot marks and NVFP4 scales with their layers)
     groups = {layer: int(g) for layer, g in popped(state, GROUP_KEY).items()}
-    padded = {k for k, v in state.items() if id(v) in decoded}  # (under the names the fit gave them)
     layers = w4a8.w4a8_layers(state)
     w4a8.load_state(state, layers)
     popped(state, INPUT_KEY)  # (no fp8 matmuls in text encoders)
@@ -294,8 +292,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
             scales[layer] = scale
         else:
             state[layer + ".weight"] = decoded_weight(path, layer, weight, scale, dtype, groups.pop(layer, 0))
-    if layers or fit is not None or padded or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
-        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, padded, groups)
+    if layers or fp4 or fit is not None or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
+        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, groups)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -312,30 +310,27 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
 
 def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
                  layers: list[str], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor],
-                 padded: set[str], groups: dict[str, int]) -> Any:
-    """The text encoder built empty (no weight allocated), its W4A8 layers swapped in, the file's
-    tensors assigned (fp8 and int8 ones as stored, then marked with their ``scales`` and convrot
-    ``groups``; decoded NVFP4 weights,
-    ``padded`` to 16 × 16, cut to the model's shapes): transformers' own loader would allocate every
-    layer in ``dtype`` (and fill what a fitted file lacks with weights no one reads)."""
+                 groups: dict[str, int]) -> Any:
+    """The text encoder built empty (no weight allocated), its W4A8 ``layers`` and NVFP4 layers
+    swapped in, the file's tensors assigned (fp8 and int8 ones as stored, then marked with their
+    ``scales`` and convrot ``groups``): transformers' own loader would allocate every layer in
+    ``dtype`` (and fill what a fitted file lacks with weights no one reads)."""
     from accelerate import init_empty_weights
 
     settings = cls.config_class.from_pretrained(str(config))
     with init_empty_weights():  # buffers (rotary tables) are made for real
         model = cls(fit.config(settings) if fit is not None else settings)
+    fp4 = nvfp4.converted_layers(state)
     try:
         if layers:
             w4a8.swap_in(model, layers, state, w4a8_conf(info), dtype)
+        nvfp4.swap_in(model, fp4, state, dtype)
     except ValueError as exc:
         raise SingleFileError(f"{path}: {exc}") from exc
     # transformers' rule: the strict list stays float32 always, the other one under fp16 only
     keep32 = [*(getattr(cls, "_keep_in_fp32_modules_strict", None) or []),
               *((getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
-    expected = model.state_dict()
-    for key in padded & expected.keys():
-        rows, cols = expected[key].shape
-        state[key] = state[key][:rows, :cols].contiguous()
-    stored = stored_keys(layers, w4a8.W4A8Linear.TENSORS)
+    stored = stored_keys(layers, w4a8.W4A8Linear.TENSORS) | stored_keys(fp4, nvfp4.NVFP4Linear.TENSORS)
     state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
              and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}
     params = dict(model.named_parameters())
@@ -350,7 +345,7 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
                               f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")
     fp8 = _marked(path, model, dtype, scales, groups)
     log.info("%s: %s text encoder (%s) loaded %s%s", path.name, cls.__name__, info.format,
-             f"with {len(layers)} W4A8 layers, the rest in " if layers else
+             f"with {len(layers)} W4A8 and {len(fp4)} NVFP4 layers kept, the rest in " if layers or fp4 else
              f"with {fp8} fp8 / int8 Linear weights kept, the rest in " if fp8 else "as ", short_dtype(dtype))
     return model.eval()
 
@@ -360,8 +355,8 @@ def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict
     """How many fp8 or int8 Linear weights the model keeps (`fp8.mark_fp8`; its other stored tensors are
     decoded: an embedding table, and a layer the model keeps in float32, such as T5's ``wo``, whose
     caller casts its input to the weight's dtype); 0 for a model without fp8 tensors outside its
-    W4A8 layers (whose group scales are fp8)."""
-    plain = [m for m in model.modules() if not isinstance(m, w4a8.W4A8Linear)]
+    stored layers (whose scales are fp8)."""
+    plain = [m for m in model.modules() if not isinstance(m, StoredLinear)]
     if not scales and not any(t is not None and (is_fp8(t) or t.dtype == INT8) for m in plain
                               for t in (*m._parameters.values(), *m._buffers.values())):
         return 0

@@ -138,6 +138,52 @@ def test_a_quantized_checkpoints_parts_are_decoded_as_comfyui_decodes_them(case,
     assert digest(files[fmt]) == before
 
 
+def test_an_nvfp4_checkpoints_transformer_keeps_its_layers_and_runs_as_the_decoded_file(case, tmp_path):
+    """A checkpoint whose transformer blocks are NVFP4 (as Lightricks' fp4 checkpoint): under its
+    ``model.diffusion_model.`` prefix the layers load as stored NVFP4 layers, and the pipeline runs
+    bit for bit as from the same checkpoint holding comfy-kitchen's decoded weights."""
+    from comfy_kitchen import dequantize_nvfp4
+    from diffusers_offload.offload_core.formats.nvfp4 import NVFP4Linear
+    from fixtures.nvfp4_files import nvfp4_layers
+
+    _folder, _reference, path, configs = case
+    state = load_file(str(path))
+    layers = [k.removesuffix(".weight") for k, v in state.items()
+              if k.startswith("model.diffusion_model.transformer_blocks.") and k.endswith(".weight") and v.ndim == 2]
+    quantized, dense = nvfp4_layers(state, layers), dict(state)
+    for layer in layers:
+        rows, cols = state[layer + ".weight"].shape
+        dense[layer + ".weight"] = dequantize_nvfp4(quantized[layer + ".weight"], quantized[layer + ".weight_scale_2"],
+                                                    quantized[layer + ".weight_scale"], torch.float32)[:rows, :cols].contiguous()
+    files = {name: tmp_path / f"ltx-2-tiny-dev-{name}.safetensors" for name in ("fp4", "dense")}
+    save_file(quantized, str(files["fp4"]))
+    save_file(dense, str(files["dense"]))
+    before = digest(files["fp4"])
+    outs = {}
+    for name, file in files.items():
+        pipe = load_pipeline_with_denoiser(configs, file, torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        held = sum(isinstance(m, NVFP4Linear) for m in pipe.transformer.modules())
+        assert held == (len(layers) if name == "fp4" else 0), name
+        outs[name] = run_ltx2(pipe, **CHECKPOINTABLE_SIZE)
+    torch.testing.assert_close(outs["fp4"].video, outs["dense"].video, rtol=0, atol=0)
+    torch.testing.assert_close(outs["fp4"].audio, outs["dense"].audio, rtol=0, atol=0)
+    assert digest(files["fp4"]) == before
+
+
+def test_an_nvfp4_checkpoint_part_is_refused_by_name(case, tmp_path):
+    from fixtures.nvfp4_files import nvfp4_layers
+
+    _folder, _reference, path, configs = case
+    state = load_file(str(path))
+    layer = next(k.removesuffix(".weight") for k, v in state.items()
+                 if k.startswith("text_embedding_projection.") and v.ndim == 2)
+    fp4 = tmp_path / "ltx-2-fp4-connectors.safetensors"
+    save_file(nvfp4_layers(state, [layer]), str(fp4))
+    with pytest.raises(SingleFileError, match=rf"ltx-2-fp4-connectors\.safetensors: NVFP4 layers in its connectors \({layer}\)"):
+        load_pipeline_with_denoiser(configs, fp4, torch.float32)
+
+
 def test_an_int8_checkpoint_part_without_its_scale_is_refused_by_name(case, tmp_path):
     _folder, _reference, path, configs = case
     quantized, _dense = _quantized_parts(load_file(str(path)), "int8_convrot")
@@ -186,11 +232,13 @@ def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_
     torch.testing.assert_close(out.audio, reference.audio, rtol=0, atol=0)
 
 
-def test_an_nvfp4_gemma_file_is_decoded_as_comfy_kitchen_decodes_it(case, tmp_path):
-    """ComfyUI's nvfp4-mixed Gemma 3 files (the one its LTX-2 templates name): each NVFP4 layer is
-    decoded at load by comfy-kitchen's own dequantize and cut from its 16 × 16 padding (the tiny
-    model's key and value projections are 8 rows), the other layers as stored; the file unchanged."""
+def test_an_nvfp4_gemma_file_keeps_its_layers_and_encodes_as_comfy_kitchen_decodes_them(case, tmp_path):
+    """ComfyUI's nvfp4-mixed Gemma 3 files (the one its LTX-2 templates name): each NVFP4 layer stays
+    packed (the file's bytes), decoding at compute by comfy-kitchen's own dequantize cut from its
+    16 × 16 padding (the tiny model's key and value projections are 8 rows); the encoder gives the
+    bits of the same Gemma holding those decoded weights; the file unchanged."""
     from comfy_kitchen import dequantize_nvfp4
+    from diffusers_offload.offload_core.formats.nvfp4 import NVFP4Linear
     from diffusers_offload.offload_core.formats.single_file_pipeline import load_text_encoder
     from fixtures.ltx2_files import comfy_gemma3_text_state
     from fixtures.nvfp4_files import nvfp4_layers
@@ -204,17 +252,23 @@ def test_an_nvfp4_gemma_file_is_decoded_as_comfy_kitchen_decodes_it(case, tmp_pa
     save_file(state, str(path))
     before = digest(path)
     encoder = load_text_encoder(path, folder / "text_encoder", "Gemma3ForConditionalGeneration", torch.float32)
-    loaded, original = encoder.state_dict(), whole.state_dict()
+    original = whole.state_dict()
     keys = [layer.replace("model.", "model.language_model.", 1) + ".weight" for layer in layers]
     assert any(original[key].shape[0] % 16 for key in keys)  # some were padded in the file
     for layer, key in zip(layers, keys, strict=True):
+        held = encoder.get_submodule(key.removesuffix(".weight"))
+        assert isinstance(held, NVFP4Linear) and torch.equal(held.weight, state[layer + ".weight"]), key
         rows, cols = original[key].shape
-        expected = dequantize_nvfp4(state[layer + ".weight"], state[layer + ".weight_scale_2"].float(),
-                                    state[layer + ".weight_scale"], torch.float32)[:rows, :cols]
-        torch.testing.assert_close(loaded[key], expected, rtol=0, atol=0, msg=key)
-        assert 0 < (loaded[key] - original[key]).abs().max() < 0.5 * original[key].abs().max()  # fp4's error
+        decoded = dequantize_nvfp4(state[layer + ".weight"], state[layer + ".weight_scale_2"].float(),
+                                   state[layer + ".weight_scale"], torch.float32)[:rows, :cols]
+        assert 0 < (decoded - original[key]).abs().max() < 0.5 * original[key].abs().max()  # fp4's error
+        whole.get_submodule(key.removesuffix(".weight")).weight.data = decoded.contiguous()
     untouched = "model.language_model.layers.1.self_attn.q_proj.weight"
-    torch.testing.assert_close(loaded[untouched], original[untouched], rtol=0, atol=0)
+    torch.testing.assert_close(encoder.state_dict()[untouched], original[untouched], rtol=0, atol=0)
+    ids = torch.tensor([[2, 5, 9, 4, 7]])
+    with torch.inference_mode():
+        got, want = (m.model.language_model(input_ids=ids).last_hidden_state for m in (encoder, whole))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert digest(path) == before
 
 
