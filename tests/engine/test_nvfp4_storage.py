@@ -18,7 +18,7 @@ from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, comfyui_twin, write_comfy_nvfp4_wan
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
+from fixtures.quantized import assert_streams_stored_bytes, digest, refused, two_runs_placed, wan_pipe
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import load_file, save_file
@@ -84,15 +84,7 @@ def test_the_awq_input_scaling_is_applied(tiny_wan_dir, nvfp4_file, reference):
 
 def test_streamer_moves_nvfp4_storage_bytes(tiny_wan_dir, nvfp4_file, monkeypatch):
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(nvfp4_file, tiny_wan_dir, BF16))
-    model = pipe.transformer
-    blocks = sum(t.numel() * t.element_size() for b in model.blocks for t in _tensors(b).values())
-    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
-    assert sum(moved) == 2 * blocks  # one step, two forwards (CFG): the blocks' stored bytes, no more
-    assert {torch.uint8, torch.float8_e4m3fn} <= dtypes
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
-    assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
-    assert report.component("transformer").quantization == "comfy nvfp4"
-    engine.release(pipe)
+    assert_streams_stored_bytes(pipe, monkeypatch, {torch.uint8, torch.float8_e4m3fn}, "comfy nvfp4", **BASE)
 
 
 LORA_TARGETS = ("to_q", "ffn.net.2")

@@ -6,14 +6,12 @@ precision ops hold it; what the streamer moves is storage bytes; a release leave
 tensors as they were; bad files and a missing comfy-kitchen are refused by name; no file changes."""
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
-from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import dequantize_int8, table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
@@ -25,7 +23,15 @@ from diffusers_offload.offload_core.state import leftovers
 from fixtures import comfy_files
 from fixtures.comfy_files import W4A8_CONF, comfy_w4a8_wan_tensors, write_comfy_w4a8_wan
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import digest, refused, streamed_in_one_step, two_runs_placed, wan_pipe
+from fixtures.quantized import (
+    assert_streams_stored_bytes,
+    comfy_state_as_wan,
+    converted_names,
+    digest,
+    refused,
+    two_runs_placed,
+    wan_pipe,
+)
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import load_file, save_file
@@ -65,17 +71,11 @@ def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
         plain[f"{layer}.weight"] = dequantize_w4a8_int8_weight(
             tensors[f"{layer}.weight"], tensors[f"{layer}.weight_s_rel"], tensors[f"{layer}.weight_s_channel"],
             codebook=tensors.get(f"{layer}.weight_codebook"), output_dtype=BF16, **geometry)
-    ref = tmp / "comfyui-twin" / "transformer"
-    ref.mkdir(parents=True)
-    shutil.copyfile(folder / "transformer" / "config.json", ref / "config.json")
-    save_file(convert_wan_transformer_to_diffusers(plain), str(ref / "diffusion_pytorch_model.safetensors"))
-    model = WanTransformer3DModel.from_pretrained(str(ref), torch_dtype=BF16)
-    names = convert_wan_transformer_to_diffusers({f"{layer}.weight": torch.tensor(i) for i, layer in enumerate(layers)})
-    for key, index in names.items():
-        linear = model.get_submodule(key.removesuffix(".weight"))
+    model = comfy_state_as_wan(plain, folder, tmp / "comfyui-twin")
+    for name, layer in converted_names(layers).items():
+        linear = model.get_submodule(name)
         if linear.weight.dtype == torch.float32:  # diffusers' fp32 modules: the decoded weight, upcast
             continue
-        layer = layers[int(index)]
         params = AsymW4A8Int8Layout.Params(
             scale=tensors[f"{layer}.weight_s_rel"], s_channel=tensors[f"{layer}.weight_s_channel"],
             codebook=tensors.get(f"{layer}.weight_codebook"), orig_dtype=BF16,
@@ -134,15 +134,7 @@ def test_a_wrong_codebook_changes_the_output(tiny_wan_dir, w4a8_file, reference)
 
 def test_streamer_moves_w4a8_storage_bytes(tiny_wan_dir, w4a8_file, monkeypatch):
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(w4a8_file, tiny_wan_dir, BF16))
-    model = pipe.transformer
-    blocks = sum(t.numel() * t.element_size() for b in model.blocks for t in _tensors(b).values())
-    moved, dtypes, report, engine = streamed_in_one_step(pipe, monkeypatch, **BASE)
-    assert sum(moved) == 2 * blocks  # one step, two forwards (CFG): the blocks' stored bytes, no more
-    assert {torch.int8, torch.float8_e4m3fn} <= dtypes
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
-    assert report.component("transformer").nbytes == sum(t.numel() * t.element_size() for t in tensors)
-    assert report.component("transformer").quantization == "comfy asym_w4a8_int8"
-    engine.release(pipe)
+    assert_streams_stored_bytes(pipe, monkeypatch, {torch.int8, torch.float8_e4m3fn}, "comfy asym_w4a8_int8", **BASE)
 
 
 LORA_TARGETS = ("to_q", "to_k", "ffn.net.2")  # attention is bf16 in the file (fused), ffn.net.2 W4A8 (unfused)
