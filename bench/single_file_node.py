@@ -10,7 +10,8 @@ branch ("queue selected output"), each forward timed:
 The file: Wan 2.1 T2V 14B geometry with ``--layers`` blocks, random weights in Comfy-Org's
 fp8_scaled layout (fp8 Linear weights, per-tensor ``scale_weight``, ``scaled_fp8`` marker), written
 tensor by tensor by a build process into models/diffusion_models, beside a configs-only diffusers
-folder, a one-layer UMT5 text-encoder file and a small Wan VAE file (benchkit/single_file.py).
+folder, a one-layer UMT5 text-encoder file and a small Wan VAE file (benchkit/single_file.py,
+benchkit/denoiser_files.py).
 Workloads: small (512x512, 1 frame: latent 1x16x1x64x64) and video (832x480, 81 frames: 1x16x21x60x104).
 The marker is empty, so a 2026 ComfyUI on a GPU with fp8 compute (the H200) may run these layers as
 fp8 matmuls, where ours dequantises to bf16 (the native rows record ``native_fp8_matmul``) unless
@@ -84,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--native-weight-dtype", choices=dtypes, default="default", help="UNETLoader's weight_dtype"
     )
     ap.add_argument("--full-precision-mm", action="store_true", help="a 2-element scaled_fp8 marker (above)")
-    ap.add_argument("--nvfp4", action="store_true", help="the denoiser as a ComfyUI NVFP4 file (benchkit/nvfp4_file.py); "
+    ap.add_argument("--nvfp4", action="store_true", help="the denoiser as a ComfyUI NVFP4 file (benchkit/denoiser_files.py); "
                     "native loads it as stored (weight_dtype default: ComfyUI decodes NVFP4 below Blackwell)")
     ap.add_argument("--fp8-matmul", action="store_true", help="our loader's fp8_matmul on (ComfyUI's _fast)")
     ap.add_argument("--no-resident", action="store_true", help="skip the uncapped fp8-resident phases")

@@ -1,34 +1,24 @@
-"""single_file_node.py's files and readings: a Wan 2.1 T2V fp8-scaled single file in ComfyUI's key
-layout, a configs-only diffusers folder of the family, a text-encoder and a VAE file; then, in the
-ComfyUI process, what each side holds, the host's memory, and the rows and table of the run.
-
-The denoiser is the native anchor's tensor list (``make_wan_sd.wan_tensor_specs``: Comfy-Org's
-key names, no prefix) stored as Comfy-Org's fp8_scaled files store it: every Linear weight
-``fp8(w / s)`` with a per-tensor float32 ``<layer>.scale_weight`` beside it, the rest bf16, and
-a ``scaled_fp8`` marker whose dtype names the fp8 format (as tests/fixtures/comfy_files.py writes
-the tiny one). That writer holds the whole state dict; this one streams tensor by tensor, so a
-14B file costs host memory for one tensor. Nothing here imports torch at module level.
+"""single_file_node.py's files and readings: a Wan 2.1 T2V single file in ComfyUI's key layout
+(fp8-scaled or NVFP4: `denoiser_files`), a configs-only diffusers folder of the family, a
+text-encoder and a VAE file; then, in the ComfyUI process, what each side holds, the host's memory,
+and the rows and table of the run. Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import statistics
-import struct
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from . import ROOT, GiB, gib, load_module
+from .denoiser_files import write_fp8_scaled, write_nvfp4
 
 TEXT_DIM = 4096  # ComfyUI's WanModel takes text_dim 4096 whatever the file holds
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf")
-MARKER = "scaled_fp8"
-SIZES = {"F8_E4M3": 1, "F32": 4, "BF16": 2, "U8": 1}
 UMT5 = dict(d_model=TEXT_DIM, d_kv=64, d_ff=256, num_layers=1, num_heads=4, relative_attention_num_buckets=8)
 UMT5_IDS = dict(pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
 WAN_VAE = dict(z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
@@ -47,81 +37,6 @@ def diffusers_config(dim: int, ffn_dim: int, layers: int) -> dict[str, Any]:
     (dim // 128), so both sides compute the same attention."""
     geometry = dict(num_attention_heads=dim // 128, text_dim=TEXT_DIM, ffn_dim=ffn_dim, num_layers=layers)
     return {**WAN_FIXED, **geometry, **WAN_NORMS}
-
-
-def _entries(specs: list[tuple], marker: int) -> list[tuple[str, str, tuple[int, ...], tuple | None]]:
-    """(key, safetensors dtype, shape, init or None for a scale) in data order: every Linear
-    weight fp8 with its scale right after it (convolutions, biases, norms and modulations stay
-    bf16, as in Comfy-Org's files), the marker (``marker`` elements) last."""
-    out: list[tuple[str, str, tuple[int, ...], tuple | None]] = []
-    for name, shape, init in specs:
-        if name.endswith(".weight") and len(shape) == 2:
-            out.append((name, "F8_E4M3", tuple(shape), init))
-            out.append((name.removesuffix(".weight") + ".scale_weight", "F32", (), None))
-        else:
-            out.append((name, "BF16", tuple(shape), init))
-    return [*out, (MARKER, "F8_E4M3", (marker,), None)]
-
-
-def _header(entries: list[tuple], metadata: dict[str, str]) -> tuple[bytes, int]:
-    """The safetensors header (8-byte aligned as safetensors writes it) and the data's length;
-    every tensor's offset is checked to be aligned to its element size."""
-    header: dict[str, Any] = {}
-    off = 0
-    for key, dtype, shape, _init in entries:
-        if off % SIZES[dtype]:
-            raise ValueError(f"{key} would start at offset {off}, not aligned to {SIZES[dtype]} bytes")
-        n = SIZES[dtype] * math.prod(shape)
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
-        off += n
-    header["__metadata__"] = {"format": "pt", **metadata}
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    return hb + b" " * ((8 - len(hb) % 8) % 8), off
-
-
-def write_fp8_scaled(
-    path: Path, specs: list[tuple], device: str, seed: int, meta: dict, marker: int = 0
-) -> dict:
-    """Stream random weights (``init`` as make_wan_sd's: normal with a std, ones, zeros) into a
-    ComfyUI fp8_scaled file. A marker of 2 elements asks ComfyUI for full-precision matmuls
-    (weights dequantised); an empty one lets it run fp8 matmuls where the GPU has them."""
-    import torch
-
-    entries = _entries(specs, marker)
-    hb, data_len = _header(entries, meta)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    tmp, scale, fp8_bytes = Path(str(path) + ".part"), None, 0
-    with open(tmp, "wb", buffering=0) as f:
-        f.write(struct.pack("<Q", len(hb)) + hb)
-        for _key, dtype, shape, init in entries[:-1]:
-            if dtype == "F32":  # the scale of the weight just written
-                _write(f, scale.reshape(1))
-                continue
-            w = _random(torch, shape, init, device, gen)
-            if dtype == "F8_E4M3":
-                scale = (w.abs().amax() / FP8_MAX).clamp_min(1e-12).float()
-                w = (w / scale).to(torch.float8_e4m3fn)
-                fp8_bytes += w.numel()
-            _write(f, w if dtype == "F8_E4M3" else w.to(torch.bfloat16))
-        f.write(bytes(marker))
-    tmp.replace(path)
-    scales = sum(1 for e in entries if e[1] == "F32")
-    return {"file_bytes": 8 + len(hb) + data_len, "fp8_bytes": fp8_bytes, "scales": scales}
-
-
-def _random(torch, shape: tuple[int, ...], init: tuple, device: str, gen) -> Any:
-    if init[0] in ("ones", "zeros"):
-        return getattr(torch, init[0])(shape, device=device)
-    return torch.randn(shape, device=device, generator=gen).mul_(init[1])
-
-
-def _write(f, t) -> None:
-    """A tensor's raw bytes (little-endian, as safetensors stores them) to ``f``."""
-    import torch
-
-    mv = memoryview(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
-    while len(mv):
-        mv = mv[f.write(mv) :]
 
 
 def write_parts(config_dir: Path, te_file: Path, vae_file: Path, transformer: dict, tiny: bool) -> dict:
@@ -173,12 +88,9 @@ def build(anchor: Path, files: Any, native: dict, device: str, tiny: bool, marke
     specs = mk.wan_tensor_specs(native["dim"], native["ffn_dim"], native["layers"], text_dim=TEXT_DIM)
     files.denoiser.parent.mkdir(parents=True, exist_ok=True)
     meta = {"random_weights": "1", "wan_config": json.dumps(native)}
-    if nvfp4:
-        from .nvfp4_file import write_nvfp4
-
-        out = dict(device=device, **write_nvfp4(files.denoiser, specs, device, 1, meta))
-    else:
-        out = dict(device=device, **write_fp8_scaled(files.denoiser, specs, device, 1, meta, marker))
+    written = write_nvfp4(files.denoiser, specs, device, 1, meta) if nvfp4 else \
+        write_fp8_scaled(files.denoiser, specs, device, 1, meta, marker)
+    out = dict(device=device, **written)
     out["denoiser_write_s"], t1 = round(time.perf_counter() - t0, 2), time.perf_counter()
     config = diffusers_config(native["dim"], native["ffn_dim"], native["layers"])
     out.update(write_parts(files.config_dir, files.text_encoder, files.vae, config, tiny))

@@ -18,7 +18,7 @@ from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, comfyui_twin, write_comfy_nvfp4_wan
 from fixtures.placements import PLACEMENTS
-from fixtures.quantized import assert_streams_stored_bytes, digest, refused, two_runs_placed, wan_pipe
+from fixtures.quantized import assert_streams_stored_bytes, digest, refused, runs_as_keeping_stored, wan_pipe
 from fixtures.tiny_loras import wan_lora
 from fixtures.tiny_models import load_wan, run_wan
 from safetensors.torch import load_file, save_file
@@ -62,13 +62,7 @@ def test_nvfp4_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, 
     assert any(isinstance(m, NVFP4Linear) for m in model.blocks.modules()) and isinstance(model.proj_out, NVFP4Linear)
     assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # decoded, fp32 module
     assert model.dtype == BF16
-    stored = {n: t.clone() for n, t in _tensors(model).items() if t.dtype in STORED}
-    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
-    assert torch.equal(first, reference) and torch.equal(second, reference)
-    assert leftovers(model) == []
-    for name, p in _tensors(model).items():
-        if name in stored:
-            assert p.dtype == stored[name].dtype and p.device.type == "cpu" and torch.equal(p, stored[name]), name
+    runs_as_keeping_stored(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), reference, STORED)
     assert digest(nvfp4_file) == before
 
 

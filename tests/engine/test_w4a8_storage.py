@@ -29,7 +29,7 @@ from fixtures.quantized import (
     converted_names,
     digest,
     refused,
-    two_runs_placed,
+    runs_as_keeping_stored,
     wan_pipe,
 )
 from fixtures.tiny_loras import wan_lora
@@ -112,13 +112,8 @@ def test_w4a8_file_runs_as_comfyui_in_every_placement(placement, tiny_wan_dir, w
     layers = [m for m in model.modules() if isinstance(m, W4A8Linear)]
     assert layers and any(isinstance(m, W4A8Linear) for m in model.blocks.modules())
     assert model.condition_embedder.time_embedder.linear_1.weight.dtype == torch.float32  # decoded, fp32 module
-    stored = {n: t.clone() for n, t in _tensors(model).items() if t.dtype in (torch.int8, torch.float8_e4m3fn)}
-    first, second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
-    assert torch.equal(first, reference) and torch.equal(second, reference)
-    assert leftovers(model) == []
-    for name, p in _tensors(model).items():
-        if name in stored:
-            assert p.dtype == stored[name].dtype and p.device.type == "cpu" and torch.equal(p, stored[name]), name
+    runs_as_keeping_stored(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), reference,
+                           (torch.int8, torch.float8_e4m3fn))
     assert digest(w4a8_file) == before
 
 
