@@ -56,6 +56,7 @@ class NVFP4Linear(StoredLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, compute: torch.dtype, awq: torch.dtype | None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
+        self.decode = kitchen().dequantize_nvfp4  # (resolved once: a compiled block traces the call)
         rows, cols = _round16(out_features), _round16(in_features)
         self.stored("weight", rows, cols // 2, dtype=torch.uint8, device=device)
         self.stored("weight_scale", -(-rows // 128) * 128, -(-cols // (4 * BLOCK)) * 4, dtype=torch.float8_e4m3fn,
@@ -69,7 +70,7 @@ class NVFP4Linear(StoredLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_quant_scale is not None:  # ComfyUI: the input times the scale, in the input's dtype
             x = x * self.pre_quant_scale.to(x.dtype)
-        weight = kitchen().dequantize_nvfp4(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
+        weight = self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
         weight = weight[: self.out_features, : self.in_features].to(x.dtype)
         return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 

@@ -54,7 +54,7 @@ class W4A8Linear(StoredLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, conf: W4A8Conf, codebook: bool,
                  compute: torch.dtype, device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
-        self.conf = conf
+        self.conf, self.linear = conf, kitchen().w4a8_int8_linear  # (resolved once: a compiled block traces the call)
         self.stored("weight", out_features, in_features // 2, dtype=torch.int8, device=device)
         self.stored("weight_s_rel", out_features, in_features // conf.group_size, dtype=torch.float8_e4m3fn,
                     device=device)
@@ -65,7 +65,7 @@ class W4A8Linear(StoredLinear):
             self.register_buffer("weight_codebook", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kitchen().w4a8_int8_linear(
+        return self.linear(
             x, self.weight, self.weight_s_rel, self.weight_s_channel, codebook=self.weight_codebook,
             correction=None, bias=self.bias, group_size=self.conf.group_size,
             convrot_groupsize=self.conf.convrot_groupsize, out_dtype=x.dtype)  # ComfyUI: the input's dtype

@@ -1,0 +1,50 @@
+"""Stored layers (ComfyUI's W4A8 and NVFP4, `formats/stored_linear.py`) in compiled blocks
+(``compile_blocks``) on the CPU with torch.compile's ``aot_eager`` backend (the same tracing as
+inductor, no code generation): every block call runs compiled, comfy-kitchen's calls traced inside
+the graph, to the eager layers' bits; the stored tensors are left as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from fixtures.comfy_files import write_comfy_w4a8_wan
+from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
+from fixtures.nvfp4_files import write_comfy_nvfp4_wan
+from fixtures.quantized import wan_pipe
+from fixtures.tiny_models import run_wan
+
+WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan}
+
+
+def _runs(pipe, config: OffloadConfig) -> tuple[torch.Tensor, int, int]:
+    """Two runs placed: the last output, the compiled block calls and all block calls."""
+    engine = Engine()
+    engine.place(pipe, config)
+    streamer = engine.states(pipe)["transformer"].transport
+    forwards = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        out = [run_wan(pipe) for _ in range(2)][-1]
+        details = streamer.details()
+        return out, details["compiled_calls"], len(forwards) * details["blocks"]
+    finally:
+        handle.remove()
+        engine.release(pipe)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("fmt", list(WRITERS))
+def test_stored_layers_run_compiled_to_the_eager_bits(fmt, placement, tiny_wan_dir, tmp_path) -> None:
+    file = WRITERS[fmt](tiny_wan_dir, tmp_path / f"wan-{fmt}.safetensors")
+    config = OffloadConfig(**BASE, **PLACEMENTS[placement])
+    eager, none, _ = _runs(wan_pipe(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16)),
+                           config.replace(compile_blocks=False))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16))
+    stored = {n: t.clone() for n, t in pipe.transformer.state_dict().items() if t.dtype in (torch.uint8, torch.int8)}
+    out, compiled_calls, block_calls = _runs(pipe, config)
+    assert none == 0 and compiled_calls == block_calls > 0
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    after = pipe.transformer.state_dict()
+    assert stored and all(torch.equal(after[n], t) for n, t in stored.items())
