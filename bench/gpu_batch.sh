@@ -95,7 +95,7 @@ for row in "$@"; do
                   done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
-    nvfp4) for st in ${NVFP4_ROWS:-nvfp4 fp8_e4m3fn}; do  # ComfyUI NVFP4 blocks (comfy-kitchen's CUDA decode), fp8 storage beside
+    nvfp4) for st in ${NVFP4_ROWS:-nvfp4 fp8_e4m3fn}; do  # ComfyUI NVFP4 blocks (comfy-kitchen's CUDA decode), fp8 storage beside; NVFP4_ROWS=w4a4: ConvRot W4A4
              run "$st" 120 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${NVFP4_CAPS:-12,24} \
                --workloads ${NVFP4_WORK:-small} --warmup 6 --out "$ROWS_DIR"
            done ;;

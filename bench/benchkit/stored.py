@@ -1,7 +1,8 @@
 """Stored-layer copies of a bench model, made in memory on the device: each tower block's Linear
 becomes one of the pack's stored layers over weights quantized by comfy-kitchen's own quantizers,
 as a ComfyUI file loads: ``w4a8`` (`W4A8Linear`, ``quantize_w4a8_int8_weight``: fp8 group scales,
-group 16, ConvRot 256) or ``nvfp4`` (`NVFP4Linear`, ``TensorCoreNVFP4Layout.quantize``).
+group 16, ConvRot 256), ``w4a4`` (`W4A4Linear`, ``quantize_convrot_w4a4_weight``: ConvRot 256, int4
+MMA) or ``nvfp4`` (`NVFP4Linear`, ``TensorCoreNVFP4Layout.quantize``).
 
 Why not write a file and load it: the loader path is CPU-tested; the bench times the layers'
 kernels and the transfer of their packed bytes at 14B.
@@ -13,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-W4A8, NVFP4 = "w4a8", "nvfp4"
-STORAGES = (W4A8, NVFP4)
+W4A8, W4A4, NVFP4 = "w4a8", "w4a4", "nvfp4"
+STORAGES = (W4A8, W4A4, NVFP4)
 CONF = dict(group_size=16, convrot_groupsize=256)
 
 
@@ -46,7 +47,22 @@ def _nvfp4(child: torch.nn.Linear) -> torch.nn.Module:
     return layer
 
 
-MAKERS: dict[str, Callable[[torch.nn.Linear], torch.nn.Module | None]] = {W4A8: _w4a8, NVFP4: _nvfp4}
+def _w4a4(child: torch.nn.Linear) -> torch.nn.Module | None:
+    from comfy_kitchen.tensor.convrot_w4a4 import quantize_convrot_w4a4_weight
+    from diffusers_offload.offload_core.formats.w4a4 import GROUP, W4A4Conf, W4A4Linear
+
+    conf = W4A4Conf(convrot_groupsize=CONF["convrot_groupsize"])
+    if child.in_features % conf.convrot_groupsize or child.in_features % GROUP:
+        return None
+    qdata, scale = quantize_convrot_w4a4_weight(child.weight.data, conf.convrot_groupsize, GROUP)
+    layer = W4A4Linear(child.in_features, child.out_features, child.bias is not None, conf, child.weight.dtype,
+                       device="meta")
+    layer.weight = torch.nn.Parameter(qdata, requires_grad=False)
+    layer.weight_scale = scale.float()  # a buffer
+    return layer
+
+
+MAKERS: dict[str, Callable[[torch.nn.Linear], torch.nn.Module | None]] = {W4A8: _w4a8, W4A4: _w4a4, NVFP4: _nvfp4}
 
 
 def to_stored(model: torch.nn.Module, blocks: list[torch.nn.Module], storage: str) -> int:

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from ..log import get_logger
-from . import stored_linear
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
 from .stored_linear import StoredLinear
@@ -126,11 +125,6 @@ def attach(state: dict[str, torch.Tensor], extras: dict[str, Held], traced: dict
             state[f"{layer}.pre_quant_scale"] = held.awq
 
 
-def whole(extras: dict[str, Held]) -> dict[str, tuple[str, slice]]:
-    """`attach`'s ``traced`` for a state no conversion splits (a text encoder's renames)."""
-    return {layer: (layer, slice(None)) for layer in extras}
-
-
 def _all_rows(rows: torch.Tensor | slice, count: int) -> bool:
     if isinstance(rows, slice):
         return rows == slice(None)
@@ -144,22 +138,27 @@ def _rows_of(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return to_blocked(from_blocked(blocks, *blocks.shape)[rows], flatten=False)
 
 
-def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], compute: torch.dtype) -> None:
-    """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by an `NVFP4Linear`."""
-    def make(name: str, linear: torch.nn.Linear) -> NVFP4Linear:
+class Kind:
+    """NVFP4 as the loaders meet it (`stored_linear.StoredKind`)."""
+
+    NAME, TENSORS = "NVFP4", NVFP4Linear.TENSORS
+
+    def layers(self, state: dict[str, torch.Tensor]) -> list[str]:
+        return converted_layers(state)
+
+    def decoded(self, state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype
+                ) -> torch.Tensor:
+        """The weight comfy-kitchen decodes, cut to ``shape``, its tensors taken out of ``state``;
+        an AWQ layer cannot be (its input scaling)."""
+        if f"{name}.pre_quant_scale" in state:
+            raise SingleFileError(f"the NVFP4 layer {name} scales its input (AWQ pre_quant_scale) but diffusers keeps "
+                                  "it in float32, so it cannot be decoded; use a bf16, fp8 or fp8_scaled file")
+        scale, blocks = state.pop(f"{name}.weight_scale_2"), state.pop(f"{name}.weight_scale")
+        weight = kitchen().dequantize_nvfp4(state.pop(f"{name}.weight"), scale, blocks, dtype)
+        return weight[: shape[0], : shape[1]].contiguous()
+
+    def make(self, name: str, linear: torch.nn.Linear, state: dict[str, torch.Tensor], compute: torch.dtype
+             ) -> NVFP4Linear:
         awq = state.get(f"{name}.pre_quant_scale")
         return NVFP4Linear(linear.in_features, linear.out_features, linear.bias is not None, compute,
                            None if awq is None else awq.dtype, device="meta")
-
-    stored_linear.swap_in(model, layers, make)
-
-
-def decoded(state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A converted NVFP4 layer's weight decoded to ``dtype`` and cut to ``shape``, its tensors taken
-    out of ``state`` (a layer diffusers keeps in float32); an AWQ layer cannot be (its input scaling)."""
-    if f"{name}.pre_quant_scale" in state:
-        raise SingleFileError(f"the NVFP4 layer {name} scales its input (AWQ pre_quant_scale) but diffusers keeps "
-                              "it in float32, so it cannot be decoded; use a bf16, fp8 or fp8_scaled file")
-    scale, blocks = state.pop(f"{name}.weight_scale_2"), state.pop(f"{name}.weight_scale")
-    weight = kitchen().dequantize_nvfp4(state.pop(f"{name}.weight"), scale, blocks, dtype)
-    return weight[: shape[0], : shape[1]].contiguous()

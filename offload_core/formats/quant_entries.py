@@ -6,22 +6,23 @@ that a format this engine cannot run, or an inconsistent file, is refused by nam
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 from safetensors import safe_open
 
-from . import w4a8
+from . import w4a4, w4a8
 from .convrot import DEFAULT_GROUP, group_error
 from .inspect import QUANT_METADATA, QUANT_SUFFIX, SingleFileError, SingleFileInfo
 
-LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8", "nvfp4"}  # per-tensor fp8 (fp8_scaled by another
+LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8", "nvfp4", "convrot_w4a4"}  # per-tensor fp8 (fp8_scaled by another
 # name); int8 with a per-tensor or per-row scale, convrot (Hadamard-rotated weights) or not
 INT8_QUANT = "int8_tensorwise"
-W4A8_FORMAT, NVFP4_FORMAT = w4a8.FORMAT, "nvfp4"
-PACKED_QUANT = {W4A8_FORMAT, NVFP4_FORMAT}  # two weights a byte: a layer's width is twice its stored weight's
+W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT = w4a8.FORMAT, "nvfp4", w4a4.FORMAT
+PACKED_QUANT = {W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT}  # two weights a byte: a layer's width is twice its stored weight's
 ACCEPTED_QUANT = (
     "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise with or without convrot "
-    "(per-tensor or per-row scales), asym_w4a8_int8 (W4A8) and nvfp4 (both through comfy-kitchen)"
+    "(per-tensor or per-row scales), asym_w4a8_int8 (W4A8), convrot_w4a4 and nvfp4 (these three through comfy-kitchen)"
 )
 
 def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
@@ -71,7 +72,9 @@ def check_quant_layers(info: SingleFileInfo) -> None:
         raise SingleFileError(
             f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
         )
-    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT})
+    w4a4_layers = {k: conf for k, conf in layers.items() if conf.get("format") == W4A4_FORMAT}
+    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT}, set(w4a4_layers))
+    _check_w4a4(info, w4a4_layers)
     _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
     _check_nvfp4(info, sorted(k for k, conf in layers.items() if conf.get("format") == NVFP4_FORMAT))
 
@@ -153,8 +156,55 @@ def _check_nvfp4(info: SingleFileInfo, layers: list[str]) -> None:
                                   "the file is inconsistent, download it again")
 
 
-def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
-    """Each ``int8_tensorwise`` layer has an int8 weight and a scale; each int8 weight is declared."""
+def w4a4_layers(info: SingleFileInfo) -> list[str]:
+    """The file's convrot_w4a4 layers, by file layer name."""
+    return sorted(k for k, c in read_quant_layers(info).items() if isinstance(c, dict) and c.get("format") == W4A4_FORMAT)
+
+
+def w4a4_conf(info: SingleFileInfo) -> w4a4.W4A4Conf:
+    """The rotation and linear of the file's W4A4 layers (`check_quant_layers` allows one per file)."""
+    return next((w4a4.W4A4Conf.of(c) for c in read_quant_layers(info).values()
+                 if isinstance(c, dict) and c.get("format") == W4A4_FORMAT), w4a4.W4A4Conf())
+
+
+def stored_kinds(info: SingleFileInfo) -> list:
+    """The stored formats a file's layers may take (`stored_linear.StoredKind`), with its geometries."""
+    from .nvfp4 import Kind as Nvfp4
+
+    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), Nvfp4()]
+
+
+def _check_w4a4(info: SingleFileInfo, layers: dict[str, dict]) -> None:
+    """W4A4 layers need comfy-kitchen, one rotation and linear, and each a packed int8 matrix whose
+    width the rotation and comfy-kitchen's quantization group divide, with one scale per row."""
+    if not layers:
+        return
+    try:
+        w4a4.kitchen()
+    except ImportError as exc:
+        raise SingleFileError(f"{info.path} is a ConvRot W4A4 (convrot_w4a4) file: {exc}") from exc
+    confs = {w4a4.W4A4Conf.of(conf) for conf in layers.values()}
+    if len(confs) > 1 or next(iter(confs)).linear_dtype not in ("int4", "int8"):
+        raise SingleFileError(f"{info.path}: its W4A4 layers use {sorted(map(str, confs))}; one rotation and an int4 "
+                              "or int8 linear per file are supported")
+    group = next(iter(confs)).convrot_groupsize
+    for layer in sorted(layers):
+        shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
+        scale = info.shapes.get(info.scales.get(layer, ""))
+        why = ("no weight" if shape is None else
+               f"a {str(dtype).removeprefix('torch.')} weight, not packed int8" if dtype != torch.int8 or len(shape) != 2
+               else "no weight_scale" if scale is None
+               else f"a weight_scale of shape {tuple(scale)} for {shape[0]} rows" if math.prod(scale) != shape[0]
+               else group_error(group, shape[1] * 2) or (f"its input width {shape[1] * 2} is not a multiple of "
+                                                         f"{w4a4.GROUP}" if shape[1] * 2 % w4a4.GROUP else None))
+        if why is not None:
+            raise SingleFileError(f"{info.path}: layer {layer} is declared convrot_w4a4 but the file holds {why} for "
+                                  "it; the file is inconsistent, download it again")
+
+
+def _check_int8_weights(info: SingleFileInfo, declared: set[str], w4a4_layers: set[str]) -> None:
+    """Each ``int8_tensorwise`` layer has an int8 weight and a scale; each int8 weight is declared
+    (``w4a4_layers``: packed W4A4 weights, checked apart)."""
     for layer in sorted(declared):
         dtype = info.dtypes.get(f"{layer}.weight")
         if dtype != torch.int8 or layer not in info.scales:
@@ -167,7 +217,7 @@ def _check_int8_weights(info: SingleFileInfo, declared: set[str]) -> None:
     stray = sorted(
         k
         for k, d in info.dtypes.items()
-        if d == torch.int8 and k.endswith(".weight") and k.removesuffix(".weight") not in declared
+        if d == torch.int8 and k.endswith(".weight") and k.removesuffix(".weight") not in declared | w4a4_layers
         and k.removesuffix(".weight") + ".weight_s_rel" not in info.dtypes
     )
     if stray:

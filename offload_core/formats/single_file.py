@@ -1,5 +1,5 @@
 """Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8,
-int8_tensorwise, W4A8 and NVFP4, GGUF) into the diffusers class of a config folder of the same family.
+int8_tensorwise, W4A8, ConvRot W4A4 and NVFP4, GGUF) into the diffusers class of a config folder of the same family.
 
 Keys are converted by diffusers' own single-file conversion (the mapping function
 `from_single_file` uses). GGUF files go through `from_single_file` itself (its GGUF quantizer).
@@ -7,7 +7,7 @@ safetensors files do not: diffusers 0.42.1 casts fp8 values to the compute dtype
 ``scale_weight`` (silently wrong weights, twice the bytes), and casts every module, its fp32
 ones included, to the compute dtype (unlike its folder loader). Here the converted tensors are
 assigned into an empty model: fp8 and int8 ones as they are (`fp8.mark_fp8` records their
-scales), W4A8 and NVFP4 layers as `stored_linear.StoredLinear` layers over their stored tensors, the rest in the
+scales), W4A8, ConvRot W4A4 and NVFP4 layers as `stored_linear.StoredLinear` layers over their stored tensors, the rest in the
 compute dtype except diffusers' ``_keep_in_fp32_modules``, as `from_pretrained` keeps them.
 """
 
@@ -23,7 +23,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from ..log import get_logger
-from . import nvfp4, w4a8
+from . import nvfp4, w4a4, w4a8
 from .checkpoint_parts import denoiser_only
 from .fp8 import (
     INPUT_KEY,
@@ -45,10 +45,10 @@ from .inspect import (
     inspect_file,
     inspect_safetensors,
 )
-from .quant_entries import check_quant_layers, convrot_groups, w4a8_conf
+from .quant_entries import check_quant_layers, convrot_groups, stored_kinds, w4a4_layers
 from .scale_trace import follow_rows, trace_rows
 from .state_fit import keeps_fp32, mismatch
-from .stored_linear import stored_keys
+from .stored_linear import swap_stored
 
 log = get_logger("single_file")
 
@@ -144,6 +144,7 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
     checkpoint = denoiser_only(read_checkpoint(path, info), info)
     extras, fp4 = w4a8.pop_extras(checkpoint), nvfp4.pop_extras(path, checkpoint)
+    w4 = w4a4.pop_extras(checkpoint, w4a4_layers(info))  # (before the int8 scales: their spelling is the same)
     file_scales, file_inputs = (popped(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))  # traced, not converted
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
@@ -157,14 +158,15 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion failed on it "
                               f"({type(exc).__name__}: {exc}); is it a complete {cls.__name__} file?") from exc
     file_groups = {layer: g for layer, g in convrot_groups(info).items() if f"{layer}.weight" in shapes}
-    quantized = sorted({*extras, *fp4, *file_scales, *file_inputs, *file_groups})
+    quantized = sorted({*extras, *fp4, *w4, *file_scales, *file_inputs, *file_groups})
     traced = ({layer: (layer, slice(None)) for layer in quantized} if converted is checkpoint  # one probe for all
               else trace_rows(path, cls, convert, config, shapes, quantized, "quantized layers"))
     w4a8.attach(converted, extras, {k: v for k, v in traced.items() if v[0] in extras})
     nvfp4.attach(converted, fp4, {k: v for k, v in traced.items() if v[0] in fp4})
+    w4a4.attach(converted, w4, {k: v for k, v in traced.items() if v[0] in w4})
     scales, inputs = (follow_rows(traced, values, shapes) for values in (file_scales, file_inputs))
     groups = {key: file_groups[layer] for key, (layer, _rows) in traced.items() if layer in file_groups}
-    as_stored = _swap_w4a8(path, info, model, converted, cls, compute) | _swap_nvfp4(path, model, converted, cls, compute)
+    as_stored = _swap_stored(path, info, model, converted, cls, compute)
     _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)
     state = _compute_state(converted, scales, cls, compute, as_stored, groups)
     params = dict(model.named_parameters())
@@ -265,51 +267,19 @@ def _fp32(cls: type, key: str, compute: torch.dtype) -> bool:
     return compute in (torch.float16, torch.bfloat16) and keeps_fp32(cls, key)
 
 
-def _swap_w4a8(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
-               cls: type, compute: torch.dtype) -> set[str]:
-    """The converted W4A8 layers become `w4a8.W4A8Linear` layers of ``model`` (those in diffusers'
-    fp32 modules are decoded to a float32 weight instead); returns the converted keys to keep as
-    stored."""
-    layers = w4a8.w4a8_layers(converted)
-    if not layers:
-        return set()
-    conf = w4a8_conf(info)
-    w4a8.load_state(converted, layers)
-    decoded = [n for n in layers if _fp32(cls, n, compute)]
-    for name in decoded:
-        w4a8.dequantize_into(converted, name, conf, compute)
-    swapped = [n for n in layers if n not in decoded]
+def _swap_stored(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
+                 cls: type, compute: torch.dtype) -> set[str]:
+    """The converted W4A8, ConvRot W4A4 and NVFP4 layers become stored layers of ``model`` (those in
+    diffusers' fp32 modules are decoded to a float32 weight instead); returns the converted keys to
+    keep as stored."""
     try:
-        w4a8.swap_in(model, swapped, converted, conf, compute)
+        kept, counts = swap_stored(model, converted, stored_kinds(info), compute, lambda n: _fp32(cls, n, compute))
     except ValueError as exc:
         raise SingleFileError(f"{path}: {exc}") from exc
-    log.info("%s: %d W4A8 layers (group %d, convrot %d) run by comfy-kitchen's w4a8_int8_linear, %d decoded to "
-             "float32 (diffusers keeps them in fp32)", path.name, len(swapped), conf.group_size,
-             conf.convrot_groupsize, len(decoded))
-    return stored_keys(swapped, w4a8.W4A8Linear.TENSORS)
-
-
-def _swap_nvfp4(path: Path, model: torch.nn.Module, converted: dict[str, torch.Tensor], cls: type,
-                compute: torch.dtype) -> set[str]:
-    """The converted NVFP4 layers become `nvfp4.NVFP4Linear` layers of ``model`` (those in diffusers'
-    fp32 modules are decoded to a float32 weight of the layer's shape instead); returns the
-    converted keys to keep as stored."""
-    layers = nvfp4.converted_layers(converted)
-    if not layers:
-        return set()
-    decoded = [n for n in layers if _fp32(cls, n, compute)]
-    try:
-        for name in decoded:
-            linear = model.get_submodule(name)
-            shape = (linear.out_features, linear.in_features)
-            converted[f"{name}.weight"] = nvfp4.decoded(converted, name, shape, compute).float()
-        swapped = [n for n in layers if n not in decoded]
-        nvfp4.swap_in(model, swapped, converted, compute)
-    except (ValueError, AttributeError) as exc:
-        raise SingleFileError(f"{path}: {exc}") from exc
-    log.info("%s: %d NVFP4 layers kept packed, each decoded by comfy-kitchen at compute; %d decoded to float32 at "
-             "load (diffusers keeps them in fp32)", path.name, len(swapped), len(decoded))
-    return stored_keys(swapped, nvfp4.NVFP4Linear.TENSORS)
+    for name, (swapped, decoded) in counts.items():
+        log.info("%s: %d %s layers kept as stored, computed through comfy-kitchen; %d decoded to float32 at load "
+                 "(diffusers keeps them in fp32)", path.name, swapped, name, decoded)
+    return kept
 
 
 def short_dtype(dtype: torch.dtype) -> str:

@@ -15,7 +15,7 @@ import diffusers
 import torch
 
 from ..log import get_logger
-from . import nvfp4, w4a8
+from . import nvfp4, w4a4
 from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
 from .convrot import GROUP_KEY
@@ -23,7 +23,7 @@ from .decoded import decoded_weight
 from .fp8 import INT8, is_fp8, mark_fp8, popped
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
-from .quant_entries import check_quant_layers, convrot_groups, w4a8_conf
+from .quant_entries import check_quant_layers, convrot_groups, stored_kinds, w4a4_layers
 from .single_file import (
     INPUT_KEY,
     SCALE_KEY,
@@ -33,7 +33,7 @@ from .single_file import (
     read_checkpoint,
     short_dtype,
 )
-from .stored_linear import StoredLinear, stored_keys
+from .stored_linear import StoredKind, StoredLinear, swap_stored, whole
 from .text_encoder_layouts import comfy_layout, drop_absent, renamer
 from .wan_vae import is_wan22_vae, load_wan22_vae
 
@@ -265,9 +265,9 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
     half the RAM and pinned bytes of a decoded copy), and so do ComfyUI int8_tensorwise layers,
     convrot ones included, in a file without fp8 weights (in one with, they are decoded to ``dtype``
-    here, as comfy-kitchen decodes them); W4A8 and NVFP4 layers stay as stored (`stored_linear`:
-    decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for); other quant formats
-    are refused by name."""
+    here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4 and NVFP4 layers stay as stored
+    (`stored_linear`: decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for);
+    other quant formats are refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)
@@ -275,14 +275,15 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
     check_quant_layers(info)
     state = read_checkpoint(path, info)
-    fp4 = nvfp4.pop_extras(path, state)
-    nvfp4.attach(state, fp4, nvfp4.whole(fp4))  # (under the names the layer holds; a text encoder splits nothing)
+    fp4, w4 = nvfp4.pop_extras(path, state), w4a4.pop_extras(state, w4a4_layers(info))
+    nvfp4.attach(state, fp4, whole(fp4))  # (under the names the layers hold; a text encoder splits nothing)
+    w4a4.attach(state, w4, whole(w4))
     state |= {layer + GROUP_KEY: torch.tensor(g) for layer, g in convrot_groups(info).items()}
     if fit is not None:
-        state = fit.keys(state)  # (renames the convrot marks and NVFP4 scales with their layers)
+        state = fit.keys(state)  # (renames the convrot marks and stored layers' scales with their layers)
     groups = {layer: int(g) for layer, g in popped(state, GROUP_KEY).items()}
-    layers = w4a8.w4a8_layers(state)
-    w4a8.load_state(state, layers)
+    kinds = stored_kinds(info)
+    stored = any(kind.layers(state) for kind in kinds)
     popped(state, INPUT_KEY)  # (no fp8 matmuls in text encoders)
     scales = {}  # stored weights' scales, by layer
     keep_int8 = not any(is_fp8(t) for t in state.values())  # (one storage dtype per model)
@@ -292,8 +293,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
             scales[layer] = scale
         else:
             state[layer + ".weight"] = decoded_weight(path, layer, weight, scale, dtype, groups.pop(layer, 0))
-    if layers or fp4 or fit is not None or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
-        return _built_empty(path, info, cls, config, state, layers, dtype, fit, scales, groups)
+    if stored or fit is not None or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
+        return _built_empty(path, info, cls, config, state, kinds, dtype, fit, scales, groups)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),
                                             state_dict=state, dtype=dtype, output_loading_info=True)
@@ -309,9 +310,9 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
 
 
 def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, state: dict[str, torch.Tensor],
-                 layers: list[str], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor],
+                 kinds: list[StoredKind], dtype: torch.dtype, fit: Fit | None, scales: dict[str, torch.Tensor],
                  groups: dict[str, int]) -> Any:
-    """The text encoder built empty (no weight allocated), its W4A8 ``layers`` and NVFP4 layers
+    """The text encoder built empty (no weight allocated), its stored layers (of ``kinds``)
     swapped in, the file's tensors assigned (fp8 and int8 ones as stored, then marked with their
     ``scales`` and convrot ``groups``): transformers' own loader would allocate every layer in
     ``dtype`` (and fill what a fitted file lacks with weights no one reads)."""
@@ -320,17 +321,13 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     settings = cls.config_class.from_pretrained(str(config))
     with init_empty_weights():  # buffers (rotary tables) are made for real
         model = cls(fit.config(settings) if fit is not None else settings)
-    fp4 = nvfp4.converted_layers(state)
     try:
-        if layers:
-            w4a8.swap_in(model, layers, state, w4a8_conf(info), dtype)
-        nvfp4.swap_in(model, fp4, state, dtype)
+        stored, counts = swap_stored(model, state, kinds, dtype)
     except ValueError as exc:
         raise SingleFileError(f"{path}: {exc}") from exc
     # transformers' rule: the strict list stays float32 always, the other one under fp16 only
     keep32 = [*(getattr(cls, "_keep_in_fp32_modules_strict", None) or []),
               *((getattr(cls, "_keep_in_fp32_modules", None) or []) if dtype == torch.float16 else [])]
-    stored = stored_keys(layers, w4a8.W4A8Linear.TENSORS) | stored_keys(fp4, nvfp4.NVFP4Linear.TENSORS)
     state = {k: v.to(dtype) if v.is_floating_point() and not is_fp8(v) and k not in stored
              and not any(m in k.split(".") for m in keep32) else v for k, v in state.items()}
     params = dict(model.named_parameters())
@@ -345,7 +342,7 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
                               f"unexpected {result.unexpected_keys[:3]}: pick the text encoder this model uses")
     fp8 = _marked(path, model, dtype, scales, groups)
     log.info("%s: %s text encoder (%s) loaded %s%s", path.name, cls.__name__, info.format,
-             f"with {len(layers)} W4A8 and {len(fp4)} NVFP4 layers kept, the rest in " if layers or fp4 else
+             f"with {', '.join(f'{n} {name}' for name, (n, _d) in counts.items())} layers kept, the rest in " if counts else
              f"with {fp8} fp8 / int8 Linear weights kept, the rest in " if fp8 else "as ", short_dtype(dtype))
     return model.eval()
 

@@ -1,4 +1,4 @@
-"""A ComfyUI quantized layer held as stored (`w4a8.W4A8Linear`, `nvfp4.NVFP4Linear`):
+"""A ComfyUI quantized layer held as stored (`w4a8.W4A8Linear`, `w4a4.W4A4Linear`, `nvfp4.NVFP4Linear`):
 ``nn.Linear``'s interface over the file's own tensors, computed by comfy-kitchen as ComfyUI's layer
 computes it.
 
@@ -11,8 +11,8 @@ its inputs to it), which must not be an fp8 scale.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import ClassVar
+from collections.abc import Callable, Iterable
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -60,6 +60,52 @@ def stored_keys(layers: list[str], tensors: tuple[str, ...]) -> set[str]:
     return {f"{n}.{t}" for n in layers for t in ("weight", *tensors)}
 
 
+def whole(layers: Iterable[str]) -> dict[str, tuple[str, slice]]:
+    """The ``traced`` of a format's ``attach`` for a state no conversion splits (a text encoder's
+    renames): each layer its own, every row."""
+    return {layer: (layer, slice(None)) for layer in layers}
+
+
 def stored_format(model: torch.nn.Module) -> str | None:
     """The ``comfy_quant`` format of the model's first stored layer, or None."""
     return next((m.FORMAT for m in model.modules() if isinstance(m, StoredLinear)), None)
+
+
+class StoredKind(Protocol):
+    """One stored format as the loaders meet it in a converted state dict (`w4a8.Kind`,
+    `nvfp4.Kind`, `w4a4.Kind`): its layers there (their tensors readied in place), a layer decoded
+    to a weight, and the layer that holds it as stored."""
+
+    NAME: str
+    TENSORS: tuple[str, ...]
+
+    def layers(self, state: dict[str, torch.Tensor]) -> list[str]: ...
+
+    def decoded(self, state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype
+                ) -> torch.Tensor: ...
+
+    def make(self, name: str, linear: torch.nn.Linear, state: dict[str, torch.Tensor], compute: torch.dtype
+             ) -> StoredLinear: ...
+
+
+def swap_stored(model: torch.nn.Module, state: dict[str, torch.Tensor], kinds: list[StoredKind], compute: torch.dtype,
+                fp32: Callable[[str], bool] = lambda _name: False) -> tuple[set[str], dict[str, tuple[int, int]]]:
+    """Each kind's layers in ``state`` become its stored layers in ``model`` (built on the meta
+    device); a layer ``fp32`` names (diffusers keeps it in float32) is decoded to a float32 weight
+    of its shape instead. Returns the keys held as stored and, by format, (layers kept, layers
+    decoded); a layer that is no Linear raises ValueError naming it."""
+    kept: set[str] = set()
+    counts: dict[str, tuple[int, int]] = {}
+    for kind in kinds:
+        layers = kind.layers(state)
+        decoded = [n for n in layers if fp32(n)]
+        for name in decoded:
+            linear = model.get_submodule(name)
+            state[f"{name}.weight"] = kind.decoded(state, name, (linear.out_features, linear.in_features),
+                                                   compute).float()
+        swapped = [n for n in layers if n not in decoded]
+        swap_in(model, swapped, lambda name, linear, kind=kind: kind.make(name, linear, state, compute))
+        kept |= stored_keys(swapped, kind.TENSORS)
+        if layers:
+            counts[kind.NAME] = (len(swapped), len(decoded))
+    return kept, counts

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import stored_linear
 from .stored_linear import StoredLinear
 
 FORMAT = "asym_w4a8_int8"
@@ -75,42 +74,39 @@ class W4A8Linear(StoredLinear):
                 f"group_size={self.conf.group_size}, convrot_groupsize={self.conf.convrot_groupsize}")
 
 
-def w4a8_layers(state: dict[str, torch.Tensor]) -> list[str]:
-    """The layers of a (converted) state dict stored as W4A8: those with a ``weight_s_rel``."""
-    return sorted(k.removesuffix(".weight_s_rel") for k in state if k.endswith(".weight_s_rel"))
+@dataclass(frozen=True)
+class Kind:
+    """W4A8 as the loaders meet it (`stored_linear.StoredKind`), for a file of one group geometry."""
 
+    conf: W4A8Conf
+    NAME, TENSORS = "W4A8", TENSORS
 
-def swap_in(model: torch.nn.Module, layers: list[str], state: dict[str, torch.Tensor], conf: W4A8Conf,
-            compute: torch.dtype) -> None:
-    """Replace each named ``nn.Linear`` of ``model`` (on the meta device) by a `W4A8Linear` the
-    state's tensors fit; a layer that is no Linear raises ValueError naming it."""
-    stored_linear.swap_in(model, layers, lambda name, linear: W4A8Linear(
-        linear.in_features, linear.out_features, linear.bias is not None, conf,
-        codebook=f"{name}.weight_codebook" in state, compute=compute, device="meta"))
+    def layers(self, state: dict[str, torch.Tensor]) -> list[str]:
+        """The layers with a ``weight_s_rel``, their tensors in the dtypes the layer holds: group
+        scales stored as uint8 are fp8 bytes (ComfyUI views them so); a channel scale stored
+        ``[out, 1]`` is ``[out]``."""
+        layers = sorted(k.removesuffix(".weight_s_rel") for k in state if k.endswith(".weight_s_rel"))
+        for name in layers:
+            if state[f"{name}.weight_s_rel"].dtype == torch.uint8:
+                state[f"{name}.weight_s_rel"] = state[f"{name}.weight_s_rel"].view(torch.float8_e4m3fn)
+            for key in (f"{name}.weight_s_channel", f"{name}.weight_codebook"):
+                if key in state:
+                    state[key] = state[key].float().reshape(-1)
+        return layers
 
+    def decoded(self, state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype
+                ) -> torch.Tensor:
+        """The weight comfy-kitchen decodes, its tensors taken out of ``state``."""
+        codebook = state.pop(f"{name}.weight_codebook", None)
+        return kitchen().dequantize_w4a8_int8_weight(
+            state.pop(f"{name}.weight"), state.pop(f"{name}.weight_s_rel"), state.pop(f"{name}.weight_s_channel"),
+            codebook=codebook, group_size=self.conf.group_size, convrot_groupsize=self.conf.convrot_groupsize,
+            output_dtype=dtype)
 
-def load_state(state: dict[str, torch.Tensor], layers: list[str]) -> None:
-    """The layers' tensors in the dtypes the layer holds, in place: group scales stored as uint8
-    are fp8 bytes (ComfyUI views them so); a channel scale stored ``[out, 1]`` is ``[out]``."""
-    for name in layers:
-        s_rel = state[f"{name}.weight_s_rel"]
-        if s_rel.dtype == torch.uint8:
-            state[f"{name}.weight_s_rel"] = s_rel.view(torch.float8_e4m3fn)
-        key = f"{name}.weight_s_channel"
-        if key in state:
-            state[key] = state[key].float().reshape(-1)
-        if f"{name}.weight_codebook" in state:
-            state[f"{name}.weight_codebook"] = state[f"{name}.weight_codebook"].float()
-
-
-def dequantize_into(state: dict[str, torch.Tensor], name: str, conf: W4A8Conf, compute: torch.dtype) -> None:
-    """A W4A8 layer the model keeps in float32 (diffusers' ``_keep_in_fp32_modules``): its tensors
-    in ``state`` replaced by the weight comfy-kitchen decodes in ``compute``, held in float32."""
-    codebook = state.pop(f"{name}.weight_codebook", None)
-    weight = kitchen().dequantize_w4a8_int8_weight(
-        state.pop(f"{name}.weight"), state.pop(f"{name}.weight_s_rel"), state.pop(f"{name}.weight_s_channel"),
-        codebook=codebook, group_size=conf.group_size, convrot_groupsize=conf.convrot_groupsize, output_dtype=compute)
-    state[f"{name}.weight"] = weight.float()
+    def make(self, name: str, linear: torch.nn.Linear, state: dict[str, torch.Tensor], compute: torch.dtype
+             ) -> W4A8Linear:
+        return W4A8Linear(linear.in_features, linear.out_features, linear.bias is not None, self.conf,
+                          codebook=f"{name}.weight_codebook" in state, compute=compute, device="meta")
 
 
 def pop_extras(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""Stored layers (ComfyUI's W4A8 and NVFP4, `formats/stored_linear.py`) in compiled blocks
+"""Stored layers (ComfyUI's W4A8, ConvRot W4A4 and NVFP4, `formats/stored_linear.py`) in compiled blocks
 (``compile_blocks``) on the CPU with torch.compile's ``aot_eager`` backend (the same tracing as
 inductor, no code generation): every block call runs compiled, comfy-kitchen's calls traced inside
 the graph, to the eager layers' bits; the stored tensors are left as they were."""
@@ -9,13 +9,16 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from fixtures import comfy_files
 from fixtures.comfy_files import write_comfy_w4a8_wan
 from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
 from fixtures.nvfp4_files import write_comfy_nvfp4_wan
 from fixtures.quantized import wan_pipe
 from fixtures.tiny_models import run_wan
+from fixtures.w4a4_files import write_comfy_w4a4_wan
 
-WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan}
+WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan, "w4a4": write_comfy_w4a4_wan}
+_wide_wan_dir = comfy_files.wide_wan_dir  # (session fixture, under its name)
 
 
 def _runs(pipe, config: OffloadConfig) -> tuple[torch.Tensor, int, int]:
@@ -36,12 +39,13 @@ def _runs(pipe, config: OffloadConfig) -> tuple[torch.Tensor, int, int]:
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("fmt", list(WRITERS))
-def test_stored_layers_run_compiled_to_the_eager_bits(fmt, placement, tiny_wan_dir, tmp_path) -> None:
-    file = WRITERS[fmt](tiny_wan_dir, tmp_path / f"wan-{fmt}.safetensors")
+def test_stored_layers_run_compiled_to_the_eager_bits(fmt, placement, tiny_wan_dir, wide_wan_dir, tmp_path) -> None:
+    folder = wide_wan_dir if fmt == "w4a4" else tiny_wan_dir  # (W4A4 needs widths of 64)
+    file = WRITERS[fmt](folder, tmp_path / f"wan-{fmt}.safetensors")
     config = OffloadConfig(**BASE, **PLACEMENTS[placement])
-    eager, none, _ = _runs(wan_pipe(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16)),
+    eager, none, _ = _runs(wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16)),
                            config.replace(compile_blocks=False))
-    pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16))
+    pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16))
     stored = {n: t.clone() for n, t in pipe.transformer.state_dict().items() if t.dtype in (torch.uint8, torch.int8)}
     out, compiled_calls, block_calls = _runs(pipe, config)
     assert none == 0 and compiled_calls == block_calls > 0
