@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -111,14 +113,7 @@ def _check_w4a8(info: SingleFileInfo, layers: dict[str, dict]) -> None:
     """W4A8 layers need comfy-kitchen, one group geometry, and each its int8 weight and scales."""
     if not layers:
         return
-    try:
-        w4a8.kitchen()
-    except ImportError as exc:
-        raise SingleFileError(f"{info.path} is a W4A8 (asym_w4a8_int8) file: {exc}") from exc
-    confs = {w4a8.W4A8Conf.of(conf) for conf in layers.values()}
-    if len(confs) > 1:
-        raise SingleFileError(f"{info.path}: its W4A8 layers use {len(confs)} group geometries "
-                              f"({sorted((c.group_size, c.convrot_groupsize) for c in confs)}); one per file is supported")
+    _one_conf(info, layers, w4a8.kitchen, w4a8.W4A8Conf, "W4A8 (asym_w4a8_int8)", "group geometries")
     for layer in sorted(layers):
         held = {s: info.dtypes.get(f"{layer}.{s}") for s in ("weight", "weight_s_rel", "weight_s_channel")}
         if held["weight"] != torch.int8 or None in held.values():
@@ -174,20 +169,31 @@ def stored_kinds(info: SingleFileInfo) -> list:
     return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), Nvfp4()]
 
 
+def _one_conf(info: SingleFileInfo, layers: dict[str, dict], kitchen: Callable[[], Any], conf: Any, name: str,
+              what: str) -> Any:
+    """The one ``conf`` (a conf class, read from an entry by ``of``) a format's ``layers`` share,
+    its comfy-kitchen module (``kitchen``) checked present; refused by name otherwise."""
+    try:
+        kitchen()
+    except ImportError as exc:
+        raise SingleFileError(f"{info.path} is a {name} file: {exc}") from exc
+    confs = {conf.of(entry) for entry in layers.values()}
+    if len(confs) > 1:
+        raise SingleFileError(f"{info.path}: its {name} layers use {len(confs)} {what} ({sorted(map(str, confs))}); "
+                              "one per file is supported")
+    return confs.pop()
+
+
 def _check_w4a4(info: SingleFileInfo, layers: dict[str, dict]) -> None:
     """W4A4 layers need comfy-kitchen, one rotation and linear, and each a packed int8 matrix whose
     width the rotation and comfy-kitchen's quantization group divide, with one scale per row."""
     if not layers:
         return
-    try:
-        w4a4.kitchen()
-    except ImportError as exc:
-        raise SingleFileError(f"{info.path} is a ConvRot W4A4 (convrot_w4a4) file: {exc}") from exc
-    confs = {w4a4.W4A4Conf.of(conf) for conf in layers.values()}
-    if len(confs) > 1 or next(iter(confs)).linear_dtype not in ("int4", "int8"):
-        raise SingleFileError(f"{info.path}: its W4A4 layers use {sorted(map(str, confs))}; one rotation and an int4 "
-                              "or int8 linear per file are supported")
-    group = next(iter(confs)).convrot_groupsize
+    conf = _one_conf(info, layers, w4a4.kitchen, w4a4.W4A4Conf, "ConvRot W4A4 (convrot_w4a4)", "rotations or linears")
+    if conf.linear_dtype not in ("int4", "int8"):
+        raise SingleFileError(f"{info.path}: its W4A4 layers ask for a {conf.linear_dtype} linear; comfy-kitchen "
+                              "has int4 and int8 ones")
+    group = conf.convrot_groupsize
     for layer in sorted(layers):
         shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
         scale = info.shapes.get(info.scales.get(layer, ""))

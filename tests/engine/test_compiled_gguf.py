@@ -18,7 +18,7 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from diffusers_offload.offload_core.transport import compiled
 from fixtures import flux_files
-from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
+from fixtures.compiling import BASE, PLACEMENTS, aot_eager, two_runs  # noqa: F401  (autouse fixture)
 from fixtures.gguf_files import (  # noqa: F401  (session fixture)
     QTYPES,
     WanGguf,
@@ -28,7 +28,7 @@ from fixtures.gguf_files import (  # noqa: F401  (session fixture)
     wide_ffn_wan_dir,
     write_wan_gguf,
 )
-from fixtures.tiny_models import run_flux, run_wan
+from fixtures.tiny_models import run_flux
 from torch._dynamo.utils import counters
 
 _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width  # fixtures, under their names
@@ -39,22 +39,12 @@ def _packed(model: torch.nn.Module) -> dict[str, tuple[object, torch.Tensor]]:
 
 
 def _runs(pipe, config: OffloadConfig) -> tuple[torch.Tensor, dict, list[torch.Tensor]]:
-    """Two runs placed: the last output, the streamer's details with the blocks' forward count, and
-    the weights the compiled twins' GGUF layers hold after the runs."""
-    engine = Engine()
-    engine.place(pipe, config)
-    streamer = engine.states(pipe)["transformer"].transport
-    forwards = []
-    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
-    try:
-        out = [run_wan(pipe) for _ in range(2)][-1]
-        details = streamer.details()
+    """Two runs placed (`two_runs`), with the weights the compiled twins' GGUF layers hold after them."""
+    def held(streamer) -> list[torch.Tensor]:
         twins = [f.twin for f in streamer.compiled._forwards.values() if f is not None]
-        held = [m._parameters["weight"] for t in twins for m in t.modules() if "gguf_source" in vars(m)]
-        return out, {**details, "block_calls": len(forwards) * details["blocks"]}, held
-    finally:
-        handle.remove()
-        engine.release(pipe)
+        return [m._parameters["weight"] for t in twins for m in t.modules() if "gguf_source" in vars(m)]
+
+    return two_runs(pipe, config, held)
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))

@@ -7,34 +7,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from fixtures import comfy_files
 from fixtures.comfy_files import write_comfy_w4a8_wan
-from fixtures.compiling import BASE, PLACEMENTS, aot_eager  # noqa: F401  (autouse fixture)
+from fixtures.compiling import BASE, PLACEMENTS, aot_eager, two_runs  # noqa: F401  (autouse fixture)
 from fixtures.nvfp4_files import write_comfy_nvfp4_wan
 from fixtures.quantized import wan_pipe
-from fixtures.tiny_models import run_wan
 from fixtures.w4a4_files import write_comfy_w4a4_wan
 
 WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan, "w4a4": write_comfy_w4a4_wan}
 _wide_wan_dir = comfy_files.wide_wan_dir  # (session fixture, under its name)
-
-
-def _runs(pipe, config: OffloadConfig) -> tuple[torch.Tensor, int, int]:
-    """Two runs placed: the last output, the compiled block calls and all block calls."""
-    engine = Engine()
-    engine.place(pipe, config)
-    streamer = engine.states(pipe)["transformer"].transport
-    forwards = []
-    handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
-    try:
-        out = [run_wan(pipe) for _ in range(2)][-1]
-        details = streamer.details()
-        return out, details["compiled_calls"], len(forwards) * details["blocks"]
-    finally:
-        handle.remove()
-        engine.release(pipe)
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
@@ -43,12 +26,12 @@ def test_stored_layers_run_compiled_to_the_eager_bits(fmt, placement, tiny_wan_d
     folder = wide_wan_dir if fmt == "w4a4" else tiny_wan_dir  # (W4A4 needs widths of 64)
     file = WRITERS[fmt](folder, tmp_path / f"wan-{fmt}.safetensors")
     config = OffloadConfig(**BASE, **PLACEMENTS[placement])
-    eager, none, _ = _runs(wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16)),
-                           config.replace(compile_blocks=False))
+    eager, plain, _ = two_runs(wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16)),
+                               config.replace(compile_blocks=False))
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16))
     stored = {n: t.clone() for n, t in pipe.transformer.state_dict().items() if t.dtype in (torch.uint8, torch.int8)}
-    out, compiled_calls, block_calls = _runs(pipe, config)
-    assert none == 0 and compiled_calls == block_calls > 0
+    out, details, _ = two_runs(pipe, config)
+    assert plain["compiled_calls"] == 0 and details["compiled_calls"] == details["block_calls"] > 0
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
     after = pipe.transformer.state_dict()
     assert stored and all(torch.equal(after[n], t) for n, t in stored.items())

@@ -85,7 +85,7 @@ def test_lora_on_w4a4_layers_is_unfused_and_comes_off_bit_exactly(placement, tin
     ("short_scale", r"blocks\.0\.self_attn\.q is declared convrot_w4a4 but the file holds a weight_scale of shape \(32,\)"),
     ("narrow", r"blocks\.0\.self_attn\.q is declared convrot_w4a4 but the file holds its input width 32 is not a "
                r"multiple of 64"),
-    ("two_rotations", r"its W4A4 layers use .*one rotation and an int4 or int8 linear per file"),
+    ("two_rotations", r"its ConvRot W4A4 \(convrot_w4a4\) layers use 2 rotations or linears .*one per file"),
 ])
 def test_inconsistent_w4a4_files_are_refused(fault, match, tiny_wan_dir, wide_wan_dir, tmp_path):
     tensors = comfy_w4a4_wan_tensors(wide_wan_dir)

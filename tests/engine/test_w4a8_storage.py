@@ -25,8 +25,7 @@ from fixtures.comfy_files import W4A8_CONF, comfy_w4a8_wan_tensors, write_comfy_
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import (
     assert_streams_stored_bytes,
-    comfy_state_as_wan,
-    converted_names,
+    comfyui_twin,
     digest,
     refused,
     runs_as_keeping_stored,
@@ -71,19 +70,15 @@ def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
         plain[f"{layer}.weight"] = dequantize_w4a8_int8_weight(
             tensors[f"{layer}.weight"], tensors[f"{layer}.weight_s_rel"], tensors[f"{layer}.weight_s_channel"],
             codebook=tensors.get(f"{layer}.weight_codebook"), output_dtype=BF16, **geometry)
-    model = comfy_state_as_wan(plain, folder, tmp / "comfyui-twin")
-    for name, layer in converted_names(layers).items():
-        linear = model.get_submodule(name)
-        if linear.weight.dtype == torch.float32:  # diffusers' fp32 modules: the decoded weight, upcast
-            continue
+
+    def held(layer: str, linear: torch.nn.Linear) -> QuantizedTensor:
         params = AsymW4A8Int8Layout.Params(
             scale=tensors[f"{layer}.weight_s_rel"], s_channel=tensors[f"{layer}.weight_s_channel"],
             codebook=tensors.get(f"{layer}.weight_codebook"), orig_dtype=BF16,
             orig_shape=(linear.out_features, linear.in_features), **geometry)
-        linear.weight = torch.nn.Parameter(
-            QuantizedTensor(tensors[f"{layer}.weight"], "AsymW4A8Int8Layout", params), requires_grad=False)
-    return model
+        return QuantizedTensor(tensors[f"{layer}.weight"], "AsymW4A8Int8Layout", params)
 
+    return comfyui_twin(plain, folder, tmp, layers, "cpu", held)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +182,7 @@ def test_inconsistent_w4a8_files_arerefused(tiny_wan_dir, tmp_path):
     mixed = {k: (other if k.startswith("blocks.0.") else tensors)[k] for k in tensors}
     path = tmp_path / "wan-w4a8-mixed.safetensors"
     save_file(mixed, str(path))
-    refused(r"W4A8 layers use 2 group geometries", path, tiny_wan_dir)
+    refused(r"W4A8 \(asym_w4a8_int8\) layers use 2 group geometries", path, tiny_wan_dir)
 
 
 def test_without_comfy_kitchen_a_w4a8_file_is_refused_naming_it(tiny_wan_dir, w4a8_file, monkeypatch):

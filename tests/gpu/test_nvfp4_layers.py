@@ -8,17 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
-from diffusers_offload.offload_core.state import leftovers
 from fixtures.nvfp4_files import comfyui_twin, write_comfy_nvfp4_wan
-from fixtures.quantized import wan_pipe
+from fixtures.quantized import placed_on_cuda_give, wan_pipe
 from fixtures.tiny_models import run_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="comfy-kitchen's CUDA decode")
-BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", compile_blocks=False)
-PLACED = {"none": dict(mode="none"), "auto": dict(mode="auto", preload="0.0005"), "leaf": dict(mode="leaf"),
-          "model": dict(mode="model")}
 
 
 def test_a_placed_nvfp4_file_gives_comfyuis_bits_on_cuda(tiny_wan_dir, tmp_path) -> None:
@@ -26,13 +21,4 @@ def test_a_placed_nvfp4_file_gives_comfyuis_bits_on_cuda(tiny_wan_dir, tmp_path)
     twin = wan_pipe(tiny_wan_dir).to("cuda")
     twin.register_modules(transformer=comfyui_twin(file, tiny_wan_dir, tmp_path / "twin", device="cuda"))
     expected = run_wan(twin).cpu()
-    for name, placement in PLACED.items():
-        pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16))
-        engine = Engine()
-        engine.place(pipe, OffloadConfig(**BASE, **placement))
-        try:
-            for _ in range(2):
-                assert torch.equal(run_wan(pipe).cpu(), expected), name
-        finally:
-            engine.release(pipe)
-        assert leftovers(pipe.transformer) == [], name
+    placed_on_cuda_give(lambda: wan_pipe(tiny_wan_dir, load_denoiser(file, tiny_wan_dir, torch.bfloat16)), expected)
