@@ -31,7 +31,7 @@ AWQ_SCALE = ".pre_quant_scale"  # an input scaling (AWQ)
 log = get_logger("nvfp4")
 
 
-@functools.cache  # looked up by every layer's forward; a failed import is not cached
+@functools.cache  # a failed import is not cached
 def kitchen():
     """comfy-kitchen, or an ImportError saying what to install."""
     try:
@@ -72,9 +72,6 @@ class NVFP4Linear(StoredLinear):
         weight = self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
         weight = weight[: self.out_features, : self.in_features].to(x.dtype)
         return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def converted_layers(state: dict[str, torch.Tensor]) -> list[str]:

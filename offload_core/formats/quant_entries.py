@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import w4a4, w4a8
+from . import nvfp4, w4a4, w4a8
 from .convrot import DEFAULT_GROUP, group_error
 from .inspect import QUANT_METADATA, QUANT_SUFFIX, SingleFileError, SingleFileInfo
+from .stored_linear import StoredKind
 
 LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8", "nvfp4", "convrot_w4a4"}  # per-tensor fp8 (fp8_scaled by another
 # name); int8 with a per-tensor or per-row scale, convrot (Hadamard-rotated weights) or not
 INT8_QUANT = "int8_tensorwise"
-W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT = w4a8.FORMAT, "nvfp4", w4a4.FORMAT
+W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT = w4a8.FORMAT, nvfp4.NVFP4, w4a4.FORMAT
 PACKED_QUANT = {W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT}  # two weights a byte: a layer's width is twice its stored weight's
 ACCEPTED_QUANT = (
     "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise with or without convrot "
@@ -57,7 +58,7 @@ def check_quant_layers(info: SingleFileInfo) -> None:
     fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
     ``int8_tensorwise``: an int8 weight and its ``weight_scale`` (with convrot, a matrix its group
     size can rotate); an int8 weight no ``int8_tensorwise`` entry declares is refused (its
-    dequantisation would be a guess); W4A8 and NVFP4 layers hold what comfy-kitchen reads."""
+    dequantisation would be a guess); W4A8, ConvRot W4A4 and NVFP4 layers hold what comfy-kitchen reads."""
     layers = read_quant_layers(info)
     formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
     unknown = sorted(formats - LOADABLE_QUANT)
@@ -129,10 +130,9 @@ def _check_nvfp4(info: SingleFileInfo, layers: list[str]) -> None:
     if not layers:
         return
     try:
-        import comfy_kitchen  # noqa: F401
+        nvfp4.kitchen()
     except ImportError as exc:
-        raise SingleFileError(f"{info.path} is an NVFP4 file: reading it needs comfy-kitchen (ComfyUI's 2026 "
-                              "requirements install it; or pip install comfy-kitchen)") from exc
+        raise SingleFileError(f"{info.path} is an NVFP4 file: {exc}") from exc
     for layer in layers:
         shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
         blocks = info.shapes.get(info.scales.get(layer, ""))
@@ -162,11 +162,9 @@ def w4a4_conf(info: SingleFileInfo) -> w4a4.W4A4Conf:
                  if isinstance(c, dict) and c.get("format") == W4A4_FORMAT), w4a4.W4A4Conf())
 
 
-def stored_kinds(info: SingleFileInfo) -> list:
-    """The stored formats a file's layers may take (`stored_linear.StoredKind`), with its geometries."""
-    from .nvfp4 import Kind as Nvfp4
-
-    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), Nvfp4()]
+def stored_kinds(info: SingleFileInfo) -> list[StoredKind]:
+    """The stored formats a file's layers may take, with its geometries."""
+    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), nvfp4.Kind()]
 
 
 def _one_conf(info: SingleFileInfo, layers: dict[str, dict], kitchen: Callable[[], Any], conf: Any, name: str,

@@ -33,6 +33,9 @@ class StoredLinear(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=compute, device=device),
                                        requires_grad=False) if bias else None
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
     def stored(self, name: str, *shape: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
         """Register the stored tensor ``name``: the weight a parameter (no gradient), the rest buffers."""
         t = torch.empty(shape, dtype=dtype, device=device)

@@ -67,8 +67,8 @@ class W4A4Linear(StoredLinear):
                            linear_dtype=self.conf.linear_dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"convrot_groupsize={self.conf.convrot_groupsize}, linear_dtype={self.conf.linear_dtype}")
+        conf = self.conf
+        return f"{super().extra_repr()}, convrot_groupsize={conf.convrot_groupsize}, linear_dtype={conf.linear_dtype}"
 
 
 def pop_extras(state: dict[str, torch.Tensor], layers: list[str]) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ class W4A8Conf:
                    int(entry.get("convrot_groupsize", params.get("convrot_groupsize", 256))))
 
 
-@functools.cache  # looked up by every layer's forward; a failed import is not cached
+@functools.cache  # a failed import is not cached
 def kitchen():
     """comfy-kitchen's W4A8 module, or an ImportError saying what to install."""
     try:
@@ -70,8 +70,7 @@ class W4A8Linear(StoredLinear):
             convrot_groupsize=self.conf.convrot_groupsize, out_dtype=x.dtype)  # ComfyUI: the input's dtype
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"group_size={self.conf.group_size}, convrot_groupsize={self.conf.convrot_groupsize}")
+        return f"{super().extra_repr()}, group_size={self.conf.group_size}, convrot_groupsize={self.conf.convrot_groupsize}"
 
 
 @dataclass(frozen=True)

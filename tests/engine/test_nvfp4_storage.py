@@ -134,7 +134,8 @@ def test_inconsistent_nvfp4_files_are_refused(fault, match, tiny_wan_dir, tmp_pa
 def test_without_comfy_kitchen_an_nvfp4_file_is_refused_naming_it(tiny_wan_dir, nvfp4_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # import fails as if not installed
     kitchen.cache_clear()
-    err = refused(r"is an NVFP4 file: reading it needs comfy-kitchen", nvfp4_file, tiny_wan_dir)
+    err = refused(r"is an NVFP4 file: NVFP4 files are read by comfy-kitchen, which this Python does not have",
+                  nvfp4_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
     kitchen.cache_clear()
 
