@@ -20,8 +20,7 @@ from ..log import get_logger
 from .decoded import decoded_weight
 from .fp8 import INPUT_KEY, INT8, SCALE_KEY, dequantize, is_fp8, popped
 from .inspect import SingleFileError, SingleFileInfo
-from .nvfp4 import TENSOR_SCALE
-from .quant_entries import convrot_groups
+from .quant_entries import PACKED_QUANT, convrot_groups, read_quant_layers
 from .state_fit import keeps_fp32, mismatch_text
 
 log = get_logger("single_file")
@@ -62,10 +61,12 @@ def load_part(name: str, checkpoint: dict[str, torch.Tensor], info: SingleFileIn
               cls: type, dtype: torch.dtype) -> Any:
     """Component ``name`` (class ``cls``, config ``folder/name``) from the checkpoint's tensors."""
     prefixes = PARTS[info.family][name]
-    fp4 = sorted(k.removesuffix(TENSOR_SCALE) for k in checkpoint if k.startswith(prefixes) and k.endswith(TENSOR_SCALE))
-    if fp4:
-        raise SingleFileError(f"{info.path}: NVFP4 layers in its {name} ({', '.join(fp4[:3])}): the pack keeps NVFP4 "
-                              "in denoisers and text encoders only: use the fp8 or bf16 checkpoint of the model")
+    packed = {k: c["format"] for k, c in read_quant_layers(info).items()
+              if k.startswith(prefixes) and isinstance(c, dict) and c.get("format") in PACKED_QUANT}
+    if packed:
+        raise SingleFileError(f"{info.path}: {'/'.join(sorted(set(packed.values())))} layers in its {name} "
+                              f"({', '.join(sorted(packed)[:3])}): the pack keeps those formats in denoisers and text "
+                              "encoders only; use the fp8 or bf16 checkpoint of the model")
     state = _decoded({k: v for k, v in checkpoint.items() if k.startswith(prefixes)}, info, dtype)
     if name == "vae":
         return _from_single_file(cls, state, folder, name, dtype, info.path)

@@ -82,7 +82,7 @@ Shape = WanShape | FluxShape | Ltx2Shape
 
 def file_shape(info: SingleFileInfo) -> Shape:
     """The shape of the denoiser ``info`` describes (its family's reader); a layer stored two weights
-    a byte (W4A8, NVFP4) is read at its width, twice its stored weight's."""
+    a byte (W4A8, W4A4, NVFP4) is read at its width, twice its stored weight's."""
     packed = {f"{layer}.weight" for layer, conf in read_quant_layers(info).items()
               if isinstance(conf, dict) and conf.get("format") in PACKED_QUANT}
     shapes = {PREFIX.sub("", k): (s[0], s[1] * 2) if k in packed and len(s) == 2 else s for k, s in info.shapes.items()}

@@ -180,7 +180,7 @@ def test_an_nvfp4_checkpoint_part_is_refused_by_name(case, tmp_path):
                  if k.startswith("text_embedding_projection.") and v.ndim == 2)
     fp4 = tmp_path / "ltx-2-fp4-connectors.safetensors"
     save_file(nvfp4_layers(state, [layer]), str(fp4))
-    with pytest.raises(SingleFileError, match=rf"ltx-2-fp4-connectors\.safetensors: NVFP4 layers in its connectors \({layer}\)"):
+    with pytest.raises(SingleFileError, match=rf"ltx-2-fp4-connectors\.safetensors: nvfp4 layers in its connectors \({layer}\)"):
         load_pipeline_with_denoiser(configs, fp4, torch.float32)
 
 
