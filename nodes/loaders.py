@@ -74,7 +74,7 @@ def load_modular(folder: Path, workflow: str, dtype: torch.dtype, transformer_fi
                  text_encoder_file: Path | None = None, vae_file: Path | None = None,
                  audio_vae_file: Path | None = None, comfy_tokenizers: Path | None = None) -> ModularPipeline:
     """The pipeline pruned to ``workflow``, with only that workflow's components checked and loaded;
-    with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, W4A4, NVFP4, GGUF), the workflow's
+    with ``transformer_file`` (a ComfyUI single file: bf16, fp8, W4A8, W4A4, NVFP4, MXFP8, GGUF), the workflow's
     transformer (ref2va's ``transformer_ref``) comes from it, into the folder's config for it (the
     folder's weights are not read); with ``text_encoder_file`` (MiniMax-H3's conditioner in ComfyUI's
     layout or transformers'), the text encoder likewise, ``vae_file`` / ``audio_vae_file`` (H3's
@@ -260,7 +260,7 @@ class LoadModularPipeline(io.ComfyNode):
                 OffloadConfigType.Input("offload", optional=True, tooltip="Offload settings."),
                 io.Combo.Input("transformer_file", options=[NONE, *denoiser_files()], default=NONE, optional=True,
                                tooltip="A transformer file from models/diffusion_models (ComfyUI's bf16, fp8, "
-                                       "fp8_scaled, W4A8, W4A4, NVFP4 or GGUF files of the model); 'none' uses the folder's. "
+                                       "fp8_scaled, W4A8, W4A4, NVFP4, MXFP8 or GGUF files of the model); 'none' uses the folder's. "
                                        "The folder then needs only the transformer's config."),
                 io.Combo.Input("text_encoder_file", options=[NONE, *folder_paths.get_filename_list("text_encoders")],
                                default=NONE, optional=True,

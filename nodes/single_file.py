@@ -1,5 +1,5 @@
 """Load diffusion model file (diffusers): a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled,
-int8_tensorwise, W4A8, W4A4, NVFP4, GGUF) in the pipeline of a config folder of the same family (Wan 2.2 A14B:
+int8_tensorwise, W4A8, W4A4, NVFP4, MXFP8, GGUF) in the pipeline of a config folder of the same family (Wan 2.2 A14B:
 its two experts' files).
 
 Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not bf16 diffusers
@@ -67,10 +67,10 @@ class LoadDiffusionModelFile(io.ComfyNode):
             **search_aliases("offload", "block swap", "wan", "fp8", "gguf", "single file"),
             display_name="Load diffusion model file (diffusers)",
             category=CATEGORY,
-            description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8, W4A4, NVFP4 or GGUF) into the "
+            description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8, W4A4, NVFP4, MXFP8 or GGUF) into the "
                         "pipeline of its family: for Wan 2.1 / 2.2, FLUX.1 and LTX-2 the configs the pack carries (auto), else a "
                         "diffusers folder of the same family (configs-only is enough when the text-encoder and "
-                        "VAE files are picked). The file's storage (fp8, int8, W4A8, W4A4, NVFP4, GGUF) is kept. "
+                        "VAE files are picked). The file's storage (fp8, int8, W4A8, W4A4, NVFP4, MXFP8, GGUF) is kept. "
                         "Wan 2.2 A14B: the high-noise file in denoiser, the low-noise one in denoiser_2.",
             inputs=[
                 io.Combo.Input("config", options=config_options(),

@@ -135,7 +135,7 @@ def _is_bridged(method: object) -> bool:
 
 def _quantization(module: torch.nn.Module) -> str | None:
     """How the weights are quantized: GGUF types, a diffusers ``quant_method``, the library and
-    type of a tensor-subclass weight, ComfyUI's stored (W4A8, W4A4, NVFP4) or int8 (convrot) layers, plain fp8 weights, or None."""
+    type of a tensor-subclass weight, ComfyUI's stored (W4A8, W4A4, NVFP4, MXFP8) or int8 (convrot) layers, plain fp8 weights, or None."""
     gguf = gguf_quant_types(module)  # from_single_file sets no config.quantization_config
     if gguf:
         return "gguf " + "/".join(gguf)

@@ -19,7 +19,7 @@ from .stored import to_stored
 STORAGES = ("bf16", *FP8_STORAGES, *GGUF_TYPES, *STORED, *INT8_STORAGES)
 CAST = (*FP8_STORAGES, *INT8_STORAGES, *GGUF_TYPES)  # dequantised by the engine's hooks: no plain resident forward
 HELP = ("weight storage (main model only): fp8 Linear weights computing in bf16 (_fast: fp8 matmuls); gguf_* "
-        "diffusers' GGUF layers (benchkit/gguf.py); w4a8 / w4a4 / nvfp4 the pack's W4A8 / ConvRot W4A4 / NVFP4 layers over comfy-kitchen's "
+        "diffusers' GGUF layers (benchkit/gguf.py); w4a8 / w4a4 / nvfp4 / mxfp8 the pack's stored layers over comfy-kitchen's "
         "(benchkit/stored.py); int8[_convrot] ComfyUI int8_tensorwise layers (benchkit/int8.py)")
 
 

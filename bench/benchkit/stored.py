@@ -2,7 +2,8 @@
 becomes one of the pack's stored layers over weights quantized by comfy-kitchen's own quantizers,
 as a ComfyUI file loads: ``w4a8`` (`W4A8Linear`, ``quantize_w4a8_int8_weight``: fp8 group scales,
 group 16, ConvRot 256), ``w4a4`` (`W4A4Linear`, ``quantize_convrot_w4a4_weight``: ConvRot 256, int4
-MMA) or ``nvfp4`` (`NVFP4Linear`, ``TensorCoreNVFP4Layout.quantize``).
+MMA), ``nvfp4`` (`NVFP4Linear`, ``TensorCoreNVFP4Layout.quantize``) or ``mxfp8`` (`MXFP8Linear`,
+``TensorCoreMXFP8Layout.quantize``).
 
 Why not write a file and load it: the loader path is CPU-tested; the bench times the layers'
 kernels and the transfer of their packed bytes at 14B.
@@ -14,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-W4A8, W4A4, NVFP4 = "w4a8", "w4a4", "nvfp4"
-STORAGES = (W4A8, W4A4, NVFP4)
+W4A8, W4A4, NVFP4, MXFP8 = "w4a8", "w4a4", "nvfp4", "mxfp8"
+STORAGES = (W4A8, W4A4, NVFP4, MXFP8)
 CONF = dict(group_size=16, convrot_groupsize=256)
 
 
@@ -62,7 +63,20 @@ def _w4a4(child: torch.nn.Linear) -> torch.nn.Module | None:
     return layer
 
 
-MAKERS: dict[str, Callable[[torch.nn.Linear], torch.nn.Module | None]] = {W4A8: _w4a8, W4A4: _w4a4, NVFP4: _nvfp4}
+def _mxfp8(child: torch.nn.Linear) -> torch.nn.Module:
+    from comfy_kitchen.tensor.mxfp8 import TensorCoreMXFP8Layout
+    from diffusers_offload.offload_core.formats.mxfp8 import MXFP8Linear
+
+    weight, params = TensorCoreMXFP8Layout.quantize(child.weight.data)
+    layer = MXFP8Linear(child.in_features, child.out_features, child.bias is not None, child.weight.dtype,
+                        device="meta")
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    layer.weight_scale = params.scale  # a buffer
+    return layer
+
+
+MAKERS: dict[str, Callable[[torch.nn.Linear], torch.nn.Module | None]] = {W4A8: _w4a8, W4A4: _w4a4, NVFP4: _nvfp4,
+                                                                          MXFP8: _mxfp8}
 
 
 def to_stored(model: torch.nn.Module, blocks: list[torch.nn.Module], storage: str) -> int:

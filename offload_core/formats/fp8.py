@@ -262,7 +262,7 @@ def _dequantize_others(
 ) -> None:
     """fp8 tensors outside Linear weights (a conv, a norm, a bias) become compute-dtype values, and
     so do int8 weights there (they need their scale; a convrot one is rotated back); stored layers
-    (W4A8, W4A4, NVFP4) keep theirs (fp8 scales)."""
+    (W4A8, W4A4, NVFP4, MXFP8) keep theirs (fp8 scales)."""
     stored = {id(layer) for _name, layer in _linears(model)}
     for name, module in model.named_modules():
         if isinstance(module, StoredLinear):

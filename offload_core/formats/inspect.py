@@ -29,6 +29,7 @@ ST_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E8M0": torch.float8_e8m0fnu,  # (MXFP8's block scales)
     **FP8_NAMES,
 }
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")

@@ -23,6 +23,7 @@ from ..log import get_logger
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
 from .stored_linear import StoredLinear
+from .tiled_scales import rows_of, tiled_shape
 
 NVFP4 = "nvfp4"
 BLOCK = 16  # values per block scale
@@ -58,8 +59,7 @@ class NVFP4Linear(StoredLinear):
         self.decode = kitchen().dequantize_nvfp4  # (resolved once: a compiled block traces the call)
         rows, cols = _round16(out_features), _round16(in_features)
         self.stored("weight", rows, cols // 2, dtype=torch.uint8, device=device)
-        self.stored("weight_scale", -(-rows // 128) * 128, -(-cols // (4 * BLOCK)) * 4, dtype=torch.float8_e4m3fn,
-                    device=device)
+        self.stored("weight_scale", *tiled_shape(rows, cols // BLOCK), dtype=torch.float8_e4m3fn, device=device)
         self.stored("weight_scale_2", dtype=torch.float32, device=device)
         if awq is not None:
             self.stored("pre_quant_scale", in_features, dtype=awq, device=device)
@@ -116,23 +116,10 @@ def attach(state: dict[str, torch.Tensor], extras: dict[str, Held], traced: dict
     scaling go whole."""
     for layer, (source, rows) in traced.items():
         held = extras[source]
-        state[f"{layer}.weight_scale"] = held.blocks if _all_rows(rows, held.rows) else _rows_of(held.blocks, rows)
+        state[f"{layer}.weight_scale"] = rows_of(held.blocks, rows, held.rows)
         state[f"{layer}.weight_scale_2"] = held.scale
         if held.awq is not None:
             state[f"{layer}.pre_quant_scale"] = held.awq
-
-
-def _all_rows(rows: torch.Tensor | slice, count: int) -> bool:
-    if isinstance(rows, slice):
-        return rows == slice(None)
-    return rows.numel() == count and torch.equal(rows, torch.arange(count))
-
-
-def _rows_of(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """The block scales of weight ``rows``: untiled whole (padding included), taken, tiled again."""
-    from comfy_kitchen.float_utils import from_blocked, to_blocked
-
-    return to_blocked(from_blocked(blocks, *blocks.shape)[rows], flatten=False)
 
 
 class Kind:

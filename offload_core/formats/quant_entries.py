@@ -13,19 +13,21 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from . import nvfp4, w4a4, w4a8
+from . import mxfp8, nvfp4, w4a4, w4a8
 from .convrot import DEFAULT_GROUP, group_error
 from .inspect import QUANT_METADATA, QUANT_SUFFIX, SingleFileError, SingleFileInfo
 from .stored_linear import StoredKind
+from .tiled_scales import tiled_shape
 
-LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8", "nvfp4", "convrot_w4a4"}  # per-tensor fp8 (fp8_scaled by another
+LOADABLE_QUANT = {"float8_e4m3fn", "float8_e5m2", "int8_tensorwise", "asym_w4a8_int8", "nvfp4", "convrot_w4a4", "mxfp8"}  # per-tensor fp8 (fp8_scaled by another
 # name); int8 with a per-tensor or per-row scale, convrot (Hadamard-rotated weights) or not
 INT8_QUANT = "int8_tensorwise"
 W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT = w4a8.FORMAT, nvfp4.NVFP4, w4a4.FORMAT
 PACKED_QUANT = {W4A8_FORMAT, NVFP4_FORMAT, W4A4_FORMAT}  # two weights a byte: a layer's width is twice its stored weight's
+STORED_QUANT = {*PACKED_QUANT, mxfp8.FORMAT}  # held by stored layers (`stored_linear`), block scales their own
 ACCEPTED_QUANT = (
     "float8_e4m3fn / float8_e5m2 with per-tensor scales, int8_tensorwise with or without convrot "
-    "(per-tensor or per-row scales), asym_w4a8_int8 (W4A8), convrot_w4a4 and nvfp4 (these three through comfy-kitchen)"
+    "(per-tensor or per-row scales), asym_w4a8_int8 (W4A8), convrot_w4a4, nvfp4 and mxfp8 (these four through comfy-kitchen)"
 )
 
 def read_quant_layers(info: SingleFileInfo) -> dict[str, dict]:
@@ -58,7 +60,7 @@ def check_quant_layers(info: SingleFileInfo) -> None:
     fp8_scaled by another name: ``<layer>.weight_scale`` next to an fp8 weight), and so does
     ``int8_tensorwise``: an int8 weight and its ``weight_scale`` (with convrot, a matrix its group
     size can rotate); an int8 weight no ``int8_tensorwise`` entry declares is refused (its
-    dequantisation would be a guess); W4A8, ConvRot W4A4 and NVFP4 layers hold what comfy-kitchen reads."""
+    dequantisation would be a guess); W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers hold what comfy-kitchen reads."""
     layers = read_quant_layers(info)
     formats = {str(conf.get("format")) if isinstance(conf, dict) else repr(conf) for conf in layers.values()}
     unknown = sorted(formats - LOADABLE_QUANT)
@@ -70,16 +72,17 @@ def check_quant_layers(info: SingleFileInfo) -> None:
         )
     _check_convrot(info)
     full = [k for k, conf in layers.items()
-            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in PACKED_QUANT]
+            if isinstance(conf, dict) and conf.get("group_size") and conf.get("format") not in STORED_QUANT]
     if full:
         raise SingleFileError(
             f"{info.path}: layers {full[:3]} use block-wise fp8 scales; only per-tensor scales are supported"
         )
-    w4a4_layers = {k: conf for k, conf in layers.items() if conf.get("format") == W4A4_FORMAT}
-    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT}, set(w4a4_layers))
-    _check_w4a4(info, w4a4_layers)
+    w4a4_entries = {k: conf for k, conf in layers.items() if conf.get("format") == W4A4_FORMAT}
+    _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT}, set(w4a4_entries))
+    _check_w4a4(info, w4a4_entries)
     _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
     _check_nvfp4(info, sorted(k for k, conf in layers.items() if conf.get("format") == NVFP4_FORMAT))
+    _check_mxfp8(info, layers_of(info, mxfp8.FORMAT))
 
 
 def convrot_groups(info: SingleFileInfo) -> dict[str, int]:
@@ -143,7 +146,7 @@ def _check_nvfp4(info: SingleFileInfo, layers: list[str]) -> None:
                else "no weight_scale_2" if f"{layer}.weight_scale_2" not in info.shapes
                else None)
         if why is None:
-            want = (-(-shape[0] // 128) * 128, -(-shape[1] // 32) * 4)  # 16 weights a block, 4 blocks a tile's width
+            want = tiled_shape(shape[0], shape[1] * 2 // 16)  # (16 weights a block)
             if tuple(blocks) != want:
                 why = f"block scales of shape {tuple(blocks)} for a weight of shape {tuple(shape)} (expected {want})"
         if why is not None:
@@ -151,9 +154,9 @@ def _check_nvfp4(info: SingleFileInfo, layers: list[str]) -> None:
                                   "the file is inconsistent, download it again")
 
 
-def w4a4_layers(info: SingleFileInfo) -> list[str]:
-    """The file's convrot_w4a4 layers, by file layer name."""
-    return sorted(k for k, c in read_quant_layers(info).items() if isinstance(c, dict) and c.get("format") == W4A4_FORMAT)
+def layers_of(info: SingleFileInfo, fmt: str) -> list[str]:
+    """The file's layers of format ``fmt``, by file layer name."""
+    return sorted(k for k, c in read_quant_layers(info).items() if isinstance(c, dict) and c.get("format") == fmt)
 
 
 def w4a4_conf(info: SingleFileInfo) -> w4a4.W4A4Conf:
@@ -164,7 +167,7 @@ def w4a4_conf(info: SingleFileInfo) -> w4a4.W4A4Conf:
 
 def stored_kinds(info: SingleFileInfo) -> list[StoredKind]:
     """The stored formats a file's layers may take, with its geometries."""
-    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), nvfp4.Kind()]
+    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), nvfp4.Kind(), mxfp8.Kind()]
 
 
 def _one_conf(info: SingleFileInfo, layers: dict[str, dict], kitchen: Callable[[], Any], conf: Any, name: str,
@@ -204,6 +207,33 @@ def _check_w4a4(info: SingleFileInfo, layers: dict[str, dict]) -> None:
         if why is not None:
             raise SingleFileError(f"{info.path}: layer {layer} is declared convrot_w4a4 but the file holds {why} for "
                                   "it; the file is inconsistent, download it again")
+
+
+def _check_mxfp8(info: SingleFileInfo, layers: list[str]) -> None:
+    """MXFP8 layers need comfy-kitchen, and each an fp8 (e4m3) weight padded to 32 x 32 with its E8M0
+    block scales in comfy-kitchen's tiled layout for that weight."""
+    if not layers:
+        return
+    try:
+        mxfp8.kitchen()
+    except ImportError as exc:
+        raise SingleFileError(f"{info.path} is an MXFP8 file: {exc}") from exc
+    for layer in layers:
+        shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
+        blocks = info.scales.get(layer, "")
+        why = ("no weight" if shape is None else
+               f"a {str(dtype).removeprefix('torch.')} weight, not float8_e4m3fn" if dtype != torch.float8_e4m3fn
+               or len(shape) != 2
+               else f"a weight of shape {tuple(shape)}, not padded to 32 x 32" if shape[0] % 32 or shape[1] % 32
+               else "no weight_scale" if blocks not in info.shapes
+               else f"{info.dtypes[blocks]} block scales, not E8M0" if info.dtypes[blocks] not in (mxfp8.E8M0, torch.uint8)
+               else None)
+        want = None if why else tiled_shape(shape[0], shape[1] // mxfp8.BLOCK)
+        if want is not None and tuple(info.shapes[blocks]) != want:
+            why = f"block scales of shape {tuple(info.shapes[blocks])} for a weight of shape {tuple(shape)} (expected {want})"
+        if why is not None:
+            raise SingleFileError(f"{info.path}: layer {layer} is declared mxfp8 but the file holds {why} for it; "
+                                  "the file is inconsistent, download it again")
 
 
 def _check_int8_weights(info: SingleFileInfo, declared: set[str], w4a4_layers: set[str]) -> None:

@@ -1,5 +1,5 @@
 """Load a ComfyUI single-file denoiser (bf16, fp8, fp8_scaled, ComfyUI per-tensor fp8,
-int8_tensorwise, W4A8, ConvRot W4A4 and NVFP4, GGUF) into the diffusers class of a config folder of the same family.
+int8_tensorwise, W4A8, ConvRot W4A4, NVFP4 and MXFP8, GGUF) into the diffusers class of a config folder of the same family.
 
 Keys are converted by diffusers' own single-file conversion (the mapping function
 `from_single_file` uses). GGUF files go through `from_single_file` itself (its GGUF quantizer).
@@ -7,7 +7,7 @@ safetensors files do not: diffusers 0.42.1 casts fp8 values to the compute dtype
 ``scale_weight`` (silently wrong weights, twice the bytes), and casts every module, its fp32
 ones included, to the compute dtype (unlike its folder loader). Here the converted tensors are
 assigned into an empty model: fp8 and int8 ones as they are (`fp8.mark_fp8` records their
-scales), W4A8, ConvRot W4A4 and NVFP4 layers as `stored_linear.StoredLinear` layers over their stored tensors, the rest in the
+scales), W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers as `stored_linear.StoredLinear` layers over their stored tensors, the rest in the
 compute dtype except diffusers' ``_keep_in_fp32_modules``, as `from_pretrained` keeps them.
 """
 
@@ -23,7 +23,7 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from ..log import get_logger
-from . import nvfp4, w4a4, w4a8
+from . import mxfp8, nvfp4, w4a4, w4a8
 from .checkpoint_parts import denoiser_only
 from .fp8 import (
     INPUT_KEY,
@@ -45,7 +45,7 @@ from .inspect import (
     inspect_file,
     inspect_safetensors,
 )
-from .quant_entries import check_quant_layers, convrot_groups, stored_kinds, w4a4_layers
+from .quant_entries import check_quant_layers, convrot_groups, layers_of, stored_kinds
 from .scale_trace import follow_rows, trace_rows
 from .state_fit import keeps_fp32, mismatch
 from .stored_linear import swap_stored
@@ -144,7 +144,8 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
     checkpoint = denoiser_only(read_checkpoint(path, info), info)
     extras, fp4 = w4a8.pop_extras(checkpoint), nvfp4.pop_extras(path, checkpoint)
-    w4 = w4a4.pop_extras(checkpoint, w4a4_layers(info))  # (before the int8 scales: their spelling is the same)
+    w4 = w4a4.pop_extras(checkpoint, layers_of(info, w4a4.FORMAT))  # (before the int8 and fp8 scales: their
+    mx = mxfp8.pop_extras(checkpoint, layers_of(info, mxfp8.FORMAT))  # spelling is the same)
     file_scales, file_inputs = (popped(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))  # traced, not converted
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
@@ -158,12 +159,13 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion failed on it "
                               f"({type(exc).__name__}: {exc}); is it a complete {cls.__name__} file?") from exc
     file_groups = {layer: g for layer, g in convrot_groups(info).items() if f"{layer}.weight" in shapes}
-    quantized = sorted({*extras, *fp4, *w4, *file_scales, *file_inputs, *file_groups})
+    quantized = sorted({*extras, *fp4, *w4, *mx, *file_scales, *file_inputs, *file_groups})
     traced = ({layer: (layer, slice(None)) for layer in quantized} if converted is checkpoint  # one probe for all
               else trace_rows(path, cls, convert, config, shapes, quantized, "quantized layers"))
     w4a8.attach(converted, extras, {k: v for k, v in traced.items() if v[0] in extras})
     nvfp4.attach(converted, fp4, {k: v for k, v in traced.items() if v[0] in fp4})
     w4a4.attach(converted, w4, {k: v for k, v in traced.items() if v[0] in w4})
+    mxfp8.attach(converted, mx, {k: v for k, v in traced.items() if v[0] in mx})
     scales, inputs = (follow_rows(traced, values, shapes) for values in (file_scales, file_inputs))
     groups = {key: file_groups[layer] for key, (layer, _rows) in traced.items() if layer in file_groups}
     as_stored = _swap_stored(path, info, model, converted, cls, compute)
@@ -269,7 +271,7 @@ def _fp32(cls: type, key: str, compute: torch.dtype) -> bool:
 
 def _swap_stored(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
                  cls: type, compute: torch.dtype) -> set[str]:
-    """The converted W4A8, ConvRot W4A4 and NVFP4 layers become stored layers of ``model`` (those in
+    """The converted W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers become stored layers of ``model`` (those in
     diffusers' fp32 modules are decoded to a float32 weight instead); returns the converted keys to
     keep as stored."""
     try:

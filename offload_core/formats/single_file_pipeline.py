@@ -15,7 +15,7 @@ import diffusers
 import torch
 
 from ..log import get_logger
-from . import nvfp4, w4a4
+from . import mxfp8, nvfp4, w4a4
 from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
 from .convrot import GROUP_KEY
@@ -23,7 +23,7 @@ from .decoded import decoded_weight
 from .fp8 import INT8, is_fp8, mark_fp8, popped
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
-from .quant_entries import check_quant_layers, convrot_groups, stored_kinds, w4a4_layers
+from .quant_entries import check_quant_layers, convrot_groups, layers_of, stored_kinds
 from .single_file import (
     INPUT_KEY,
     SCALE_KEY,
@@ -265,7 +265,7 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
     half the RAM and pinned bytes of a decoded copy), and so do ComfyUI int8_tensorwise layers,
     convrot ones included, in a file without fp8 weights (in one with, they are decoded to ``dtype``
-    here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4 and NVFP4 layers stay as stored
+    here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers stay as stored
     (`stored_linear`: decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for);
     other quant formats are refused by name."""
     import transformers
@@ -275,9 +275,11 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
     check_quant_layers(info)
     state = read_checkpoint(path, info)
-    fp4, w4 = nvfp4.pop_extras(path, state), w4a4.pop_extras(state, w4a4_layers(info))
+    fp4, w4 = nvfp4.pop_extras(path, state), w4a4.pop_extras(state, layers_of(info, w4a4.FORMAT))
+    mx = mxfp8.pop_extras(state, layers_of(info, mxfp8.FORMAT))
     nvfp4.attach(state, fp4, whole(fp4))  # (under the names the layers hold; a text encoder splits nothing)
     w4a4.attach(state, w4, whole(w4))
+    mxfp8.attach(state, mx, whole(mx))
     state |= {layer + GROUP_KEY: torch.tensor(g) for layer, g in convrot_groups(info).items()}
     if fit is not None:
         state = fit.keys(state)  # (renames the convrot marks and stored layers' scales with their layers)

@@ -1,4 +1,5 @@
-"""A ComfyUI quantized layer held as stored (`w4a8.W4A8Linear`, `w4a4.W4A4Linear`, `nvfp4.NVFP4Linear`):
+"""A ComfyUI quantized layer held as stored (`w4a8.W4A8Linear`, `w4a4.W4A4Linear`, `nvfp4.NVFP4Linear`,
+`mxfp8.MXFP8Linear`):
 ``nn.Linear``'s interface over the file's own tensors, computed by comfy-kitchen as ComfyUI's layer
 computes it.
 
@@ -76,7 +77,7 @@ def stored_format(model: torch.nn.Module) -> str | None:
 
 class StoredKind(Protocol):
     """One stored format as the loaders meet it in a converted state dict (`w4a8.Kind`,
-    `nvfp4.Kind`, `w4a4.Kind`): its layers there (their tensors readied in place), a layer decoded
+    `w4a4.Kind`, `nvfp4.Kind`, `mxfp8.Kind`): its layers there (their tensors readied in place), a layer decoded
     to a weight, and the layer that holds it as stored."""
 
     NAME: str

@@ -3,7 +3,7 @@
 
 Why unfused: an fp8 or GGUF weight cannot take a delta in place without rounding most of it away,
 and removal must be bit-exact (taking the hook off is). Which layers: a weight the model's fp8
-table holds, a GGUF parameter, a stored (W4A8, W4A4, NVFP4) layer, any other tensor subclass or non-float weight, and every layer of a
+table holds, a GGUF parameter, a stored (W4A8, W4A4, NVFP4, MXFP8) layer, any other tensor subclass or non-float weight, and every layer of a
 component another quantizer made (its float weights may be views of packed data).
 
 Where the factors live: resident on the device the layer computes on, copied there at the

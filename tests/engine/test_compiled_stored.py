@@ -1,4 +1,4 @@
-"""Stored layers (ComfyUI's W4A8, ConvRot W4A4 and NVFP4, `formats/stored_linear.py`) in compiled blocks
+"""Stored layers (ComfyUI's W4A8, ConvRot W4A4, NVFP4 and MXFP8, `formats/stored_linear.py`) in compiled blocks
 (``compile_blocks``) on the CPU with torch.compile's ``aot_eager`` backend (the same tracing as
 inductor, no code generation): every block call runs compiled, comfy-kitchen's calls traced inside
 the graph, to the eager layers' bits; the stored tensors are left as they were."""
@@ -12,11 +12,13 @@ from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from fixtures import comfy_files
 from fixtures.comfy_files import write_comfy_w4a8_wan
 from fixtures.compiling import BASE, PLACEMENTS, aot_eager, two_runs  # noqa: F401  (autouse fixture)
+from fixtures.mxfp8_files import write_comfy_mxfp8_wan
 from fixtures.nvfp4_files import write_comfy_nvfp4_wan
 from fixtures.quantized import wan_pipe
 from fixtures.w4a4_files import write_comfy_w4a4_wan
 
-WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan, "w4a4": write_comfy_w4a4_wan}
+WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan, "w4a4": write_comfy_w4a4_wan,
+           "mxfp8": write_comfy_mxfp8_wan}
 _wide_wan_dir = comfy_files.wide_wan_dir  # (session fixture, under its name)
 
 
@@ -29,7 +31,8 @@ def test_stored_layers_run_compiled_to_the_eager_bits(fmt, placement, tiny_wan_d
     eager, plain, _ = two_runs(wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16)),
                                config.replace(compile_blocks=False))
     pipe = wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16))
-    stored = {n: t.clone() for n, t in pipe.transformer.state_dict().items() if t.dtype in (torch.uint8, torch.int8)}
+    stored = {n: t.clone() for n, t in pipe.transformer.state_dict().items()
+              if t.dtype in (torch.uint8, torch.int8, torch.float8_e8m0fnu)}
     out, details, _ = two_runs(pipe, config)
     assert plain["compiled_calls"] == 0 and details["compiled_calls"] == details["block_calls"] > 0
     torch.testing.assert_close(out, eager, rtol=0, atol=0)

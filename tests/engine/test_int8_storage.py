@@ -106,7 +106,7 @@ def test_streamer_moves_and_keeps_int8_bytes(tiny_wan_dir, comfy_int8_wan, monke
 # -- refused by name, files untouched ---------------------------------------------------------------
 
 def test_unknown_formats_are_refused_by_name(tiny_wan_dir, tmp_path):
-    for fmt in ("mxfp8", "int4_magic"):
+    for fmt in ("awq_w4a16", "int4_magic"):
         path = write_comfy_int8_wan(
             tiny_wan_dir, tmp_path / f"wan-{fmt}.safetensors", layer_conf={"format": fmt}
         )

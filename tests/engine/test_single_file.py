@@ -220,9 +220,9 @@ def test_a_file_of_another_family_is_refused(comfy_wan, tiny_flux_dir, tiny_wan_
 
 
 def test_an_unknown_comfy_quant_type_is_refused(tiny_wan_dir, tmp_path):
-    path = tmp_path / "mxfp8.safetensors"
-    save_file(comfy_quant_wan_tensors(tiny_wan_dir, "mxfp8"), str(path))
-    _refused("comfy-kitchen layouts \\(mxfp8\\)", path, lambda: load_denoiser(path, tiny_wan_dir, BF16))
+    path = tmp_path / "awq_w4a16.safetensors"
+    save_file(comfy_quant_wan_tensors(tiny_wan_dir, "awq_w4a16"), str(path))
+    _refused("comfy-kitchen layouts \\(awq_w4a16\\)", path, lambda: load_denoiser(path, tiny_wan_dir, BF16))
     meta = tmp_path / "int8-metadata.safetensors"
     tensors = comfy_wan_tensors(tiny_wan_dir, "bf16")
     save_file(tensors, str(meta), metadata={"_quantization_metadata": json.dumps(

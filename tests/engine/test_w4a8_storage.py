@@ -273,8 +273,8 @@ def test_a_w4a8_text_encoder_file_keeps_its_layers_and_encodes_as_comfyui(
 
 def test_a_text_encoder_file_in_a_format_the_pack_cannot_run_is_refused(
         comfy_wan, wan_configs_only, wan_component_files, tmp_path):
-    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-mxfp8.safetensors", "mxfp8")
-    with pytest.raises(SingleFileError, match=r"umt5-mxfp8\.safetensors .*comfy-kitchen layouts \(mxfp8\)"):
+    path = _text_encoder_file(wan_component_files["text_encoder"], tmp_path / "umt5-awq.safetensors", "awq_w4a16")
+    with pytest.raises(SingleFileError, match=r"umt5-awq\.safetensors .*comfy-kitchen layouts \(awq_w4a16\)"):
         load_pipeline_with_denoiser(wan_configs_only, comfy_wan("fp8"), BF16, path, wan_component_files["vae"])
 
 
