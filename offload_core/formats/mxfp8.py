@@ -10,12 +10,12 @@ decode. Found by their ``comfy_quant`` entries: the scale's name is an fp8_scale
 
 from __future__ import annotations
 
-import functools
+from types import ModuleType
 
 import torch
 
 from .fp8 import INPUT_KEY, SCALE_KEY
-from .stored_linear import StoredLinear
+from .stored_linear import StoredLinear, kitchen_module
 from .tiled_scales import rows_of, tiled_shape
 
 FORMAT = "mxfp8"
@@ -23,15 +23,9 @@ BLOCK = 32  # values per block scale
 E8M0 = torch.float8_e8m0fnu
 
 
-@functools.cache  # a failed import is not cached
-def kitchen():
-    """comfy-kitchen, or an ImportError saying what to install."""
-    try:
-        import comfy_kitchen
-    except ImportError as exc:
-        raise ImportError("MXFP8 files are read by comfy-kitchen, which this Python does not have: update ComfyUI "
-                          "(its requirements install comfy-kitchen) or pip install comfy-kitchen") from exc
-    return comfy_kitchen
+def kitchen() -> ModuleType:
+    """`stored_linear.kitchen_module` for this format."""
+    return kitchen_module("comfy_kitchen", "MXFP8")
 
 
 def _round32(n: int) -> int:

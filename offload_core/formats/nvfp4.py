@@ -13,16 +13,16 @@ tensor cores, which the engine has not been measured on.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from ..log import get_logger
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
-from .stored_linear import StoredLinear
+from .stored_linear import StoredLinear, kitchen_module
 from .tiled_scales import rows_of, tiled_shape
 
 NVFP4 = "nvfp4"
@@ -32,15 +32,9 @@ AWQ_SCALE = ".pre_quant_scale"  # an input scaling (AWQ)
 log = get_logger("nvfp4")
 
 
-@functools.cache  # a failed import is not cached
-def kitchen():
-    """comfy-kitchen, or an ImportError saying what to install."""
-    try:
-        import comfy_kitchen
-    except ImportError as exc:
-        raise ImportError("NVFP4 files are read by comfy-kitchen, which this Python does not have: update ComfyUI "
-                          "(its requirements install comfy-kitchen) or pip install comfy-kitchen") from exc
-    return comfy_kitchen
+def kitchen() -> ModuleType:
+    """`stored_linear.kitchen_module` for this format."""
+    return kitchen_module("comfy_kitchen", "NVFP4")
 
 
 def _round16(n: int) -> int:

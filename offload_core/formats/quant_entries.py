@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -81,8 +82,8 @@ def check_quant_layers(info: SingleFileInfo) -> None:
     _check_int8_weights(info, {k for k, conf in layers.items() if conf.get("format") == INT8_QUANT}, set(w4a4_entries))
     _check_w4a4(info, w4a4_entries)
     _check_w4a8(info, {k: conf for k, conf in layers.items() if conf.get("format") == W4A8_FORMAT})
-    _check_nvfp4(info, sorted(k for k, conf in layers.items() if conf.get("format") == NVFP4_FORMAT))
-    _check_mxfp8(info, layers_of(info, mxfp8.FORMAT))
+    for fmt, kitchen in ((NVFP4_FORMAT, nvfp4.kitchen), (mxfp8.FORMAT, mxfp8.kitchen)):
+        _check_tiled(info, sorted(k for k, conf in layers.items() if conf.get("format") == fmt), fmt, kitchen)
 
 
 def convrot_groups(info: SingleFileInfo) -> dict[str, int]:
@@ -127,30 +128,50 @@ def _check_w4a8(info: SingleFileInfo, layers: dict[str, dict]) -> None:
                                   "download it again")
 
 
-def _check_nvfp4(info: SingleFileInfo, layers: list[str]) -> None:
-    """NVFP4 layers need comfy-kitchen, and each a packed uint8 weight padded to 16 x 16, its block
-    scales in comfy-kitchen's tiled layout for that weight, and a per-tensor scale."""
+@dataclass(frozen=True)
+class _Tiled:
+    """What a block-scaled format's layer holds (NVFP4, MXFP8): its weight's dtype (``label`` says it)
+    and values a byte, the padding of both sides, values a block scale, and the tensors beside."""
+
+    weight: torch.dtype
+    label: str
+    per_byte: int
+    pad: int
+    block: int
+    extra: tuple[str, ...] = ()
+
+
+TILED = {NVFP4_FORMAT: _Tiled(torch.uint8, "packed uint8", 2, 16, 16, ("weight_scale_2",)),
+         mxfp8.FORMAT: _Tiled(torch.float8_e4m3fn, "float8_e4m3fn", 1, 32, 32)}
+
+
+def _check_tiled(info: SingleFileInfo, layers: list[str], fmt: str, kitchen: Callable[[], Any]) -> None:
+    """Block-scaled layers (``fmt``: `TILED`) need comfy-kitchen, and each a weight of the format's
+    dtype padded on both sides, its block scales in comfy-kitchen's tiled layout for that weight, and
+    the tensors the format keeps beside them."""
     if not layers:
         return
     try:
-        nvfp4.kitchen()
+        kitchen()
     except ImportError as exc:
-        raise SingleFileError(f"{info.path} is an NVFP4 file: {exc}") from exc
+        raise SingleFileError(f"{info.path} is an {fmt.upper()} file: {exc}") from exc
+    t = TILED[fmt]
     for layer in layers:
         shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
         blocks = info.shapes.get(info.scales.get(layer, ""))
+        lacking = next((name for name in t.extra if f"{layer}.{name}" not in info.shapes), None)
         why = ("no weight" if shape is None else
-               f"a {str(dtype).removeprefix('torch.')} weight, not packed uint8" if dtype != torch.uint8 or len(shape) != 2
-               else f"a weight of shape {tuple(shape)}, not padded to 16 x 16" if shape[0] % 16 or shape[1] % 8
+               f"a {str(dtype).removeprefix('torch.')} weight, not {t.label}" if dtype != t.weight or len(shape) != 2
+               else f"a weight of shape {tuple(shape)}, not padded to {t.pad} x {t.pad}"
+               if shape[0] % t.pad or shape[1] * t.per_byte % t.pad
                else "no weight_scale" if blocks is None
-               else "no weight_scale_2" if f"{layer}.weight_scale_2" not in info.shapes
+               else f"no {lacking}" if lacking
                else None)
-        if why is None:
-            want = tiled_shape(shape[0], shape[1] * 2 // 16)  # (16 weights a block)
-            if tuple(blocks) != want:
-                why = f"block scales of shape {tuple(blocks)} for a weight of shape {tuple(shape)} (expected {want})"
+        want = None if why else tiled_shape(shape[0], shape[1] * t.per_byte // t.block)
+        if want is not None and tuple(blocks) != want:
+            why = f"block scales of shape {tuple(blocks)} for a weight of shape {tuple(shape)} (expected {want})"
         if why is not None:
-            raise SingleFileError(f"{info.path}: layer {layer} is declared nvfp4 but the file holds {why} for it; "
+            raise SingleFileError(f"{info.path}: layer {layer} is declared {fmt} but the file holds {why} for it; "
                                   "the file is inconsistent, download it again")
 
 
@@ -207,33 +228,6 @@ def _check_w4a4(info: SingleFileInfo, layers: dict[str, dict]) -> None:
         if why is not None:
             raise SingleFileError(f"{info.path}: layer {layer} is declared convrot_w4a4 but the file holds {why} for "
                                   "it; the file is inconsistent, download it again")
-
-
-def _check_mxfp8(info: SingleFileInfo, layers: list[str]) -> None:
-    """MXFP8 layers need comfy-kitchen, and each an fp8 (e4m3) weight padded to 32 x 32 with its E8M0
-    block scales in comfy-kitchen's tiled layout for that weight."""
-    if not layers:
-        return
-    try:
-        mxfp8.kitchen()
-    except ImportError as exc:
-        raise SingleFileError(f"{info.path} is an MXFP8 file: {exc}") from exc
-    for layer in layers:
-        shape, dtype = info.shapes.get(f"{layer}.weight"), info.dtypes.get(f"{layer}.weight")
-        blocks = info.scales.get(layer, "")
-        why = ("no weight" if shape is None else
-               f"a {str(dtype).removeprefix('torch.')} weight, not float8_e4m3fn" if dtype != torch.float8_e4m3fn
-               or len(shape) != 2
-               else f"a weight of shape {tuple(shape)}, not padded to 32 x 32" if shape[0] % 32 or shape[1] % 32
-               else "no weight_scale" if blocks not in info.shapes
-               else f"{info.dtypes[blocks]} block scales, not E8M0" if info.dtypes[blocks] not in (mxfp8.E8M0, torch.uint8)
-               else None)
-        want = None if why else tiled_shape(shape[0], shape[1] // mxfp8.BLOCK)
-        if want is not None and tuple(info.shapes[blocks]) != want:
-            why = f"block scales of shape {tuple(info.shapes[blocks])} for a weight of shape {tuple(shape)} (expected {want})"
-        if why is not None:
-            raise SingleFileError(f"{info.path}: layer {layer} is declared mxfp8 but the file holds {why} for it; "
-                                  "the file is inconsistent, download it again")
 
 
 def _check_int8_weights(info: SingleFileInfo, declared: set[str], w4a4_layers: set[str]) -> None:

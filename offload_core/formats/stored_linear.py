@@ -12,10 +12,23 @@ its inputs to it), which must not be an fp8 scale.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable, Iterable
+from types import ModuleType
 from typing import ClassVar, Protocol
 
 import torch
+
+
+@functools.cache  # a failed import is not cached
+def kitchen_module(name: str, what: str) -> ModuleType:
+    """comfy-kitchen's module ``name``, or an ImportError saying that ``what`` files need it and how to install it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(f"{what} files run through comfy-kitchen, which this Python does not have: update ComfyUI "
+                          "(its requirements install comfy-kitchen) or pip install comfy-kitchen") from exc
 
 
 class StoredLinear(torch.nn.Module):

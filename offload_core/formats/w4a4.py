@@ -11,13 +11,13 @@ Why the layers are found by their ``comfy_quant`` entries: an int8 weight with a
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from .fp8 import SCALE_KEY
-from .stored_linear import StoredLinear
+from .stored_linear import StoredLinear, kitchen_module
 
 FORMAT = "convrot_w4a4"
 GROUP = 64  # comfy-kitchen's int4 quantization group (ComfyUI fixes it)
@@ -37,16 +37,9 @@ class W4A4Conf:
                    str(entry.get("linear_dtype", params.get("linear_dtype", "int4"))))
 
 
-@functools.cache  # a failed import is not cached
-def kitchen():
-    """comfy-kitchen's ConvRot W4A4 module, or an ImportError saying what to install."""
-    try:
-        from comfy_kitchen.tensor import convrot_w4a4
-    except ImportError as exc:
-        raise ImportError("ConvRot W4A4 (convrot_w4a4) files run through comfy-kitchen, which this Python does not "
-                          "have: update ComfyUI (its requirements install comfy-kitchen) or pip install comfy-kitchen"
-                          ) from exc
-    return convrot_w4a4
+def kitchen() -> ModuleType:
+    """`stored_linear.kitchen_module` for this format."""
+    return kitchen_module("comfy_kitchen.tensor.convrot_w4a4", "ConvRot W4A4 (convrot_w4a4)")
 
 
 class W4A4Linear(StoredLinear):

@@ -8,12 +8,12 @@ comfy-kitchen comes with ComfyUI (2026 tree); where it is missing, a W4A8 file i
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
-from .stored_linear import StoredLinear
+from .stored_linear import StoredLinear, kitchen_module
 
 FORMAT = "asym_w4a8_int8"
 TENSORS = ("weight_s_rel", "weight_s_channel", "weight_codebook")  # beside ``<layer>.weight``
@@ -33,15 +33,9 @@ class W4A8Conf:
                    int(entry.get("convrot_groupsize", params.get("convrot_groupsize", 256))))
 
 
-@functools.cache  # a failed import is not cached
-def kitchen():
-    """comfy-kitchen's W4A8 module, or an ImportError saying what to install."""
-    try:
-        from comfy_kitchen.tensor import w4a8_int8
-    except ImportError as exc:
-        raise ImportError("W4A8 (asym_w4a8_int8) files run through comfy-kitchen, which this Python does not have: "
-                          "update ComfyUI (its requirements install comfy-kitchen) or pip install comfy-kitchen") from exc
-    return w4a8_int8
+def kitchen() -> ModuleType:
+    """`stored_linear.kitchen_module` for this format."""
+    return kitchen_module("comfy_kitchen.tensor.w4a8_int8", "W4A8 (asym_w4a8_int8)")
 
 
 class W4A8Linear(StoredLinear):

@@ -13,6 +13,7 @@ import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.mxfp8 import MXFP8Linear, kitchen
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.stored_linear import kitchen_module
 from fixtures.mxfp8_files import (
     comfy_mxfp8_wan_tensors,
     comfyui_mxfp8_twin,
@@ -62,35 +63,11 @@ def test_streamer_moves_mxfp8_storage_bytes(tiny_wan_dir, mxfp8_file, monkeypatc
 
 
 def test_an_h3_mxfp8_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path):
-    """Each part of a layer diffusers' H3 conversion splits decodes to the conversion of the file's
-    decoded weights (an MXFP8 row decodes from its own bytes and block scales)."""
-    import comfy_kitchen as ck
-    from diffusers import MiniMaxH3Transformer3DModel
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-    from fixtures.h3_files import build_wide_h3, comfy_h3_state_dict, write
+    """(`h3_files.assert_splits_row_by_row`: each part takes its rows' block scales, re-tiled.)"""
+    from fixtures.h3_files import assert_splits_row_by_row
 
-    folder = build_wide_h3(tmp_path / "h3")
-    original = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=BF16)
-    comfy = comfy_h3_state_dict(original.state_dict(), dict(original.config))
-    layers = [k.removesuffix(".weight") for k, t in comfy.items() if k.endswith(".weight") and t.ndim == 2]
-    path = write(mxfp8_layers(comfy, layers), tmp_path / "h3-mxfp8.safetensors")
-    before = digest(path)
-    model = load_denoiser(path, folder, BF16)
-    file = load_file(str(path))
-    decoded = dict(comfy)
-    for layer in layers:
-        rows, cols = comfy[f"{layer}.weight"].shape
-        decoded[f"{layer}.weight"] = ck.dequantize_mxfp8(file[f"{layer}.weight"], file[f"{layer}.weight_scale"],
-                                                         BF16)[:rows, :cols]
-    convert = SINGLE_FILE_LOADABLE_CLASSES["MiniMaxH3Transformer3DModel"]["checkpoint_mapping_fn"]
-    expected = convert(config=MiniMaxH3Transformer3DModel.load_config(str(folder / "transformer")), checkpoint=decoded)
-    got = {n: m for n, m in model.named_modules() if isinstance(m, MXFP8Linear)}
-    split = {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")} | {"transformer_blocks.0.ff.net.0.proj"}
-    assert split <= set(got)
-    for name, layer in got.items():
-        weight = kitchen().dequantize_mxfp8(layer.weight, layer.weight_scale, BF16)
-        assert torch.equal(weight[: layer.out_features, : layer.in_features], expected[f"{name}.weight"]), name
-    assert digest(path) == before
+    assert_splits_row_by_row(tmp_path, mxfp8_layers,
+                             lambda t: kitchen().dequantize_mxfp8(t("weight"), t("weight_scale"), BF16), MXFP8Linear)
 
 
 @pytest.mark.parametrize("fault, match", [
@@ -114,7 +91,7 @@ def test_inconsistent_mxfp8_files_are_refused(fault, match, tiny_wan_dir, tmp_pa
 
 def test_without_comfy_kitchen_an_mxfp8_file_is_refused_naming_it(tiny_wan_dir, mxfp8_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # import fails as if not installed
-    kitchen.cache_clear()
-    err = refused(r"is an MXFP8 file: MXFP8 files are read by comfy-kitchen", mxfp8_file, tiny_wan_dir)
+    kitchen_module.cache_clear()
+    err = refused(r"is an MXFP8 file: MXFP8 files run through comfy-kitchen", mxfp8_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
-    kitchen.cache_clear()
+    kitchen_module.cache_clear()

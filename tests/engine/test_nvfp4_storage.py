@@ -14,6 +14,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.nvfp4 import NVFP4Linear, kitchen
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.stored_linear import kitchen_module
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, comfyui_twin, write_comfy_nvfp4_wan
@@ -133,43 +134,17 @@ def test_inconsistent_nvfp4_files_are_refused(fault, match, tiny_wan_dir, tmp_pa
 
 def test_without_comfy_kitchen_an_nvfp4_file_is_refused_naming_it(tiny_wan_dir, nvfp4_file, monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy_kitchen", None)  # import fails as if not installed
-    kitchen.cache_clear()
-    err = refused(r"is an NVFP4 file: NVFP4 files are read by comfy-kitchen, which this Python does not have",
+    kitchen_module.cache_clear()
+    err = refused(r"is an NVFP4 file: NVFP4 files run through comfy-kitchen, which this Python does not have",
                   nvfp4_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
-    kitchen.cache_clear()
+    kitchen_module.cache_clear()
 
 
 def test_an_h3_nvfp4_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path):
-    """diffusers' H3 conversion splits the Comfy-Org layout's fused ``[q; k; v]`` attention and
-    swaps its feed-forward's ``[gate; value]`` halves: each part must take its own rows' block
-    scales, re-tiled as comfy-kitchen reads them. Each loaded layer decodes to the conversion of the
-    file's decoded weights (an NVFP4 row decodes from its own bytes and block scales alone)."""
-    import comfy_kitchen as ck
-    from diffusers import MiniMaxH3Transformer3DModel
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-    from fixtures.h3_files import build_wide_h3, comfy_h3_state_dict, write
+    """(`h3_files.assert_splits_row_by_row`: each part takes its rows' block scales, re-tiled.)"""
+    from fixtures.h3_files import assert_splits_row_by_row
     from fixtures.nvfp4_files import nvfp4_layers
 
-    folder = build_wide_h3(tmp_path / "h3")
-    original = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=BF16)
-    comfy = comfy_h3_state_dict(original.state_dict(), dict(original.config))
-    layers = [k.removesuffix(".weight") for k, t in comfy.items() if k.endswith(".weight") and t.ndim == 2]
-    path = write(nvfp4_layers(comfy, layers), tmp_path / "h3-nvfp4.safetensors")
-    before = digest(path)
-    model = load_denoiser(path, folder, BF16)
-    file = load_file(str(path))
-    decoded = {k: t for k, t in comfy.items()}
-    for layer in layers:
-        rows, cols = comfy[f"{layer}.weight"].shape
-        decoded[f"{layer}.weight"] = ck.dequantize_nvfp4(file[f"{layer}.weight"], file[f"{layer}.weight_scale_2"],
-                                                         file[f"{layer}.weight_scale"], BF16)[:rows, :cols]
-    convert = SINGLE_FILE_LOADABLE_CLASSES["MiniMaxH3Transformer3DModel"]["checkpoint_mapping_fn"]
-    expected = convert(config=MiniMaxH3Transformer3DModel.load_config(str(folder / "transformer")), checkpoint=decoded)
-    got = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
-    split = {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")} | {"transformer_blocks.0.ff.net.0.proj"}
-    assert split <= set(got)
-    for name, layer in got.items():
-        weight = kitchen().dequantize_nvfp4(layer.weight, layer.weight_scale_2, layer.weight_scale, BF16)
-        assert torch.equal(weight[: layer.out_features, : layer.in_features], expected[f"{name}.weight"]), name
-    assert digest(path) == before
+    assert_splits_row_by_row(tmp_path, nvfp4_layers, lambda t: kitchen().dequantize_nvfp4(
+        t("weight"), t("weight_scale_2"), t("weight_scale"), BF16), NVFP4Linear)

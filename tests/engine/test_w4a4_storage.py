@@ -140,32 +140,11 @@ def test_a_w4a4_text_encoder_keeps_its_layers_and_encodes_as_comfyui(tmp_path):
 
 
 def test_an_h3_w4a4_file_in_comfy_layout_splits_fused_layers_row_by_row(tmp_path):
-    """diffusers' H3 conversion splits the Comfy-Org layout's fused attention and swaps its
-    feed-forward halves: each part takes its own rows' scales, so each loaded layer decodes to the
-    conversion of the file's decoded weights (a W4A4 row decodes from its own bytes and scale)."""
+    """(`h3_files.assert_splits_row_by_row`: each part takes its rows' scales; width 64, what
+    comfy-kitchen's groups divide.)"""
     from comfy_kitchen.tensor.convrot_w4a4 import dequantize_convrot_w4a4_weight
-    from diffusers import MiniMaxH3Transformer3DModel
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-    from fixtures.h3_files import build_wide_h3, comfy_h3_state_dict, write
+    from fixtures.h3_files import assert_splits_row_by_row
     from fixtures.w4a4_files import GROUP, w4a4_layers
 
-    folder = build_wide_h3(tmp_path / "h3", heads=4)  # (width 64: what comfy-kitchen's groups divide)
-    original = MiniMaxH3Transformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=BF16)
-    comfy = comfy_h3_state_dict(original.state_dict(), dict(original.config))
-    layers = [k.removesuffix(".weight") for k, t in comfy.items()
-              if k.endswith(".weight") and t.ndim == 2 and t.shape[1] % 64 == 0]
-    path = write(w4a4_layers(comfy, layers), tmp_path / "h3-w4a4.safetensors")
-    before = digest(path)
-    model = load_denoiser(path, folder, BF16)
-    file = load_file(str(path))
-    decoded = dict(comfy) | {f"{layer}.weight": dequantize_convrot_w4a4_weight(
-        file[f"{layer}.weight"], file[f"{layer}.weight_scale"], GROUP, 64, BF16) for layer in layers}
-    convert = SINGLE_FILE_LOADABLE_CLASSES["MiniMaxH3Transformer3DModel"]["checkpoint_mapping_fn"]
-    expected = convert(config=MiniMaxH3Transformer3DModel.load_config(str(folder / "transformer")), checkpoint=decoded)
-    got = {n: m for n, m in model.named_modules() if isinstance(m, W4A4Linear)}
-    split = {f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")} | {"transformer_blocks.0.ff.net.0.proj"}
-    assert split <= set(got)
-    for name, layer in got.items():
-        weight = dequantize_convrot_w4a4_weight(layer.weight, layer.weight_scale, GROUP, 64, BF16)
-        assert torch.equal(weight, expected[f"{name}.weight"]), name
-    assert digest(path) == before
+    assert_splits_row_by_row(tmp_path, w4a4_layers, lambda t: dequantize_convrot_w4a4_weight(
+        t("weight"), t("weight_scale"), GROUP, 64, BF16), W4A4Linear, heads=4, width=64)

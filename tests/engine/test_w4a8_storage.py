@@ -17,7 +17,8 @@ from diffusers_offload.offload_core.formats.fp8 import dequantize_int8, table_of
 from diffusers_offload.offload_core.formats.inspect import SingleFileError
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
-from diffusers_offload.offload_core.formats.w4a8 import W4A8Linear, kitchen
+from diffusers_offload.offload_core.formats.stored_linear import kitchen_module
+from diffusers_offload.offload_core.formats.w4a8 import W4A8Linear
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
 from fixtures import comfy_files
@@ -186,8 +187,8 @@ def test_inconsistent_w4a8_files_arerefused(tiny_wan_dir, tmp_path):
 
 
 def test_without_comfy_kitchen_a_w4a8_file_is_refused_naming_it(tiny_wan_dir, w4a8_file, monkeypatch):
-    monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor", None)  # import fails as if not installed
-    kitchen.cache_clear()  # an earlier test's import is remembered
+    monkeypatch.setitem(sys.modules, "comfy_kitchen.tensor.w4a8_int8", None)  # import fails as if not installed
+    kitchen_module.cache_clear()  # an earlier test's import is remembered
     err = refused(r"W4A8 \(asym_w4a8_int8\) file: .*comfy-kitchen", w4a8_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
 
