@@ -161,6 +161,19 @@ def test_a_w4a8_file_loads_and_generates(
               comfy_files.write_comfy_w4a8_wan(tiny_wan_dir, tmp_path / "w4a8.safetensors"))
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_a_block_scaled_file_loads_and_generates(
+    comfy: harness.ComfyHost, placed: dict, tiny_wan_dir: Path, tmp_path: Path, fmt: str
+) -> None:
+    """A ComfyUI NVFP4 or MXFP8 file (comfy-kitchen's layouts; the tiny Wan's widths padded) through
+    the loader, the report and Generate."""
+    from fixtures.mxfp8_files import write_comfy_mxfp8_wan
+    from fixtures.nvfp4_files import write_comfy_nvfp4_wan
+
+    write = {"nvfp4": write_comfy_nvfp4_wan, "mxfp8": write_comfy_mxfp8_wan}[fmt]
+    generates(comfy, placed, f"wan-tiny-{fmt}.safetensors", write(tiny_wan_dir, tmp_path / f"{fmt}.safetensors"))
+
+
 def test_a_gguf_text_encoder_in_text_encoders_is_listed_and_generates(comfy: harness.ComfyHost, placed: dict,
                                                                      wan_component_files) -> None:
     """city96's umt5-xxl-encoder GGUFs (ComfyUI-GGUF's CLIPLoaderGGUF reads them): picked from
