@@ -10,13 +10,15 @@ decode. Found by their ``comfy_quant`` entries: the scale's name is an fp8_scale
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .fp8 import INPUT_KEY, SCALE_KEY
-from .stored_linear import StoredLinear, kitchen_module
-from .tiled_scales import rows_of, tiled_shape
+from .stored_linear import StoredLinear, kitchen_module, layers_holding
+from .tiled_scales import round_up, rows_of, tiled_shape
 
 FORMAT = "mxfp8"
 BLOCK = 32  # values per block scale
@@ -26,10 +28,6 @@ E8M0 = torch.float8_e8m0fnu
 def kitchen() -> ModuleType:
     """`stored_linear.kitchen_module` for this format."""
     return kitchen_module("comfy_kitchen", "MXFP8")
-
-
-def _round32(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
 
 
 class MXFP8Linear(StoredLinear):
@@ -42,47 +40,44 @@ class MXFP8Linear(StoredLinear):
                  device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
         self.decode = kitchen().dequantize_mxfp8  # (resolved once: a compiled block traces the call)
-        rows, cols = _round32(out_features), _round32(in_features)
+        rows, cols = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
         self.stored("weight", rows, cols, dtype=torch.float8_e4m3fn, device=device)
         self.stored("weight_scale", *tiled_shape(rows, cols // BLOCK), dtype=E8M0, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.decode(self.weight, self.weight_scale, self.compute)
-        weight = weight[: self.out_features, : self.in_features].to(x.dtype)
-        return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
+        return self.decoded_forward(x, self.decode(self.weight, self.weight_scale, self.compute))
 
 
-def pop_extras(state: dict[str, torch.Tensor], layers: list[str]) -> dict[str, tuple[torch.Tensor, int]]:
-    """The MXFP8 ``layers``' block scales (as `single_file.read_checkpoint` spells them, E8M0 bytes)
-    and weights' rows, taken out of a file's state before the fp8 scales are, by file layer; their
-    input scales (for MXFP8 matmuls) dropped."""
-    extras = {}
-    for layer in layers:
-        if layer + SCALE_KEY in state:
-            scales = state.pop(layer + SCALE_KEY)
-            extras[layer] = (scales.view(E8M0) if scales.dtype == torch.uint8 else scales,
-                             state[layer + ".weight"].shape[0])
-        state.pop(layer + INPUT_KEY, None)
-    return extras
-
-
-def attach(state: dict[str, torch.Tensor], extras: dict[str, tuple[torch.Tensor, int]],
-           traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
-    """Put the block scales back beside the converted weights, a part of a split layer its rows'."""
-    for layer, (source, rows) in traced.items():
-        scales, count = extras[source]
-        state[f"{layer}.weight_scale"] = rows_of(scales, rows, count)
-
-
+@dataclass(frozen=True)
 class Kind:
-    """MXFP8 as the loaders meet it (`stored_linear.StoredKind`)."""
+    """MXFP8 as the loaders meet it (`stored_linear.StoredKind`): the file's ``file_layers`` declared
+    mxfp8 (its block scales are spelled as fp8_scaled files spell theirs)."""
 
+    file_layers: tuple[str, ...]
     NAME, TENSORS = "MXFP8", MXFP8Linear.TENSORS
+
+    def pop(self, path: Path, state: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, int]]:
+        """Each layer's block scales (E8M0 bytes) and weight's rows, by file layer; their input
+        scales (for MXFP8 matmuls) dropped."""
+        extras = {}
+        for layer in self.file_layers:
+            if layer + SCALE_KEY in state:
+                scales = state.pop(layer + SCALE_KEY)
+                extras[layer] = (scales.view(E8M0) if scales.dtype == torch.uint8 else scales,
+                                 state[layer + ".weight"].shape[0])
+            state.pop(layer + INPUT_KEY, None)
+        return extras
+
+    def attach(self, state: dict[str, torch.Tensor], extras: dict[str, tuple[torch.Tensor, int]],
+               traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
+        """The block scales beside the converted weights, a part of a split layer its rows', re-tiled."""
+        for layer, (source, rows) in traced.items():
+            scales, count = extras[source]
+            state[f"{layer}.weight_scale"] = rows_of(scales, rows, count)
 
     def layers(self, state: dict[str, torch.Tensor]) -> list[str]:
         """The layers `attach` gave E8M0 block scales (fp8 weights beside them)."""
-        return sorted(layer for layer in (k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale"))
-                      if state[layer + ".weight_scale"].dtype == E8M0)
+        return layers_holding(state, ".weight_scale", ".weight_scale", E8M0)
 
     def decoded(self, state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype
                 ) -> torch.Tensor:

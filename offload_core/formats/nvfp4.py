@@ -22,8 +22,8 @@ import torch
 from ..log import get_logger
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
-from .stored_linear import StoredLinear, kitchen_module
-from .tiled_scales import rows_of, tiled_shape
+from .stored_linear import StoredLinear, kitchen_module, layers_holding
+from .tiled_scales import round_up, rows_of, tiled_shape
 
 NVFP4 = "nvfp4"
 BLOCK = 16  # values per block scale
@@ -37,10 +37,6 @@ def kitchen() -> ModuleType:
     return kitchen_module("comfy_kitchen", "NVFP4")
 
 
-def _round16(n: int) -> int:
-    return -(-n // 16) * 16
-
-
 class NVFP4Linear(StoredLinear):
     """``nn.Linear``'s interface over NVFP4 storage: the weight decoded to ``compute`` at each
     forward, cut to the layer's shape, then the input's dtype."""
@@ -51,7 +47,7 @@ class NVFP4Linear(StoredLinear):
                  device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
         self.decode = kitchen().dequantize_nvfp4  # (resolved once: a compiled block traces the call)
-        rows, cols = _round16(out_features), _round16(in_features)
+        rows, cols = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
         self.stored("weight", rows, cols // 2, dtype=torch.uint8, device=device)
         self.stored("weight_scale", *tiled_shape(rows, cols // BLOCK), dtype=torch.float8_e4m3fn, device=device)
         self.stored("weight_scale_2", dtype=torch.float32, device=device)
@@ -63,16 +59,7 @@ class NVFP4Linear(StoredLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_quant_scale is not None:  # ComfyUI: the input times the scale, in the input's dtype
             x = x * self.pre_quant_scale.to(x.dtype)
-        weight = self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
-        weight = weight[: self.out_features, : self.in_features].to(x.dtype)
-        return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
-
-
-def converted_layers(state: dict[str, torch.Tensor]) -> list[str]:
-    """The layers of a state dict stored as NVFP4: a packed uint8 weight beside a ``weight_scale_2``
-    (`quant_entries.check_quant_layers` has matched them to the file's entries)."""
-    return sorted(layer for layer in (k.removesuffix(TENSOR_SCALE) for k in state if k.endswith(TENSOR_SCALE))
-                  if getattr(state.get(layer + ".weight"), "dtype", None) == torch.uint8)
+        return self.decoded_forward(x, self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute))
 
 
 @dataclass(frozen=True)
@@ -85,44 +72,39 @@ class Held:
     rows: int
 
 
-def pop_extras(path: Path, state: dict[str, torch.Tensor]) -> dict[str, Held]:
-    """Each NVFP4 layer's tensors other than the weight, taken out of a file's state (so that a key
-    conversion sees weights only), by file layer. Input scales (for fp4 matmuls only) are dropped,
-    logged once."""
-    extras, inputs = {}, 0
-    for layer in converted_layers(state):
-        blocks, awq = state.pop(layer + SCALE_KEY), state.pop(layer + AWQ_SCALE, None)
-        blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
-        scale = state.pop(layer + TENSOR_SCALE).float().reshape(())
-        extras[layer] = Held(blocks, scale, awq, state[layer + ".weight"].shape[0])
-        inputs += state.pop(layer + INPUT_KEY, None) is not None
-    if inputs:
-        log.info("%s: the input scales of %d NVFP4 layers are not used (they serve fp4 matmuls; the layers compute "
-                 "from their decoded weights, as ComfyUI's do below Blackwell)", path.name, inputs)
-    return extras
-
-
-def attach(state: dict[str, torch.Tensor], extras: dict[str, Held], traced: dict[str, tuple[str, torch.Tensor | slice]]
-           ) -> None:
-    """Put the extras back beside the converted weights under the names `NVFP4Linear` holds,
-    ``traced`` mapping each converted layer to its file layer and rows: a part of a split layer takes
-    its rows' block scales, re-tiled as comfy-kitchen reads them; the per-tensor scale and the input
-    scaling go whole."""
-    for layer, (source, rows) in traced.items():
-        held = extras[source]
-        state[f"{layer}.weight_scale"] = rows_of(held.blocks, rows, held.rows)
-        state[f"{layer}.weight_scale_2"] = held.scale
-        if held.awq is not None:
-            state[f"{layer}.pre_quant_scale"] = held.awq
-
-
 class Kind:
     """NVFP4 as the loaders meet it (`stored_linear.StoredKind`)."""
 
     NAME, TENSORS = "NVFP4", NVFP4Linear.TENSORS
 
+    def pop(self, path: Path, state: dict[str, torch.Tensor]) -> dict[str, Held]:
+        """Each NVFP4 layer's tensors beside its weight (a packed uint8 weight with a tensor scale),
+        by file layer; input scales (for fp4 matmuls only) dropped, logged once."""
+        extras, inputs = {}, 0
+        for layer in layers_holding(state, TENSOR_SCALE, ".weight", torch.uint8):
+            blocks, awq = state.pop(layer + SCALE_KEY), state.pop(layer + AWQ_SCALE, None)
+            blocks = blocks.view(torch.float8_e4m3fn) if blocks.dtype == torch.uint8 else blocks
+            scale = state.pop(layer + TENSOR_SCALE).float().reshape(())
+            extras[layer] = Held(blocks, scale, awq, state[layer + ".weight"].shape[0])
+            inputs += state.pop(layer + INPUT_KEY, None) is not None
+        if inputs:
+            log.info("%s: the input scales of %d NVFP4 layers are not used (they serve fp4 matmuls; the layers "
+                     "compute from their decoded weights, as ComfyUI's do below Blackwell)", path.name, inputs)
+        return extras
+
+    def attach(self, state: dict[str, torch.Tensor], extras: dict[str, Held],
+               traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
+        """Under the names `NVFP4Linear` holds: a part of a split layer its rows' block scales,
+        re-tiled; the tensor scale and the input scaling whole."""
+        for layer, (source, rows) in traced.items():
+            held = extras[source]
+            state[f"{layer}.weight_scale"] = rows_of(held.blocks, rows, held.rows)
+            state[f"{layer}.weight_scale_2"] = held.scale
+            if held.awq is not None:
+                state[f"{layer}.pre_quant_scale"] = held.awq
+
     def layers(self, state: dict[str, torch.Tensor]) -> list[str]:
-        return converted_layers(state)
+        return layers_holding(state, TENSOR_SCALE, ".weight", torch.uint8)
 
     def decoded(self, state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype
                 ) -> torch.Tensor:

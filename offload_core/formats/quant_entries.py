@@ -188,7 +188,8 @@ def w4a4_conf(info: SingleFileInfo) -> w4a4.W4A4Conf:
 
 def stored_kinds(info: SingleFileInfo) -> list[StoredKind]:
     """The stored formats a file's layers may take, with its geometries."""
-    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info)), nvfp4.Kind(), mxfp8.Kind()]
+    return [w4a8.Kind(w4a8_conf(info)), w4a4.Kind(w4a4_conf(info), tuple(layers_of(info, w4a4.FORMAT))), nvfp4.Kind(),
+            mxfp8.Kind(tuple(layers_of(info, mxfp8.FORMAT)))]
 
 
 def _one_conf(info: SingleFileInfo, layers: dict[str, dict], kitchen: Callable[[], Any], conf: Any, name: str,

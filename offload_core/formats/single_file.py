@@ -23,7 +23,6 @@ from accelerate import init_empty_weights
 from safetensors.torch import load_file
 
 from ..log import get_logger
-from . import mxfp8, nvfp4, w4a4, w4a8
 from .checkpoint_parts import denoiser_only
 from .fp8 import (
     INPUT_KEY,
@@ -45,10 +44,10 @@ from .inspect import (
     inspect_file,
     inspect_safetensors,
 )
-from .quant_entries import check_quant_layers, convrot_groups, layers_of, stored_kinds
+from .quant_entries import check_quant_layers, convrot_groups, stored_kinds
 from .scale_trace import follow_rows, trace_rows
 from .state_fit import keeps_fp32, mismatch
-from .stored_linear import swap_stored
+from .stored_linear import StoredKind, swap_stored
 
 log = get_logger("single_file")
 
@@ -143,9 +142,9 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
     if mapping is None:
         raise SingleFileError(f"{path}: diffusers has no single-file conversion for {cls.__name__}")
     checkpoint = denoiser_only(read_checkpoint(path, info), info)
-    extras, fp4 = w4a8.pop_extras(checkpoint), nvfp4.pop_extras(path, checkpoint)
-    w4 = w4a4.pop_extras(checkpoint, layers_of(info, w4a4.FORMAT))  # (before the int8 and fp8 scales: their
-    mx = mxfp8.pop_extras(checkpoint, layers_of(info, mxfp8.FORMAT))  # spelling is the same)
+    kinds = stored_kinds(info)
+    held = [(kind, kind.pop(path, checkpoint)) for kind in kinds]  # (before the fp8 and int8 scales: some share
+    # their spelling; taken out so that the conversion sees weights only)
     file_scales, file_inputs = (popped(checkpoint, key) for key in (SCALE_KEY, INPUT_KEY))  # traced, not converted
     config = cls.load_config(str(config_folder), subfolder=subfolder, local_files_only=True)
     with init_empty_weights():
@@ -159,16 +158,15 @@ def _load_converted(path: Path, info: SingleFileInfo, config_folder: Path, subfo
         raise SingleFileError(f"{path}: diffusers' {cls.__name__} conversion failed on it "
                               f"({type(exc).__name__}: {exc}); is it a complete {cls.__name__} file?") from exc
     file_groups = {layer: g for layer, g in convrot_groups(info).items() if f"{layer}.weight" in shapes}
-    quantized = sorted({*extras, *fp4, *w4, *mx, *file_scales, *file_inputs, *file_groups})
+    quantized = sorted({*(layer for _kind, extras in held for layer in extras), *file_scales, *file_inputs,
+                        *file_groups})
     traced = ({layer: (layer, slice(None)) for layer in quantized} if converted is checkpoint  # one probe for all
               else trace_rows(path, cls, convert, config, shapes, quantized, "quantized layers"))
-    w4a8.attach(converted, extras, {k: v for k, v in traced.items() if v[0] in extras})
-    nvfp4.attach(converted, fp4, {k: v for k, v in traced.items() if v[0] in fp4})
-    w4a4.attach(converted, w4, {k: v for k, v in traced.items() if v[0] in w4})
-    mxfp8.attach(converted, mx, {k: v for k, v in traced.items() if v[0] in mx})
+    for kind, extras in held:
+        kind.attach(converted, extras, {k: v for k, v in traced.items() if v[0] in extras})
     scales, inputs = (follow_rows(traced, values, shapes) for values in (file_scales, file_inputs))
     groups = {key: file_groups[layer] for key, (layer, _rows) in traced.items() if layer in file_groups}
-    as_stored = _swap_stored(path, info, model, converted, cls, compute)
+    as_stored = _swap_stored(path, kinds, model, converted, cls, compute)
     _check_keys(path, converted, model.state_dict(), cls, config_folder / subfolder)
     state = _compute_state(converted, scales, cls, compute, as_stored, groups)
     params = dict(model.named_parameters())
@@ -269,13 +267,13 @@ def _fp32(cls: type, key: str, compute: torch.dtype) -> bool:
     return compute in (torch.float16, torch.bfloat16) and keeps_fp32(cls, key)
 
 
-def _swap_stored(path: Path, info: SingleFileInfo, model: torch.nn.Module, converted: dict[str, torch.Tensor],
+def _swap_stored(path: Path, kinds: list[StoredKind], model: torch.nn.Module, converted: dict[str, torch.Tensor],
                  cls: type, compute: torch.dtype) -> set[str]:
     """The converted W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers become stored layers of ``model`` (those in
     diffusers' fp32 modules are decoded to a float32 weight instead); returns the converted keys to
     keep as stored."""
     try:
-        kept, counts = swap_stored(model, converted, stored_kinds(info), compute, lambda n: _fp32(cls, n, compute))
+        kept, counts = swap_stored(model, converted, kinds, compute, lambda n: _fp32(cls, n, compute))
     except ValueError as exc:
         raise SingleFileError(f"{path}: {exc}") from exc
     for name, (swapped, decoded) in counts.items():

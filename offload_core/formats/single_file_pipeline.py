@@ -15,7 +15,6 @@ import diffusers
 import torch
 
 from ..log import get_logger
-from . import mxfp8, nvfp4, w4a4
 from .carried import missing_tokenizers
 from .checkpoint_parts import load_part, parts_in
 from .convrot import GROUP_KEY
@@ -23,7 +22,7 @@ from .decoded import decoded_weight
 from .fp8 import INT8, is_fp8, mark_fp8, popped
 from .gguf_text_encoder import load_gguf_text_encoder
 from .inspect import SingleFileError, SingleFileInfo, inspect_safetensors
-from .quant_entries import check_quant_layers, convrot_groups, layers_of, stored_kinds
+from .quant_entries import check_quant_layers, convrot_groups, stored_kinds
 from .single_file import (
     INPUT_KEY,
     SCALE_KEY,
@@ -275,16 +274,14 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
         raise SingleFileError(f"{config}: text encoder class {cls_name!r} is not in this transformers version")
     check_quant_layers(info)
     state = read_checkpoint(path, info)
-    fp4, w4 = nvfp4.pop_extras(path, state), w4a4.pop_extras(state, layers_of(info, w4a4.FORMAT))
-    mx = mxfp8.pop_extras(state, layers_of(info, mxfp8.FORMAT))
-    nvfp4.attach(state, fp4, whole(fp4))  # (under the names the layers hold; a text encoder splits nothing)
-    w4a4.attach(state, w4, whole(w4))
-    mxfp8.attach(state, mx, whole(mx))
+    kinds = stored_kinds(info)
+    for kind in kinds:  # (under the names the layers hold; a text encoder splits nothing)
+        extras = kind.pop(path, state)
+        kind.attach(state, extras, whole(extras))
     state |= {layer + GROUP_KEY: torch.tensor(g) for layer, g in convrot_groups(info).items()}
     if fit is not None:
         state = fit.keys(state)  # (renames the convrot marks and stored layers' scales with their layers)
     groups = {layer: int(g) for layer, g in popped(state, GROUP_KEY).items()}
-    kinds = stored_kinds(info)
     stored = any(kind.layers(state) for kind in kinds)
     popped(state, INPUT_KEY)  # (no fp8 matmuls in text encoders)
     scales = {}  # stored weights' scales, by layer

@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import ModuleType
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -49,6 +50,12 @@ class StoredLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    def decoded_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its decoded ``weight`` (padded: cut to the layer's shape), in the
+        input's dtype."""
+        weight = weight[: self.out_features, : self.in_features].to(x.dtype)
+        return torch.nn.functional.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 
     def stored(self, name: str, *shape: int, dtype: torch.dtype, device: torch.device | str | None) -> None:
         """Register the stored tensor ``name``: the weight a parameter (no gradient), the rest buffers."""
@@ -83,18 +90,31 @@ def whole(layers: Iterable[str]) -> dict[str, tuple[str, slice]]:
     return {layer: (layer, slice(None)) for layer in layers}
 
 
+def layers_holding(state: dict[str, torch.Tensor], suffix: str, key: str, dtype: torch.dtype) -> list[str]:
+    """The layers of ``state`` with a ``<layer><suffix>`` whose ``<layer><key>`` is of ``dtype``."""
+    return sorted(layer for layer in (k.removesuffix(suffix) for k in state if k.endswith(suffix))
+                  if getattr(state.get(layer + key), "dtype", None) == dtype)
+
+
 def stored_format(model: torch.nn.Module) -> str | None:
     """The ``comfy_quant`` format of the model's first stored layer, or None."""
     return next((m.FORMAT for m in model.modules() if isinstance(m, StoredLinear)), None)
 
 
 class StoredKind(Protocol):
-    """One stored format as the loaders meet it in a converted state dict (`w4a8.Kind`,
-    `w4a4.Kind`, `nvfp4.Kind`, `mxfp8.Kind`): its layers there (their tensors readied in place), a layer decoded
-    to a weight, and the layer that holds it as stored."""
+    """One stored format as the loaders meet it (`w4a8.Kind`, `w4a4.Kind`, `nvfp4.Kind`,
+    `mxfp8.Kind`): its tensors beside the weights taken out of a file's state before a key conversion
+    (`pop`) and put back beside the converted weights (`attach`, ``traced`` mapping each converted
+    layer to its file layer and rows, `scale_trace`); then its layers there (their tensors readied in
+    place), a layer decoded to a weight, and the layer that holds it as stored."""
 
     NAME: str
     TENSORS: tuple[str, ...]
+
+    def pop(self, path: Path, state: dict[str, torch.Tensor]) -> dict[str, Any]: ...
+
+    def attach(self, state: dict[str, torch.Tensor], extras: dict[str, Any],
+               traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None: ...
 
     def layers(self, state: dict[str, torch.Tensor]) -> list[str]: ...
 

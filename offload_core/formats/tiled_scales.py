@@ -8,9 +8,13 @@ from __future__ import annotations
 import torch
 
 
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def tiled_shape(rows: int, blocks: int) -> tuple[int, int]:
     """The stored shape of the tiled scales of ``rows`` rows of ``blocks`` blocks."""
-    return -(-rows // 128) * 128, -(-blocks // 4) * 4
+    return round_up(rows, 128), round_up(blocks, 4)
 
 
 def rows_of(tiled: torch.Tensor, rows: torch.Tensor | slice, count: int) -> torch.Tensor:

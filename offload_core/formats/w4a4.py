@@ -12,12 +12,13 @@ Why the layers are found by their ``comfy_quant`` entries: an int8 weight with a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .fp8 import SCALE_KEY
-from .stored_linear import StoredLinear, kitchen_module
+from .stored_linear import StoredLinear, kitchen_module, layers_holding
 
 FORMAT = "convrot_w4a4"
 GROUP = 64  # comfy-kitchen's int4 quantization group (ComfyUI fixes it)
@@ -64,30 +65,29 @@ class W4A4Linear(StoredLinear):
         return f"{super().extra_repr()}, convrot_groupsize={conf.convrot_groupsize}, linear_dtype={conf.linear_dtype}"
 
 
-def pop_extras(state: dict[str, torch.Tensor], layers: list[str]) -> dict[str, torch.Tensor]:
-    """The W4A4 ``layers``' row scales (as `single_file.read_checkpoint` spells them), taken out of a
-    file's state before the int8 and fp8 scales are, by file layer."""
-    return {layer: state.pop(layer + SCALE_KEY).float().reshape(-1) for layer in layers if layer + SCALE_KEY in state}
-
-
-def attach(state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
-           traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
-    """Put the row scales back beside the converted weights, each part of a split layer its rows'."""
-    for layer, (source, rows) in traced.items():
-        state[f"{layer}.weight_scale"] = extras[source][rows]
-
-
 @dataclass(frozen=True)
 class Kind:
     """ConvRot W4A4 as the loaders meet it (`stored_linear.StoredKind`), for a file of one rotation."""
 
     conf: W4A4Conf
+    file_layers: tuple[str, ...]  # the file's layers declared convrot_w4a4
     NAME, TENSORS = "ConvRot W4A4", W4A4Linear.TENSORS
+
+    def pop(self, path: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The layers' row scales (spelled as `single_file.read_checkpoint` spells int8 and fp8 ones),
+        by file layer."""
+        return {layer: state.pop(layer + SCALE_KEY).float().reshape(-1)
+                for layer in self.file_layers if layer + SCALE_KEY in state}
+
+    def attach(self, state: dict[str, torch.Tensor], extras: dict[str, torch.Tensor],
+               traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
+        """The row scales beside the converted weights, each part of a split layer its rows'."""
+        for layer, (source, rows) in traced.items():
+            state[f"{layer}.weight_scale"] = extras[source][rows]
 
     def layers(self, state: dict[str, torch.Tensor]) -> list[str]:
         """The layers `attach` gave a row scale under the name the layer holds (int8 weights)."""
-        return sorted(layer for layer in (k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale"))
-                      if getattr(state.get(layer + ".weight"), "dtype", None) == torch.int8)
+        return layers_holding(state, ".weight_scale", ".weight", torch.int8)
 
     def decoded(self, state: dict[str, torch.Tensor], name: str, shape: tuple[int, int], dtype: torch.dtype
                 ) -> torch.Tensor:

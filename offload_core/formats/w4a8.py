@@ -9,6 +9,7 @@ comfy-kitchen comes with ComfyUI (2026 tree); where it is missing, a W4A8 file i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -74,6 +75,25 @@ class Kind:
     conf: W4A8Conf
     NAME, TENSORS = "W4A8", TENSORS
 
+    def pop(self, path: Path, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """The W4A8 layers' tensors other than the weight, by file layer: {"weight_s_rel": ...}."""
+        extras: dict[str, dict[str, torch.Tensor]] = {}
+        for key in [k for k in state if k.endswith(tuple("." + t for t in TENSORS))]:
+            layer, _, name = key.rpartition(".")
+            extras.setdefault(layer, {})[name] = state.pop(key)
+        return extras
+
+    def attach(self, state: dict[str, torch.Tensor], extras: dict[str, dict[str, torch.Tensor]],
+               traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
+        """The tensors beside the converted weights: a part of a split layer its rows' scales, the
+        codebook whole."""
+        for layer, (source, rows) in traced.items():
+            held = extras[source]
+            state[f"{layer}.weight_s_rel"] = held["weight_s_rel"][rows]
+            state[f"{layer}.weight_s_channel"] = held["weight_s_channel"].reshape(-1)[rows]
+            if "weight_codebook" in held:
+                state[f"{layer}.weight_codebook"] = held["weight_codebook"]
+
     def layers(self, state: dict[str, torch.Tensor]) -> list[str]:
         """The layers with a ``weight_s_rel``, their tensors in the dtypes the layer holds: group
         scales stored as uint8 are fp8 bytes (ComfyUI views them so); a channel scale stored
@@ -100,26 +120,3 @@ class Kind:
              ) -> W4A8Linear:
         return W4A8Linear(linear.in_features, linear.out_features, linear.bias is not None, self.conf,
                           codebook=f"{name}.weight_codebook" in state, compute=compute, device="meta")
-
-
-def pop_extras(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """The W4A8 layers' tensors other than the weight, taken out of a file's state dict (so that a
-    key conversion sees weights only): file layer -> {"weight_s_rel": ..., ...}."""
-    extras: dict[str, dict[str, torch.Tensor]] = {}
-    for key in [k for k in state if k.endswith(tuple("." + t for t in TENSORS))]:
-        layer, _, name = key.rpartition(".")
-        extras.setdefault(layer, {})[name] = state.pop(key)
-    return extras
-
-
-def attach(state: dict[str, torch.Tensor], extras: dict[str, dict[str, torch.Tensor]],
-           traced: dict[str, tuple[str, torch.Tensor | slice]]) -> None:
-    """Put the extras back beside the converted weights: ``traced`` maps each converted layer to
-    its file layer and rows (a fused weight split by the conversion takes its rows' scales; the
-    codebook is the layer's, whole)."""
-    for layer, (source, rows) in traced.items():
-        held = extras[source]
-        state[f"{layer}.weight_s_rel"] = held["weight_s_rel"][rows]
-        state[f"{layer}.weight_s_channel"] = held["weight_s_channel"].reshape(-1)[rows]
-        if "weight_codebook" in held:
-            state[f"{layer}.weight_codebook"] = held["weight_codebook"]
