@@ -17,7 +17,7 @@ from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.stored_linear import kitchen_module
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import leftovers
-from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, comfyui_twin, write_comfy_nvfp4_wan
+from fixtures.nvfp4_files import AWQ_LAYER, comfy_nvfp4_wan_tensors, comfyui_nvfp4_twin, write_comfy_nvfp4_wan
 from fixtures.placements import PLACEMENTS
 from fixtures.quantized import assert_streams_stored_bytes, digest, refused, runs_as_keeping_stored, wan_pipe
 from fixtures.tiny_loras import wan_lora
@@ -41,7 +41,7 @@ def nvfp4_file(tiny_wan_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(tiny_wan_dir, nvfp4_file, tmp_path_factory) -> torch.Tensor:
-    return run_wan(wan_pipe(tiny_wan_dir, comfyui_twin(nvfp4_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
+    return run_wan(wan_pipe(tiny_wan_dir, comfyui_nvfp4_twin(nvfp4_file, tiny_wan_dir, tmp_path_factory.mktemp("twin"))))
 
 
 def test_the_file_is_comfy_kitchens_nvfp4_padded(nvfp4_file, tiny_wan_dir):

@@ -41,8 +41,6 @@ _comfy_wan, _configs_only, _component_files = (comfy_files.comfy_wan, comfy_file
                                                comfy_files.wan_component_files)
 BF16 = torch.bfloat16
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
-EXTRA = (".weight_s_rel", ".weight_s_channel", ".weight_codebook", ".comfy_quant")
-
 
 
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,30 +54,26 @@ def w4a8_file(tiny_wan_dir, tmp_path_factory) -> Path:
 
 
 def _comfyui_twin(path: Path, folder: Path, tmp: Path) -> WanTransformer3DModel:
-    """The file as ComfyUI holds it: the plain tensors (and each W4A8 weight decoded, to give
-    diffusers' folder loader its shapes) converted by diffusers and loaded in bf16; then each W4A8
-    layer outside diffusers' fp32 modules gets the file's packed weight as comfy-kitchen's
-    ``QuantizedTensor``, which ``nn.Linear``'s ``F.linear`` dispatches to comfy-kitchen."""
+    """The file as ComfyUI holds it (`quantized.comfyui_twin`): each W4A8 layer's weight a
+    comfy-kitchen ``QuantizedTensor``, which ``nn.Linear``'s ``F.linear`` dispatches to comfy-kitchen."""
     from comfy_kitchen.tensor.base import QuantizedTensor
     from comfy_kitchen.tensor.w4a8_int8 import AsymW4A8Int8Layout, dequantize_w4a8_int8_weight
 
-    tensors = load_file(str(path))
-    layers = [k.removesuffix(".weight_s_rel") for k in tensors if k.endswith(".weight_s_rel")]
     geometry = dict(group_size=W4A8_CONF["group_size"], convrot_groupsize=W4A8_CONF["convrot_groupsize"])
-    plain = {k: t for k, t in tensors.items() if not k.endswith(EXTRA)}
-    for layer in layers:
-        plain[f"{layer}.weight"] = dequantize_w4a8_int8_weight(
+
+    def decode(tensors: dict[str, torch.Tensor], layer: str) -> torch.Tensor:
+        return dequantize_w4a8_int8_weight(
             tensors[f"{layer}.weight"], tensors[f"{layer}.weight_s_rel"], tensors[f"{layer}.weight_s_channel"],
             codebook=tensors.get(f"{layer}.weight_codebook"), output_dtype=BF16, **geometry)
 
-    def held(layer: str, linear: torch.nn.Linear) -> QuantizedTensor:
+    def held(tensors: dict[str, torch.Tensor], layer: str, linear: torch.nn.Linear) -> QuantizedTensor:
         params = AsymW4A8Int8Layout.Params(
             scale=tensors[f"{layer}.weight_s_rel"], s_channel=tensors[f"{layer}.weight_s_channel"],
             codebook=tensors.get(f"{layer}.weight_codebook"), orig_dtype=BF16,
             orig_shape=(linear.out_features, linear.in_features), **geometry)
         return QuantizedTensor(tensors[f"{layer}.weight"], "AsymW4A8Int8Layout", params)
 
-    return comfyui_twin(plain, folder, tmp, layers, "cpu", held)
+    return comfyui_twin(path, folder, tmp, "cpu", decode, held)
 
 
 @pytest.fixture(scope="module")
