@@ -7,7 +7,7 @@
 # NVFP4 layers, then fp8 storage, at 12 and 24 GiB, image-like), int8 (ComfyUI int8_tensorwise
 # blocks plain and convrot, at 12 and 24 GiB, image-like and video),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fp8trace (the same
-# for fp8 storage at 12 GiB; fasttrace: with fp8 matmuls), spread24 (the 24 GiB bf16 plan against its mirror, each with and without copies queued across a forward's end, in one process; spreadfast: the same for fp8 matmuls at 12 GiB), fast (wan_bench with fp8 matmuls at 12 and 24 GiB, ~4 min), cast (cast_probe.py: the fp8 cast and fp8 matmuls' input quantisation, torch against the kernels), castsweep (cast_probe.py --sweep: the fp8 cast kernel's widths), int8cast (int8_cast_probe.py: a Wan-14B block's int8 weights, torch's cast against the row kernel's widths), ggufk (gguf_dequant_probe.py, then GGUF Q4_K and Q8_0 blocks with the pack's GGUF kernel and without it, at 12 GiB), stepprof (the same in four
+# for fp8 storage at 12 GiB; fasttrace: with fp8 matmuls), spread24 (the 24 GiB bf16 plan against its mirror, each with and without copies queued across a forward's end, in one process; spreadfast: the same for fp8 matmuls at 12 GiB), fast (wan_bench with fp8 matmuls at 12 and 24 GiB, ~4 min), cast (cast_probe.py: the fp8 cast and fp8 matmuls' input quantisation, torch against the kernels), castsweep (cast_probe.py --sweep: the fp8 cast kernel's widths), int8cast (int8_cast_probe.py: a Wan-14B block's int8 weights, torch's cast against the row kernel's widths), kdecode (kitchen_decode_probe.py: comfy-kitchen's NVFP4 and MXFP8 decode of a Wan-14B layer against its matmul), ggufk (gguf_dequant_probe.py, then GGUF Q4_K and Q8_0 blocks with the pack's GGUF kernel and without it, at 12 GiB), stepprof (the same in four
 # fresh processes, with the launch's time to each block and the CUDA API calls' host time), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
 # in fp8 at 24 GiB), mapped (mapped_check.py --write, then --free-gb 16 with the LoRA row; ~8 min),
@@ -61,6 +61,7 @@ for row in "$@"; do
     cast) run cast 30 python3 bench/cast_probe.py --repeats 10 ;;  # the cast and the fp8 matmul input quantisation
     castsweep) run castsweep 40 python3 bench/cast_probe.py --sweep ;;
     int8cast) run int8cast 30 python3 bench/int8_cast_probe.py ;;  # int8 units: torch's cast against the row kernel's widths
+    kdecode) run kdecode 30 python3 bench/kitchen_decode_probe.py ;;  # comfy-kitchen's NVFP4/MXFP8 decode against the matmul
     ggufk) run ggufprobe 30 python3 bench/gguf_dequant_probe.py  # one weight per quant type: diffusers' ops against the kernel
            for st in ${GGUF_ROWS:-gguf_q4_k gguf_q4_k_torch gguf_q8_0 gguf_q8_0_torch}; do
              run "$st" 60 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${GGUF_CAPS:-12} --warmup 6 \

@@ -32,7 +32,7 @@ from .single_file import (
     read_checkpoint,
     short_dtype,
 )
-from .stored_linear import StoredKind, StoredLinear, swap_stored, whole
+from .stored_linear import StoredKind, StoredLinear, stored_keys, swap_stored, whole
 from .text_encoder_layouts import comfy_layout, drop_absent, renamer
 from .wan_vae import is_wan22_vae, load_wan22_vae
 
@@ -263,8 +263,8 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     """A transformers text encoder from a single file in its own key names. Its fp8 Linear weights
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
     half the RAM and pinned bytes of a decoded copy), and so do ComfyUI int8_tensorwise layers,
-    convrot ones included, in a file without fp8 weights (in one with, they are decoded to ``dtype``
-    here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers stay as stored
+    convrot ones included, in a file without fp8 weights outside its stored layers (in one with, they
+    are decoded to ``dtype`` here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers stay as stored
     (`stored_linear`: decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for);
     other quant formats are refused by name."""
     import transformers
@@ -282,17 +282,17 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     if fit is not None:
         state = fit.keys(state)  # (renames the convrot marks and stored layers' scales with their layers)
     groups = {layer: int(g) for layer, g in popped(state, GROUP_KEY).items()}
-    stored = any(kind.layers(state) for kind in kinds)
+    held = set().union(*(stored_keys(kind.layers(state), kind.TENSORS) for kind in kinds))  # stored layers' keys
     popped(state, INPUT_KEY)  # (no fp8 matmuls in text encoders)
     scales = {}  # stored weights' scales, by layer
-    keep_int8 = not any(is_fp8(t) for t in state.values())  # (one storage dtype per model)
+    keep_int8 = not any(is_fp8(t) for k, t in state.items() if k not in held)  # (one storage dtype per model)
     for layer, scale in popped(state, SCALE_KEY).items():
         weight = state[layer + ".weight"]
         if is_fp8(weight) or (weight.dtype == INT8 and keep_int8):
             scales[layer] = scale
         else:
             state[layer + ".weight"] = decoded_weight(path, layer, weight, scale, dtype, groups.pop(layer, 0))
-    if stored or fit is not None or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
+    if held or fit is not None or any(is_fp8(t) or t.dtype == INT8 for t in state.values()):
         return _built_empty(path, info, cls, config, state, kinds, dtype, fit, scales, groups)
     try:
         model, report = cls.from_pretrained(None, config=cls.config_class.from_pretrained(str(config)),

@@ -26,6 +26,7 @@ from fixtures.lora_reference import lora_deltas
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import (
     digest,
+    encoded,
     int8_reference_transformer,
     refused,
     streamed_in_one_step,
@@ -230,7 +231,7 @@ def test_an_int8_convrot_text_encoder_keeps_int8(tiny_wan_dir, tmp_path):
     reference_path = tmp_path / "umt5-dense.safetensors"
     save_file(dense, str(reference_path))
     reference = load_text_encoder(reference_path, tiny_wan_dir / "text_encoder", "UMT5EncoderModel", BF16)
-    want, got = (_encoded(wan_pipe(tiny_wan_dir, text_encoder=e)) for e in (reference, encoder))
+    want, got = (encoded(wan_pipe(tiny_wan_dir, text_encoder=e)) for e in (reference, encoder))
     assert (got - want).abs().max() < 0.03 * want.abs().max() and not torch.equal(got, want)
     resident = run_placed(wan_pipe(tiny_wan_dir, text_encoder=encoder), RESIDENT)
     for placement in ("auto", "leaf", "model"):
@@ -238,17 +239,6 @@ def test_an_int8_convrot_text_encoder_keeps_int8(tiny_wan_dir, tmp_path):
         first, _second = two_runs_placed(Engine(), pipe, OffloadConfig(**PLACEMENTS[placement], **BASE))
         assert torch.equal(first, resident), placement
     assert {p.dtype for p in encoder.parameters()} >= {torch.int8}
-
-
-def _encoded(pipe) -> torch.Tensor:
-    """The text encoder's last hidden state for fixed ids, placed resident."""
-    engine = Engine()
-    engine.place(pipe, RESIDENT)
-    try:
-        with torch.no_grad():
-            return pipe.text_encoder(torch.arange(3, 12)[None]).last_hidden_state.float()
-    finally:
-        engine.release(pipe)
 
 
 # -- refused by name, files untouched ---------------------------------------------------------------

@@ -95,3 +95,39 @@ def test_without_comfy_kitchen_an_mxfp8_file_is_refused_naming_it(tiny_wan_dir, 
     err = refused(r"is an MXFP8 file: MXFP8 files run through comfy-kitchen", mxfp8_file, tiny_wan_dir)
     assert "pip install comfy-kitchen" in str(err)
     kitchen_module.cache_clear()
+
+
+
+def test_a_text_encoder_mixing_mxfp8_and_int8_layers_keeps_both_as_stored(tiny_wan_dir, tmp_path):
+    """The tiny UMT5 file with MXFP8 attention and int8_tensorwise gated input projections: the MXFP8
+    layers' fp8 weights are not fp8 storage of the file's own, so its int8 layers stay int8 (were
+    decoded at load); the encoder gives the bits of the file with every layer decoded."""
+    from diffusers_offload.offload_core.formats.fp8 import dequantize_int8, table_of
+    from diffusers_offload.offload_core.formats.single_file_pipeline import load_text_encoder
+    from fixtures.comfy_files import int8_tensors, write_component_file
+    from fixtures.quantized import encoded
+
+    source = load_file(str(write_component_file(tiny_wan_dir, "text_encoder", tmp_path / "umt5.safetensors")))
+    attention = [k.removesuffix(".weight") for k in source if ".SelfAttention." in k and "relative" not in k]
+    gated = [k.removesuffix(".weight") for k in source if ".DenseReluDense.wi" in k]
+    int8, _ = int8_tensors({f"{n}.weight": source.pop(f"{n}.weight") for n in gated})
+    tensors = mxfp8_layers(source, attention) | int8
+    path = tmp_path / "umt5-tiny-mxfp8-int8.safetensors"
+    save_file(tensors, str(path))
+    before = digest(path)
+    encoder = load_text_encoder(path, tiny_wan_dir / "text_encoder", "UMT5EncoderModel", BF16)
+    assert all(isinstance(encoder.get_submodule(n), MXFP8Linear) for n in attention)
+    assert {encoder.get_submodule(n).weight.dtype for n in gated} == {torch.int8} and table_of(encoder).int8
+    dense = {k: t for k, t in tensors.items() if not k.endswith((".weight_scale", ".comfy_quant"))}
+    for layer in attention:
+        rows, cols = encoder.get_submodule(layer).out_features, encoder.get_submodule(layer).in_features
+        dense[f"{layer}.weight"] = kitchen().dequantize_mxfp8(tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"],
+                                                              BF16)[:rows, :cols].contiguous()
+    for layer in gated:
+        dense[f"{layer}.weight"] = dequantize_int8(tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"], BF16)
+    save_file(dense, str(tmp_path / "umt5-dense.safetensors"))
+    reference = load_text_encoder(tmp_path / "umt5-dense.safetensors", tiny_wan_dir / "text_encoder", "UMT5EncoderModel",
+                                  BF16)
+    got, want = (encoded(wan_pipe(tiny_wan_dir, text_encoder=e)) for e in (encoder, reference))
+    assert torch.equal(got, want)
+    assert digest(path) == before
