@@ -18,6 +18,7 @@ from benchkit.measure import loop_time
 
 pack()
 import comfy_kitchen as ck  # noqa: E402
+from diffusers_offload.offload_core.formats import tiled_kernel  # noqa: E402
 
 SHAPES = {"attn 5120x5120": (5120, 5120), "ffn up 13824x5120": (13824, 5120), "ffn down 5120x13824": (5120, 13824)}
 TOKENS = 4096
@@ -32,7 +33,10 @@ def decoders(rows: int, cols: int) -> dict[str, tuple[callable, int]]:
     return {
         "nvfp4": (lambda: ck.dequantize_nvfp4(packed, scale, blocks, torch.bfloat16),
                   packed.numel() + blocks.numel() + 4),
+        "nvfp4 pack": (lambda: tiled_kernel.nvfp4(packed, scale, blocks, torch.bfloat16),
+                       packed.numel() + blocks.numel() + 4),
         "mxfp8": (lambda: ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16), qx.numel() + e8m0.numel()),
+        "mxfp8 pack": (lambda: tiled_kernel.mxfp8(qx, e8m0, torch.bfloat16), qx.numel() + e8m0.numel()),
     }
 
 
@@ -51,7 +55,15 @@ def orders(rows: int, cols: int) -> dict[str, bool]:
     kitchen = ck.dequantize_nvfp4(packed, scale, blocks, torch.bfloat16)
     qx, e8m0 = ck.quantize_mxfp8(w)
     e = e8m0_to_f32(from_blocked(e8m0.view(torch.uint8), rows, cols // 32)).repeat_interleave(32, 1)
-    return {"nvfp4 (v*b)*g": torch.equal(((values * b) * scale).bfloat16(), kitchen),
+    mine = {}
+    for order in (0, 1):
+        tiled_kernel.ORDER = order
+        mine[f"pack kernel order {order}"] = torch.equal(tiled_kernel.nvfp4(packed, scale, blocks, torch.bfloat16),
+                                                         kitchen)
+    tiled_kernel.ORDER = 0
+    return mine | {"pack mxfp8": torch.equal(tiled_kernel.mxfp8(qx, e8m0, torch.bfloat16),
+                                             ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16)),
+            "nvfp4 (v*b)*g": torch.equal(((values * b) * scale).bfloat16(), kitchen),
             "nvfp4 v*(b*g)": torch.equal((values * (b * scale)).bfloat16(), kitchen),
             "nvfp4 bf16 eager": torch.equal((values.bfloat16() * (b.bfloat16() * scale.bfloat16())), kitchen),
             "mxfp8 v*e": torch.equal((qx.float() * e).bfloat16(), ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16))}
