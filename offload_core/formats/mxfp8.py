@@ -4,9 +4,8 @@ tiled layout (`tiled_scales`).
 
 Kept as stored (`MXFP8Linear`): the fp8 bytes and their scales are pinned, streamed and kept, and
 each layer computes as ComfyUI's does on a card without MXFP8 tensor cores (below Blackwell its
-``mxfp8`` ops are emulated): ``F.linear(x, dequantize_mxfp8(...)[:out, :in])``, comfy-kitchen's
-decode (on a GPU the pack's kernel, its bits in one pass: `tiled_kernel`). Found by their
-``comfy_quant`` entries: the scale's name is an fp8_scaled file's.
+``mxfp8`` ops are emulated): ``F.linear(x, dequantize_mxfp8(...)[:out, :in])``, comfy-kitchen's own
+decode. Found by their ``comfy_quant`` entries: the scale's name is an fp8_scaled file's.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from types import ModuleType
 
 import torch
 
-from . import tiled_kernel
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .stored_linear import StoredLinear, kitchen_module, layers_holding
 from .tiled_scales import round_up, rows_of, tiled_shape
@@ -47,10 +45,7 @@ class MXFP8Linear(StoredLinear):
         self.stored("weight_scale", *tiled_shape(rows, cols // BLOCK), dtype=E8M0, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = tiled_kernel.mxfp8(self.weight, self.weight_scale, self.compute)
-        if weight is None:  # not on a GPU (or no Triton): comfy-kitchen's decode
-            weight = self.decode(self.weight, self.weight_scale, self.compute)
-        return self.decoded_forward(x, weight)
+        return self.decoded_forward(x, self.decode(self.weight, self.weight_scale, self.compute))
 
 
 @dataclass(frozen=True)

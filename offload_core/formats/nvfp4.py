@@ -6,7 +6,7 @@ tiled ("swizzled") layout, a per-tensor ``weight_scale_2`` and, for AWQ files, a
 They are kept as stored (`NVFP4Linear`): 4.5 bits a weight are what is pinned, streamed and
 kept, and each layer computes as ComfyUI's does on a card without fp4 tensor cores (its
 ``nvfp4`` ops are "emulated" below Blackwell): ``F.linear(x, dequantize_nvfp4(...)[:out, :in])``,
-comfy-kitchen's decode (on a GPU the pack's kernel gives its CUDA kernel's bits: `tiled_kernel`); so do text encoders (an nvfp4-mixed Gemma 3
+comfy-kitchen's own decode (its CUDA kernel on a GPU); so do text encoders (an nvfp4-mixed Gemma 3
 decoded would take the RAM its file was chosen to save). No NVFP4 matmuls: they need Blackwell
 tensor cores, which the engine has not been measured on.
 """
@@ -20,7 +20,6 @@ from types import ModuleType
 import torch
 
 from ..log import get_logger
-from . import tiled_kernel
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
 from .stored_linear import StoredLinear, kitchen_module, layers_holding
@@ -60,10 +59,7 @@ class NVFP4Linear(StoredLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_quant_scale is not None:  # ComfyUI: the input times the scale, in the input's dtype
             x = x * self.pre_quant_scale.to(x.dtype)
-        weight = tiled_kernel.nvfp4(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
-        if weight is None:  # not on a GPU (or no Triton): comfy-kitchen's decode
-            weight = self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute)
-        return self.decoded_forward(x, weight)
+        return self.decoded_forward(x, self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute))
 
 
 @dataclass(frozen=True)

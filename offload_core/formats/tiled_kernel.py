@@ -1,12 +1,13 @@
-"""NVFP4 and MXFP8 weights (`formats/nvfp4.py`, `formats/mxfp8.py`) into compute values in one pass:
-each element's value times its block's scale, read from cuBLAS's tiled layout (`tiled_scales`),
-rounded once.
+"""NVFP4 and MXFP8 weights (`formats/nvfp4.py`, `formats/mxfp8.py`) into compute values in one pass
+on a GPU: each element's value times its block's scale, read from cuBLAS's tiled layout
+(`tiled_scales`), rounded once.
 
-Own code because comfy-kitchen has no MXFP8 decode kernel below Blackwell (its torch fallback makes
-float32 copies and an untiled scale copy) and its NVFP4 CUDA decode runs below the card's memory
-speed (bench/README.md, "kitchen decode"). The bits are comfy-kitchen's: MXFP8 ``float(v) * 2^e``,
-NVFP4 ``(float(v) * block) * tensor`` in float32 (checked on the GPU: tests/gpu). Where Triton is
-missing or the tensor is not on a GPU, the caller uses comfy-kitchen's decode.
+Why: below Blackwell comfy-kitchen decodes MXFP8 with torch ops (float32 copies of the weight, an
+untiled copy of the scales) and NVFP4 with a CUDA kernel whose speed is unmeasured. The math is
+comfy-kitchen's: MXFP8 ``float(v) * 2^e``, NVFP4 ``(float(v) * block) * tensor`` (`ORDER`), in
+float32, rounded once. Not used by the layers yet: they keep comfy-kitchen's decode until
+`bench/kitchen_decode_probe.py` and tests/gpu/test_tiled_kernel.py have shown on a GPU that these
+give its bits (for NVFP4: in which order) and are faster.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ except ImportError:  # CPU-only torch builds
     triton = None
 
 ROWS, COLS = 16, 256  # a program's tile: rows × stored columns (packed bytes for NVFP4)
-ORDER = 0  # NVFP4: 0 (v * block) * tensor, 1 v * (block * tensor)  (the probe tries both)
+ORDER = 0  # NVFP4: 0 (v * block) * tensor, 1 v * (block * tensor) (the probe tries both on a GPU)
 _broken: set[int] = set()  # devices where a kernel failed once: comfy-kitchen's decode there
 
 if triton is not None:

@@ -1,8 +1,8 @@
-"""NVFP4 and MXFP8 layers on a CUDA device: each layer's weight decoded inside its forward (the pack's
-Triton decode, `formats/tiled_kernel.py`). The tiny Wan file placed resident, streamed (CUDA graphs
-on, run twice: the second replays them), in mode leaf and on demand gives the bits of ComfyUI's own
-holding of the file (comfy-kitchen's ``QuantizedTensor`` under ``nn.Linear``: its CUDA decode for
-NVFP4, its torch one for MXFP8) on the same device. Run on the GPU machine (bench/gpu_batch.sh row
+"""NVFP4 and MXFP8 layers on a CUDA device: comfy-kitchen's decode inside each layer's forward (its
+CUDA kernel for NVFP4, its torch ops for MXFP8). The tiny Wan file placed resident, streamed (CUDA
+graphs on, run twice: the second replays them), in mode leaf and on demand gives the bits of
+ComfyUI's own holding of the file (comfy-kitchen's ``QuantizedTensor`` under ``nn.Linear``) on the
+same device. Run on the GPU machine (bench/gpu_batch.sh row
 ``gputests``)."""
 
 from __future__ import annotations
