@@ -1,8 +1,9 @@
 """How fast comfy-kitchen turns one NVFP4 or MXFP8 weight of a Wan-14B block into bf16 on this GPU
 (what `NVFP4Linear` / `MXFP8Linear` run at each forward below Blackwell), against a bf16 matmul of
 the layer on an image-like input (4096 tokens) and a device copy of the decoded bytes: stored
-bytes read + bf16 bytes written per second, and the decode's share of the layer's time; and which
-float32 order of the scales gives comfy-kitchen's bits on this GPU (what a kernel of our own must do).
+bytes read + bf16 bytes written per second, and the decode's share of the layer's time; whether the
+pack's candidate kernel (`formats/tiled_kernel.py`) gives comfy-kitchen's bits, and in which float32
+order of NVFP4's scales; the kernel's speed at several tile shapes.
 
     python bench/kitchen_decode_probe.py [--repeats 20]
 """
@@ -41,32 +42,33 @@ def decoders(rows: int, cols: int) -> dict[str, tuple[callable, int]]:
 
 
 def orders(rows: int, cols: int) -> dict[str, bool]:
-    """Whether each float32 order of value × block scale × tensor scale, rounded once, gives the
-    bits of comfy-kitchen's NVFP4 decode (its CUDA kernel here), and value × 2^e MXFP8's."""
-    from comfy_kitchen.float_utils import e8m0_to_f32, from_blocked
-
+    """Whether the pack's kernel gives comfy-kitchen's bits (its CUDA kernel for NVFP4): NVFP4 in
+    each float32 order of its two scales (`tiled_kernel.ORDER`), MXFP8."""
     w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
     scale = (w.abs().amax().float() / (6.0 * 448.0) * 1.37).reshape(())  # not a power of two
     packed, blocks = ck.quantize_nvfp4(w, scale)
-    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       device="cuda")
-    values = lut[torch.stack([packed >> 4, packed & 15], -1).reshape(rows, cols).long()]
-    b = from_blocked(blocks, rows, cols // 16).float().repeat_interleave(16, 1)
     kitchen = ck.dequantize_nvfp4(packed, scale, blocks, torch.bfloat16)
     qx, e8m0 = ck.quantize_mxfp8(w)
-    e = e8m0_to_f32(from_blocked(e8m0.view(torch.uint8), rows, cols // 32)).repeat_interleave(32, 1)
-    mine = {}
+    equal = {"mxfp8": torch.equal(tiled_kernel.mxfp8(qx, e8m0, torch.bfloat16),
+                                  ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16))}
     for order in (0, 1):
         tiled_kernel.ORDER = order
-        mine[f"pack kernel order {order}"] = torch.equal(tiled_kernel.nvfp4(packed, scale, blocks, torch.bfloat16),
-                                                         kitchen)
+        equal[f"nvfp4 order {order}"] = torch.equal(tiled_kernel.nvfp4(packed, scale, blocks, torch.bfloat16), kitchen)
     tiled_kernel.ORDER = 0
-    return mine | {"pack mxfp8": torch.equal(tiled_kernel.mxfp8(qx, e8m0, torch.bfloat16),
-                                             ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16)),
-            "nvfp4 (v*b)*g": torch.equal(((values * b) * scale).bfloat16(), kitchen),
-            "nvfp4 v*(b*g)": torch.equal((values * (b * scale)).bfloat16(), kitchen),
-            "nvfp4 bf16 eager": torch.equal((values.bfloat16() * (b.bfloat16() * scale.bfloat16())), kitchen),
-            "mxfp8 v*e": torch.equal((qx.float() * e).bfloat16(), ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16))}
+    return equal
+
+
+def tiles(rows: int, cols: int, repeats: int) -> list[dict]:
+    """The pack's kernel over one weight at several tile shapes (rows × stored columns a program)."""
+    out = []
+    for name, (decode, stored) in decoders(rows, cols).items():
+        if "pack" in name:
+            for tile in ((16, 256), (8, 512), (32, 128), (4, 1024), (32, 256)):
+                tiled_kernel.ROWS, tiled_kernel.COLS = tile
+                s = loop_time(decode, repeats, warmup=2)
+                out.append({"format": name, "tile": tile, "gb_s": (stored + rows * cols * 2) / s / 1e9})
+    tiled_kernel.ROWS, tiled_kernel.COLS = 16, 256
+    return out
 
 
 def main() -> None:
@@ -88,7 +90,7 @@ def main() -> None:
                          "decode_share": decode_s / (decode_s + matmul_s)})
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "comfy_kitchen": getattr(ck, "__version__", "?"), "tokens": TOKENS, "rows": rows,
-                      "bit_orders": orders(5120, 13824)}))
+                      "bits_equal": orders(5120, 13824), "tiles": tiles(13824, 5120, args.repeats)}))
 
 
 if __name__ == "__main__":
