@@ -10,23 +10,16 @@ import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from fixtures import comfy_files
-from fixtures.comfy_files import write_comfy_w4a8_wan
-from fixtures.compiling import BASE, PLACEMENTS, aot_eager, two_runs  # noqa: F401  (autouse fixture)
-from fixtures.mxfp8_files import write_comfy_mxfp8_wan
-from fixtures.nvfp4_files import write_comfy_nvfp4_wan
+from fixtures.compiling import BASE, PLACEMENTS, STORED_FORMATS, aot_eager, stored_file, two_runs  # noqa: F401  (autouse)
 from fixtures.quantized import wan_pipe
-from fixtures.w4a4_files import write_comfy_w4a4_wan
 
-WRITERS = {"nvfp4": write_comfy_nvfp4_wan, "w4a8": write_comfy_w4a8_wan, "w4a4": write_comfy_w4a4_wan,
-           "mxfp8": write_comfy_mxfp8_wan}
 _wide_wan_dir = comfy_files.wide_wan_dir  # (session fixture, under its name)
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("fmt", list(WRITERS))
+@pytest.mark.parametrize("fmt", STORED_FORMATS)
 def test_stored_layers_run_compiled_to_the_eager_bits(fmt, placement, tiny_wan_dir, wide_wan_dir, tmp_path) -> None:
-    folder = wide_wan_dir if fmt == "w4a4" else tiny_wan_dir  # (W4A4 needs widths of 64)
-    file = WRITERS[fmt](folder, tmp_path / f"wan-{fmt}.safetensors")
+    file, folder = stored_file(fmt, tiny_wan_dir, wide_wan_dir, tmp_path)
     config = OffloadConfig(**BASE, **PLACEMENTS[placement])
     eager, plain, _ = two_runs(wan_pipe(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16)),
                                config.replace(compile_blocks=False))

@@ -1,7 +1,7 @@
 """Compiled blocks (``compile_blocks``) on a CUDA device, compiled by inductor: every block kept
 or streamed whole runs its compiled forward, graphed or not the outputs are the same bits, and
-they are within the compiler's rounding of the uncompiled outputs, fp8 and int8 storage and fp8 matmuls included;
-GGUF blocks compute the file's exact values. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
+they are within the compiler's rounding of the uncompiled outputs, fp8 and int8 storage, fp8 matmuls and
+ComfyUI's stored layers (W4A8, W4A4, NVFP4, MXFP8) included; GGUF blocks compute the file's exact values. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.state import FP8, LORA_HOOK
 from fixtures import comfy_files
+from fixtures.compiling import STORED_FORMATS, stored_file
 from fixtures.fp8_matmul import REL_L2, wide_wan
 from fixtures.gguf_files import exactly_dequantised, load_gguf_wan, wan_gguf_fixture  # noqa: F401  (session fixture)
 from fixtures.graph_runs import keep_first_after, placed_runs
@@ -94,6 +95,22 @@ def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(ti
         assert all(torch.equal(a, b) for a, b in zip(eager, plain, strict=True))
     else:
         assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < bound
+
+
+@pytest.mark.parametrize("fmt", STORED_FORMATS)
+def test_stored_layers_compiled_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, wide_wan_dir,
+                                                                                     tmp_path, fmt: str) -> None:
+    """ComfyUI's stored layers (`stored_linear`: comfy-kitchen's calls inside the compiled graph) in
+    blocks inductor compiled, every block kept: graphed or not the same bits, within the compiler's
+    rounding of the uncompiled run (on the CPU, traced alone, they gave its bits)."""
+    file, folder = stored_file(fmt, tiny_wan_dir, wide_wan_dir, tmp_path)
+    load = lambda: with_transformer(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16))  # noqa: E731
+    plain, _ = placed_runs(load(), OffloadConfig(**BASE).replace(compile_blocks=False), runs=4)
+    eager, off = placed_runs(load(), OffloadConfig(**BASE, cuda_graphs=False), runs=4)
+    graphed, on = placed_runs(load(), OffloadConfig(**BASE), runs=4)
+    assert off["compiled_calls"] > 0 and on["compiled_calls"] > 0 and on["graphs"] > 0 and on["graphs_refused"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+    assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < 2e-2
 
 
 def _first_block_calls(pipe, config: OffloadConfig) -> list[tuple]:
