@@ -36,7 +36,7 @@ from typing import Any
 
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
-from benchkit import ROOT, GiB, gib
+from benchkit import ROOT, GiB, gib, version_of
 from benchkit.coexist_report import fmt, print_report, summarize
 from benchkit.comfy_run import aimdo_enabled, comfy_tree, offline, queue, require_nodes
 
@@ -200,7 +200,7 @@ def main() -> int:
         "torch_allocator_backend": torch.cuda.get_allocator_backend() if cuda else None,
         "vram_state": str(mm.vram_state), "av_stubbed": av_stubbed, "boot_s": boot_s, "startup_notes": host.startup_notes,
         "pack_nodes": len(host.pack_status().node_ids), "build": build, "args": vars(a),
-        **{k.replace("-", "_"): _version(k) for k in ("diffusers", "transformers", "comfy-aimdo", "comfy-kitchen")},
+        **{k.replace("-", "_"): version_of(k) for k in ("diffusers", "transformers", "comfy-aimdo", "comfy-kitchen")},
     }
     emit(a, env)
     print(f"DynamicVRAM {'ON' if env['aimdo_enabled'] else 'off'}, CoreModelPatcher {env['core_model_patcher']}, "
@@ -288,15 +288,6 @@ def run_phase(c: SimpleNamespace, phase: str, seeds: dict[str, int]) -> dict[str
     for e in row["events"]:
         print(f"   {json.dumps(e)}")
     return row
-
-
-def _version(name: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except Exception:
-        return None
 
 
 def emit(a: argparse.Namespace, row: dict[str, Any], echo: bool = False) -> None:

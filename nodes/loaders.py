@@ -19,9 +19,9 @@ from diffusers import DiffusionPipeline
 from diffusers.modular_pipelines import ModularPipeline
 
 from ..offload_core import OffloadConfig
-from ..offload_core.components import iter_modules
+from ..offload_core.components import denoisers, iter_modules
 from ..offload_core.formats import carried
-from ..offload_core.formats.fp8 import FP8_DTYPES, store_denoisers_fp8
+from ..offload_core.formats.fp8 import FP8_DTYPES, store_fp8
 from ..offload_core.formats.mapped import MappedFileError, map_from_files
 from ..offload_core.formats.single_file import load_denoiser
 from ..offload_core.models.minimax_h3.audio_vae_file import load_audio_vae_file
@@ -193,7 +193,7 @@ def _dtypes(dtype: str, config: OffloadConfig) -> tuple[torch.dtype, torch.dtype
 
 def _store(pipe: Any, storage: torch.dtype | None, compute: torch.dtype, matmul: bool) -> Any:
     if storage is not None:
-        names = store_denoisers_fp8(pipe, storage, compute, matmul)
+        names = [n for n, m in denoisers(pipe).items() if store_fp8(m, storage, compute, matmul) is not None]
         log.info("%s stored in %s, computing in %s%s", ", ".join(names) or "no denoiser",
                  str(storage).removeprefix("torch."), str(compute).removeprefix("torch."),
                  " through fp8 matmuls" if matmul else "")

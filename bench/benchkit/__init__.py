@@ -72,6 +72,16 @@ def gib(n: float | None) -> float | None:
     return None if n is None else round(n / GiB, 3)
 
 
+def version_of(distribution: str) -> str | None:
+    """An installed distribution's version, or None where it is not installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 class Rows:
     """The JSON rows of a run: printed as they come, kept for the tables, written to a file (a
     JSON array at the end, or JSON lines as they come with ``lines``: a killed run keeps them)."""

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
-from ..components import denoisers
 from ..log import get_logger
 from ..state import FP8
 from .convrot import rotate_back, rotate_inputs
@@ -143,12 +142,6 @@ def _with_matmul(table: Fp8Table, what: str) -> Fp8Table:
         log.info("%s: its float8_e4m3fn weights compute through fp8 matmuls (inputs rounded to fp8%s)", what,
                  f"; {len(table.inputs)} at the file's input scales" if table.inputs else "")
     return table
-
-
-def store_denoisers_fp8(pipe: object, storage: torch.dtype, compute: torch.dtype, matmul: bool = False) -> list[str]:
-    """`store_fp8` on each of the pipeline's denoisers; returns the names of those it stored."""
-    return [name for name, module in denoisers(pipe).items()
-            if store_fp8(module, storage, compute, matmul) is not None]
 
 
 def mark_fp8(

@@ -263,10 +263,10 @@ def _load_text_encoder(path: Path, info: SingleFileInfo, config: Path, cls_name:
     """A transformers text encoder from a single file in its own key names. Its fp8 Linear weights
     (scaled or not) keep their storage (`fp8.mark_fp8`: dequantised at compute as ComfyUI does,
     half the RAM and pinned bytes of a decoded copy), and so do ComfyUI int8_tensorwise layers,
-    convrot ones included, in a file without fp8 weights outside its stored layers (in one with, they
-    are decoded to ``dtype`` here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4, NVFP4 and MXFP8 layers stay as stored
-    (`stored_linear`: decoded, a 62 GB Qwen3-VL would not fit the RAM its W4A8 file was chosen for);
-    other quant formats are refused by name."""
+    convrot ones included, in a file without fp8 weights outside its stored layers (in one with,
+    they are decoded to ``dtype`` here, as comfy-kitchen decodes them); W4A8, ConvRot W4A4, NVFP4
+    and MXFP8 layers stay as stored (`stored_linear`: decoded, a 62 GB Qwen3-VL would not fit the
+    RAM its W4A8 file was chosen for); other quant formats are refused by name."""
     import transformers
 
     cls = getattr(transformers, cls_name, None)

@@ -1,5 +1,5 @@
 """The loader's fp8 weight dtype on every family the pack runs: each pipeline's denoisers stored in
-fp8 (`store_denoisers_fp8`, bf16 compute) run, placed by the engine, to the output of the same
+fp8 (`store_fp8` on each denoiser, bf16 compute) run, placed by the engine, to the output of the same
 pipeline holding the dequantised bf16 weights (no engine code in the reference). MiniMax-H3 has
 its own file (test_fp8_h3.py); the Wan 2.1 T2V one is test_fp8_storage.py."""
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 from diffusers_offload.offload_core import Engine, OffloadConfig
-from diffusers_offload.offload_core.formats.fp8 import store_denoisers_fp8
+from diffusers_offload.offload_core.components import denoisers
+from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.quantized import dequantised_twin
 from fixtures.tiny_models import run_flux, run_ltx2
@@ -39,7 +40,7 @@ def fp8_family(request, tiny_wan_family):
     folder = request.getfixturevalue(where) if where.startswith("tiny_") else tiny_wan_family(where)
     pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
-    names = store_denoisers_fp8(pipe, torch.float8_e4m3fn, torch.bfloat16)
+    names = [n for n, m in denoisers(pipe).items() if store_fp8(m, torch.float8_e4m3fn, torch.bfloat16) is not None]
     assert names, "the pipeline has a denoiser"
     stored = {name: getattr(pipe, name) for name in names}
     pipe.register_modules(**{name: dequantised_twin(m) for name, m in stored.items()})
