@@ -86,3 +86,36 @@ def test_diffusers_torch_dequantizer_reads_the_same_values(qtype):
     half = dequantize(blocks, block, type_size).reshape(rows.shape)  # GGUFLinear's path: fp16 scales
     assert half.dtype == torch.float16
     torch.testing.assert_close(half.float(), want, rtol=0, atol=2e-3 * float(np.abs(rows).max()))
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_blocks_hold_each_values_nearest_table_entry(qtype):
+    """The hand-packed IQ4 blocks (`fixtures/gguf_iq4.py`): gguf's dequantizer reads each value as
+    the table entry nearest to it at its sub-block's step; that step, read from the bytes at the
+    offsets llama.cpp's block structs give, maps the sub-block's largest value to about -127 (IQ4_XS:
+    within about one ``d``, its 6-bit scale clipping at 31); diffusers' torch dequantizer reads the
+    same values."""
+    from fixtures.gguf_iq4 import KVALUES, quantize_iq4_nl, quantize_iq4_xs
+
+    rows = _rows()
+    packed = (quantize_iq4_nl if qtype == "IQ4_NL" else quantize_iq4_xs)(rows)
+    block, type_size = gguf.GGML_QUANT_SIZES[T[qtype]]
+    assert packed.dtype == np.uint8 and packed.shape == (8, 512 // block * type_size)
+    blocks = packed.reshape(-1, type_size)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    if qtype == "IQ4_NL":
+        step = d
+    else:
+        high = blocks[:, 2:4].copy().view(np.uint16)
+        low = np.stack([blocks[:, 4:8] & 15, blocks[:, 4:8] >> 4], axis=-1).reshape(-1, 8)
+        scales = low | (((high >> (2 * np.arange(8, dtype=np.uint16))) & 3).astype(np.uint8) << 4)
+        step = (d * (scales.astype(np.float32) - 32)).reshape(-1, 1)
+    sub = rows.reshape(-1, 32)
+    values = gguf.quants.dequantize(packed, T[qtype]).reshape(-1, 32)
+    nearest = np.abs(step[..., None] * KVALUES - sub[..., None]).min(axis=-1)
+    assert np.allclose(np.abs(values - sub), nearest, rtol=1e-5, atol=1e-7)
+    extreme = np.take_along_axis(sub, np.abs(sub).argmax(axis=-1)[:, None], axis=-1)[:, 0]
+    slack = 2.0 ** -10 * np.abs(extreme) / 127 if qtype == "IQ4_NL" else np.repeat(d[:, 0], 8) * 1.05
+    assert (np.abs(step[:, 0] - extreme / -127) <= slack + 1e-12).all()
+    exact = dequantize_functions[T[qtype]](torch.from_numpy(blocks.copy()), block, type_size, dtype=torch.float32)
+    assert torch.equal(exact.reshape(values.shape), torch.from_numpy(values))

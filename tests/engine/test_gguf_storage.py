@@ -39,8 +39,8 @@ from diffusers_offload.offload_core.transport.gguf_dequant import GgufDequantHoo
 from diffusers_offload.offload_core.transport.prefetch import Prefetcher
 from diffusers_offload.offload_core.transport.streamer import BlockStreamer
 from fixtures.gguf_files import (  # noqa: F401  (session fixtures)
-    K_QUANTS,
     QTYPES,
+    WIDE,
     WanGguf,
     dequantized_state_dict,
     load_gguf_wan,
@@ -57,11 +57,12 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 CONFIGS = PLACEMENTS
 # Relative L2 error of the denoiser's output against the bf16 model holding the unquantized
 # weights. A Q8_0 weight is off by at most half a step of max|block|/127, a 4-bit one by half a step
-# of a 16-level grid (Q4_0: max|block|/8; Q4_K: the 32-value sub-block's range/15), a Q5_K one of
-# range/31, a Q6_K one of max|16 values|/31: measured 0.6 % (Q8_0), 2.0 % (Q4_0), 1.8 % (Q4_K),
-# 1.1 % (Q5_K) and 0.8 % (Q6_K) on these models (a K-quant file's rows narrower than 256 are in its
-# fallback type: Q4_0, Q5_1, Q8_0); the bounds allow three to four times that.
-BF16_BOUND = {"Q8_0": 0.02, "Q4_0": 0.08, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.03}
+# of a 16-level grid (Q4_0: max|block|/8; Q4_K: the 32-value sub-block's range/15; IQ4: half a gap
+# of its non-linear table, at most 12/127 of the block's largest value), a Q5_K one of range/31, a
+# Q6_K one of max|16 values|/31: measured 0.6 % (Q8_0), 2.0 % (Q4_0), 1.8 % (Q4_K), 1.1 % (Q5_K),
+# 0.8 % (Q6_K), 2.1 % (IQ4_NL) and 1.9 % (IQ4_XS) on these models (a 256-block file's rows narrower than 256 are in
+# its fallback type: Q4_0, Q5_1, Q8_0, IQ4_NL); the bounds allow three to four times that.
+BF16_BOUND = {"Q8_0": 0.02, "Q4_0": 0.08, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.03, "IQ4_NL": 0.08, "IQ4_XS": 0.08}
 _REFERENCE: dict[tuple[str, str], torch.Tensor] = {}
 
 
@@ -139,10 +140,10 @@ def test_every_mode_equals_the_resident_gguf_model(tiny_wan_dir, wan_gguf, qtype
         assert p.device.type == "cpu" and p.dtype == torch.uint8 and torch.equal(p.as_tensor(), data), name
 
 
-# Q4_K (with its Q4_0 fallback rows) on every placement; Q5_K (Q5_1) and Q6_K (Q8_0) on a streamed
-# placement and leaf mode (the transports treat every quant type alike; this keeps the file's time).
+# Q4_K (with its Q4_0 fallback rows) on every placement; Q5_K (Q5_1), Q6_K (Q8_0) and IQ4_XS (IQ4_NL)
+# on a streamed placement and leaf mode (the transports treat every quant type alike; this keeps the file's time).
 LAYER_CASES = [("Q4_K", c) for c in CONFIGS if c != "none"] + [
-    (q, c) for q in ("Q5_K", "Q6_K") for c in ("auto", "leaf")
+    (q, c) for q in ("Q5_K", "Q6_K", "IQ4_XS") for c in ("auto", "leaf")
 ]
 
 
@@ -192,7 +193,7 @@ def test_gguf_layers_compute_from_packed_weights_that_kept_their_quant_type(
     engine.release(pipe)
     assert not any(DEQUANT_HOOK in getattr(vars(m).get(REGISTRY), "hooks", {}) for m in layers)
     assert {i for i, _q in seen} == set(expected), "every GGUF layer ran"
-    assert {q.name for _i, q in seen} == {qtype, K_QUANTS[qtype][1]}
+    assert {q.name for _i, q in seen} == {qtype, WIDE[qtype][1]}
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
