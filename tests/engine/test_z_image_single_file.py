@@ -1,0 +1,76 @@
+"""Z-Image single files in ComfyUI's layout (Comfy-Org's ``z_image_turbo`` files: q, k and v fused into
+one ``qkv`` matrix) as the denoiser of a Z-Image diffusers folder — a family the pack carries no
+configs for, read through diffusers' own single-file conversion: a bf16 file is the folder's
+transformer bit for bit; an fp8_scaled one keeps its fp8 storage, each part of a fused ``qkv`` taking
+the fused matrix's scale, and runs in every placement to the bits of the folder's pipeline holding
+the file's weights as ComfyUI computes them (``w.to(bf16) * scale``); the file is left unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.formats.fp8 import table_of
+from diffusers_offload.offload_core.formats.inspect import inspect_safetensors
+from diffusers_offload.offload_core.formats.single_file import load_denoiser
+from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
+from fixtures.comfy_files import comfy_dequantised, comfy_tensors
+from fixtures.placements import PLACEMENTS, run_placed
+from fixtures.quantized import digest
+from fixtures.z_image_files import build_tiny_z_image, comfy_z_image_state, run_z_image
+from safetensors.torch import load_file, save_file
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+QKV = "layers.0.attention.qkv"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return build_tiny_z_image(tmp_path_factory.mktemp("z-image") / "z-image-tiny")
+
+
+@pytest.fixture(scope="module")
+def files(folder, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("z-image-files")
+    state = comfy_z_image_state(folder)
+    for fmt in ("bf16", "fp8_scaled"):
+        save_file(comfy_tensors(state, fmt), str(out / f"z_image_tiny_{fmt}.safetensors"))
+    return {fmt: out / f"z_image_tiny_{fmt}.safetensors" for fmt in ("bf16", "fp8_scaled")}
+
+
+@pytest.fixture(scope="module")
+def expected(folder, files) -> torch.Tensor:
+    """The folder's pipeline (no pack code) holding the fp8_scaled file's weights as ComfyUI computes them."""
+    pipe = diffusers.ZImagePipeline.from_pretrained(str(folder), dtype=BF16)
+    state = convert_z_image_transformer_checkpoint_to_diffusers(comfy_dequantised(files["fp8_scaled"], BF16))
+    pipe.transformer.load_state_dict(state, strict=True)
+    return run_z_image(pipe)
+
+
+def test_a_bf16_file_is_the_folders_transformer(folder, files):
+    info = inspect_safetensors(files["bf16"])
+    assert (info.role, info.family) == ("denoiser", "z-image") and QKV + ".weight" in info.shapes
+    model = load_denoiser(files["bf16"], folder, BF16)
+    want = diffusers.ZImageTransformer2DModel.from_pretrained(str(folder), subfolder="transformer").state_dict()
+    got = model.state_dict()
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_an_fp8_scaled_file_runs_as_comfyui_computes_it_in_every_placement(placement, folder, files, expected):
+    before = digest(files["fp8_scaled"])
+    pipe = load_pipeline_with_denoiser(folder, files["fp8_scaled"], BF16)
+    attention, table = pipe.transformer.layers[0].attention, table_of(pipe.transformer)
+    parts = [getattr(attention, f"to_{p}").weight for p in "qkv"]
+    fused = float(load_file(str(files["fp8_scaled"]))[QKV + ".scale_weight"])
+    assert all(w.dtype == FP8 for w in parts) and {table.exact[id(w)] for w in parts} == {fused}
+    out = run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_z_image)
+    assert torch.equal(out, expected)
+    assert all(w.dtype == FP8 for w in parts)  # released: still stored
+    assert digest(files["fp8_scaled"]) == before
