@@ -1,7 +1,8 @@
 """Compiled blocks (``compile_blocks``) on a CUDA device, compiled by inductor: every block kept
 or streamed whole runs its compiled forward, graphed or not the outputs are the same bits, and
-they are within the compiler's rounding of the uncompiled outputs, fp8 and int8 storage, fp8 matmuls and
-ComfyUI's stored layers (W4A8, W4A4, NVFP4, MXFP8) included; GGUF blocks compute the file's exact values. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
+they are within the compiler's rounding of the uncompiled outputs, fp8 and int8 storage, fp8
+matmuls and ComfyUI's stored layers (W4A8, W4A4, NVFP4, MXFP8) included; GGUF blocks compute the
+file's exact values. Run on the GPU machine (bench/gpu_batch.sh row ``gputests``)."""
 
 from __future__ import annotations
 
