@@ -3,7 +3,8 @@ one ``qkv`` matrix) as the denoiser of a Z-Image diffusers folder — a family t
 configs for, read through diffusers' own single-file conversion: a bf16 file is the folder's
 transformer bit for bit; an fp8_scaled one keeps its fp8 storage, each part of a fused ``qkv`` taking
 the fused matrix's scale, and runs in every placement to the bits of the folder's pipeline holding
-the file's weights as ComfyUI computes them (``w.to(bf16) * scale``); the file is left unchanged."""
+the file's weights as ComfyUI computes them (``w.to(bf16) * scale``), from a configs-only folder with
+ComfyUI's text-encoder and VAE files too; the file is left unchanged."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
-from fixtures.comfy_files import comfy_dequantised, comfy_tensors
+from fixtures.comfy_files import comfy_dequantised, comfy_tensors, configs_only_copy
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import digest
 from fixtures.z_image_files import build_tiny_z_image, comfy_z_image_state, run_z_image
@@ -74,3 +75,17 @@ def test_an_fp8_scaled_file_runs_as_comfyui_computes_it_in_every_placement(place
     assert torch.equal(out, expected)
     assert all(w.dtype == FP8 for w in parts)  # released: still stored
     assert digest(files["fp8_scaled"]) == before
+
+
+def test_comfyuis_files_run_with_a_configs_only_folder(folder, files, expected, tmp_path):
+    """What a ComfyUI user holds: the transformer file, the Qwen3 text encoder in ComfyUI's layout
+    (``model.*``, as ComfyUI's ``qwen_3_4b`` file; transformers strips the base model's prefix) and
+    the VAE file, with a folder of configs and tokenizer only: the same bits, streamed."""
+    text_encoder = load_file(str(next((folder / "text_encoder").glob("*.safetensors"))))
+    te_file = tmp_path / "qwen_3_tiny.safetensors"
+    save_file({f"model.{k}": t for k, t in text_encoder.items()}, str(te_file))
+    configs = configs_only_copy(folder, tmp_path / "z-image-configs")
+    pipe = load_pipeline_with_denoiser(configs, files["fp8_scaled"], BF16, text_encoder_file=te_file,
+                                       vae_file=next((folder / "vae").glob("*.safetensors")))
+    assert all(torch.equal(pipe.text_encoder.state_dict()[k], t.to(BF16)) for k, t in text_encoder.items())
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), expected)
