@@ -78,6 +78,9 @@ DENOISER_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers model type prefi
 )
 
 
+# Denoisers whose files diffusers' detector does not name though its loader reads them as they are
+# (in its own key names): the key only their files hold, as ComfyUI's model_detection tells them.
+OWN_SIGNS: tuple[tuple[str, str], ...] = (("txt_norm.weight", "qwen-image"),)  # Qwen-Image (2.1: diffusers')
 CHECKPOINT_DENOISER = "model.diffusion_model."  # a checkpoint's denoiser, in ComfyUI's key names
 
 
@@ -240,8 +243,9 @@ def _denoiser(info: SingleFileInfo) -> bool:
 
 
 def _diffusers_model_type(info: SingleFileInfo) -> str | None:
-    """diffusers' `infer_diffusers_model_type` on meta tensors of the header's shapes; None when it
-    falls through to its default (``v1``) without the keys of a Stable Diffusion 1 UNet."""
+    """diffusers' `infer_diffusers_model_type` on meta tensors of the header's shapes; where it
+    falls through to its default (``v1``) without the keys of a Stable Diffusion 1 UNet, the
+    `OWN_SIGNS` kind of the file or None."""
     from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES, infer_diffusers_model_type
 
     meta = {k: torch.empty(s, dtype=info.dtypes[k], device="meta") for k, s in info.shapes.items()}
@@ -250,7 +254,7 @@ def _diffusers_model_type(info: SingleFileInfo) -> str | None:
     except Exception:  # a detector that reads values (not shapes) cannot run on meta tensors
         return None
     if model_type == "v1" and CHECKPOINT_KEY_NAMES["v1"] not in meta:
-        return None
+        return next((kind for key, kind in OWN_SIGNS if key in meta), None)
     if model_type.startswith("ltx-video") and _ltx2(meta, CHECKPOINT_KEY_NAMES["ltx2"]):
         return "ltx2-dev"  # diffusers 0.42.1 tests LTX-Video's keys, which LTX-2 files also hold, first
     return model_type
