@@ -5,8 +5,8 @@ shift-scale; 64 GB in bf16) and Qwen-Image (diffusers' own names, which diffuser
 not name: the pack tells it by ``txt_norm``, as ComfyUI does; 41 GB in bf16). A bf16 file is the
 folder's transformer bit for bit; fp8 ones (plain, and fp8_scaled with each part of a fused matrix
 taking its scale) keep their storage and, placed in every mode, give the bits of the folder's
-transformer holding the file's weights as ComfyUI computes them (``w.to(bf16) * scale``); the files
-are left unchanged."""
+transformer holding the file's weights as ComfyUI computes them (``w.to(bf16) * scale``); a GGUF file
+placed gives the bits of diffusers' own GGUF model; the files are left unchanged."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import table_of
-from diffusers_offload.offload_core.formats.inspect import inspect_safetensors
+from diffusers_offload.offload_core.formats.inspect import inspect_file, inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from fixtures.comfy_files import FORMATS, comfy_dequantised, comfy_tensors
 from fixtures.family_files import FAMILIES, tiny_transformer
+from fixtures.gguf_files import write_gguf
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import digest
 from safetensors.torch import load_file, save_file
@@ -47,7 +48,8 @@ def family(request, tmp_path_factory) -> tuple[str, Path, dict[str, Path]]:
     state = spec.comfy(load_file(str(next((folder / "transformer").glob("*.safetensors")))))
     for fmt in FORMATS:
         save_file(comfy_tensors(state, fmt), str(out / f"{fmt}.safetensors"))
-    return name, folder, {fmt: out / f"{fmt}.safetensors" for fmt in FORMATS}
+    files = {fmt: out / f"{fmt}.safetensors" for fmt in FORMATS}
+    return name, folder, files | {"Q8_0": write_gguf(state, out / "Q8_0.gguf", "Q8_0", name.replace("-", "_"))}
 
 
 def forward(name: str, pipe) -> torch.Tensor:
@@ -87,3 +89,21 @@ def test_an_fp8_file_runs_as_comfyui_computes_it_in_every_placement(placement, f
     assert torch.equal(out, forward(name, TransformerOnly(reference)))
     assert sum(p.dtype == FP8 for p in pipe.transformer.parameters()) == len(table.weights)  # released: still fp8
     assert digest(files[fmt]) == before
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_gguf_file_runs_as_diffusers_reads_it_in_every_placement(placement, family):
+    """(Q8_0, written by the `gguf` package in the file's key names: the transformer diffusers'
+    GGUF quantizer loads, unplaced, is the reference.)"""
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    name, folder, files = family
+    assert inspect_file(files["Q8_0"]).family == name
+    reference = getattr(diffusers, FAMILIES[name].cls_name).from_single_file(
+        str(files["Q8_0"]), config=str(folder), subfolder="transformer", local_files_only=True,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=BF16))
+    pipe = TransformerOnly(load_denoiser(files["Q8_0"], folder, BF16))
+    assert any(isinstance(p, GGUFParameter) for p in pipe.transformer.parameters())
+    out = run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), lambda p: forward(name, p))
+    assert torch.equal(out, forward(name, TransformerOnly(reference)))
