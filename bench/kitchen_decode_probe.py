@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 import torch
 from benchkit import pack
@@ -25,7 +26,7 @@ SHAPES = {"attn 5120x5120": (5120, 5120), "ffn up 13824x5120": (13824, 5120), "f
 TOKENS = 4096
 
 
-def decoders(rows: int, cols: int) -> dict[str, tuple[callable, int]]:
+def decoders(rows: int, cols: int) -> dict[str, tuple[Callable[[], torch.Tensor | None], int]]:
     """Each format's decode of a random ``rows`` × ``cols`` weight, and its stored bytes."""
     w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
     scale = (w.abs().amax().float() / (6.0 * 448.0)).reshape(())
