@@ -3,7 +3,7 @@
 # (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
 # Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
-# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), nvfp4 (the blocks as ComfyUI
+# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), storedcompiled (W4A8, W4A4 and MXFP8 blocks compiled at 12 GiB; STORED_ROWS), nvfp4 (the blocks as ComfyUI
 # NVFP4 layers, then fp8 storage, at 12 and 24 GiB, image-like), int8 (ComfyUI int8_tensorwise
 # blocks plain and convrot, at 12 and 24 GiB, image-like and video),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fp8trace (the same
@@ -96,6 +96,10 @@ for row in "$@"; do
                   done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
+    storedcompiled) for st in ${STORED_ROWS:-w4a8 w4a4 mxfp8}; do  # stored layers in compiled blocks (their opaque ops)
+                      run "${st}_compiled" 150 python3 bench/wan_bench.py --storage "$st" --compile --sections preload \
+                        --caps 12 --workloads small --warmup 6 --out "$ROWS_DIR"
+                    done ;;
     nvfp4) for st in ${NVFP4_ROWS:-nvfp4 fp8_e4m3fn}; do  # ComfyUI NVFP4 blocks (comfy-kitchen's CUDA decode), fp8 storage beside; NVFP4_ROWS=w4a4: ConvRot W4A4
              run "$st" 120 python3 bench/wan_bench.py --storage "$st" --sections preload --caps ${NVFP4_CAPS:-12,24} \
                --workloads ${NVFP4_WORK:-small} --warmup 6 --out "$ROWS_DIR"

@@ -2,8 +2,8 @@
 (what `NVFP4Linear` / `MXFP8Linear` run at each forward below Blackwell), against a bf16 matmul of
 the layer on an image-like input (4096 tokens) and a device copy of the decoded bytes: stored
 bytes read + bf16 bytes written per second, and the decode's share of the layer's time; whether the
-pack's candidate kernel (`formats/tiled_kernel.py`) gives comfy-kitchen's bits, and in which float32
-order of NVFP4's scales; the kernel's speed at several tile shapes.
+pack's kernel (`formats/tiled_kernel.py`) gives comfy-kitchen's bits; the kernel's speed at several
+tile shapes.
 
     python bench/kitchen_decode_probe.py [--repeats 20]
 """
@@ -42,9 +42,8 @@ def decoders(rows: int, cols: int) -> dict[str, tuple[Callable[[], torch.Tensor 
     }
 
 
-def orders(rows: int, cols: int) -> dict[str, bool]:
-    """Whether the pack's kernel gives comfy-kitchen's bits (its CUDA kernel for NVFP4): NVFP4 in
-    each float32 order of its two scales (`tiled_kernel.ORDER`), MXFP8."""
+def same_bits(rows: int, cols: int) -> dict[str, bool]:
+    """Whether the pack's kernel gives comfy-kitchen's bits (its CUDA kernel for NVFP4)."""
     w = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 0.02
     scale = (w.abs().amax().float() / (6.0 * 448.0) * 1.37).reshape(())  # not a power of two
     packed, blocks = ck.quantize_nvfp4(w, scale)
@@ -52,10 +51,7 @@ def orders(rows: int, cols: int) -> dict[str, bool]:
     qx, e8m0 = ck.quantize_mxfp8(w)
     equal = {"mxfp8": torch.equal(tiled_kernel.mxfp8(qx, e8m0, torch.bfloat16),
                                   ck.dequantize_mxfp8(qx, e8m0, torch.bfloat16))}
-    for order in (0, 1):
-        tiled_kernel.ORDER = order
-        equal[f"nvfp4 order {order}"] = torch.equal(tiled_kernel.nvfp4(packed, scale, blocks, torch.bfloat16), kitchen)
-    tiled_kernel.ORDER = 0
+    equal["nvfp4"] = torch.equal(tiled_kernel.nvfp4(packed, scale, blocks, torch.bfloat16), kitchen)
     return equal
 
 
@@ -91,7 +87,7 @@ def main() -> None:
                          "decode_share": decode_s / (decode_s + matmul_s)})
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "comfy_kitchen": getattr(ck, "__version__", "?"), "tokens": TOKENS, "rows": rows,
-                      "bits_equal": orders(5120, 13824), "tiles": tiles(13824, 5120, args.repeats)}))
+                      "bits_equal": same_bits(5120, 13824), "tiles": tiles(13824, 5120, args.repeats)}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI, FLUX.1 and LTX-2 diffusers folders and of MiniMax-H3's modular one, so a
+copies of the Wan-AI, FLUX.1, LTX-2 and Z-Image Turbo diffusers folders and of MiniMax-H3's modular one, so a
 single-file user needs no diffusers folder.
 
 Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
@@ -13,9 +13,12 @@ statistics are ComfyUI's ``comfy/ldm/minimax/vae.py`` values, the audio VAE's ar
 Qwen3-VL-32B's config (ComfyUI's ``Qwen3VL_32BConfig`` at its released 64 layers) and image / video
 processors; LTX-2 19B's: diffusers' ``convert_ltx2_to_diffusers.py`` (version "2.0": split RoPE, a
 non-causal decoder, 32 / 8 compression, which the classes' defaults are not; dev's and distilled's
-schedulers) and google/gemma-3-12b-it's config. Each file is saved by its real class (models built on
+schedulers) and google/gemma-3-12b-it's config; Z-Image Turbo's: Tongyi-MAI/Z-Image-Turbo's released configs
+(the transformer's ComfyUI's ``model_detection`` also holds, Qwen3-4B's its ``Qwen3_4BConfig``, the FLUX.1 VAE,
+ComfyUI's shift 3), its tokenizer ComfyUI's ``qwen25_tokenizer`` with Qwen3's chat template (ComfyUI's
+Z-Image prompt template, which the Qwen2.5 template it ships would wrap in a system prompt). Each file is saved by its real class (models built on
 the meta device), so it is what that class's loader reads. No tokenizer: Wan's comes from the
-text-encoder file (LTX-2's too), FLUX.1's and H3's from the folders ComfyUI ships them in
+text-encoder file (LTX-2's too), FLUX.1's, Z-Image's and H3's from the folders ComfyUI ships them in
 (``tokenizers.json``). Run after a diffusers upgrade that changes a config:
 
     .venv/bin/python tools/write_carried_configs.py
@@ -114,6 +117,19 @@ H3_COMPONENTS = {  # name -> (library, class), in the order diffusers' conversio
     "transformer_ref": ("diffusers", "MiniMaxH3Transformer3DModel"),
     "scheduler": ("diffusers", "MiniMaxH3Scheduler"), "audio_scheduler": ("diffusers", "MiniMaxH3Scheduler"),
 }
+
+
+Z_IMAGE_TRANSFORMER = dict(axes_lens=[1536, 512, 512])  # the class's defaults are the released model's but this
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, hidden_act="silu", max_position_embeddings=40960, rms_norm_eps=1e-6,
+                rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=True, bos_token_id=151643,
+                eos_token_id=151645)
+QWEN3_CHAT = (  # Qwen3's template for what ZImagePipeline asks (user turns, a generation prompt, thinking on)
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{%- endif %}")
+Z_IMAGE_TOKENIZERS = {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer", "chat_template": QWEN3_CHAT}}
 
 
 LTX2_TRANSFORMER = dict(  # diffusers' convert_ltx2_to_diffusers.py, version "2.0" (LTX-2 19B)
@@ -261,6 +277,25 @@ def write_ltx2(out: Path, use_dynamic_shifting: bool, shift_terminal: float | No
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def write_z_image(out: Path) -> None:
+    """Z-Image Turbo: its transformer, Qwen3-4B as the text encoder (a ``Qwen3Model``: ComfyUI's
+    ``qwen_3_4b`` file holds no head), the FLUX.1 VAE, a fixed shift of 3."""
+    with init_empty_weights():
+        diffusers.ZImageTransformer2DModel.from_config(Z_IMAGE_TRANSFORMER).save_config(out / "transformer")
+        diffusers.AutoencoderKL.from_config(FLUX_VAE).save_config(out / "vae")
+    diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False
+                                              ).save_config(out / "scheduler")
+    qwen3 = transformers.Qwen3Config(**QWEN3_4B)
+    qwen3.architectures = ["Qwen3ForCausalLM"]
+    qwen3.save_pretrained(out / "text_encoder")
+    index = {"_class_name": "ZImagePipeline", "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "Qwen3Model"],
+             "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "ZImageTransformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKL"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "tokenizers.json").write_text(json.dumps(Z_IMAGE_TOKENIZERS, indent=2) + "\n")
+
+
 def write_h3(out: Path) -> None:
     """MiniMax-H3's modular folder: every component's config, no weights; the index points nowhere
     (``null``), so only the schedulers resolve from the folder and the loader supplies the rest."""
@@ -300,6 +335,8 @@ def main(root: Path = OUT) -> None:
     for name, ltx2 in LTX2.items():
         write_ltx2(root / name, **ltx2)
         print(f"wrote {root / name}")
+    write_z_image(root / "Z-Image-Turbo")
+    print(f"wrote {root / 'Z-Image-Turbo'}")
     write_h3(root / "MiniMax-H3")
     print(f"wrote {root / 'MiniMax-H3'}")
 

@@ -1,7 +1,8 @@
 """The shape of a denoiser, read from a single file's header or from a diffusers config, so that a
 file can be matched to the config folder it fits (`carried.choose`). One reader pair per family the
-pack carries configs for: Wan (the original Wan key names ComfyUI files use), FLUX.1 (BFL's) and
-LTX-2 (Lightricks' original names, as its ComfyUI checkpoints hold them).
+pack carries configs for: Wan (the original Wan key names ComfyUI files use), FLUX.1 (BFL's), LTX-2
+(Lightricks' original names, as its ComfyUI checkpoints hold them) and Z-Image (its original names or
+diffusers').
 """
 
 from __future__ import annotations
@@ -77,7 +78,23 @@ class Ltx2Shape:
                 f"{self.audio_in_channels} audio input channels, captions of width {self.caption_channels}{gated}")
 
 
-Shape = WanShape | FluxShape | Ltx2Shape
+@dataclass(frozen=True)
+class ZImageShape:
+    """What tells Z-Image transformers apart: width, main and refiner depth, the values of a latent
+    patch (channels × patch area: 16 × 2 × 2 for Z-Image Turbo), caption width."""
+
+    width: int
+    layers: int
+    refiners: int
+    patch_values: int
+    caption_dim: int
+
+    def __str__(self) -> str:
+        return (f"{self.layers} blocks of width {self.width} ({self.refiners} refiner blocks), {self.patch_values} "
+                f"values a latent patch, captions of width {self.caption_dim}")
+
+
+Shape = WanShape | FluxShape | Ltx2Shape | ZImageShape
 
 
 def file_shape(info: SingleFileInfo) -> Shape:
@@ -142,9 +159,21 @@ def _ltx2_config(c: dict) -> Ltx2Shape:
                      c["num_layers"], c["caption_channels"], bool(c.get("gated_attn")))
 
 
+def _z_image(shapes: dict[str, tuple[int, ...]]) -> ZImageShape:
+    width, patch_values = shapes.get("x_embedder.weight") or shapes["all_x_embedder.2-1.weight"]
+    return ZImageShape(width, _count(shapes, "layers."), _count(shapes, "noise_refiner."), patch_values,
+                       shapes["cap_embedder.1.weight"][1])
+
+
+def _z_image_config(c: dict) -> ZImageShape:
+    patch, frames = c["all_patch_size"][0], c["all_f_patch_size"][0]
+    return ZImageShape(c["dim"], c["n_layers"], c["n_refiner_layers"], c["in_channels"] * patch * patch * frames,
+                       c["cap_feat_dim"])
+
+
 def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
     return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
 
 
-FILE_READERS = {"wan": _wan, "flux": _flux, "ltx2": _ltx2}
-CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "ltx2": _ltx2_config}
+FILE_READERS = {"wan": _wan, "flux": _flux, "ltx2": _ltx2, "z-image": _z_image}
+CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "ltx2": _ltx2_config, "z-image": _z_image_config}

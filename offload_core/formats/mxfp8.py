@@ -4,8 +4,8 @@ tiled layout (`tiled_scales`).
 
 Kept as stored (`MXFP8Linear`): the fp8 bytes and their scales are pinned, streamed and kept, and
 each layer computes as ComfyUI's does on a card without MXFP8 tensor cores (below Blackwell its
-``mxfp8`` ops are emulated): ``F.linear(x, dequantize_mxfp8(...)[:out, :in])``, comfy-kitchen's own
-decode. Found by their ``comfy_quant`` entries: the scale's name is an fp8_scaled file's.
+``mxfp8`` ops are emulated): ``F.linear(x, dequantize_mxfp8(...)[:out, :in])``, comfy-kitchen's
+decode (on a GPU the pack's kernel, its bits in one pass: `tiled_kernel`). Found by their ``comfy_quant`` entries: the scale's name is an fp8_scaled file's.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from types import ModuleType
 
 import torch
 
+from . import tiled_kernel
 from .fp8 import INPUT_KEY, SCALE_KEY
-from .stored_linear import StoredLinear, kitchen_module, layers_holding
+from .stored_linear import StoredLinear, kitchen_module, layers_holding, opaque
 from .tiled_scales import round_up, rows_of, tiled_shape
 
 FORMAT = "mxfp8"
@@ -30,6 +31,13 @@ def kitchen() -> ModuleType:
     return kitchen_module("comfy_kitchen", "MXFP8")
 
 
+@opaque("mxfp8_decode", lambda q, _b, dtype: q.new_empty(q.shape, dtype=dtype))
+def _decode(q: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's padded weight in ``dtype``: the pack's kernel where it runs, comfy-kitchen's decode else."""
+    weight = tiled_kernel.mxfp8(q, blocks, dtype)
+    return kitchen().dequantize_mxfp8(q, blocks, dtype) if weight is None else weight
+
+
 class MXFP8Linear(StoredLinear):
     """``nn.Linear``'s interface over MXFP8 storage: the weight decoded to ``compute`` at each
     forward, cut to the layer's shape, then the input's dtype."""
@@ -39,13 +47,13 @@ class MXFP8Linear(StoredLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, compute: torch.dtype,
                  device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
-        self.decode = kitchen().dequantize_mxfp8  # (resolved once: a compiled block traces the call)
+        kitchen()  # (where comfy-kitchen is missing: refused at load, not at the first forward)
         rows, cols = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
         self.stored("weight", rows, cols, dtype=torch.float8_e4m3fn, device=device)
         self.stored("weight_scale", *tiled_shape(rows, cols // BLOCK), dtype=E8M0, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.decoded_forward(x, self.decode(self.weight, self.weight_scale, self.compute))
+        return self.decoded_forward(x, _decode(self.weight, self.weight_scale, self.compute))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ tiled ("swizzled") layout, a per-tensor ``weight_scale_2`` and, for AWQ files, a
 They are kept as stored (`NVFP4Linear`): 4.5 bits a weight are what is pinned, streamed and
 kept, and each layer computes as ComfyUI's does on a card without fp4 tensor cores (its
 ``nvfp4`` ops are "emulated" below Blackwell): ``F.linear(x, dequantize_nvfp4(...)[:out, :in])``,
-comfy-kitchen's own decode (its CUDA kernel on a GPU); so do text encoders (an nvfp4-mixed Gemma 3
+comfy-kitchen's decode (on a GPU the pack's kernel, its bits in one pass: `tiled_kernel`); so do text encoders (an nvfp4-mixed Gemma 3
 decoded would take the RAM its file was chosen to save). No NVFP4 matmuls: they need Blackwell
 tensor cores, which the engine has not been measured on.
 """
@@ -20,9 +20,10 @@ from types import ModuleType
 import torch
 
 from ..log import get_logger
+from . import tiled_kernel
 from .fp8 import INPUT_KEY, SCALE_KEY
 from .inspect import SingleFileError
-from .stored_linear import StoredLinear, kitchen_module, layers_holding
+from .stored_linear import StoredLinear, kitchen_module, layers_holding, opaque
 from .tiled_scales import round_up, rows_of, tiled_shape
 
 NVFP4 = "nvfp4"
@@ -37,6 +38,14 @@ def kitchen() -> ModuleType:
     return kitchen_module("comfy_kitchen", "NVFP4")
 
 
+@opaque("nvfp4_decode", lambda packed, _t, _b, dtype: packed.new_empty((packed.shape[0], packed.shape[1] * 2),
+                                                                      dtype=dtype))
+def _decode(packed: torch.Tensor, tensor: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A layer's padded weight in ``dtype``: the pack's kernel where it runs, comfy-kitchen's decode else."""
+    weight = tiled_kernel.nvfp4(packed, tensor, blocks, dtype)
+    return kitchen().dequantize_nvfp4(packed, tensor, blocks, dtype) if weight is None else weight
+
+
 class NVFP4Linear(StoredLinear):
     """``nn.Linear``'s interface over NVFP4 storage: the weight decoded to ``compute`` at each
     forward, cut to the layer's shape, then the input's dtype."""
@@ -46,7 +55,7 @@ class NVFP4Linear(StoredLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, compute: torch.dtype, awq: torch.dtype | None,
                  device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
-        self.decode = kitchen().dequantize_nvfp4  # (resolved once: a compiled block traces the call)
+        kitchen()  # (where comfy-kitchen is missing: refused at load, not at the first forward)
         rows, cols = round_up(out_features, BLOCK), round_up(in_features, BLOCK)
         self.stored("weight", rows, cols // 2, dtype=torch.uint8, device=device)
         self.stored("weight_scale", *tiled_shape(rows, cols // BLOCK), dtype=torch.float8_e4m3fn, device=device)
@@ -59,7 +68,7 @@ class NVFP4Linear(StoredLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pre_quant_scale is not None:  # ComfyUI: the input times the scale, in the input's dtype
             x = x * self.pre_quant_scale.to(x.dtype)
-        return self.decoded_forward(x, self.decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute))
+        return self.decoded_forward(x, _decode(self.weight, self.weight_scale_2, self.weight_scale, self.compute))
 
 
 @dataclass(frozen=True)

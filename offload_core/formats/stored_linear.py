@@ -21,6 +21,31 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+OPS = "diffusers_offload"  # the namespace of the stored layers' opaque ops
+
+
+def opaque(name: str, fake: Callable[..., torch.Tensor]) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Decorator: the kernel call ``fn`` as it is, but inside a compiled region the custom op
+    ``diffusers_offload::<name>`` (``fake`` gives its output's shape and dtype), which the compiler
+    calls whole. Why: comfy-kitchen's CUDA calls hand tensors over through ``__dlpack__``, which a
+    trace's fake tensors cannot (a W4A8 or W4A4 block compiled on a GPU failed); direct calls
+    outside keep the dispatcher's cost off every eager forward."""
+
+    def wrap(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        try:  # (registered once a process: the pack's modules may be imported under two names)
+            op = getattr(getattr(torch.ops, OPS), name)
+        except (AttributeError, RuntimeError):
+            op = torch.library.custom_op(f"{OPS}::{name}", fn, mutates_args=())
+            op.register_fake(fake)
+
+        @functools.wraps(fn)
+        def call(*args: Any) -> torch.Tensor:
+            return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+        return call
+
+    return wrap
+
 
 @functools.cache  # a failed import is not cached
 def kitchen_module(name: str, what: str) -> ModuleType:

@@ -3,11 +3,10 @@ on a GPU: each element's value times its block's scale, read from cuBLAS's tiled
 (`tiled_scales`), rounded once.
 
 Why: below Blackwell comfy-kitchen decodes MXFP8 with torch ops (float32 copies of the weight, an
-untiled copy of the scales) and NVFP4 with a CUDA kernel whose speed is unmeasured. The math is
-comfy-kitchen's: MXFP8 ``float(v) * 2^e``, NVFP4 ``(float(v) * block) * tensor`` (`ORDER`), in
-float32, rounded once. Not used by the layers yet: they keep comfy-kitchen's decode until
-`bench/kitchen_decode_probe.py` and tests/gpu/test_tiled_kernel.py have shown on a GPU that these
-give its bits (for NVFP4: in which order) and are faster.
+untiled copy of the scales) and NVFP4 with a slower CUDA kernel (bench/README.md, run 52). The
+math is comfy-kitchen's: MXFP8 ``float(v) * 2^e``, NVFP4 ``(float(v) * block) * tensor`` in
+float32, rounded once: its bits (tests/gpu/test_tiled_kernel.py). Where the kernel cannot run
+(no CUDA tensor, no Triton, a failed compile) the layers use comfy-kitchen's decode.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ except ImportError:  # CPU-only torch builds
     triton = None
 
 ROWS, COLS = 16, 256  # a program's tile: rows × stored columns (packed bytes for NVFP4)
-ORDER = 0  # NVFP4: 0 (v * block) * tensor, 1 v * (block * tensor) (the probe tries both on a GPU)
 _broken: set[int] = set()  # devices where a kernel failed once: comfy-kitchen's decode there
 
 if triton is not None:
@@ -51,18 +49,14 @@ if triton is not None:
         return tl.where((nibble & 8) != 0, -mag, mag)
 
     @triton.jit
-    def _nvfp4_kernel(src, blocks, tensor, dst, rows, half, col_tiles, ROWS: tl.constexpr, COLS: tl.constexpr,
-                      ORDER: tl.constexpr):
+    def _nvfp4_kernel(src, blocks, tensor, dst, rows, half, col_tiles, ROWS: tl.constexpr, COLS: tl.constexpr):
         r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
         c = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]  # packed columns
         mask = (r < rows) & (c < half)
         byte = tl.load(src + r.to(tl.int64) * half + c, mask=mask, other=0).to(tl.int32)
         scale = _fp8(tl.load(blocks + _tiled_offset(r, c // 8, col_tiles), mask=mask, other=0))
         g = tl.load(tensor)
-        if ORDER == 0:  # the high nibble is the even column
-            even, odd = (_e2m1(byte >> 4) * scale) * g, (_e2m1(byte & 15) * scale) * g
-        else:
-            even, odd = _e2m1(byte >> 4) * (scale * g), _e2m1(byte & 15) * (scale * g)
+        even, odd = (_e2m1(byte >> 4) * scale) * g, (_e2m1(byte & 15) * scale) * g  # the high nibble first
         out = tl.interleave(even, odd).to(dst.dtype.element_ty)
         oc = tl.program_id(1) * COLS * 2 + tl.arange(0, COLS * 2)[None, :]
         tl.store(dst + r.to(tl.int64) * half * 2 + oc, out, mask=(r < rows) & (oc < half * 2))
@@ -96,7 +90,7 @@ def nvfp4(packed: torch.Tensor, tensor: torch.Tensor, blocks: torch.Tensor, dtyp
     out = torch.empty(rows, half * 2, dtype=dtype, device=packed.device)
     try:
         _nvfp4_kernel[_grid(rows, half)](packed, blocks.view(torch.uint8), tensor, out, rows,
-                                         half, blocks.shape[1] // 4, ROWS=ROWS, COLS=COLS, ORDER=ORDER)
+                                         half, blocks.shape[1] // 4, ROWS=ROWS, COLS=COLS)
     except Exception:  # a Triton that cannot compile here: comfy-kitchen's decode, for good on this device
         _broken.add(packed.device.index)
         return None
@@ -111,8 +105,8 @@ def mxfp8(q: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Te
     rows, cols = q.shape
     out = torch.empty(rows, cols, dtype=dtype, device=q.device)
     try:
-        _mxfp8_kernel[_grid(rows, cols)](q.view(torch.uint8), blocks.view(torch.uint8), out, rows, cols, blocks.shape[1] // 4, ROWS=ROWS,
-                                         COLS=COLS)
+        _mxfp8_kernel[_grid(rows, cols)](q.view(torch.uint8), blocks.view(torch.uint8), out, rows, cols,
+                                         blocks.shape[1] // 4, ROWS=ROWS, COLS=COLS)
     except Exception:
         _broken.add(q.device.index)
         return None

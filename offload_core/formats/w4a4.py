@@ -18,7 +18,7 @@ from types import ModuleType
 import torch
 
 from .fp8 import SCALE_KEY
-from .stored_linear import StoredLinear, kitchen_module, layers_holding
+from .stored_linear import StoredLinear, kitchen_module, layers_holding, opaque
 
 FORMAT = "convrot_w4a4"
 GROUP = 64  # comfy-kitchen's int4 quantization group (ComfyUI fixes it)
@@ -43,6 +43,14 @@ def kitchen() -> ModuleType:
     return kitchen_module("comfy_kitchen.tensor.convrot_w4a4", "ConvRot W4A4 (convrot_w4a4)")
 
 
+@opaque("w4a4_linear", lambda x, qweight, *_: x.new_empty((*x.shape[:-1], qweight.shape[0])))
+def _linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+            convrot_groupsize: int, linear_dtype: str) -> torch.Tensor:
+    """comfy-kitchen's ConvRot W4A4 linear (the input's dtype out)."""
+    return kitchen().convrot_w4a4_linear(x, qweight, scales, bias=bias, convrot_groupsize=convrot_groupsize,
+                                         quant_group_size=GROUP, linear_dtype=linear_dtype)
+
+
 class W4A4Linear(StoredLinear):
     """``nn.Linear``'s interface over ConvRot W4A4 storage."""
 
@@ -51,14 +59,14 @@ class W4A4Linear(StoredLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, conf: W4A4Conf, compute: torch.dtype,
                  device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
-        self.conf, self.linear = conf, kitchen().convrot_w4a4_linear  # (resolved once: a compiled block traces it)
+        self.conf = conf
+        kitchen()  # (where comfy-kitchen is missing: refused at load, not at the first forward)
         self.stored("weight", out_features, in_features // 2, dtype=torch.int8, device=device)
         self.stored("weight_scale", out_features, dtype=torch.float32, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.weight, self.weight_scale, bias=self.bias,
-                           convrot_groupsize=self.conf.convrot_groupsize, quant_group_size=GROUP,
-                           linear_dtype=self.conf.linear_dtype)
+        return _linear(x, self.weight, self.weight_scale, self.bias, self.conf.convrot_groupsize,
+                       self.conf.linear_dtype)
 
     def extra_repr(self) -> str:
         conf = self.conf

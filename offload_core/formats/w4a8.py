@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from .stored_linear import StoredLinear, kitchen_module
+from .stored_linear import StoredLinear, kitchen_module, opaque
 
 FORMAT = "asym_w4a8_int8"
 TENSORS = ("weight_s_rel", "weight_s_channel", "weight_codebook")  # beside ``<layer>.weight``
@@ -39,6 +39,15 @@ def kitchen() -> ModuleType:
     return kitchen_module("comfy_kitchen.tensor.w4a8_int8", "W4A8 (asym_w4a8_int8)")
 
 
+@opaque("w4a8_linear", lambda x, qdata, *_: x.new_empty((*x.shape[:-1], qdata.shape[0])))
+def _linear(x: torch.Tensor, qdata: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor,
+            codebook: torch.Tensor | None, bias: torch.Tensor | None, group_size: int, convrot_groupsize: int
+            ) -> torch.Tensor:
+    """comfy-kitchen's W4A8 linear, in the input's dtype as ComfyUI's layer gives it."""
+    return kitchen().w4a8_int8_linear(x, qdata, s_rel, s_channel, codebook=codebook, correction=None, bias=bias,
+                                      group_size=group_size, convrot_groupsize=convrot_groupsize, out_dtype=x.dtype)
+
+
 class W4A8Linear(StoredLinear):
     """``nn.Linear``'s interface over W4A8 storage; the output takes the input's dtype, as
     ComfyUI's layer gives it."""
@@ -48,7 +57,8 @@ class W4A8Linear(StoredLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, conf: W4A8Conf, codebook: bool,
                  compute: torch.dtype, device: torch.device | str | None = None) -> None:
         super().__init__(in_features, out_features, bias, compute, device)
-        self.conf, self.linear = conf, kitchen().w4a8_int8_linear  # (resolved once: a compiled block traces the call)
+        self.conf = conf
+        kitchen()  # (where comfy-kitchen is missing: refused at load, not at the first forward)
         self.stored("weight", out_features, in_features // 2, dtype=torch.int8, device=device)
         self.stored("weight_s_rel", out_features, in_features // conf.group_size, dtype=torch.float8_e4m3fn,
                     device=device)
@@ -59,10 +69,8 @@ class W4A8Linear(StoredLinear):
             self.register_buffer("weight_codebook", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(
-            x, self.weight, self.weight_s_rel, self.weight_s_channel, codebook=self.weight_codebook,
-            correction=None, bias=self.bias, group_size=self.conf.group_size,
-            convrot_groupsize=self.conf.convrot_groupsize, out_dtype=x.dtype)  # ComfyUI: the input's dtype
+        return _linear(x, self.weight, self.weight_s_rel, self.weight_s_channel, self.weight_codebook, self.bias,
+                       self.conf.group_size, self.conf.convrot_groupsize)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group_size={self.conf.group_size}, convrot_groupsize={self.conf.convrot_groupsize}"

@@ -98,12 +98,14 @@ def test_compiled_blocks_graphed_equal_them_eager_and_round_like_the_compiler(ti
         assert max(_close(a, b) for a, b in zip(eager, plain, strict=True)) < bound
 
 
-@pytest.mark.parametrize("fmt", STORED_FORMATS)
+@pytest.mark.parametrize("fmt", [f for f in STORED_FORMATS if f != "w4a8"])
 def test_stored_layers_compiled_graphed_equal_them_eager_and_round_like_the_compiler(tiny_wan_dir, wide_wan_dir,
                                                                                      tmp_path, fmt: str) -> None:
-    """ComfyUI's stored layers (`stored_linear`: comfy-kitchen's calls inside the compiled graph) in
+    """ComfyUI's stored layers (`stored_linear`: each kernel one opaque op in the compiled graph) in
     blocks inductor compiled, every block kept: graphed or not the same bits, within the compiler's
-    rounding of the uncompiled run (on the CPU, traced alone, they gave its bits)."""
+    rounding of the uncompiled run (on the CPU, traced alone, they gave its bits). Not W4A8:
+    comfy-kitchen's CUDA kernel takes rotation groups of 256 only, wider than the tiny models'
+    layers (bench row ``storedcompiled`` runs Wan-14B's W4A8 blocks compiled)."""
     file, folder = stored_file(fmt, tiny_wan_dir, wide_wan_dir, tmp_path)
     load = lambda: with_transformer(tiny_wan_dir, load_denoiser(file, folder, torch.bfloat16))  # noqa: E731
     plain, _ = placed_runs(load(), OffloadConfig(**BASE).replace(compile_blocks=False), runs=4)
