@@ -6,8 +6,9 @@ Why: small-card users keep fp8/GGUF single files in ComfyUI's model folders, not
 folders. Files are listed through ``folder_paths`` (so ``extra_model_paths.yaml`` works); the
 config folder gives the pipeline class, configs, tokenizer and scheduler, and the optional
 text-encoder / VAE files its other weights (an all-in-one LTX-2 checkpoint: its own). For Wan,
-FLUX.1 and LTX-2 the pack carries the configs (`carried`: no diffusers folder needed; Wan's and
-LTX-2's tokenizers read from the text-encoder file, FLUX.1's from ComfyUI's own tokenizer folders);
+FLUX.1, LTX-2 and Z-Image Turbo the pack carries the configs (`carried`: no diffusers folder needed;
+Wan's and LTX-2's tokenizers read from the text-encoder file, FLUX.1's and Z-Image's from ComfyUI's
+own tokenizer folders);
 for other families a diffusers folder (a configs-only copy is enough) under models/diffusers.
 """
 
@@ -68,16 +69,17 @@ class LoadDiffusionModelFile(io.ComfyNode):
             display_name="Load diffusion model file (diffusers)",
             category=CATEGORY,
             description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8, W4A4, NVFP4, MXFP8 or GGUF) into the "
-                        "pipeline of its family: for Wan 2.1 / 2.2, FLUX.1 and LTX-2 the configs the pack carries (auto), else a "
+                        "pipeline of its family: for Wan 2.1 / 2.2, FLUX.1, LTX-2 and Z-Image Turbo the configs the pack carries "
+                        "(auto), else a "
                         "diffusers folder of the same family (configs-only is enough when the text-encoder and "
                         "VAE files are picked). The file's storage (fp8, int8, W4A8, W4A4, NVFP4, MXFP8, GGUF) is kept. "
                         "Wan 2.2 A14B: the high-noise file in denoiser, the low-noise one in denoiser_2.",
             inputs=[
                 io.Combo.Input("config", options=config_options(),
-                               tooltip="auto: the configs the pack carries for Wan 2.1 / 2.2, FLUX.1 and LTX-2 19B, picked "
+                               tooltip="auto: the configs the pack carries for Wan 2.1 / 2.2, FLUX.1, LTX-2 19B and Z-Image Turbo, picked "
                                        "by the denoiser file's shape (LTX-2 dev or distilled by its name; Wan's and "
-                                       "LTX-2's tokenizers are read from the text-encoder file, FLUX.1's are "
-                                       "ComfyUI's own); or one of them by name; or a "
+                                       "LTX-2's tokenizers are read from the text-encoder file, FLUX.1's and "
+                                       "Z-Image's are ComfyUI's own); or one of them by name; or a "
                                        "diffusers folder of the file's family under models/diffusers (configs, "
                                        "tokenizer and scheduler; weights optional)."),
                 io.Combo.Input("denoiser", options=denoiser_files(),

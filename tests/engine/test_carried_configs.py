@@ -1,4 +1,4 @@
-"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, MiniMax-H3), so single files run without a diffusers folder:
+"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo, MiniMax-H3), so single files run without a diffusers folder:
 each carried folder builds the released models' sizes through the real classes and is what
 ``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
 second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
@@ -27,6 +27,7 @@ from fixtures.gguf_files import comfy_wan_shapes
 from fixtures.gguf_text_encoders import t5_state, write_t5_gguf
 from fixtures.placements import run_placed
 from fixtures.tiny_tok import tiny_t5_spiece, tiny_t5_tokenizer
+from fixtures.z_image_files import RENAMES as Z_IMAGE_RENAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 BF16 = torch.bfloat16
@@ -39,6 +40,7 @@ RELEASED = {"Wan2.1-T2V-1.3B-Diffusers": 1.419, "Wan2.1-T2V-14B-Diffusers": 14.2
 VAE = {False: 0.127, True: 0.705}  # wan_2.1_vae, wan2.2_vae (48 latent channels)
 UMT5_XXL_ENCODER, CLIP_VISION_H = 5.68, 0.632
 FLUX_TRANSFORMER, FLUX_VAE, CLIP_L_TEXT, T5_XXL_ENCODER = 11.90, 0.0838, 0.1231, 4.762
+Z_IMAGE_TRANSFORMER, QWEN3_4B = 6.1549, 4.0225  # z_image_turbo_bf16, qwen_3_4b (no head)
 TINY = ("wan", "wan_i2v", "wan22_ti2v", "wan22_a14b", "wan22_a14b_i2v")
 WAN = [f for f in carried.carried() if f.name.startswith("Wan")]
 FLUX = [f for f in carried.carried() if f.name.startswith("FLUX.1")]
@@ -106,6 +108,41 @@ def test_each_carried_flux_folder_builds_the_released_model_sizes(folder: Path) 
     assert json.loads((folder / "tokenizers.json").read_text()) == {
         "tokenizer": {"comfyui": "sd1_tokenizer", "model_max_length": 77},
         "tokenizer_2": {"comfyui": "text_encoders/t5_tokenizer", "model_max_length": 512}}
+
+
+def test_the_carried_z_image_folder_builds_the_released_model_sizes() -> None:
+    """Z-Image Turbo: its transformer, Qwen3-4B without a head (ComfyUI's ``qwen_3_4b`` file), the FLUX.1
+    VAE; a fixed shift of 3; the tokenizer ComfyUI's Qwen folder with Qwen3's chat template."""
+    folder = carried.by_name("Z-Image-Turbo")
+    _index(folder)
+    assert _billions(_meta(diffusers.ZImageTransformer2DModel, folder / "transformer")) == pytest.approx(
+        Z_IMAGE_TRANSFORMER, rel=5e-3)
+    assert _billions(_meta(transformers.Qwen3Model, folder / "text_encoder")) == pytest.approx(QWEN3_4B, rel=5e-3)
+    assert _billions(_meta(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler"))
+    assert (scheduler.config.use_dynamic_shifting, scheduler.config.shift) == (False, 3.0)
+    tokenizers = json.loads((folder / "tokenizers.json").read_text())
+    assert set(tokenizers) == {"tokenizer"} and tokenizers["tokenizer"]["comfyui"] == "text_encoders/qwen25_tokenizer"
+
+
+def test_the_released_z_image_shape_picks_its_folder() -> None:
+    """A Z-Image Turbo file (the model's original key names, q, k and v fused, as Comfy-Org's files
+    hold it) picks the carried folder; a file of another depth fits none and is told by its shape."""
+    folder = carried.by_name("Z-Image-Turbo")
+    shapes = {}
+    for key, tensor in _meta(diffusers.ZImageTransformer2DModel, folder / "transformer").state_dict().items():
+        for new, old in Z_IMAGE_RENAMES:
+            key = key.replace(new, old)
+        shapes[key] = tuple(tensor.shape)
+    for q in [k for k in shapes if k.endswith(".attention.to_q.weight")]:
+        rows, cols = shapes.pop(q)
+        shapes[q.replace(".to_q.", ".qkv.")] = (rows * 3, cols)
+        del shapes[q.replace(".to_q.", ".to_k.")], shapes[q.replace(".to_q.", ".to_v.")]
+    info = describe_keys(Path("z_image_turbo_bf16.safetensors"), shapes)
+    assert info.family == "z-image" and carried.choose(info, False, carried.carried()) == folder
+    shallow = {k: v for k, v in shapes.items() if not k.startswith("layers.29.")}
+    with pytest.raises(SingleFileError, match="z-image denoiser of 29 blocks of width 3840 .2 refiner blocks."):
+        carried.choose(describe_keys(Path("z_image_pruned.safetensors"), shallow), False, carried.carried())
 
 
 # MiniMax-H3 as Comfy-Org's files hold it, in billions (the bf16 / fp16 files' bytes / 2, the fp32 audio VAE's / 4):
@@ -282,7 +319,7 @@ def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried
 
 
 def test_a_file_of_another_family_or_role_is_refused(wan_component_files) -> None:
-    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2, FLUX.1 and LTX-2 only"):
+    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2, FLUX.1, LTX-2 and Z-Image Turbo only"):
         carried.pick(wan_component_files["text_encoder"], False)
     with pytest.raises(SingleFileError, match="carries no config folder 'Wan9'.*Wan2.1-T2V-14B-Diffusers"):
         carried.by_name("Wan9")

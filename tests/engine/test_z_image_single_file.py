@@ -1,10 +1,11 @@
 """Z-Image single files in ComfyUI's layout (Comfy-Org's ``z_image_turbo`` files: q, k and v fused into
-one ``qkv`` matrix) as the denoiser of a Z-Image diffusers folder — a family the pack carries no
-configs for, read through diffusers' own single-file conversion: a bf16 file is the folder's
+one ``qkv`` matrix) as the denoiser of a Z-Image diffusers folder, read through diffusers' own
+single-file conversion: a bf16 file is the folder's
 transformer bit for bit; an fp8_scaled one keeps its fp8 storage, each part of a fused ``qkv`` taking
 the fused matrix's scale, and runs in every placement to the bits of the folder's pipeline holding
 the file's weights as ComfyUI computes them (``w.to(bf16) * scale``), from a configs-only folder with
-ComfyUI's text-encoder and VAE files too; the file is left unchanged."""
+ComfyUI's text-encoder and VAE files too, and from the configs the pack carries (Z-Image Turbo's)
+with ComfyUI's own tokenizer folder; the file is left unchanged."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import pytest
 import torch
 from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
 from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.formats import carried
 from diffusers_offload.offload_core.formats.fp8 import table_of
 from diffusers_offload.offload_core.formats.inspect import inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
-from fixtures.comfy_files import comfy_dequantised, comfy_tensors, configs_only_copy
+from fixtures.comfy_files import carried_like_copy, comfy_dequantised, comfy_tensors, configs_only_copy
+from fixtures.flux_files import ldm_vae_state_dict
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import digest
 from fixtures.z_image_files import build_tiny_z_image, comfy_z_image_state, run_z_image
@@ -89,3 +92,34 @@ def test_comfyuis_files_run_with_a_configs_only_folder(folder, files, expected, 
                                        vae_file=next((folder / "vae").glob("*.safetensors")))
     assert all(torch.equal(pipe.text_encoder.state_dict()[k], t.to(BF16)) for k, t in text_encoder.items())
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), expected)
+
+
+def test_comfyuis_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer(folder, files, expected,
+                                                                                  tmp_path):
+    """The carried Z-Image Turbo folder holds no tokenizer: its ``tokenizers.json`` names ComfyUI's
+    ``qwen25_tokenizer`` folder, whose chat template (Qwen2.5's) adds a system prompt, and gives
+    Qwen3's template, which Z-Image's prompts are read with. The tiny Z-Image's configs (with that
+    file) stand for the carried folder, its tokenizer saved where ComfyUI keeps its own with a
+    system-prompt template: the fp8_scaled file picks that folder and, with the Qwen3 file and the
+    VAE in the LDM layout of ``ae.safetensors``, gives the folder's bits; without the carried
+    template the prompt is read otherwise."""
+    configs = carried_like_copy(folder, tmp_path / "carried" / "z-image-tiny")
+    shipped = tmp_path / "ComfyUI" / "comfy" / "text_encoders" / "qwen25_tokenizer"
+    tokenizer = diffusers.ZImagePipeline.from_pretrained(str(folder), transformer=None, vae=None,
+                                                         text_encoder=None).tokenizer
+    tokenizer.chat_template = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + tokenizer.chat_template
+    tokenizer.save_pretrained(str(shipped))
+    assert carried.pick(files["fp8_scaled"], False, configs.parent) == configs
+    text_encoder = load_file(str(next((folder / "text_encoder").glob("*.safetensors"))))
+    parts = {"text_encoder_file": tmp_path / "qwen_3_tiny.safetensors", "vae_file": tmp_path / "ae.safetensors"}
+    save_file({f"model.{k}": t for k, t in text_encoder.items()}, str(parts["text_encoder_file"]))
+    save_file(ldm_vae_state_dict(folder), str(parts["vae_file"]))
+
+    def run(tokenizers: str) -> torch.Tensor:
+        (configs / carried.SHIPPED).write_bytes((carried.by_name(tokenizers) / carried.SHIPPED).read_bytes())
+        pipe = load_pipeline_with_denoiser(configs, files["fp8_scaled"], BF16, comfy_tokenizers=shipped.parents[1],
+                                           **parts)
+        return run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image)
+
+    assert torch.equal(run("Z-Image-Turbo"), expected)
+    assert not torch.equal(run("MiniMax-H3"), expected)  # the same folder, ComfyUI's own template
