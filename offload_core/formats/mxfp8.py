@@ -5,7 +5,8 @@ tiled layout (`tiled_scales`).
 Kept as stored (`MXFP8Linear`): the fp8 bytes and their scales are pinned, streamed and kept, and
 each layer computes as ComfyUI's does on a card without MXFP8 tensor cores (below Blackwell its
 ``mxfp8`` ops are emulated): ``F.linear(x, dequantize_mxfp8(...)[:out, :in])``, comfy-kitchen's
-decode (on a GPU the pack's kernel, its bits in one pass: `tiled_kernel`). Found by their ``comfy_quant`` entries: the scale's name is an fp8_scaled file's.
+decode (on a GPU the pack's kernel, its bits in one pass: `tiled_kernel`). Found by their
+``comfy_quant`` entries: the scale's name is an fp8_scaled file's.
 """
 
 from __future__ import annotations
