@@ -53,7 +53,7 @@ class Example:
     name: str
     pipeline: str
     model: str
-    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (h3_ref: tiny_h3_ref.py; wan22_*: tiny_wan_families.py)
+    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (h3_ref: tiny_h3_ref.py; wan22_*: tiny_wan_families.py; z_image: z_image_files.py)
     repo: str  # Hugging Face repository of the diffusers-format model
     title: str  # what the Note and the thumbnail call it
     tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example
@@ -97,6 +97,9 @@ EXAMPLES = (
     Example("flux_schnell_single_files", "FluxPipeline", sf.AUTO_CONFIG, "flux",
             repo=sf.FLUX_SCHNELL_REPO, title="FLUX.1-schnell, single files: text to image",
             files=(sf.FLUX_SCHNELL, sf.FLUX_CLIP_L, sf.FLUX_T5XXL_FP8, sf.FLUX_AE)),
+    Example("z_image_turbo_single_files", "ZImagePipeline", sf.AUTO_CONFIG, "z_image",
+            repo=sf.Z_IMAGE_REPO, title="Z-Image Turbo, ComfyUI's files: text to image",
+            files=(sf.Z_IMAGE_TURBO, sf.Z_IMAGE_QWEN3, sf.Z_IMAGE_AE)),
     Example("ltx2_single_files", "LTX2Pipeline", sf.AUTO_CONFIG, "ltx2_checkpointable",
             repo=sf.LTX2_REPO, title="LTX-2 19B, ComfyUI's files: text to video with audio",
             files=(sf.LTX2_FP8, sf.LTX2_GEMMA_FP4), tiny_extra=(("width", 64), ("height", 64))),

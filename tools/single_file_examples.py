@@ -59,6 +59,15 @@ FLUX_T5XXL_FP8 = ComfyFile("text_encoder_2", "text_encoders", FLUX_TEXT_ENCODERS
 FLUX_AE = ComfyFile("vae", "vae", FLUX_SCHNELL_REPO, "ae.safetensors", "vae")
 
 
+Z_IMAGE_REPO, COMFY_Z_IMAGE = "Tongyi-MAI/Z-Image-Turbo", "Comfy-Org/z_image_turbo"
+Z_IMAGE_TURBO = ComfyFile("denoiser", "diffusion_models", COMFY_Z_IMAGE,
+                          "split_files/diffusion_models/z_image_turbo_bf16.safetensors", "bf16")
+Z_IMAGE_QWEN3 = ComfyFile("text_encoder", "text_encoders", COMFY_Z_IMAGE, "split_files/text_encoders/qwen_3_4b.safetensors",
+                          "text_encoder")
+Z_IMAGE_AE = ComfyFile("vae", "vae", COMFY_Z_IMAGE, "split_files/vae/ae.safetensors", "vae")
+SHIPPED_TOKENIZERS = {"FluxPipeline": "the tokenizers are ComfyUI's own.",  # the carried ones that ComfyUI ships
+                      "ZImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder)."}
+
 LTX2_REPO = "Lightricks/LTX-2"  # the checkpoint and Gemma file ComfyUI's own LTX-2 templates name
 LTX2_FP8 = ComfyFile("denoiser", "checkpoints", LTX2_REPO, "ltx-2-19b-dev-fp8.safetensors", "checkpoint")
 LTX2_GEMMA_FP4 = ComfyFile("text_encoder", "text_encoders", "Comfy-Org/ltx-2",
@@ -86,8 +95,8 @@ def note_text(example: Any) -> str:
         "",
         f"Runs ComfyUI model files in the diffusers pipeline of {example.repo}",
         f"(https://huggingface.co/{example.repo}), whose configs the pack carries: config 'auto' picks them",
-        "by the denoiser file, and " + ("the tokenizers are ComfyUI's own." if example.pipeline == "FluxPipeline" else
-                                        "the tokenizer is read from the text-encoder file.") + " Nothing else to download.",
+        "by the denoiser file, and " + SHIPPED_TOKENIZERS.get(example.pipeline, "the tokenizer is read from the "
+                                                                 "text-encoder file.") + " Nothing else to download.",
         "",
         *(["The model files, each in the folder named (the ones ComfyUI's own templates for this model use):"]
           if any(file.folder == "checkpoints" for file in example.files) else

@@ -21,7 +21,7 @@ import av
 import pytest
 import torch
 from comfyhost import harness
-from fixtures import comfy_files, flux_files, gguf_files
+from fixtures import comfy_files, flux_files, gguf_files, z_image_files
 from fixtures.tiny_tok import tiny_gemma_spiece, tiny_t5_spiece
 from PIL import Image
 from safetensors.torch import save_file
@@ -33,6 +33,7 @@ pytest_plugins = ["comfyhost.fixtures"]
 _comfy_wan, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wan_component_files,
                                            gguf_files.wan_gguf_fixture)
 _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width
+_tiny_z_image = z_image_files.tiny_z_image_dir
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
@@ -181,6 +182,8 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
             save_file(flux_files.ldm_vae_state_dict(folder), str(tmp / "flux-ae.safetensors"))
             return tmp / "flux-ae.safetensors"
         return comfy_files.write_component_file(folder, file.tiny, tmp / f"flux-{file.tiny}.safetensors")
+    if example.tiny == "z_image":  # Comfy-Org's files: ComfyUI's names, the Qwen3 file, ae.safetensors
+        return z_image_files.comfy_z_image_files(request.getfixturevalue("tiny_z_image_dir"), tmp / "z-image")[file.input]
     if example.tiny != "wan":
         folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
         if file.input in ("text_encoder", "vae"):
@@ -209,23 +212,28 @@ def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
     return tmp / "ltx2-gemma-fp4.safetensors"
 
 
+SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo"}  # tiny family -> carried folder naming ComfyUI's tokenizers
+
+
 def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
     """The template's config ('auto': the configs the pack carries): the example's tiny folder less
     its weights and tokenizers (as the pack's carried folders are) in their place, so that auto picks
-    it for the tiny files; for Flux, the tiny tokenizers where ComfyUI keeps its own, and the node
-    pointed at that folder instead of the running ComfyUI's."""
+    it for the tiny files; for Flux and Z-Image, the tiny tokenizers where ComfyUI keeps its own, and
+    the node pointed at that folder instead of the running ComfyUI's."""
     assert example.model == ex.sf.AUTO_CONFIG
-    families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir"}
+    families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir",
+                "z_image": "tiny_z_image_dir"}
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
     carried = comfy_files.carried_like_copy(folder, tmp / "carried" / folder.name)
     monkeypatch = request.getfixturevalue("monkeypatch")
-    if example.tiny == "flux":  # its tokenizers from ComfyUI's folders: the tiny ones where ComfyUI keeps its own
-        shutil.copyfile(pack.by_name("FLUX.1-schnell") / "tokenizers.json", carried / "tokenizers.json")
+    if example.tiny in SHIPPED:  # tokenizers from ComfyUI's folders: the tiny ones where the carried file says
+        entries = pack.by_name(SHIPPED[example.tiny]) / pack.SHIPPED
+        shutil.copyfile(entries, carried / pack.SHIPPED)
         shipped = tmp / "ComfyUI" / "comfy"
-        shutil.copytree(folder / "tokenizer", shipped / "sd1_tokenizer")
-        shutil.copytree(folder / "tokenizer_2", shipped / "text_encoders" / "t5_tokenizer")
+        for name, entry in json.loads(entries.read_text()).items():
+            shutil.copytree(folder / name, shipped / entry["comfyui"])
         monkeypatch.setattr(comfy.pack_submodule("nodes.single_file"), "comfy_package", lambda: shipped)
     monkeypatch.setattr(pack, "ROOT", carried.parent)
     return example.model

@@ -5,7 +5,9 @@ transformer bit for bit; an fp8_scaled one keeps its fp8 storage, each part of a
 the fused matrix's scale, and runs in every placement to the bits of the folder's pipeline holding
 the file's weights as ComfyUI computes them (``w.to(bf16) * scale``), from a configs-only folder with
 ComfyUI's text-encoder and VAE files too, and from the configs the pack carries (Z-Image Turbo's)
-with ComfyUI's own tokenizer folder; the file is left unchanged."""
+with ComfyUI's own tokenizer folder; a GGUF file (the community ones: the original names, as
+ComfyUI-GGUF reads them) from the carried configs runs as diffusers' own GGUF model; the file is left
+unchanged."""
 
 from __future__ import annotations
 
@@ -22,10 +24,16 @@ from diffusers_offload.offload_core.formats.inspect import inspect_safetensors
 from diffusers_offload.offload_core.formats.single_file import load_denoiser
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures.comfy_files import carried_like_copy, comfy_dequantised, comfy_tensors, configs_only_copy
-from fixtures.flux_files import ldm_vae_state_dict
+from fixtures.gguf_files import write_gguf
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import digest
-from fixtures.z_image_files import build_tiny_z_image, comfy_z_image_state, run_z_image
+from fixtures.z_image_files import (
+    CHAT,
+    build_tiny_z_image,
+    comfy_z_image_files,
+    comfy_z_image_state,
+    run_z_image,
+)
 from safetensors.torch import load_file, save_file
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
@@ -94,6 +102,19 @@ def test_comfyuis_files_run_with_a_configs_only_folder(folder, files, expected, 
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), expected)
 
 
+def _carried_like(folder: Path, tmp: Path, template: str) -> tuple[Path, Path]:
+    """The tiny Z-Image's configs standing for the carried folder, with the carried ``tokenizers.json``,
+    and ComfyUI's ``comfy`` folder holding its tokenizer with chat template ``template``."""
+    configs = carried_like_copy(folder, tmp / "carried" / "z-image-tiny")
+    (configs / carried.SHIPPED).write_bytes((carried.by_name("Z-Image-Turbo") / carried.SHIPPED).read_bytes())
+    package = tmp / "ComfyUI" / "comfy"
+    tokenizer = diffusers.ZImagePipeline.from_pretrained(str(folder), transformer=None, vae=None,
+                                                         text_encoder=None).tokenizer
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(package / "text_encoders" / "qwen25_tokenizer"))
+    return configs, package
+
+
 def test_comfyuis_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer(folder, files, expected,
                                                                                   tmp_path):
     """The carried Z-Image Turbo folder holds no tokenizer: its ``tokenizers.json`` names ComfyUI's
@@ -103,23 +124,41 @@ def test_comfyuis_files_run_with_the_configs_the_pack_carries_and_comfyuis_token
     system-prompt template: the fp8_scaled file picks that folder and, with the Qwen3 file and the
     VAE in the LDM layout of ``ae.safetensors``, gives the folder's bits; without the carried
     template the prompt is read otherwise."""
-    configs = carried_like_copy(folder, tmp_path / "carried" / "z-image-tiny")
-    shipped = tmp_path / "ComfyUI" / "comfy" / "text_encoders" / "qwen25_tokenizer"
-    tokenizer = diffusers.ZImagePipeline.from_pretrained(str(folder), transformer=None, vae=None,
-                                                         text_encoder=None).tokenizer
-    tokenizer.chat_template = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n" + tokenizer.chat_template
-    tokenizer.save_pretrained(str(shipped))
+    system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    configs, package = _carried_like(folder, tmp_path, system + CHAT)
     assert carried.pick(files["fp8_scaled"], False, configs.parent) == configs
-    text_encoder = load_file(str(next((folder / "text_encoder").glob("*.safetensors"))))
-    parts = {"text_encoder_file": tmp_path / "qwen_3_tiny.safetensors", "vae_file": tmp_path / "ae.safetensors"}
-    save_file({f"model.{k}": t for k, t in text_encoder.items()}, str(parts["text_encoder_file"]))
-    save_file(ldm_vae_state_dict(folder), str(parts["vae_file"]))
+    parts = comfy_z_image_files(folder, tmp_path / "files")
+    parts = {"text_encoder_file": parts["text_encoder"], "vae_file": parts["vae"]}
 
-    def run(tokenizers: str) -> torch.Tensor:
-        (configs / carried.SHIPPED).write_bytes((carried.by_name(tokenizers) / carried.SHIPPED).read_bytes())
-        pipe = load_pipeline_with_denoiser(configs, files["fp8_scaled"], BF16, comfy_tokenizers=shipped.parents[1],
-                                           **parts)
+    def run() -> torch.Tensor:
+        pipe = load_pipeline_with_denoiser(configs, files["fp8_scaled"], BF16, comfy_tokenizers=package, **parts)
         return run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image)
 
-    assert torch.equal(run("Z-Image-Turbo"), expected)
-    assert not torch.equal(run("MiniMax-H3"), expected)  # the same folder, ComfyUI's own template
+    assert torch.equal(run(), expected)
+    (configs / carried.SHIPPED).write_bytes((carried.by_name("MiniMax-H3") / carried.SHIPPED).read_bytes())
+    assert not torch.equal(run(), expected)  # the same folder, ComfyUI's own template
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_gguf_file_runs_with_the_carried_configs_as_diffusers_reads_it(placement, folder, tmp_path):
+    """A Q8_0 GGUF file written by the `gguf` package in the original key names picks the carried
+    folder; with ComfyUI's Qwen3 and VAE files, placed, it gives the bits of the folder's pipeline
+    holding diffusers' own GGUF model of the file."""
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    gguf = write_gguf({k: t.float() for k, t in comfy_z_image_state(folder).items()}, tmp_path / "z-image-Q8_0.gguf",
+                      "Q8_0", "lumina2")
+    before = digest(gguf)
+    configs, package = _carried_like(folder, tmp_path, CHAT)
+    assert carried.pick(gguf, False, configs.parent) == configs
+    transformer = diffusers.ZImageTransformer2DModel.from_single_file(
+        str(gguf), config=str(folder), subfolder="transformer", local_files_only=True,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=BF16))
+    reference = run_z_image(diffusers.ZImagePipeline.from_pretrained(str(folder), transformer=transformer, dtype=BF16))
+    parts = comfy_z_image_files(folder, tmp_path / "files")
+    pipe = load_pipeline_with_denoiser(configs, gguf, BF16, comfy_tokenizers=package,
+                                       text_encoder_file=parts["text_encoder"], vae_file=parts["vae"])
+    assert any(isinstance(w, GGUFParameter) for w in pipe.transformer.parameters())  # kept packed
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_z_image), reference)
+    assert digest(gguf) == before
