@@ -162,3 +162,35 @@ def test_a_gguf_file_runs_with_the_carried_configs_as_diffusers_reads_it(placeme
     assert any(isinstance(w, GGUFParameter) for w in pipe.transformer.parameters())  # kept packed
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_z_image), reference)
     assert digest(gguf) == before
+
+
+def test_a_qwen3_fp8_mixed_text_encoder_keeps_its_fp8_layers(folder, files, tmp_path):
+    """Comfy-Org's ``qwen_3_4b_fp8_mixed`` kind of file: some matrices in fp8 with a ``weight_scale``
+    and a ``comfy_quant`` entry, the rest bf16, in ComfyUI's ``model.*`` layout. Those matrices stay
+    fp8 in the pipeline, which gives the bits of the folder's pipeline whose text encoder holds them
+    as ComfyUI computes them (``w.to(bf16) * scale``); the file is left unchanged."""
+    text_encoder = load_file(str(next((folder / "text_encoder").glob("*.safetensors"))))
+    stored, reference = {}, {}
+    for key, t in text_encoder.items():
+        if t.ndim == 2 and ".mlp." in key:  # mixed: the feed-forward matrices in fp8
+            scale = (t.abs().amax().float() / 448).reshape(())
+            q = (t.float() / scale).to(FP8)
+            layer = f"model.{key.removesuffix('.weight')}"
+            stored |= {f"model.{key}": q, f"{layer}.weight_scale": scale,
+                       f"{layer}.comfy_quant": torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)}
+            reference[key] = q.to(BF16) * scale.to(BF16)
+        else:
+            stored[f"model.{key}"], reference[key] = t.to(BF16), t.to(BF16)
+    te_file = tmp_path / "qwen_3_tiny_fp8_mixed.safetensors"
+    save_file(stored, str(te_file))
+    before = digest(te_file)
+    pipe = diffusers.ZImagePipeline.from_pretrained(str(folder), dtype=BF16)
+    pipe.text_encoder.load_state_dict(reference, strict=True)
+    want = run_z_image(pipe)
+    ours = load_pipeline_with_denoiser(configs_only_copy(folder, tmp_path / "configs"), files["bf16"], BF16,
+                                       text_encoder_file=te_file, vae_file=next((folder / "vae").glob("*.safetensors")))
+    mlp = ours.text_encoder.layers[0].mlp
+    assert {mlp.up_proj.weight.dtype, mlp.down_proj.weight.dtype} == {FP8}
+    assert ours.text_encoder.layers[0].self_attn.q_proj.weight.dtype == BF16
+    assert torch.equal(run_placed(ours, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), want)
+    assert digest(te_file) == before
