@@ -1,8 +1,9 @@
-"""T5 / UMT5 text encoders from llama.cpp GGUF files: city96's ``umt5-xxl-encoder-*.gguf`` (Wan)
-and ``t5-v1_1-xxl-encoder-*.gguf`` (Flux), which ComfyUI users load with ComfyUI-GGUF.
+"""Text encoders from llama.cpp GGUF files, which ComfyUI users load with ComfyUI-GGUF: T5 / UMT5
+(city96's ``umt5-xxl-encoder-*.gguf`` for Wan, ``t5-v1_1-xxl-encoder-*.gguf`` for Flux) and Qwen3
+(the ``Qwen3-4B-*.gguf`` files Z-Image users pick in place of ``qwen_3_4b``).
 
-The file names its tensors as llama.cpp does (``enc.blk.0.attn_q.weight``); the `gguf` package's
-own name map for its ``t5encoder`` architecture gives each one its transformers name. diffusers'
+The file names its tensors as llama.cpp does (``enc.blk.0.attn_q.weight``, ``blk.0.attn_q.weight``);
+the `gguf` package's own name map for its architecture gives each one its transformers name. diffusers'
 GGUF reader loads the packed tensors and its ``GGUFLinear`` layers hold them, dequantised at
 compute, as in a GGUF denoiser. The embedding table (as ComfyUI-GGUF does) and T5's ``wo`` layers
 (their caller casts the input to the weight's dtype, a packed uint8 here) are decoded at load.
@@ -24,8 +25,10 @@ from .single_file import short_dtype
 
 log = get_logger("gguf")
 
-T5_ARCHS = ("t5", "t5encoder")
-T5_CLASSES = ("T5EncoderModel", "UMT5EncoderModel")
+ARCHS = {"t5": "T5ENCODER", "t5encoder": "T5ENCODER", "qwen3": "QWEN3"}  # a file's arch -> the `gguf` name map's
+CLASSES = {"T5ENCODER": ("T5EncoderModel", "UMT5EncoderModel"), "QWEN3": ("Qwen3Model", "Qwen3ForCausalLM")}
+WHAT = {"T5ENCODER": "a T5 text encoder", "QWEN3": "a Qwen3 text encoder"}
+HEAD = "output.weight"  # llama.cpp's name of a language model's head, which a model without one has no use for
 DECODED = ["wo"]  # Linear layers whose caller casts their input to the weight's dtype
 
 
@@ -41,17 +44,18 @@ def load_gguf_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch
         info = inspect_gguf(path)
     except GgufFileError as exc:
         raise SingleFileError(str(exc)) from exc
-    if info.arch not in T5_ARCHS:
+    arch = ARCHS.get(info.arch)
+    if arch is None:
         looks = describe_keys(path, info.shapes).looks_like or f"a GGUF {info.arch} model"
         raise SingleFileError(f"{path} looks like {looks}, not a text-encoder file: GGUF text encoders load as "
-                              "T5 / UMT5 ('t5encoder') only")
-    if cls_name not in T5_CLASSES:
-        raise SingleFileError(f"{path} is a T5 text encoder (GGUF), but the text encoder of {config.parent} is a "
+                              "T5 / UMT5 ('t5encoder') and Qwen3 ('qwen3') only")
+    if cls_name not in CLASSES[arch]:
+        raise SingleFileError(f"{path} is {WHAT[arch]} (GGUF), but the text encoder of {config.parent} is a "
                               f"{cls_name}: pick the text encoder this model uses")
     cls = getattr(transformers, cls_name)
     with init_empty_weights():
         model = cls(cls.config_class.from_pretrained(str(config)))
-    state = _renamed(path, load_gguf_checkpoint(str(path)), model)
+    state = _renamed(path, load_gguf_checkpoint(str(path)), model, arch)
     _replace_with_gguf_linear(model, dtype, state, modules_to_not_convert=DECODED)
     linears = {n: m for n, m in model.named_modules() if type(m).__name__ == "GGUFLinear"}
     for name, linear in linears.items():  # packed: set as diffusers' GGUF loader sets them (no shape check)
@@ -68,15 +72,21 @@ def load_gguf_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch
     return model.eval()
 
 
-def _renamed(path: Path, raw: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The file's tensors under the model's names (the `gguf` package's ``t5encoder`` name map),
-    each checked against the shape the config gives it."""
+def _renamed(path: Path, raw: dict[str, torch.Tensor], model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
+    """The file's tensors under the model's names (the `gguf` package's name map of ``arch``),
+    each checked against the shape the config gives it; a head, in a file for a model without one,
+    left out."""
     import gguf
 
     expected = model.state_dict()
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.T5ENCODER, model.config.num_layers)
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], getattr(config, "num_layers", None) or
+                                     config.num_hidden_layers)
     ours = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in expected}
     ours.pop(None, None)  # tied weights (encoder.embed_tokens) have no name of their own
+    if HEAD in raw and HEAD not in ours:
+        log.info("%s: its language-model head left out (%s has none)", path.name, type(model).__name__)
+        raw = {k: v for k, v in raw.items() if k != HEAD}
     state, other = {}, []
     for key, tensor in raw.items():
         if key not in ours:

@@ -194,3 +194,36 @@ def test_a_qwen3_fp8_mixed_text_encoder_keeps_its_fp8_layers(folder, files, tmp_
     assert ours.text_encoder.layers[0].self_attn.q_proj.weight.dtype == BF16
     assert torch.equal(run_placed(ours, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), want)
     assert digest(te_file) == before
+
+
+def test_a_qwen3_gguf_text_encoder_keeps_its_packed_layers(folder, files, tmp_path):
+    """A Qwen3 GGUF file (llama.cpp's names, written by the `gguf` package; what Z-Image users pick in
+    place of ``qwen_3_4b``) as the text encoder: its Linear layers keep the file's packed bytes
+    (diffusers' GGUFLinear), and the pipeline gives the bits of the folder's pipeline whose text
+    encoder holds the file's values as diffusers' GGUF layers compute with them; the file is left
+    unchanged. A Qwen3 file for a T5 text encoder is refused by name."""
+    from diffusers.models.model_loading_utils import load_gguf_checkpoint
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+    from diffusers_offload.offload_core.formats.gguf_text_encoder import load_gguf_text_encoder
+    from diffusers_offload.offload_core.formats.inspect import SingleFileError
+    from fixtures.gguf_text_encoders import write_qwen3_gguf
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    state = load_file(str(next((folder / "text_encoder").glob("*.safetensors"))))
+    te = write_qwen3_gguf({f"model.{k}": t for k, t in state.items()}, tmp_path / "qwen3-tiny-Q8_0.gguf")
+    before = digest(te)
+    pipe = diffusers.ZImagePipeline.from_pretrained(str(folder), dtype=BF16)
+    names = get_tensor_name_map(MODEL_ARCH.QWEN3, pipe.text_encoder.config.num_hidden_layers)
+    ours = {names.get_name(k, try_suffixes=(".weight",)): k for k in pipe.text_encoder.state_dict()}
+    pipe.text_encoder.load_state_dict({ours[k]: dequantize_gguf_tensor(v).to(BF16)
+                                       for k, v in load_gguf_checkpoint(str(te)).items()}, strict=True)
+    want = run_z_image(pipe)
+    gguf_pipe = load_pipeline_with_denoiser(configs_only_copy(folder, tmp_path / "configs"), files["bf16"], BF16,
+                                            text_encoder_file=te, vae_file=next((folder / "vae").glob("*.safetensors")))
+    packed = [n for n, w in gguf_pipe.text_encoder.named_parameters() if isinstance(w, GGUFParameter)]
+    assert packed and all(n.endswith("proj.weight") for n in packed)
+    assert torch.equal(run_placed(gguf_pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), want)
+    assert digest(te) == before
+    with pytest.raises(SingleFileError, match=r"is a Qwen3 text encoder \(GGUF\), but the text encoder of .* is a "
+                                              r"UMT5EncoderModel"):
+        load_gguf_text_encoder(te, folder / "text_encoder", "UMT5EncoderModel", BF16)
