@@ -91,13 +91,13 @@ def test_an_fp8_scaled_file_runs_as_comfyui_computes_it_in_every_placement(place
 def test_comfyuis_files_run_with_a_configs_only_folder(folder, files, expected, tmp_path):
     """What a ComfyUI user holds: the transformer file, the Qwen3 text encoder in ComfyUI's layout
     (``model.*``, as ComfyUI's ``qwen_3_4b`` file; transformers strips the base model's prefix) and
-    the VAE file, with a folder of configs and tokenizer only: the same bits, streamed."""
+    the VAE file (the LDM layout of ``ae.safetensors``), with a folder of configs and tokenizer only:
+    the same bits, streamed."""
     text_encoder = load_file(str(next((folder / "text_encoder").glob("*.safetensors"))))
-    te_file = tmp_path / "qwen_3_tiny.safetensors"
-    save_file({f"model.{k}": t for k, t in text_encoder.items()}, str(te_file))
+    parts = comfy_z_image_files(folder, tmp_path / "files")
     configs = configs_only_copy(folder, tmp_path / "z-image-configs")
-    pipe = load_pipeline_with_denoiser(configs, files["fp8_scaled"], BF16, text_encoder_file=te_file,
-                                       vae_file=next((folder / "vae").glob("*.safetensors")))
+    pipe = load_pipeline_with_denoiser(configs, files["fp8_scaled"], BF16, text_encoder_file=parts["text_encoder"],
+                                       vae_file=parts["vae"])
     assert all(torch.equal(pipe.text_encoder.state_dict()[k], t.to(BF16)) for k, t in text_encoder.items())
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_z_image), expected)
 
