@@ -11,7 +11,8 @@ forward, its warm-ups and its timed forwards; after the first forward (the one w
 the count should not grow. The run ends with the side-by-side table (benchkit.table).
 
 ``--model flux`` runs the same rows on a FLUX.1-dev transformer (two towers: 19 dual-stream and 38
-single-stream blocks), one 1024x1024 image workload, and writes ``wan_bench_flux.json``/``.log``.
+single-stream blocks), ``--model zimage`` on Z-Image Turbo's (30 layers; the config the pack carries),
+one 1024x1024 image workload, and writes ``wan_bench_<model>.json``/``.log``.
 
     python bench/wan_bench.py --sections stream,preload --caps 12,24 --out $OUT   # the headline rows
     python bench/wan_bench.py --self-check                                        # CPU: the table's ratios
@@ -27,7 +28,7 @@ Sections:
   cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines, sync loads
   mmgp     mmgp 3.8.2 (WanGP's engine) keeping --mmgp-kept blocks at the first cap; runs last, and
            needs ``mmgp`` and ``optimum-quanto`` (carry their wheels: the GPU machine has no network)
-With ``--model flux``: stream, preload, cycles and anchors.
+With ``--model flux`` / ``zimage``: stream, preload, cycles and anchors.
 """
 
 from __future__ import annotations
@@ -71,11 +72,14 @@ from benchkit.models import (  # noqa: E402
     blocks_of,
     build_flux,
     build_wan,
+    build_zimage,
     flux_forward,
     flux_inputs,
     nbytes,
     wan_forward,
     wan_inputs,
+    zimage_forward,
+    zimage_inputs,
 )
 
 pack()
@@ -85,7 +89,7 @@ from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
 row = Rows()
 DEV = "cuda"  # "cpu" with --tiny: the dry run that checks the flow, not the speed
-FORWARD = wan_forward  # flux_forward with --model flux
+FORWARD = wan_forward  # flux_forward / zimage_forward with --model flux / zimage
 WAN_ONLY = {"modes", "firstk", "mmgp"}
 
 
@@ -102,7 +106,8 @@ def host_times(m, feeds, repeats: int) -> dict:
 
 def build(args):
     """The model; with ``--storage fp8_*`` its Linear weights stored as the loader's fp8 dtypes do."""
-    m = build_flux(DEV, args.tiny) if args.model == "flux" else build_wan(args.blocks, DEV, args.tiny)
+    builders = {"flux": build_flux, "zimage": build_zimage}
+    m = builders[args.model](DEV, args.tiny) if args.model in builders else build_wan(args.blocks, DEV, args.tiny)
     storages.apply(m, args.storage, row, args.cast_each_forward)
     return m
 
@@ -144,7 +149,8 @@ def layerwise(m, feeds: dict, refs: dict, args) -> None:
 
 
 def inputs(args, w: str) -> tuple:
-    return flux_inputs(w, DEV, args.tiny) if args.model == "flux" else wan_inputs(w, args.frames, DEV)
+    image = {"flux": flux_inputs, "zimage": zimage_inputs}
+    return image[args.model](w, DEV, args.tiny) if args.model in image else wan_inputs(w, args.frames, DEV)
 
 
 def config(args, **kw) -> OffloadConfig:
@@ -303,8 +309,9 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
 def main() -> None:
     global row, DEV, FORWARD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("wan", "flux"), default="wan",
-                    help="flux: the FLUX.1-dev transformer (two towers), workload image (1024x1024)")
+    ap.add_argument("--model", choices=("wan", "flux", "zimage"), default="wan",
+                    help="flux: the FLUX.1-dev transformer (two towers), zimage: Z-Image Turbo's (the carried config); "
+                         "workload image (1024x1024)")
     ap.add_argument("--sections", default="", help="default: modes,stream,preload,firstk,anchors,cycles "
                     "(flux: stream,preload,anchors,cycles)")
     ap.add_argument("--blocks", type=int, default=40)
@@ -328,13 +335,13 @@ def main() -> None:
                     "image), 1 latent frame, no ballast, preload a one-block budget")
     output_args(ap)
     args = ap.parse_args()
-    flux = args.model == "flux"
-    args.sections = args.sections or ("stream,preload,anchors,cycles" if flux else "modes,stream,preload,firstk,anchors,cycles")
-    args.workloads = args.workloads or ("image" if flux else "small,video")
-    if flux and WAN_ONLY & set(args.sections.split(",")):
-        ap.error(f"--model flux runs no {', '.join(sorted(WAN_ONLY & set(args.sections.split(','))))} section")
-    FORWARD = flux_forward if flux else wan_forward
-    name = "wan_bench_flux" if flux else "wan_bench"
+    image = args.model != "wan"
+    args.sections = args.sections or ("stream,preload,anchors,cycles" if image else "modes,stream,preload,firstk,anchors,cycles")
+    args.workloads = args.workloads or ("image" if image else "small,video")
+    if image and WAN_ONLY & set(args.sections.split(",")):
+        ap.error(f"--model {args.model} runs no {', '.join(sorted(WAN_ONLY & set(args.sections.split(','))))} section")
+    FORWARD = {"flux": flux_forward, "zimage": zimage_forward}.get(args.model, wan_forward)
+    name = f"wan_bench_{args.model}" if image else "wan_bench"
     row = open_output(args, name if args.storage == "bf16" else f"{name}_{args.storage}")
     if args.tiny:
         DEV, args.blocks, args.mode_blocks, args.frames = "cpu", min(args.blocks, 2), min(args.mode_blocks, 2), 1

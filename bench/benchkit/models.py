@@ -137,11 +137,46 @@ def flux_forward(m, x, enc, pooled, t, guidance, img_ids, txt_ids) -> torch.Tens
                  txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
 
 
+# Z-Image Turbo's transformer as the pack carries its config (6.15 B parameters; its refiners ride in the
+# non-block part); tiny: width 128, 2 layers. A 1024x1024 image: 128x128 latents, 4096 tokens beside the caption.
+Z_IMAGE_TINY = dict(dim=128, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=64,
+                    axes_dims=[16, 24, 24])
+Z_IMAGE_CAPTION = 128  # prompt tokens (the pipeline passes only the prompt's own, unpadded)
+
+
+def build_zimage(device: str | torch.device = "cuda", tiny: bool = False) -> torch.nn.Module:
+    from diffusers import ZImageTransformer2DModel
+    from diffusers_offload.offload_core.formats.carried import by_name
+
+    config = dict(ZImageTransformer2DModel.load_config(str(by_name("Z-Image-Turbo") / "transformer")))
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = ZImageTransformer2DModel.from_config({**config, **(Z_IMAGE_TINY if tiny else {})})
+    return cast_like_from_pretrained(m, torch.bfloat16)
+
+
+def zimage_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    """One ZImagePipeline step's transformer inputs for a ``FLUX_IMAGE[name]`` image (128 px tiny):
+    the latents as its list of (16, 1, h, w), timestep 0.5 (the pipeline's ``(1000 - t) / 1000``),
+    the caption's hidden states as a list of (tokens, width)."""
+    side = (128 if tiny else FLUX_IMAGE[name]) // 8
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16
+    x = torch.randn((16, 1, side, side), generator=g, device=device, dtype=dt)
+    cap = torch.randn((16 if tiny else Z_IMAGE_CAPTION, 64 if tiny else 2560), generator=g, device=device, dtype=dt)
+    return [x], torch.full((1,), 0.5, device=device, dtype=dt), [cap]
+
+
+def zimage_forward(m, x, t, cap) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.stack(m(x, t, cap, return_dict=False)[0])
+
+
 def blocks_of(m: torch.nn.Module) -> list[torch.nn.Module]:
-    """The streamed blocks in order: Wan's ``blocks``, Flux's two towers."""
+    """The streamed blocks in order: Wan's ``blocks``, Flux's two towers, Z-Image's main ``layers``."""
     if hasattr(m, "single_transformer_blocks"):
         return [*m.transformer_blocks, *m.single_transformer_blocks]
-    return list(m.blocks)
+    return list(m.layers) if hasattr(m, "noise_refiner") else list(m.blocks)
 
 
 # -- MiniMax-H3 at full width, reduced depth ------------------------------------------------------
