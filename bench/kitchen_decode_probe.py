@@ -57,14 +57,14 @@ def same_bits(rows: int, cols: int) -> dict[str, bool]:
 
 def tiles(rows: int, cols: int, repeats: int) -> list[dict]:
     """The pack's kernel over one weight at several tile shapes (rows × stored columns a program)."""
-    out = []
+    out, kept = [], (tiled_kernel.ROWS, tiled_kernel.COLS)
     for name, (decode, stored) in decoders(rows, cols).items():
         if "pack" in name:
             for tile in ((16, 256), (8, 512), (32, 128), (4, 1024), (32, 256)):
                 tiled_kernel.ROWS, tiled_kernel.COLS = tile
                 s = loop_time(decode, repeats, warmup=2)
                 out.append({"format": name, "tile": tile, "gb_s": (stored + rows * cols * 2) / s / 1e9})
-    tiled_kernel.ROWS, tiled_kernel.COLS = 16, 256
+    tiled_kernel.ROWS, tiled_kernel.COLS = kept
     return out
 
 

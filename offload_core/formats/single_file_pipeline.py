@@ -320,7 +320,6 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
     settings = cls.config_class.from_pretrained(str(config))
     with init_empty_weights():  # buffers (rotary tables) are made for real
         model = cls(fit.config(settings) if fit is not None else settings)
-    state, scales, groups = _own_names(model, state, scales, groups)
     try:
         stored, counts = swap_stored(model, state, kinds, dtype)
     except ValueError as exc:
@@ -345,20 +344,6 @@ def _built_empty(path: Path, info: SingleFileInfo, cls: type, config: Path, stat
              f"with {', '.join(f'{n} {name}' for name, (n, _d) in counts.items())} layers kept, the rest in " if counts else
              f"with {fp8} fp8 / int8 Linear weights kept, the rest in " if fp8 else "as ", short_dtype(dtype))
     return model.eval()
-
-
-def _own_names(model: torch.nn.Module, state: dict[str, torch.Tensor], scales: dict[str, torch.Tensor],
-               groups: dict[str, int]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, int]]:
-    """A base model (no head: Z-Image's ``Qwen3Model``) given a file in the full model's names
-    (ComfyUI's ``model.*`` layout of its ``qwen_3_4b`` files): the prefix dropped, as transformers'
-    own loader drops it (here the model is built empty, so the names must be its own)."""
-    base = getattr(model, "base_model_prefix", "")
-    prefix = f"{base}."
-    if not base or hasattr(model, base) or not any(k.startswith(prefix) for k in state):
-        return state, scales, groups
-    log.info("%s: the file's %r prefix dropped (a model without its head)", type(model).__name__, prefix)
-    return ({k.removeprefix(prefix): v for k, v in state.items()}, {k.removeprefix(prefix): v for k, v in scales.items()},
-            {k.removeprefix(prefix): v for k, v in groups.items()})
 
 
 def _marked(path: Path, model: torch.nn.Module, dtype: torch.dtype, scales: dict[str, torch.Tensor],

@@ -5,6 +5,10 @@ Gemma 3 (LTX-2's text encoder; ComfyUI's ``comfy/text_encoders/llama.py`` ``Gemm
 ``model.*`` is the language model, ``vision_model.*`` and ``multi_modal_projector.*`` the image
 path, no ``lm_head`` (tied to the embeddings). A file may lack the image path: LTX-2 passes text
 only, so the encoder is then built without it (``None`` where transformers' module was).
+
+Qwen3 (Z-Image's text encoder, a ``Qwen3Model``; ComfyUI's ``qwen_3_4b`` files): ``model.*`` is the
+whole model, which transformers names without the prefix (its loader drops it, but a file holding
+stored layers is assigned to a model built empty, so the names must be the model's own).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ LAYOUTS = {
                   ("multi_modal_projector.", "model.multi_modal_projector.")),
         optional=("model.vision_tower.", "model.multi_modal_projector."),
     ),
+    "Qwen3Model": Layout(prefixes=(("model.", ""),)),
 }
 
 
