@@ -1,5 +1,5 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI, FLUX.1, LTX-2 and Z-Image Turbo diffusers folders and of MiniMax-H3's modular one, so a
+copies of the Wan-AI, FLUX.1, LTX-2, Z-Image Turbo and Qwen-Image diffusers folders and of MiniMax-H3's modular one, so a
 single-file user needs no diffusers folder.
 
 Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
@@ -16,9 +16,12 @@ non-causal decoder, 32 / 8 compression, which the classes' defaults are not; dev
 schedulers) and google/gemma-3-12b-it's config; Z-Image Turbo's: Tongyi-MAI/Z-Image-Turbo's released configs
 (the transformer's ComfyUI's ``model_detection`` also holds, Qwen3-4B's its ``Qwen3_4BConfig``, the FLUX.1 VAE,
 ComfyUI's shift 3), its tokenizer ComfyUI's ``qwen25_tokenizer`` with Qwen3's chat template (ComfyUI's
-Z-Image prompt template, which the Qwen2.5 template it ships would wrap in a system prompt). Each file is saved by its real class (models built on
+Z-Image prompt template, which the Qwen2.5 template it ships would wrap in a system prompt); Qwen-Image's:
+Qwen/Qwen-Image's released configs (its transformer and VAE are the classes' defaults; Qwen2.5-VL-7B-Instruct's
+config, ComfyUI's ``Qwen25_7BVLI_Config``; the scheduler's dynamic exponential shift), its tokenizer ComfyUI's
+``qwen25_tokenizer`` (the pipeline writes its own prompt template). Each file is saved by its real class (models built on
 the meta device), so it is what that class's loader reads. No tokenizer: Wan's comes from the
-text-encoder file (LTX-2's too), FLUX.1's, Z-Image's and H3's from the folders ComfyUI ships them in
+text-encoder file (LTX-2's too), FLUX.1's, Z-Image's, Qwen-Image's and H3's from the folders ComfyUI ships them in
 (``tokenizers.json``). Run after a diffusers upgrade that changes a config:
 
     .venv/bin/python tools/write_carried_configs.py
@@ -130,6 +133,17 @@ QWEN3_CHAT = (  # Qwen3's template for what ZImagePipeline asks (user turns, a g
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
     "{%- endif %}")
 Z_IMAGE_TOKENIZERS = {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer", "chat_template": QWEN3_CHAT}}
+
+QWEN25_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                         num_attention_heads=28, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=128000,
+                         max_window_layers=28, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]})
+QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", in_channels=3, tokens_per_second=2)
+QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
+                            shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
+QWEN_IMAGE_TOKENIZERS = {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer"}}
 
 
 LTX2_TRANSFORMER = dict(  # diffusers' convert_ltx2_to_diffusers.py, version "2.0" (LTX-2 19B)
@@ -296,6 +310,27 @@ def write_z_image(out: Path) -> None:
     (out / "tokenizers.json").write_text(json.dumps(Z_IMAGE_TOKENIZERS, indent=2) + "\n")
 
 
+def write_qwen_image(out: Path) -> None:
+    """Qwen-Image (text to image): its transformer and VAE (the classes' defaults), Qwen2.5-VL-7B as
+    the text encoder (ComfyUI's ``qwen_2.5_vl_7b`` files: the language model, the vision tower and the
+    head), the scheduler's dynamic shift."""
+    with init_empty_weights():
+        diffusers.QwenImageTransformer2DModel.from_config({}).save_config(out / "transformer")
+        diffusers.AutoencoderKLQwenImage.from_config({}).save_config(out / "vae")
+    diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **QWEN_IMAGE_SCHEDULER).save_config(out / "scheduler")
+    text = transformers.Qwen2_5_VLConfig(text_config=QWEN25_VL_7B_TEXT, vision_config=QWEN25_VL_7B_VISION,
+                                         tie_word_embeddings=False, **QWEN3_VL_TOKENS)
+    text.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    text.save_pretrained(out / "text_encoder")
+    index = {"_class_name": "QwenImagePipeline", "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+             "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+             "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKLQwenImage"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "tokenizers.json").write_text(json.dumps(QWEN_IMAGE_TOKENIZERS, indent=2) + "\n")
+
+
 def write_h3(out: Path) -> None:
     """MiniMax-H3's modular folder: every component's config, no weights; the index points nowhere
     (``null``), so only the schedulers resolve from the folder and the loader supplies the rest."""
@@ -337,6 +372,8 @@ def main(root: Path = OUT) -> None:
         print(f"wrote {root / name}")
     write_z_image(root / "Z-Image-Turbo")
     print(f"wrote {root / 'Z-Image-Turbo'}")
+    write_qwen_image(root / "Qwen-Image")
+    print(f"wrote {root / 'Qwen-Image'}")
     write_h3(root / "MiniMax-H3")
     print(f"wrote {root / 'MiniMax-H3'}")
 

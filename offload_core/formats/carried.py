@@ -1,10 +1,10 @@
 """Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2,
-of FLUX.1 dev / schnell, LTX-2 19B dev / distilled, Z-Image Turbo and MiniMax-H3's modular folder, written by
+of FLUX.1 dev / schnell, LTX-2 19B dev / distilled, Z-Image Turbo, Qwen-Image and MiniMax-H3's modular folder, written by
 ``tools/write_carried_configs.py``), so a user holding only ComfyUI single files needs no diffusers
 folder: the classic one whose transformer fits the denoiser file's shape is picked. They hold no
 tokenizer: Wan's and LTX-2's come from the text-encoder file (Comfy-Org's UMT5 and Gemma 3 files
-carry their sentencepiece model, which is what ComfyUI's own tokenizers read), FLUX.1's, Z-Image's
-and H3's from the folders ComfyUI ships them in (a folder's ``tokenizers.json``).
+carry their sentencepiece model, which is what ComfyUI's own tokenizers read), FLUX.1's, Z-Image's,
+Qwen-Image's and H3's from the folders ComfyUI ships them in (a folder's ``tokenizers.json``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ROOT = Path(__file__).with_name("carried_configs")
 SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encoder file carries
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
-FAMILIES = "Wan 2.1 / 2.2, FLUX.1, LTX-2 and Z-Image Turbo"
+FAMILIES = "Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo and Qwen-Image"
 FILE_TOKENIZER_OPTIONS = {  # as the released tokenizers are: Wan's UMT5, LTX-2's Gemma 3 (which adds <bos>)
     "T5TokenizerFast": dict(extra_ids=0, model_max_length=512),
     "GemmaTokenizer": dict(add_bos_token=True), "GemmaTokenizerFast": dict(add_bos_token=True),

@@ -1,8 +1,8 @@
 """The shape of a denoiser, read from a single file's header or from a diffusers config, so that a
 file can be matched to the config folder it fits (`carried.choose`). One reader pair per family the
 pack carries configs for: Wan (the original Wan key names ComfyUI files use), FLUX.1 (BFL's), LTX-2
-(Lightricks' original names, as its ComfyUI checkpoints hold them) and Z-Image (its original names or
-diffusers').
+(Lightricks' original names, as its ComfyUI checkpoints hold them), Z-Image (its original names or
+diffusers') and Qwen-Image (diffusers' names, which its ComfyUI files hold).
 """
 
 from __future__ import annotations
@@ -94,7 +94,27 @@ class ZImageShape:
                 f"values a latent patch, captions of width {self.caption_dim}")
 
 
-Shape = WanShape | FluxShape | Ltx2Shape | ZImageShape
+@dataclass(frozen=True)
+class QwenImageShape:
+    """What tells Qwen-Image transformers apart: width, depth, input channels, text width, and the
+    edit variants' extras (2511's zero-timestep reference index, Layered's extra time input), as
+    ComfyUI's model detection tells them."""
+
+    width: int
+    layers: int
+    in_channels: int
+    text_dim: int
+    extra: str | None = None
+
+    def __str__(self) -> str:
+        extra = f", {self.extra}" if self.extra else ""
+        return (f"{self.layers} blocks of width {self.width}, {self.in_channels} input channels, text of width "
+                f"{self.text_dim}{extra}")
+
+
+Shape = WanShape | FluxShape | Ltx2Shape | ZImageShape | QwenImageShape
+QWEN_IMAGE_EXTRAS = (("__index_timestep_zero__", "a zero-timestep reference (Qwen-Image-Edit-2511)"),
+                     ("time_text_embed.addition_t_embedding.weight", "an extra time input (Qwen-Image-Layered)"))
 
 
 def file_shape(info: SingleFileInfo) -> Shape:
@@ -171,9 +191,23 @@ def _z_image_config(c: dict) -> ZImageShape:
                        c["cap_feat_dim"])
 
 
+def _qwen_image(shapes: dict[str, tuple[int, ...]]) -> QwenImageShape:
+    width, in_channels = shapes["img_in.weight"]
+    extra = next((what for key, what in QWEN_IMAGE_EXTRAS if key in shapes), None)
+    return QwenImageShape(width, _count(shapes, "transformer_blocks."), in_channels, shapes["txt_in.weight"][1], extra)
+
+
+def _qwen_image_config(c: dict) -> QwenImageShape:
+    extra = (QWEN_IMAGE_EXTRAS[0][1] if c.get("zero_cond_t") else
+             QWEN_IMAGE_EXTRAS[1][1] if c.get("use_additional_t_cond") else None)
+    return QwenImageShape(c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["in_channels"],
+                          c["joint_attention_dim"], extra)
+
+
 def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
     return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
 
 
-FILE_READERS = {"wan": _wan, "flux": _flux, "ltx2": _ltx2, "z-image": _z_image}
-CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "ltx2": _ltx2_config, "z-image": _z_image_config}
+FILE_READERS = {"wan": _wan, "flux": _flux, "ltx2": _ltx2, "z-image": _z_image, "qwen-image": _qwen_image}
+CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "ltx2": _ltx2_config, "z-image": _z_image_config,
+                  "qwen-image": _qwen_image_config}

@@ -73,6 +73,7 @@ DENOISER_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers model type prefi
     ("hidream", "hidream"),
     ("cosmos", "cosmos"),
     ("z-image", "z-image"),
+    ("qwen-image-2", "qwen-image-2"),  # (2.1: another transformer class)
     ("qwen-image", "qwen-image"),
     ("krea2", "krea2"),
 )

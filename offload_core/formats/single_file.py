@@ -56,7 +56,7 @@ CLASS_FAMILIES: tuple[tuple[str, str], ...] = (  # diffusers class-name prefix -
     ("Flux", "flux"), ("Chroma", "chroma"), ("LTX2", "ltx2"), ("LTXVideo", "ltx-video"), ("MiniMaxH3", "minimax_h3"),
     ("HunyuanVideo", "hunyuan-video"), ("Mochi", "mochi"), ("SD3", "sd3"), ("AuraFlow", "auraflow"),
     ("Lumina2", "lumina2"), ("Sana", "sana"), ("HiDream", "hidream"), ("Cosmos", "cosmos"), ("ZImage", "z-image"),
-    ("QwenImage", "qwen-image"), ("Krea2", "krea2"),
+    ("QwenImage21", "qwen-image-2"), ("QwenImage", "qwen-image"), ("Krea2", "krea2"),
 )
 
 

@@ -6,6 +6,10 @@ Gemma 3 (LTX-2's text encoder; ComfyUI's ``comfy/text_encoders/llama.py`` ``Gemm
 path, no ``lm_head`` (tied to the embeddings). A file may lack the image path: LTX-2 passes text
 only, so the encoder is then built without it (``None`` where transformers' module was).
 
+Qwen2.5-VL (Qwen-Image's text encoder; ComfyUI's ``Qwen25_7BVLI``, its ``qwen_2.5_vl_7b`` files):
+``model.*`` is the language model, ``visual.*`` the vision tower (which a text-to-image run never
+calls; a file may lack it), ``lm_head`` as transformers names it.
+
 Qwen3 (Z-Image's text encoder, a ``Qwen3Model``; ComfyUI's ``qwen_3_4b`` files): ``model.*`` is the
 whole model, which transformers names without the prefix (its loader drops it, but a file holding
 stored layers is assigned to a model built empty, so the names must be the model's own).
@@ -33,6 +37,9 @@ LAYOUTS = {
         prefixes=(("model.", "model.language_model."), ("vision_model.", "model.vision_tower."),
                   ("multi_modal_projector.", "model.multi_modal_projector.")),
         optional=("model.vision_tower.", "model.multi_modal_projector."),
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Layout(
+        prefixes=(("model.", "model.language_model."), ("visual.", "model.visual.")), optional=("model.visual.",),
     ),
     "Qwen3Model": Layout(prefixes=(("model.", ""),)),
 }

@@ -1,8 +1,10 @@
-"""Wan 2.2's VAE from its original key layout (Comfy-Org's ``wan2.2_vae.safetensors``, ComfyUI's
-own ``comfy.ldm.wan.vae2_2`` state dict). Why the pack's own: diffusers' single-file converter
-knows only Wan 2.1's flat block layout and misplaces 2.2's nested blocks (a shape error), so the
-keys are renamed here as diffusers' own ``scripts/convert_wan_to_diffusers.py`` (``convert_vae_22``)
-renames them.
+"""VAEs in Wan's original key layout that diffusers' single-file loader does not take. Wan 2.2's
+(Comfy-Org's ``wan2.2_vae.safetensors``, ComfyUI's ``comfy.ldm.wan.vae2_2`` state dict): diffusers'
+single-file converter knows only Wan 2.1's flat block layout and misplaces 2.2's nested blocks (a
+shape error), so the keys are renamed here as diffusers' own ``scripts/convert_wan_to_diffusers.py``
+(``convert_vae_22``) renames them. Qwen-Image's (``qwen_image_vae.safetensors``: Wan 2.1's layout,
+which ComfyUI loads as a Wan VAE): diffusers' ``AutoencoderKLQwenImage`` has no single-file loader,
+but its names are ``AutoencoderKLWan``'s, so diffusers' own Wan 2.1 converter renames the keys.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ def _residual(rest: str) -> str:
 
 def load_wan22_vae(path: Path, cls: type, config: Path, dtype: torch.dtype) -> Any:
     """``cls`` (AutoencoderKLWan) of the VAE config in ``config`` holding the file's weights, in ``dtype``."""
-    from accelerate import init_empty_weights
     from safetensors.torch import load_file
 
     settings = cls.load_config(str(config))
@@ -63,11 +64,33 @@ def load_wan22_vae(path: Path, cls: type, config: Path, dtype: torch.dtype) -> A
         raise SingleFileError(f"{path} is a Wan 2.2 VAE (48 latent channels), but the VAE of {config.parent} has "
                               f"{settings.get('z_dim')}: pick the VAE file this model uses (Wan 2.1's for it)")
     state = {diffusers_key(k): v for k, v in load_file(str(path)).items()}
+    return _assigned(path, cls, config, state, dtype, "Wan 2.2 VAE")
+
+
+def load_qwen_image_vae(path: Path, cls: type, config: Path, dtype: torch.dtype) -> Any:
+    """``cls`` (AutoencoderKLQwenImage) of the VAE config in ``config`` holding the file's weights (Wan
+    2.1's original names, or diffusers' own, which the converter keeps), in ``dtype``."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    if is_wan22_vae(tensors):
+        raise SingleFileError(f"{path} is a Wan 2.2 VAE (48 latent channels), not Qwen-Image's: pick "
+                              "qwen_image_vae.safetensors")
+    state = convert_wan_vae_to_diffusers(tensors)
+    return _assigned(path, cls, config, state, dtype, "Qwen-Image VAE")
+
+
+def _assigned(path: Path, cls: type, config: Path, state: dict[str, torch.Tensor], dtype: torch.dtype,
+              what: str) -> Any:
+    """``cls`` built empty from the config in ``config`` holding ``state`` (every key, strictly), in ``dtype``."""
+    from accelerate import init_empty_weights
+
     with init_empty_weights():
-        model = cls.from_config(settings)
+        model = cls.from_config(cls.load_config(str(config)))
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
-        raise SingleFileError(f"{path} does not match the Wan 2.2 VAE config of {config.parent}: {exc}") from exc
-    log.info("%s: Wan 2.2 VAE converted from its original layout", path.name)
+        raise SingleFileError(f"{path} does not match the {what} config of {config.parent}: {exc}") from exc
+    log.info("%s: %s converted from its original layout", path.name, what)
     return model.to(dtype).eval()

@@ -1,4 +1,4 @@
-"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo, MiniMax-H3), so single files run without a diffusers folder:
+"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo, Qwen-Image, MiniMax-H3), so single files run without a diffusers folder:
 each carried folder builds the released models' sizes through the real classes and is what
 ``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
 second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
@@ -41,6 +41,7 @@ VAE = {False: 0.127, True: 0.705}  # wan_2.1_vae, wan2.2_vae (48 latent channels
 UMT5_XXL_ENCODER, CLIP_VISION_H = 5.68, 0.632
 FLUX_TRANSFORMER, FLUX_VAE, CLIP_L_TEXT, T5_XXL_ENCODER = 11.90, 0.0838, 0.1231, 4.762
 Z_IMAGE_TRANSFORMER, QWEN3_4B = 6.1549, 4.0225  # z_image_turbo_bf16, qwen_3_4b (no head)
+QWEN_IMAGE_TRANSFORMER, QWEN25_VL_7B = 20.430, 8.292  # qwen_image_bf16, qwen_2.5_vl_7b (vision tower and head)
 TINY = ("wan", "wan_i2v", "wan22_ti2v", "wan22_a14b", "wan22_a14b_i2v")
 WAN = [f for f in carried.carried() if f.name.startswith("Wan")]
 FLUX = [f for f in carried.carried() if f.name.startswith("FLUX.1")]
@@ -143,6 +144,38 @@ def test_the_released_z_image_shape_picks_its_folder() -> None:
     shallow = {k: v for k, v in shapes.items() if not k.startswith("layers.29.")}
     with pytest.raises(SingleFileError, match="z-image denoiser of 29 blocks of width 3840 .2 refiner blocks."):
         carried.choose(describe_keys(Path("z_image_pruned.safetensors"), shallow), False, carried.carried())
+
+
+def test_the_carried_qwen_image_folder_builds_the_released_model_sizes() -> None:
+    """Qwen-Image: its transformer, Qwen2.5-VL-7B with its vision tower and head (ComfyUI's
+    ``qwen_2.5_vl_7b`` file), Wan 2.1's VAE size; the dynamic exponential shift; ComfyUI's Qwen folder."""
+    folder = carried.by_name("Qwen-Image")
+    _index(folder)
+    assert _billions(_meta(diffusers.QwenImageTransformer2DModel, folder / "transformer")) == pytest.approx(
+        QWEN_IMAGE_TRANSFORMER, rel=5e-3)
+    assert _billions(_meta(transformers.Qwen2_5_VLForConditionalGeneration, folder / "text_encoder")) == pytest.approx(
+        QWEN25_VL_7B, rel=5e-3)
+    assert _billions(_meta(diffusers.AutoencoderKLQwenImage, folder / "vae")) == pytest.approx(VAE[False], rel=5e-3)
+    config = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler")).config
+    assert (config.use_dynamic_shifting, config.max_shift, config.shift_terminal, config.time_shift_type) == (
+        True, 0.9, 0.02, "exponential")
+    assert json.loads((folder / "tokenizers.json").read_text()) == {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer"}}
+
+
+def test_the_released_qwen_image_shape_picks_its_folder_and_other_variants_fit_none() -> None:
+    """A Qwen-Image file (diffusers' names, as Comfy-Org's hold them) picks the carried folder; the
+    edit variant with a zero-timestep reference (2511) is told by that key, Qwen-Image 2.1 by family."""
+    folder = carried.by_name("Qwen-Image")
+    shapes = {k: tuple(t.shape) for k, t in
+              _meta(diffusers.QwenImageTransformer2DModel, folder / "transformer").state_dict().items()}
+    info = describe_keys(Path("qwen_image_fp8_e4m3fn.safetensors"), shapes)
+    assert info.family == "qwen-image" and carried.choose(info, False, carried.carried()) == folder
+    edit = describe_keys(Path("qwen_image_edit_2511_bf16.safetensors"), {**shapes, "__index_timestep_zero__": (0,)})
+    with pytest.raises(SingleFileError, match="60 blocks of width 3072.*a zero-timestep reference .Qwen-Image-Edit-2511"):
+        carried.choose(edit, False, carried.carried())
+    newer = describe_keys(Path("qwen_image_2.1.safetensors"), {**shapes, "txt_in.text_norm.weight": (3584,)})
+    with pytest.raises(SingleFileError, match="looks like a qwen-image-2 denoiser: the pack carries configs for"):
+        carried.choose(newer, False, carried.carried())
 
 
 # MiniMax-H3 as Comfy-Org's files hold it, in billions (the bf16 / fp16 files' bytes / 2, the fp32 audio VAE's / 4):
@@ -319,7 +352,7 @@ def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried
 
 
 def test_a_file_of_another_family_or_role_is_refused(wan_component_files) -> None:
-    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2, FLUX.1, LTX-2 and Z-Image Turbo only"):
+    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo and Qwen-Image only"):
         carried.pick(wan_component_files["text_encoder"], False)
     with pytest.raises(SingleFileError, match="carries no config folder 'Wan9'.*Wan2.1-T2V-14B-Diffusers"):
         carried.by_name("Wan9")

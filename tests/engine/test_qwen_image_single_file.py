@@ -1,0 +1,161 @@
+"""Qwen-Image from ComfyUI's files alone: the denoiser (Comfy-Org's ``qwen_image_*`` files hold
+diffusers' names), the Qwen2.5-VL text encoder in ComfyUI's layout (``qwen_2.5_vl_7b``: ``model.*``,
+``visual.*``, ``lm_head``) and the VAE in Wan 2.1's original layout (``qwen_image_vae``, which diffusers
+has no single-file loader for), with the configs the pack carries and ComfyUI's own tokenizer folder.
+The tiny model's configs, with the carried ``tokenizers.json``, stand for the carried folder: an
+fp8_scaled denoiser picks it and gives, in every placement, the bits of the folder's pipeline holding
+the file's weights as ComfyUI computes them; the files are left unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import diffusers
+import pytest
+import torch
+from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.formats import carried
+from diffusers_offload.offload_core.formats.inspect import SingleFileError
+from diffusers_offload.offload_core.formats.single_file_pipeline import (
+    load_pipeline_with_denoiser,
+    load_text_encoder,
+    load_vae,
+)
+from diffusers_offload.offload_core.formats.wan_vae import MARKER
+from fixtures.comfy_files import carried_like_copy, comfy_dequantised, comfy_tensors
+from fixtures.placements import PLACEMENTS, run_placed
+from fixtures.quantized import digest
+from fixtures.qwen_image_files import (
+    build_tiny_qwen_image,
+    comfy_qwen_image_files,
+    comfy_text_encoder_state,
+    run_qwen_image,
+    text_encoder_state,
+    transformer_state,
+)
+from safetensors.torch import load_file, save_file
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+TE = "Qwen2_5_VLForConditionalGeneration"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return build_tiny_qwen_image(tmp_path_factory.mktemp("qwen-image") / "qwen-image-tiny")
+
+
+@pytest.fixture(scope="module")
+def denoiser(folder, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("qwen-image-files") / "qwen_image_tiny_fp8_scaled.safetensors"
+    save_file(comfy_tensors(transformer_state(folder), "fp8_scaled"), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def parts(folder, tmp_path_factory) -> dict[str, Path]:
+    return comfy_qwen_image_files(folder, tmp_path_factory.mktemp("qwen-image-parts"))
+
+
+@pytest.fixture(scope="module")
+def carried_like(folder, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny configs with the carried ``tokenizers.json``, and a ComfyUI ``comfy`` folder holding
+    the tiny tokenizer where ComfyUI keeps its ``qwen25_tokenizer``."""
+    tmp = tmp_path_factory.mktemp("qwen-image-carried")
+    configs = carried_like_copy(folder, tmp / "carried" / "qwen-image-tiny")
+    (configs / carried.SHIPPED).write_bytes((carried.by_name("Qwen-Image") / carried.SHIPPED).read_bytes())
+    package = tmp / "ComfyUI" / "comfy"
+    tokenizer = diffusers.QwenImagePipeline.from_pretrained(str(folder), transformer=None, vae=None,
+                                                            text_encoder=None).tokenizer
+    tokenizer.save_pretrained(str(package / "text_encoders" / "qwen25_tokenizer"))
+    return configs, package
+
+
+def _reference(folder: Path, transformer: dict | None = None, text_encoder: dict | None = None) -> torch.Tensor:
+    """The folder's pipeline (no pack code) in bf16, holding the given weights (the text encoder's
+    under the names its file holds)."""
+    pipe = diffusers.QwenImagePipeline.from_pretrained(str(folder), dtype=BF16)
+    if transformer is not None:
+        pipe.transformer.load_state_dict(transformer, strict=True)
+    if text_encoder is not None:  # (the saved names: ComfyUI's; the model's own: transformers')
+        saved = {next(iter(comfy_text_encoder_state({k: t}))): k for k, t in pipe.text_encoder.state_dict().items()}
+        pipe.text_encoder.load_state_dict({saved[k]: t for k, t in text_encoder.items()}, strict=True)
+    return run_qwen_image(pipe)
+
+
+@pytest.fixture(scope="module")
+def expected(folder, denoiser) -> torch.Tensor:
+    return _reference(folder, transformer=comfy_dequantised(denoiser, BF16))
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_comfyuis_files_run_with_the_carried_configs_in_every_placement(placement, folder, denoiser, parts,
+                                                                        carried_like, expected):
+    configs, package = carried_like
+    before = {p: digest(p) for p in (denoiser, *parts.values())}
+    assert carried.pick(denoiser, False, configs.parent) == configs
+    pipe = load_pipeline_with_denoiser(configs, denoiser, BF16, comfy_tokenizers=package,
+                                       text_encoder_file=parts["text_encoder"], vae_file=parts["vae"])
+    attention = pipe.transformer.transformer_blocks[0].attn
+    assert {attention.to_q.weight.dtype, attention.add_k_proj.weight.dtype} == {FP8}
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_qwen_image), expected)
+    assert {p: digest(p) for p in before} == before
+
+
+def test_the_vae_in_wans_original_layout_is_the_folders_vae(folder, parts, tmp_path):
+    """diffusers' own Wan 2.1 converter renames ``qwen_image_vae``'s keys: the folder's VAE bit for bit;
+    a file in diffusers' names passes through it too; a Wan 2.2 VAE is refused by name."""
+    want = diffusers.AutoencoderKLQwenImage.from_pretrained(str(folder / "vae")).state_dict()
+    assert "decoder.upsamples.4.shortcut.weight" in load_file(str(parts["vae"]))
+    for path in (parts["vae"], next((folder / "vae").glob("*.safetensors"))):
+        got = load_vae(path, folder, BF16).state_dict()
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k].to(BF16)) for k in want)
+    wan22 = tmp_path / "wan2.2_vae.safetensors"
+    save_file({MARKER: torch.zeros(1)}, str(wan22))
+    with pytest.raises(SingleFileError, match=r"wan2\.2_vae\.safetensors is a Wan 2\.2 VAE .*qwen_image_vae"):
+        load_vae(wan22, folder, BF16)
+
+
+def test_the_text_encoder_in_comfyuis_layout_with_or_without_its_vision_tower(folder, parts, tmp_path):
+    """ComfyUI's layout is the folder's text encoder, tensor for tensor; a file without ``visual.*``
+    (a text-to-image run never calls it) loads without the vision tower and encodes alike."""
+    want = text_encoder_state(folder)
+    model = load_text_encoder(parts["text_encoder"], folder / "text_encoder", TE, BF16)
+    got = comfy_text_encoder_state(model.state_dict())
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k].to(BF16)) for k in want)
+    text_only = tmp_path / "qwen_2.5_vl_text_only.safetensors"
+    save_file({k: t for k, t in load_file(str(parts["text_encoder"])).items() if not k.startswith("visual.")},
+              str(text_only))
+    lean = load_text_encoder(text_only, folder / "text_encoder", TE, BF16)
+    assert lean.model.visual is None
+    ids = torch.tensor([[5, 9, 40, 7]])
+    with torch.no_grad():
+        assert torch.equal(lean(input_ids=ids, output_hidden_states=True).hidden_states[-1],
+                           model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
+
+
+def test_an_fp8_scaled_text_encoder_keeps_its_fp8_layers(folder, parts, carried_like, tmp_path):
+    """Comfy-Org's ``qwen_2.5_vl_7b_fp8_scaled`` kind of file: the language model's matrices in fp8
+    with a ``scale_weight``. They stay fp8 in the pipeline, which gives the bits of the folder's
+    pipeline whose text encoder holds them as ComfyUI computes them (``w.to(bf16) * scale``)."""
+    stored, reference = {}, {}
+    for key, t in text_encoder_state(folder).items():
+        if t.ndim == 2 and key.startswith("model.layers."):
+            scale = (t.float().abs().amax() / 448).reshape(())
+            q = (t.float() / scale).to(FP8)
+            stored |= {key: q, f"{key.removesuffix('.weight')}.scale_weight": scale}
+            reference[key] = q.to(BF16) * scale.to(BF16)
+        else:
+            stored[key], reference[key] = t.to(BF16), t.to(BF16)
+    te_file = tmp_path / "qwen_2.5_vl_tiny_fp8_scaled.safetensors"
+    save_file({**comfy_text_encoder_state(stored), "scaled_fp8": torch.empty(0, dtype=FP8)}, str(te_file))
+    want = _reference(folder, text_encoder=reference)
+    configs, package = carried_like
+    bf16 = carried_like[0].parent / "qwen_image_tiny_bf16.safetensors"
+    save_file(comfy_tensors(transformer_state(folder), "bf16"), str(bf16))
+    pipe = load_pipeline_with_denoiser(configs, bf16, BF16, comfy_tokenizers=package, text_encoder_file=te_file,
+                                       vae_file=parts["vae"])
+    layer = pipe.text_encoder.model.language_model.layers[0]
+    assert {layer.mlp.up_proj.weight.dtype, layer.self_attn.q_proj.weight.dtype} == {FP8}
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_qwen_image), want)
+
