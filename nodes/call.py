@@ -92,11 +92,15 @@ class Call:
             self.notes.append(f"start_image: the first of {image.shape[0]} images is used")
 
     def text(self, prompt: str, negative_prompt: str, guidance: float) -> None:
+        """The prompts and guidance. A true-CFG pipeline (Flux without distilled guidance, Qwen-Image)
+        runs CFG only when given a negative prompt: with guidance above 1 an empty one is passed, as
+        ComfyUI's sampler runs CFG against an empty negative."""
         self.kwargs["prompt"] = prompt
-        if negative_prompt.strip():
+        key = self.guidance_key() if guidance > 0 else None
+        if negative_prompt.strip() or (key == "true_cfg_scale" and guidance > 1):
             self.offer("negative_prompt", negative_prompt, f"{self.name} takes no negative prompt: ignored")
-        if guidance > 0:
-            self.offer(self.guidance_key(), guidance, f"{self.name} takes no guidance scale: ignored")
+        if key is not None:
+            self.offer(key, guidance, f"{self.name} takes no guidance scale: ignored")
 
     def second_guidance(self, guidance_2: float) -> None:
         """Wan 2.2 A14B's guidance for its second expert (``transformer_2``, below the pipeline's

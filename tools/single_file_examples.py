@@ -65,8 +65,15 @@ Z_IMAGE_TURBO = ComfyFile("denoiser", "diffusion_models", COMFY_Z_IMAGE,
 Z_IMAGE_QWEN3 = ComfyFile("text_encoder", "text_encoders", COMFY_Z_IMAGE, "split_files/text_encoders/qwen_3_4b.safetensors",
                           "text_encoder")
 Z_IMAGE_AE = ComfyFile("vae", "vae", COMFY_Z_IMAGE, "split_files/vae/ae.safetensors", "vae")
+QWEN_IMAGE_REPO, COMFY_QWEN_IMAGE = "Qwen/Qwen-Image", "Comfy-Org/Qwen-Image_ComfyUI"
+QWEN_IMAGE_FP8 = ComfyFile("denoiser", "diffusion_models", COMFY_QWEN_IMAGE,
+                           "split_files/diffusion_models/qwen_image_fp8_e4m3fn.safetensors", "fp8")
+QWEN_IMAGE_TEXT_ENCODER = ComfyFile("text_encoder", "text_encoders", COMFY_QWEN_IMAGE,
+                                    "split_files/text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors", "text_encoder")
+QWEN_IMAGE_VAE = ComfyFile("vae", "vae", COMFY_QWEN_IMAGE, "split_files/vae/qwen_image_vae.safetensors", "vae")
 SHIPPED_TOKENIZERS = {"FluxPipeline": "the tokenizers are ComfyUI's own.",  # the carried ones that ComfyUI ships
-                      "ZImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder)."}
+                      "ZImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
+                      "QwenImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder)."}
 
 LTX2_REPO = "Lightricks/LTX-2"  # the checkpoint and Gemma file ComfyUI's own LTX-2 templates name
 LTX2_FP8 = ComfyFile("denoiser", "checkpoints", LTX2_REPO, "ltx-2-19b-dev-fp8.safetensors", "checkpoint")

@@ -254,8 +254,15 @@ def test_inputs_the_pipeline_lacks_are_noted_and_guidance_goes_where_the_model_r
     assert call.notes == ["PromptOnly takes no negative prompt: ignored", "PromptOnly takes no guidance scale: ignored"]
 
     assert calls.Call(flux_pipe).guidance_key() == "true_cfg_scale"  # tiny Flux: no distilled guidance
+    for guidance, negative in ((3.0, {"negative_prompt": ""}), (1.0, {})):  # CFG against an empty negative, as ComfyUI
+        call = calls.Call(flux_pipe)
+        call.text("a cat", "", guidance)
+        assert call.kwargs == {"prompt": "a cat", "true_cfg_scale": guidance, **negative}
     flux_pipe.transformer.register_to_config(guidance_embeds=True)  # as FLUX.1-dev
     assert calls.Call(flux_pipe).guidance_key() == "guidance_scale"
+    call = calls.Call(flux_pipe)
+    call.text("a cat", "", 3.5)
+    assert call.kwargs == {"prompt": "a cat", "guidance_scale": 3.5}
 
 
 def test_a_distilled_ltx2_runs_its_own_sigmas(comfy: harness.ComfyHost, tiny_ltx2_dir: Path) -> None:

@@ -21,7 +21,7 @@ import av
 import pytest
 import torch
 from comfyhost import harness
-from fixtures import comfy_files, flux_files, gguf_files, z_image_files
+from fixtures import comfy_files, flux_files, gguf_files, qwen_image_files, z_image_files
 from fixtures.tiny_tok import tiny_gemma_spiece, tiny_t5_spiece
 from PIL import Image
 from safetensors.torch import save_file
@@ -34,6 +34,7 @@ _comfy_wan, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wa
                                            gguf_files.wan_gguf_fixture)
 _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width
 _tiny_z_image = z_image_files.tiny_z_image_dir
+_tiny_qwen_image = qwen_image_files.tiny_qwen_image_dir
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
@@ -184,6 +185,13 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
         return comfy_files.write_component_file(folder, file.tiny, tmp / f"flux-{file.tiny}.safetensors")
     if example.tiny == "z_image":  # Comfy-Org's files: ComfyUI's names, the Qwen3 file, ae.safetensors
         return z_image_files.comfy_z_image_files(request.getfixturevalue("tiny_z_image_dir"), tmp / "z-image")[file.input]
+    if example.tiny == "qwen_image":  # Comfy-Org's files: diffusers' names, ComfyUI's Qwen2.5-VL layout, Wan's VAE
+        folder = request.getfixturevalue("tiny_qwen_image_dir")
+        if file.input == "denoiser":
+            save_file(comfy_files.comfy_tensors(qwen_image_files.transformer_state(folder), file.tiny),
+                      str(tmp / f"qwen-image-{file.tiny}.safetensors"))
+            return tmp / f"qwen-image-{file.tiny}.safetensors"
+        return qwen_image_files.comfy_qwen_image_files(folder, tmp / "qwen-image")[file.input]
     if example.tiny != "wan":
         folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
         if file.input in ("text_encoder", "vae"):
@@ -212,17 +220,17 @@ def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
     return tmp / "ltx2-gemma-fp4.safetensors"
 
 
-SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo"}  # tiny family -> carried folder naming ComfyUI's tokenizers
+SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo", "qwen_image": "Qwen-Image"}  # tiny family -> carried folder naming ComfyUI's tokenizers
 
 
 def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
     """The template's config ('auto': the configs the pack carries): the example's tiny folder less
     its weights and tokenizers (as the pack's carried folders are) in their place, so that auto picks
-    it for the tiny files; for Flux and Z-Image, the tiny tokenizers where ComfyUI keeps its own, and
+    it for the tiny files; for Flux, Z-Image and Qwen-Image, the tiny tokenizers where ComfyUI keeps its own, and
     the node pointed at that folder instead of the running ComfyUI's."""
     assert example.model == ex.sf.AUTO_CONFIG
     families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir",
-                "z_image": "tiny_z_image_dir"}
+                "z_image": "tiny_z_image_dir", "qwen_image": "tiny_qwen_image_dir"}
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
