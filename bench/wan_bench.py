@@ -11,8 +11,8 @@ forward, its warm-ups and its timed forwards; after the first forward (the one w
 the count should not grow. The run ends with the side-by-side table (benchkit.table).
 
 ``--model flux`` runs the same rows on a FLUX.1-dev transformer (two towers: 19 dual-stream and 38
-single-stream blocks), ``--model zimage`` on Z-Image Turbo's (30 layers; the config the pack carries),
-one 1024x1024 image workload, and writes ``wan_bench_<model>.json``/``.log``.
+single-stream blocks), ``--model zimage`` on Z-Image Turbo's (30 layers) and ``--model qwenimage`` on
+Qwen-Image's (60 blocks; the configs the pack carries), one 1024x1024 image workload, and writes ``wan_bench_<model>.json``/``.log``.
 
     python bench/wan_bench.py --sections stream,preload --caps 12,24 --out $OUT   # the headline rows
     python bench/wan_bench.py --self-check                                        # CPU: the table's ratios
@@ -28,7 +28,7 @@ Sections:
   cycles   30 cycles alternating the workloads at the tightest cap: OOMs, peak, plan lines, sync loads
   mmgp     mmgp 3.8.2 (WanGP's engine) keeping --mmgp-kept blocks at the first cap; runs last, and
            needs ``mmgp`` and ``optimum-quanto`` (carry their wheels: the GPU machine has no network)
-With ``--model flux`` / ``zimage``: stream, preload, cycles and anchors.
+With ``--model flux`` / ``zimage`` / ``qwenimage``: stream, preload, cycles and anchors.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ if "--self-check" in sys.argv:  # no torch, no GPU
 import psutil  # noqa: E402
 import torch  # noqa: E402
 from benchkit import storages  # noqa: E402
+from benchkit.image_models import IMAGE_MODELS  # noqa: E402
 from benchkit.measure import (  # noqa: E402
     GC,
     Ballast,
@@ -67,20 +68,7 @@ from benchkit.measure import (  # noqa: E402
     timed,
     to_host,
 )
-from benchkit.models import (  # noqa: E402
-    FP8_STORAGES,
-    blocks_of,
-    build_flux,
-    build_wan,
-    build_zimage,
-    flux_forward,
-    flux_inputs,
-    nbytes,
-    wan_forward,
-    wan_inputs,
-    zimage_forward,
-    zimage_inputs,
-)
+from benchkit.models import FP8_STORAGES, blocks_of, build_wan, nbytes, wan_forward, wan_inputs  # noqa: E402
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
@@ -89,7 +77,7 @@ from diffusers_offload.offload_core.pinning import pinned_bytes  # noqa: E402
 
 row = Rows()
 DEV = "cuda"  # "cpu" with --tiny: the dry run that checks the flow, not the speed
-FORWARD = wan_forward  # flux_forward / zimage_forward with --model flux / zimage
+FORWARD = wan_forward  # the image model's with --model flux / zimage / qwenimage
 WAN_ONLY = {"modes", "firstk", "mmgp"}
 
 
@@ -106,8 +94,8 @@ def host_times(m, feeds, repeats: int) -> dict:
 
 def build(args):
     """The model; with ``--storage fp8_*`` its Linear weights stored as the loader's fp8 dtypes do."""
-    builders = {"flux": build_flux, "zimage": build_zimage}
-    m = builders[args.model](DEV, args.tiny) if args.model in builders else build_wan(args.blocks, DEV, args.tiny)
+    image = IMAGE_MODELS.get(args.model)
+    m = image.build(DEV, args.tiny) if image else build_wan(args.blocks, DEV, args.tiny)
     storages.apply(m, args.storage, row, args.cast_each_forward)
     return m
 
@@ -149,8 +137,8 @@ def layerwise(m, feeds: dict, refs: dict, args) -> None:
 
 
 def inputs(args, w: str) -> tuple:
-    image = {"flux": flux_inputs, "zimage": zimage_inputs}
-    return image[args.model](w, DEV, args.tiny) if args.model in image else wan_inputs(w, args.frames, DEV)
+    image = IMAGE_MODELS.get(args.model)
+    return image.inputs(w, DEV, args.tiny) if image else wan_inputs(w, args.frames, DEV)
 
 
 def config(args, **kw) -> OffloadConfig:
@@ -309,9 +297,9 @@ def section_cycles(m, refs, feeds, args, cap: float) -> None:
 def main() -> None:
     global row, DEV, FORWARD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("wan", "flux", "zimage"), default="wan",
-                    help="flux: the FLUX.1-dev transformer (two towers), zimage: Z-Image Turbo's (the carried config); "
-                         "workload image (1024x1024)")
+    ap.add_argument("--model", choices=("wan", *IMAGE_MODELS), default="wan",
+                    help="flux: the FLUX.1-dev transformer (two towers), zimage / qwenimage: Z-Image Turbo's / "
+                         "Qwen-Image's (the carried configs); workload image (1024x1024)")
     ap.add_argument("--sections", default="", help="default: modes,stream,preload,firstk,anchors,cycles "
                     "(flux: stream,preload,anchors,cycles)")
     ap.add_argument("--blocks", type=int, default=40)
@@ -340,7 +328,7 @@ def main() -> None:
     args.workloads = args.workloads or ("image" if image else "small,video")
     if image and WAN_ONLY & set(args.sections.split(",")):
         ap.error(f"--model {args.model} runs no {', '.join(sorted(WAN_ONLY & set(args.sections.split(','))))} section")
-    FORWARD = {"flux": flux_forward, "zimage": zimage_forward}.get(args.model, wan_forward)
+    FORWARD = IMAGE_MODELS[args.model].forward if image else wan_forward
     name = f"wan_bench_{args.model}" if image else "wan_bench"
     row = open_output(args, name if args.storage == "bf16" else f"{name}_{args.storage}")
     if args.tiny:

@@ -5,7 +5,8 @@ package imports as ``benchkit``; no script imports another. This module imports 
 nor the pack: comfy_coexist.py must let ComfyUI's start-up import torch first.
 
   benchkit          paths, the pack's import name, JSON rows, the output folder (--out / $OUT)
-  benchkit.models   random-weight builders (Wan-2.1-14B, FLUX.1-dev geometry, MiniMax-H3) and their inputs
+  benchkit.models   random-weight builders (Wan-2.1-14B, MiniMax-H3) and their inputs
+  benchkit.image_models  the image transformers of wan_bench --model (FLUX.1-dev, Z-Image Turbo, Qwen-Image)
   benchkit.measure  ballast, timing, allocator peaks, pinned bandwidth, sync loads, device-memory polling
   benchkit.anchors  diffusers' group offloading and mmgp, timed beside the engine (wan_bench.py)
   benchkit.stages   per-stage clock and peaks of one pipeline call (h3_bench.py)

@@ -1,0 +1,149 @@
+"""The image transformers the bench runs beside Wan's (``wan_bench.py --model``): FLUX.1-dev's geometry,
+and Z-Image Turbo's and Qwen-Image's from the configs the pack carries, each with one pipeline step's
+inputs as its pipeline makes them, at 1024x1024 (``tiny``: a small width and depth for CPU dry runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .models import cast_like_from_pretrained
+
+# -- FLUX.1-dev geometry: two towers --------------------------------------------------------------
+# 19 dual-stream blocks of 0.633 GiB and 38 single-stream ones of 0.264 GiB, 11.9 B parameters,
+# 22.17 GiB in bf16 (0.12 GiB outside the blocks).
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+# Width 128, 2 + 2 blocks (CPU smoke runs); the text width stays 4096 and the pooled one 768.
+FLUX_TINY = dict(FLUX_DEV, num_layers=2, num_single_layers=2, num_attention_heads=2, attention_head_dim=64,
+                 axes_dims_rope=(8, 28, 28))
+FLUX_IMAGE = {"image": 1024}  # pixels a side: 1024x1024 -> 128x128 latents -> 4096 packed tokens
+FLUX_TEXT = 512  # T5 tokens (FLUX.1-dev's max_sequence_length)
+
+
+def build_flux(device: str | torch.device = "cuda", tiny: bool = False) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = FluxTransformer2DModel(**(FLUX_TINY if tiny else FLUX_DEV))
+    return cast_like_from_pretrained(m, torch.bfloat16)
+
+
+def flux_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    """One FluxPipeline denoising call's transformer inputs at ``FLUX_IMAGE[name]`` pixels a side
+    (128 with ``tiny``): packed latents (1, tokens, 64), T5 states (1, 512, 4096; 64 tokens tiny),
+    CLIP pooled (1, 768), timestep 0.5 (the pipeline passes t / 1000), guidance 3.5, and the ids
+    as ``FluxPipeline`` makes them (``_prepare_latent_image_ids``; zero text ids), in the dtype of
+    the text states."""
+    side = 128 if tiny else FLUX_IMAGE[name]
+    grid = side // 16  # the pipeline's latent side 2 * (side // 16) over its 2x2 packing
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16
+    x = torch.randn((1, grid * grid, 64), generator=g, device=device, dtype=dt)
+    enc = torch.randn((1, 64 if tiny else FLUX_TEXT, 4096), generator=g, device=device, dtype=dt)
+    pooled = torch.randn((1, 768), generator=g, device=device, dtype=dt)
+    img_ids = torch.zeros(grid, grid, 3)
+    img_ids[..., 1] += torch.arange(grid)[:, None]
+    img_ids[..., 2] += torch.arange(grid)[None, :]
+    img_ids = img_ids.reshape(grid * grid, 3).to(device=device, dtype=dt)
+    txt_ids = torch.zeros(enc.shape[1], 3, device=device, dtype=dt)
+    t = torch.full((1,), 500.0, device=device).to(dt) / 1000
+    guidance = torch.full((1,), 3.5, device=device, dtype=torch.float32)
+    return x, enc, pooled, t, guidance, img_ids, txt_ids
+
+
+def flux_forward(m, x, enc, pooled, t, guidance, img_ids, txt_ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return m(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled, encoder_hidden_states=enc,
+                 txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
+
+
+# Z-Image Turbo's transformer as the pack carries its config (6.15 B parameters; its refiners ride in the
+# non-block part); tiny: width 128, 2 layers. A 1024x1024 image: 128x128 latents, 4096 tokens beside the caption.
+Z_IMAGE_TINY = dict(dim=128, n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=64,
+                    axes_dims=[16, 24, 24])
+Z_IMAGE_CAPTION = 128  # prompt tokens (the pipeline passes only the prompt's own, unpadded)
+
+
+def build_zimage(device: str | torch.device = "cuda", tiny: bool = False) -> torch.nn.Module:
+    from diffusers import ZImageTransformer2DModel
+    from diffusers_offload.offload_core.formats.carried import by_name
+
+    config = dict(ZImageTransformer2DModel.load_config(str(by_name("Z-Image-Turbo") / "transformer")))
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = ZImageTransformer2DModel.from_config({**config, **(Z_IMAGE_TINY if tiny else {})})
+    return cast_like_from_pretrained(m, torch.bfloat16)
+
+
+def zimage_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    """One ZImagePipeline step's transformer inputs for a ``FLUX_IMAGE[name]`` image (128 px tiny):
+    the latents as its list of (16, 1, h, w), timestep 0.5 (the pipeline's ``(1000 - t) / 1000``),
+    the caption's hidden states as a list of (tokens, width)."""
+    side = (128 if tiny else FLUX_IMAGE[name]) // 8
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16
+    x = torch.randn((16, 1, side, side), generator=g, device=device, dtype=dt)
+    cap = torch.randn((16 if tiny else Z_IMAGE_CAPTION, 64 if tiny else 2560), generator=g, device=device, dtype=dt)
+    return [x], torch.full((1,), 0.5, device=device, dtype=dt), [cap]
+
+
+def zimage_forward(m, x, t, cap) -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.stack(m(x, t, cap, return_dict=False)[0])
+
+
+# Qwen-Image's transformer as the pack carries its config (60 dual-stream blocks of 0.634 GiB, 20.43 B
+# parameters, 38.1 GiB in bf16); tiny: width 128, 2 blocks. 1024x1024: 64x64 packed tokens beside the prompt.
+QWEN_IMAGE_TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=64, axes_dims_rope=(16, 24, 24))
+QWEN_IMAGE_PROMPT = 128  # prompt tokens after the template's 34 (the pipeline passes only the prompt's own)
+
+
+def build_qwenimage(device: str | torch.device = "cuda", tiny: bool = False) -> torch.nn.Module:
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers_offload.offload_core.formats.carried import by_name
+
+    config = dict(QwenImageTransformer2DModel.load_config(str(by_name("Qwen-Image") / "transformer")))
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = QwenImageTransformer2DModel.from_config({**config, **(QWEN_IMAGE_TINY if tiny else {})})
+    return cast_like_from_pretrained(m, torch.bfloat16)
+
+
+def qwenimage_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    """One QwenImagePipeline step's transformer inputs for a ``FLUX_IMAGE[name]`` image (128 px tiny):
+    packed latents (1, tokens, 64), the prompt's states (1, tokens, 3584) and mask, timestep 0.5
+    (the pipeline passes t / 1000), the image's packed grid as ``img_shapes``."""
+    grid = (128 if tiny else FLUX_IMAGE[name]) // 16
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16
+    x = torch.randn((1, grid * grid, 64), generator=g, device=device, dtype=dt)
+    enc = torch.randn((1, 16 if tiny else QWEN_IMAGE_PROMPT, 3584), generator=g, device=device, dtype=dt)
+    mask = torch.ones(enc.shape[:2], device=device, dtype=torch.long)
+    return x, enc, mask, torch.full((1,), 0.5, device=device, dtype=dt), [[(1, grid, grid)]]
+
+
+def qwenimage_forward(m, x, enc, mask, t, img_shapes) -> torch.Tensor:
+    with torch.inference_mode():
+        return m(hidden_states=x, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
+                 img_shapes=img_shapes, return_dict=False)[0]
+
+
+@dataclass(frozen=True)
+class ImageModel:
+    """One ``--model``: its builder (device, tiny), inputs (workload, device, tiny) and forward."""
+
+    build: Callable[..., torch.nn.Module]
+    inputs: Callable[..., tuple]
+    forward: Callable[..., Any]
+
+
+IMAGE_MODELS = {"flux": ImageModel(build_flux, flux_inputs, flux_forward),
+                "zimage": ImageModel(build_zimage, zimage_inputs, zimage_forward),
+                "qwenimage": ImageModel(build_qwenimage, qwenimage_inputs, qwenimage_forward)}
