@@ -1,6 +1,8 @@
 """Text encoders from llama.cpp GGUF files, which ComfyUI users load with ComfyUI-GGUF: T5 / UMT5
-(city96's ``umt5-xxl-encoder-*.gguf`` for Wan, ``t5-v1_1-xxl-encoder-*.gguf`` for Flux) and Qwen3
-(the ``Qwen3-4B-*.gguf`` files Z-Image users pick in place of ``qwen_3_4b``).
+(city96's ``umt5-xxl-encoder-*.gguf`` for Wan, ``t5-v1_1-xxl-encoder-*.gguf`` for Flux), Qwen3
+(the ``Qwen3-4B-*.gguf`` files Z-Image users pick in place of ``qwen_3_4b``) and Qwen2.5-VL (the
+``Qwen2.5-VL-7B-Instruct-*.gguf`` files Qwen-Image users pick: the language model only, llama.cpp
+keeps the vision tower in a separate file, so the model is built without it).
 
 The file names its tensors as llama.cpp does (``enc.blk.0.attn_q.weight``, ``blk.0.attn_q.weight``);
 the `gguf` package's own name map for its architecture gives each one its transformers name. diffusers'
@@ -22,12 +24,15 @@ from ..log import get_logger
 from .gguf import GgufFileError, inspect_gguf
 from .inspect import SingleFileError, describe_keys
 from .single_file import short_dtype
+from .text_encoder_layouts import LAYOUTS, comfy_key, drop_absent
 
 log = get_logger("gguf")
 
-ARCHS = {"t5": "T5ENCODER", "t5encoder": "T5ENCODER", "qwen3": "QWEN3"}  # a file's arch -> the `gguf` name map's
-CLASSES = {"T5ENCODER": ("T5EncoderModel", "UMT5EncoderModel"), "QWEN3": ("Qwen3Model", "Qwen3ForCausalLM")}
-WHAT = {"T5ENCODER": "a T5 text encoder", "QWEN3": "a Qwen3 text encoder"}
+ARCHS = {"t5": "T5ENCODER", "t5encoder": "T5ENCODER", "qwen3": "QWEN3", "qwen2vl": "QWEN2VL"}  # file's -> `gguf`'s
+CLASSES = {"T5ENCODER": ("T5EncoderModel", "UMT5EncoderModel"), "QWEN3": ("Qwen3Model", "Qwen3ForCausalLM"),
+           "QWEN2VL": ("Qwen2_5_VLForConditionalGeneration",)}
+WHAT = {"T5ENCODER": "a T5 text encoder", "QWEN3": "a Qwen3 text encoder",
+        "QWEN2VL": "a Qwen2.5-VL language model"}
 HEAD = "output.weight"  # llama.cpp's name of a language model's head, which a model without one has no use for
 DECODED = ["wo"]  # Linear layers whose caller casts their input to the weight's dtype
 
@@ -48,7 +53,7 @@ def load_gguf_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch
     if arch is None:
         looks = describe_keys(path, info.shapes).looks_like or f"a GGUF {info.arch} model"
         raise SingleFileError(f"{path} looks like {looks}, not a text-encoder file: GGUF text encoders load as "
-                              "T5 / UMT5 ('t5encoder') and Qwen3 ('qwen3') only")
+                              "T5 / UMT5 ('t5encoder'), Qwen3 ('qwen3') and Qwen2.5-VL ('qwen2vl') only")
     if cls_name not in CLASSES[arch]:
         raise SingleFileError(f"{path} is {WHAT[arch]} (GGUF), but the text encoder of {config.parent} is a "
                               f"{cls_name}: pick the text encoder this model uses")
@@ -63,26 +68,31 @@ def load_gguf_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch
     state = {k: _decoded(v, dtype, keep32=_keep32(cls, k, dtype)) for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
+    layout = LAYOUTS.get(cls_name)
+    dropped = drop_absent(model, layout) if layout is not None else []  # (Qwen2.5-VL's vision tower)
     empty = [n for n, t in model.state_dict().items() if t.is_meta]
     if empty or result.unexpected_keys:
         raise SingleFileError(f"{path} does not match the {cls_name} config in {config}: missing {empty[:3]}: pick "
                               "the text encoder this model uses")
-    log.info("%s: %s text encoder (GGUF %s) loaded with %d packed Linear layers, the rest in %s", path.name,
-             cls_name, "/".join(info.quantized_types) or "unquantized", len(linears), short_dtype(dtype))
+    log.info("%s: %s text encoder (GGUF %s) loaded with %d packed Linear layers, the rest in %s%s", path.name,
+             cls_name, "/".join(info.quantized_types) or "unquantized", len(linears), short_dtype(dtype),
+             f", without {', '.join(dropped)}" if dropped else "")
     return model.eval()
 
 
 def _renamed(path: Path, raw: dict[str, torch.Tensor], model: torch.nn.Module, arch: str) -> dict[str, torch.Tensor]:
-    """The file's tensors under the model's names (the `gguf` package's name map of ``arch``),
-    each checked against the shape the config gives it; a head, in a file for a model without one,
-    left out."""
+    """The file's tensors under the model's names (the `gguf` package's name map of ``arch``, which
+    knows a class's ComfyUI layout names: `text_encoder_layouts`), each checked against the shape
+    the config gives it; a head, in a file for a model without one, left out."""
     import gguf
 
     expected = model.state_dict()
-    config = model.config
+    config = model.config.get_text_config()  # (a multimodal model's language model)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], getattr(config, "num_layers", None) or
                                      config.num_hidden_layers)
-    ours = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in expected}
+    layout = LAYOUTS.get(type(model).__name__)
+    ours = {names.get_name(comfy_key(layout, k) if layout else k, try_suffixes=(".weight", ".bias")): k
+            for k in expected}
     ours.pop(None, None)  # tied weights (encoder.embed_tokens) have no name of their own
     if HEAD in raw and HEAD not in ours:
         log.info("%s: its language-model head left out (%s has none)", path.name, type(model).__name__)

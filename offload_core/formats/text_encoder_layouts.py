@@ -59,6 +59,12 @@ def renamer(layout: Layout) -> Callable[[dict[str, torch.Tensor]], dict[str, tor
     return rename
 
 
+def comfy_key(layout: Layout, key: str) -> str:
+    """A transformers key under ComfyUI's name (the layout's renaming undone; a prefix the layout
+    drops is not put back)."""
+    return next((old + key[len(new):] for old, new in layout.prefixes if new and key.startswith(new)), key)
+
+
 def drop_absent(model: torch.nn.Module, layout: Layout) -> list[str]:
     """The optional modules the file did not fill (still on the meta device), set to None; their names."""
     dropped = []

@@ -159,3 +159,34 @@ def test_an_fp8_scaled_text_encoder_keeps_its_fp8_layers(folder, parts, carried_
     assert {layer.mlp.up_proj.weight.dtype, layer.self_attn.q_proj.weight.dtype} == {FP8}
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_qwen_image), want)
 
+
+
+def test_a_qwen25_vl_gguf_text_encoder_keeps_its_packed_layers(folder, parts, carried_like, tmp_path):
+    """llama.cpp's Qwen2.5-VL GGUF file (``qwen2vl``: the language model and head, written by the
+    `gguf` package; the vision tower lives in another file) as the text encoder: its Linear layers
+    keep the file's packed bytes, the model is built without the vision tower, and the pipeline gives
+    the bits of the folder's pipeline whose text encoder holds the file's values; the file is left
+    unchanged."""
+    from diffusers.models.model_loading_utils import load_gguf_checkpoint
+    from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
+    from fixtures.gguf_text_encoders import write_qwen3_gguf
+    from gguf import MODEL_ARCH, get_tensor_name_map
+
+    state = text_encoder_state(folder)
+    te = write_qwen3_gguf(state, tmp_path / "Qwen2.5-VL-tiny-Q8_0.gguf", arch=MODEL_ARCH.QWEN2VL)
+    before = digest(te)
+    names = get_tensor_name_map(MODEL_ARCH.QWEN2VL, 2)
+    saved = {names.get_name(k, try_suffixes=(".weight", ".bias")): k for k in state}
+    values = {saved[k]: dequantize_gguf_tensor(v).to(BF16) for k, v in load_gguf_checkpoint(str(te)).items()}
+    assert not any(k.startswith("visual.") for k in values) and "lm_head.weight" in values
+    want = _reference(folder, text_encoder={**{k: t.to(BF16) for k, t in state.items()}, **values})
+    configs, package = carried_like
+    bf16 = configs.parent / "qwen_image_tiny_bf16.safetensors"
+    save_file(comfy_tensors(transformer_state(folder), "bf16"), str(bf16))
+    pipe = load_pipeline_with_denoiser(configs, bf16, BF16, comfy_tokenizers=package, text_encoder_file=te,
+                                       vae_file=parts["vae"])
+    packed = [n for n, w in pipe.text_encoder.named_parameters() if isinstance(w, GGUFParameter)]
+    assert packed and all(n.endswith("proj.weight") or n == "lm_head.weight" for n in packed)
+    assert pipe.text_encoder.model.visual is None
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_qwen_image), want)
+    assert digest(te) == before
