@@ -4,7 +4,8 @@ diffusers' names), the Qwen2.5-VL text encoder in ComfyUI's layout (``qwen_2.5_v
 has no single-file loader for), with the configs the pack carries and ComfyUI's own tokenizer folder.
 The tiny model's configs, with the carried ``tokenizers.json``, stand for the carried folder: an
 fp8_scaled denoiser picks it and gives, in every placement, the bits of the folder's pipeline holding
-the file's weights as ComfyUI computes them; the files are left unchanged."""
+the file's weights as ComfyUI computes them, and a GGUF one as diffusers' own GGUF model; fp8_scaled and
+GGUF (llama.cpp's ``qwen2vl``) text encoders keep their storage; the files are left unchanged."""
 
 from __future__ import annotations
 
@@ -100,6 +101,33 @@ def test_comfyuis_files_run_with_the_carried_configs_in_every_placement(placemen
     assert {attention.to_q.weight.dtype, attention.add_k_proj.weight.dtype} == {FP8}
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_qwen_image), expected)
     assert {p: digest(p) for p in before} == before
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_a_gguf_file_runs_with_the_carried_configs_as_diffusers_reads_it(placement, folder, parts, carried_like,
+                                                                         tmp_path):
+    """A Q8_0 GGUF file (city96's ``qwen-image-*.gguf`` kind: diffusers' names, architecture
+    ``qwen_image``) written by the `gguf` package picks the carried folder and, placed, gives the
+    bits of the folder's pipeline holding diffusers' own GGUF model of the file."""
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+    from fixtures.gguf_files import write_gguf
+
+    gguf = write_gguf({k: t.float() for k, t in transformer_state(folder).items()}, tmp_path / "qwen-image-Q8_0.gguf",
+                      "Q8_0", "qwen_image")
+    before = digest(gguf)
+    configs, package = carried_like
+    assert carried.pick(gguf, False, configs.parent) == configs
+    transformer = diffusers.QwenImageTransformer2DModel.from_single_file(
+        str(gguf), config=str(folder), subfolder="transformer", local_files_only=True,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=BF16))
+    reference = run_qwen_image(diffusers.QwenImagePipeline.from_pretrained(str(folder), transformer=transformer,
+                                                                          dtype=BF16))
+    pipe = load_pipeline_with_denoiser(configs, gguf, BF16, comfy_tokenizers=package,
+                                       text_encoder_file=parts["text_encoder"], vae_file=parts["vae"])
+    assert any(isinstance(w, GGUFParameter) for w in pipe.transformer.parameters())  # kept packed
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_qwen_image), reference)
+    assert digest(gguf) == before
 
 
 def test_the_vae_in_wans_original_layout_is_the_folders_vae(folder, parts, tmp_path):
