@@ -1,10 +1,11 @@
 """Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2,
-of FLUX.1 dev / schnell, LTX-2 19B dev / distilled, Z-Image Turbo, Qwen-Image and MiniMax-H3's modular folder, written by
+of FLUX.1 dev / schnell, FLUX.2 [klein] 4B / 9B (distilled and base), LTX-2 19B dev / distilled, Z-Image Turbo,
+Qwen-Image and MiniMax-H3's modular folder, written by
 ``tools/write_carried_configs.py``), so a user holding only ComfyUI single files needs no diffusers
 folder: the classic one whose transformer fits the denoiser file's shape is picked. They hold no
 tokenizer: Wan's and LTX-2's come from the text-encoder file (Comfy-Org's UMT5 and Gemma 3 files
-carry their sentencepiece model, which is what ComfyUI's own tokenizers read), FLUX.1's, Z-Image's,
-Qwen-Image's and H3's from the folders ComfyUI ships them in (a folder's ``tokenizers.json``).
+carry their sentencepiece model, which is what ComfyUI's own tokenizers read), FLUX.1's, FLUX.2
+[klein]'s, Z-Image's, Qwen-Image's and H3's from the folders ComfyUI ships them in (a folder's ``tokenizers.json``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ ROOT = Path(__file__).with_name("carried_configs")
 SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encoder file carries
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
-FAMILIES = "Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo and Qwen-Image"
+FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2 [klein], LTX-2, Z-Image Turbo and Qwen-Image"
+NAME_WORDS = ("distilled", "base")  # what tells variants of one shape apart, in their folders' and files' names
 FILE_TOKENIZER_OPTIONS = {  # as the released tokenizers are: Wan's UMT5, LTX-2's Gemma 3 (which adds <bos>)
     "T5TokenizerFast": dict(extra_ids=0, model_max_length=512),
     "GemmaTokenizer": dict(add_bos_token=True), "GemmaTokenizerFast": dict(add_bos_token=True),
@@ -83,11 +85,14 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
 
 
 def _by_name(path: Path, folders: list[Path]) -> list[Path]:
-    """Of folders of one shape, the distilled ones for a file named so, the others else (LTX-2's dev
-    and distilled models share every shape; diffusers' own conversion tells them by the file name)."""
-    distilled = "distilled" in Path(path).name.lower()
-    named = [f for f in folders if ("distilled" in f.name.lower()) == distilled]
-    return named or folders
+    """Of folders of one shape, those whose name has each of `NAME_WORDS` exactly when the file's
+    does (LTX-2's dev and distilled models, FLUX.2 [klein]'s distilled and base ones share every
+    shape; diffusers' own conversions tell them by the file name)."""
+    name = Path(path).name.lower()
+    for word in NAME_WORDS:
+        if any(word in f.name.lower() for f in folders):
+            folders = [f for f in folders if (word in f.name.lower()) == (word in name)] or folders
+    return folders
 
 
 def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],

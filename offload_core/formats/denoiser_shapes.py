@@ -1,6 +1,6 @@
 """The shape of a denoiser, read from a single file's header or from a diffusers config, so that a
 file can be matched to the config folder it fits (`carried.choose`). One reader pair per family the
-pack carries configs for: Wan (the original Wan key names ComfyUI files use), FLUX.1 (BFL's), LTX-2
+pack carries configs for: Wan (the original Wan key names ComfyUI files use), FLUX.1 and FLUX.2 (BFL's), LTX-2
 (Lightricks' original names, as its ComfyUI checkpoints hold them), Z-Image (its original names or
 diffusers') and Qwen-Image (diffusers' names, which its ComfyUI files hold).
 """
@@ -44,7 +44,8 @@ class WanShape:
 
 @dataclass(frozen=True)
 class FluxShape:
-    """What tells FLUX.1 transformers apart: width, double / single blocks, channels, guidance input."""
+    """What tells FLUX.1 and FLUX.2 transformers apart: width, double / single blocks, channels, text
+    and pooled widths (FLUX.2 has no pooled input: 0), guidance input."""
 
     width: int
     double: int
@@ -165,6 +166,17 @@ def _flux_config(c: dict) -> FluxShape:
                      c["in_channels"], c["joint_attention_dim"], c["pooled_projection_dim"], bool(c["guidance_embeds"]))
 
 
+def _flux2(shapes: dict[str, tuple[int, ...]]) -> FluxShape:
+    width, in_channels = shapes["img_in.weight"]
+    return FluxShape(width, _count(shapes, "double_blocks."), _count(shapes, "single_blocks."), in_channels,
+                     shapes["txt_in.weight"][1], 0, "guidance_in.in_layer.weight" in shapes)
+
+
+def _flux2_config(c: dict) -> FluxShape:
+    return FluxShape(c["num_attention_heads"] * c["attention_head_dim"], c["num_layers"], c["num_single_layers"],
+                     c["in_channels"], c["joint_attention_dim"], 0, bool(c["guidance_embeds"]))
+
+
 def _ltx2(shapes: dict[str, tuple[int, ...]]) -> Ltx2Shape:
     width, in_channels = shapes["patchify_proj.weight"]
     audio_width, audio_in = shapes["audio_patchify_proj.weight"]
@@ -208,6 +220,6 @@ def _count(shapes: dict[str, tuple[int, ...]], prefix: str) -> int:
     return len({k.split(".")[1] for k in shapes if k.startswith(prefix)})
 
 
-FILE_READERS = {"wan": _wan, "flux": _flux, "ltx2": _ltx2, "z-image": _z_image, "qwen-image": _qwen_image}
-CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "ltx2": _ltx2_config, "z-image": _z_image_config,
+FILE_READERS = {"wan": _wan, "flux": _flux, "flux2": _flux2, "ltx2": _ltx2, "z-image": _z_image, "qwen-image": _qwen_image}
+CONFIG_READERS = {"wan": _wan_config, "flux": _flux_config, "flux2": _flux2_config, "ltx2": _ltx2_config, "z-image": _z_image_config,
                   "qwen-image": _qwen_image_config}

@@ -34,7 +34,7 @@ from .single_file import (
 )
 from .stored_linear import StoredKind, StoredLinear, stored_keys, swap_stored, whole
 from .text_encoder_layouts import comfy_layout, drop_absent, renamer
-from .wan_vae import is_wan22_vae, load_qwen_image_vae, load_wan22_vae
+from .vae_layouts import is_wan22_vae, load_flux2_vae, load_qwen_image_vae, load_wan22_vae
 
 log = get_logger("single_file")
 
@@ -218,12 +218,13 @@ def _load_part(name: str, path: Path, folder: Path, cls_name: str, dtype: torch.
 
 def load_vae(path: Path, folder: Path, dtype: torch.dtype) -> Any:
     """A VAE from its single file into the class and config of ``folder/vae``: through diffusers'
-    single-file conversion, or from a Wan 2.2 VAE's original layout and as Qwen-Image's VAE (`wan_vae`:
-    diffusers' cannot)."""
+    single-file conversion, or from a Wan 2.2 VAE's original layout, and as Qwen-Image's or FLUX.2's VAE
+    (`vae_layouts`: diffusers' cannot)."""
     cls = model_class(folder / "vae", "vae")
     info = _inspected(Path(path), "vae", FILE_KINDS["vae"], cls.__name__)
-    if cls.__name__ == "AutoencoderKLQwenImage":
-        return load_qwen_image_vae(Path(path), cls, folder / "vae", dtype)
+    own = {"AutoencoderKLQwenImage": load_qwen_image_vae, "AutoencoderKLFlux2": load_flux2_vae}.get(cls.__name__)
+    if own is not None:
+        return own(Path(path), cls, folder / "vae", dtype)
     if is_wan22_vae(info.shapes):
         return load_wan22_vae(Path(path), cls, folder / "vae", dtype)
     return from_single_file(path, folder, "vae", cls, torch_dtype=dtype)

@@ -10,9 +10,10 @@ Qwen2.5-VL (Qwen-Image's text encoder; ComfyUI's ``Qwen25_7BVLI``, its ``qwen_2.
 ``model.*`` is the language model, ``visual.*`` the vision tower (which a text-to-image run never
 calls; a file may lack it), ``lm_head`` as transformers names it.
 
-Qwen3 (Z-Image's text encoder, a ``Qwen3Model``; ComfyUI's ``qwen_3_4b`` files): ``model.*`` is the
-whole model, which transformers names without the prefix (its loader drops it, but a file holding
-stored layers is assigned to a model built empty, so the names must be the model's own).
+Qwen3 (Z-Image's and FLUX.2 [klein]'s text encoder, a ``Qwen3Model``; ComfyUI's ``qwen_3_4b`` /
+``qwen_3_8b`` files): ``model.*`` is the whole model, which transformers names without the prefix (its
+loader drops it, but a file holding stored layers is assigned to a model built empty, so the names
+must be the model's own); the 8B file's ``lm_head`` is left out (those pipelines read hidden states).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Layout:
 
     prefixes: tuple[tuple[str, str], ...]
     optional: tuple[str, ...] = ()
+    unused: tuple[str, ...] = ()  # ComfyUI's key prefixes the model has no place for (left out)
     sign: str = "model.layers."  # a key prefix only ComfyUI's layout has
 
 
@@ -41,7 +43,7 @@ LAYOUTS = {
     "Qwen2_5_VLForConditionalGeneration": Layout(
         prefixes=(("model.", "model.language_model."), ("visual.", "model.visual.")), optional=("model.visual.",),
     ),
-    "Qwen3Model": Layout(prefixes=(("model.", ""),)),
+    "Qwen3Model": Layout(prefixes=(("model.", ""),), unused=("lm_head.",)),
 }
 
 
@@ -54,7 +56,7 @@ def comfy_layout(cls_name: str, keys: list[str]) -> Layout | None:
 def renamer(layout: Layout) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {next((new + k[len(old):] for old, new in layout.prefixes if k.startswith(old)), k): v
-                for k, v in state.items()}
+                for k, v in state.items() if not k.startswith(layout.unused)}
 
     return rename
 

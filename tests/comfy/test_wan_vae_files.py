@@ -2,7 +2,7 @@
 key layout, which is ComfyUI's own ``comfy.ldm.wan`` modules' state dict) through the pack's VAE
 loader: each decodes a latent as ComfyUI's own VAE holding the same weights does. The VAEs are
 ComfyUI's classes at a small width, random weights, saved with safetensors as those files are.
-Wan 2.2's goes through the pack's own key conversion (`formats.wan_vae`): diffusers' single-file
+Wan 2.2's goes through the pack's own key conversion (`formats.vae_layouts`): diffusers' single-file
 converter misplaces its nested blocks.
 """
 

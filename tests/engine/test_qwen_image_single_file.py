@@ -22,7 +22,7 @@ from diffusers_offload.offload_core.formats.single_file_pipeline import (
     load_text_encoder,
     load_vae,
 )
-from diffusers_offload.offload_core.formats.wan_vae import MARKER
+from diffusers_offload.offload_core.formats.vae_layouts import MARKER
 from fixtures.comfy_files import carried_like_copy, comfy_dequantised, comfy_tensors
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import digest

@@ -1,10 +1,14 @@
-"""VAEs in Wan's original key layout that diffusers' single-file loader does not take. Wan 2.2's
+"""VAEs in their original key layouts that diffusers' single-file loader does not take. Wan 2.2's
 (Comfy-Org's ``wan2.2_vae.safetensors``, ComfyUI's ``comfy.ldm.wan.vae2_2`` state dict): diffusers'
 single-file converter knows only Wan 2.1's flat block layout and misplaces 2.2's nested blocks (a
 shape error), so the keys are renamed here as diffusers' own ``scripts/convert_wan_to_diffusers.py``
 (``convert_vae_22``) renames them. Qwen-Image's (``qwen_image_vae.safetensors``: Wan 2.1's layout,
 which ComfyUI loads as a Wan VAE): diffusers' ``AutoencoderKLQwenImage`` has no single-file loader,
 but its names are ``AutoencoderKLWan``'s, so diffusers' own Wan 2.1 converter renames the keys.
+FLUX.2's (``flux2-vae.safetensors``: the LDM layout, its quant convolutions inside the encoder and
+decoder, and the latents' batch-norm statistics): ``AutoencoderKLFlux2`` has no single-file loader
+either; diffusers' LDM converter renames the keys, as its ``scripts/convert_flux2_to_diffusers.py``
+does, once the two convolutions are where that converter looks (as ComfyUI moves them).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from .inspect import SingleFileError
 log = get_logger("single_file")
 
 MARKER = "decoder.upsamples.0.upsamples.0.residual.2.weight"  # (ComfyUI tells a Wan 2.2 VAE by it)
+FLUX2_MARKER = "bn.running_mean"  # (ComfyUI tells a FLUX.2 VAE by it)
+FLUX2_MOVED = (("encoder.quant_conv.", "quant_conv."), ("decoder.post_quant_conv.", "post_quant_conv."))
+FLUX2_STATS = ("bn.running_mean", "bn.running_var")
 NESTED = re.compile(r"^(encoder|decoder)\.(?:down|up)samples\.(\d+)\.(?:down|up)samples\.(\d+)\.(.*)$")
 MIDDLE = re.compile(r"^(encoder|decoder)\.middle\.(\d)\.(.*)$")
 RESIDUAL = (("residual.0.", "norm1."), ("residual.2.", "conv1."), ("residual.3.", "norm2."), ("residual.6.", "conv2."),
@@ -79,6 +86,27 @@ def load_qwen_image_vae(path: Path, cls: type, config: Path, dtype: torch.dtype)
                               "qwen_image_vae.safetensors")
     state = convert_wan_vae_to_diffusers(tensors)
     return _assigned(path, cls, config, state, dtype, "Qwen-Image VAE")
+
+
+def is_flux2_vae(keys: Any) -> bool:
+    return FLUX2_MARKER in keys
+
+
+def load_flux2_vae(path: Path, cls: type, config: Path, dtype: torch.dtype) -> Any:
+    """``cls`` (AutoencoderKLFlux2) of the VAE config in ``config`` holding the file's weights (the
+    LDM layout of ``flux2-vae.safetensors``) and its latent statistics, in ``dtype``."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    if not is_flux2_vae(tensors):
+        raise SingleFileError(f"{path} has no latent statistics ({FLUX2_MARKER}): it is not a FLUX.2 VAE; pick "
+                              "flux2-vae.safetensors")
+    moved = {next((new + k[len(old):] for old, new in FLUX2_MOVED if k.startswith(old)), k): t
+             for k, t in tensors.items()}
+    state = convert_ldm_vae_checkpoint(moved, cls.load_config(str(config)))
+    state |= {k: moved[k] for k in FLUX2_STATS}
+    return _assigned(path, cls, config, state, dtype, "FLUX.2 VAE")
 
 
 def _assigned(path: Path, cls: type, config: Path, state: dict[str, torch.Tensor], dtype: torch.dtype,
