@@ -71,9 +71,14 @@ QWEN_IMAGE_FP8 = ComfyFile("denoiser", "diffusion_models", COMFY_QWEN_IMAGE,
 QWEN_IMAGE_TEXT_ENCODER = ComfyFile("text_encoder", "text_encoders", COMFY_QWEN_IMAGE,
                                     "split_files/text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors", "text_encoder")
 QWEN_IMAGE_VAE = ComfyFile("vae", "vae", COMFY_QWEN_IMAGE, "split_files/vae/qwen_image_vae.safetensors", "vae")
+FLUX2_KLEIN_REPO = "black-forest-labs/FLUX.2-klein-4B"
+FLUX2_KLEIN_FP8 = ComfyFile("denoiser", "diffusion_models", "black-forest-labs/FLUX.2-klein-4b-fp8",
+                            "flux-2-klein-4b-fp8.safetensors", "fp8_scaled")
+FLUX2_VAE = ComfyFile("vae", "vae", "Comfy-Org/flux2-dev", "split_files/vae/flux2-vae.safetensors", "vae")
 SHIPPED_TOKENIZERS = {"FluxPipeline": "the tokenizers are ComfyUI's own.",  # the carried ones that ComfyUI ships
                       "ZImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
-                      "QwenImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder)."}
+                      "QwenImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
+                      "Flux2KleinPipeline": "the tokenizer is ComfyUI's own (its Qwen folder)."}
 
 LTX2_REPO = "Lightricks/LTX-2"  # the checkpoint and Gemma file ComfyUI's own LTX-2 templates name
 LTX2_FP8 = ComfyFile("denoiser", "checkpoints", LTX2_REPO, "ltx-2-19b-dev-fp8.safetensors", "checkpoint")

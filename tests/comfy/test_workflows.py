@@ -21,7 +21,7 @@ import av
 import pytest
 import torch
 from comfyhost import harness
-from fixtures import comfy_files, flux_files, gguf_files, qwen_image_files, z_image_files
+from fixtures import comfy_files, flux2_klein_files, flux_files, gguf_files, qwen_image_files, z_image_files
 from fixtures.tiny_tok import tiny_gemma_spiece, tiny_t5_spiece
 from PIL import Image
 from safetensors.torch import save_file
@@ -35,6 +35,7 @@ _comfy_wan, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wa
 _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width
 _tiny_z_image = z_image_files.tiny_z_image_dir
 _tiny_qwen_image = qwen_image_files.tiny_qwen_image_dir
+_tiny_flux2_klein = flux2_klein_files.tiny_flux2_klein_dir
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
@@ -192,6 +193,13 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
                       str(tmp / f"qwen-image-{file.tiny}.safetensors"))
             return tmp / f"qwen-image-{file.tiny}.safetensors"
         return qwen_image_files.comfy_qwen_image_files(folder, tmp / "qwen-image")[file.input]
+    if example.tiny == "flux2_klein":  # BFL's names, ComfyUI's Qwen3 layout, flux2-vae's
+        folder = request.getfixturevalue("tiny_flux2_klein_dir")
+        if file.input == "denoiser":
+            save_file(comfy_files.comfy_tensors(flux2_klein_files.transformer_state(folder), file.tiny),
+                      str(tmp / f"flux2-klein-{file.tiny}.safetensors"))
+            return tmp / f"flux2-klein-{file.tiny}.safetensors"
+        return flux2_klein_files.comfy_flux2_klein_files(folder, tmp / "flux2-klein")[file.input]
     if example.tiny != "wan":
         folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
         if file.input in ("text_encoder", "vae"):
@@ -220,17 +228,18 @@ def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
     return tmp / "ltx2-gemma-fp4.safetensors"
 
 
-SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo", "qwen_image": "Qwen-Image"}  # tiny family -> carried folder naming ComfyUI's tokenizers
+SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo", "qwen_image": "Qwen-Image",
+           "flux2_klein": "FLUX.2-klein-4B"}  # tiny family -> carried folder naming ComfyUI's tokenizers
 
 
 def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
     """The template's config ('auto': the configs the pack carries): the example's tiny folder less
     its weights and tokenizers (as the pack's carried folders are) in their place, so that auto picks
-    it for the tiny files; for Flux, Z-Image and Qwen-Image, the tiny tokenizers where ComfyUI keeps its own, and
+    it for the tiny files; for Flux, FLUX.2 [klein], Z-Image and Qwen-Image, the tiny tokenizers where ComfyUI keeps its own, and
     the node pointed at that folder instead of the running ComfyUI's."""
     assert example.model == ex.sf.AUTO_CONFIG
     families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir",
-                "z_image": "tiny_z_image_dir", "qwen_image": "tiny_qwen_image_dir"}
+                "z_image": "tiny_z_image_dir", "qwen_image": "tiny_qwen_image_dir", "flux2_klein": "tiny_flux2_klein_dir"}
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
