@@ -89,6 +89,16 @@ def test_the_carried_klein_folders_fit_their_parts(size: str) -> None:
     assert json.loads((distilled / "tokenizers.json").read_text())["tokenizer"]["comfyui"] == "text_encoders/qwen25_tokenizer"
 
 
+def test_the_carried_4b_transformer_is_the_size_of_bfls_fp8_file() -> None:
+    """BFL's ``flux-2-klein-4b-fp8.safetensors`` is 4,070,624,520 bytes: the carried 4B transformer's
+    block matrices in fp8 and its other tensors in bf16 are all of it but its header and scales."""
+    model = _meta(diffusers.Flux2Transformer2DModel, carried.by_name("FLUX.2-klein-4B") / "transformer")
+    blocks = ("transformer_blocks.", "single_transformer_blocks.")
+    fp8 = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(blocks))
+    nbytes = fp8 + 2 * (sum(p.numel() for p in model.parameters()) - fp8)
+    assert nbytes == pytest.approx(4_070_624_520, rel=1e-4)
+
+
 @pytest.mark.parametrize("size", list(KLEIN))
 def test_a_released_klein_shape_picks_its_folder_distilled_or_base_by_name(size: str) -> None:
     distilled, base = (carried.by_name(n) for n in KLEIN[size][:2])
