@@ -5,7 +5,7 @@ left out) and the VAE as ``flux2-vae.safetensors`` holds it (which diffusers has
 for) run with the configs the pack carries and ComfyUI's own tokenizer folder. The tiny model's
 configs, with the carried ``tokenizers.json``, stand for the carried folder: an fp8_scaled denoiser
 gives, in every placement, the bits of the folder's pipeline holding the file's weights as ComfyUI
-computes them; the files are left unchanged."""
+computes them, a GGUF one those of diffusers' own GGUF model; the files are left unchanged."""
 
 from __future__ import annotations
 
@@ -129,6 +129,30 @@ def test_comfyuis_files_run_with_the_carried_configs_in_every_placement(placemen
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_flux2_klein),
                        run_flux2_klein(reference))
     assert {p: digest(p) for p in before} == before
+
+
+def test_a_gguf_file_runs_with_the_carried_configs_as_diffusers_reads_it(folder, carried_like, tmp_path):
+    """A Q8_0 GGUF file (the community Klein files' kind: BFL's names) written by the `gguf` package
+    picks the carried folder and, placed, gives the bits of the folder's pipeline holding diffusers'
+    own GGUF model of the file."""
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+    from fixtures.gguf_files import write_gguf
+
+    gguf = write_gguf({k: t.float() for k, t in transformer_state(folder).items()}, tmp_path / "flux-2-klein-Q8_0.gguf",
+                      "Q8_0", "flux")
+    configs, package = carried_like
+    assert carried.pick(gguf, False, configs.parent) == configs
+    transformer = diffusers.Flux2Transformer2DModel.from_single_file(
+        str(gguf), config=str(folder), subfolder="transformer", local_files_only=True,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=BF16))
+    reference = run_flux2_klein(diffusers.Flux2KleinPipeline.from_pretrained(str(folder), transformer=transformer,
+                                                                             dtype=BF16))
+    parts = comfy_flux2_klein_files(folder, tmp_path / "parts")
+    pipe = load_pipeline_with_denoiser(configs, gguf, BF16, comfy_tokenizers=package,
+                                       text_encoder_file=parts["text_encoder"], vae_file=parts["vae"])
+    assert any(isinstance(w, GGUFParameter) for w in pipe.transformer.parameters())  # kept packed
+    assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_flux2_klein), reference)
 
 
 def test_the_vae_as_bfl_holds_it_is_the_folders_vae(folder, tmp_path):
