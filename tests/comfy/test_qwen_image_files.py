@@ -9,54 +9,29 @@ every placement: tests/engine/test_qwen_image_single_file.py.)"""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
 import torch
 from comfyhost import harness
+from comfyhost.single_files import generate_from_files
 from fixtures.comfy_files import comfy_tensors
 from fixtures.qwen_image_files import build_tiny_qwen_image, comfy_qwen_image_files, transformer_state
 from safetensors.torch import load_file, save_file
 
 pytest_plugins = ["comfyhost.fixtures"]
-LOADER = "DiffusersOffloadLoadDiffusionModelFile"
-FILE = "qwen_image_tiny_fp8_scaled.safetensors"
 
 
 def test_comfyuis_qwen_image_files_load_into_a_qwen_image_folder_and_generate(comfy: harness.ComfyHost,
                                                                               tmp_path: Path) -> None:
-    fp = comfy.folder_paths
-    folder = build_tiny_qwen_image(Path(fp.get_folder_paths("diffusers")[0]) / "tiny" / "qwen-image")
-    extra = tmp_path / "extra-diffusion-models"
-    extra.mkdir()
-    save_file(comfy_tensors(transformer_state(folder), "fp8_scaled"), str(extra / FILE))
-    fp.add_model_folder_path("diffusion_models", str(extra))
+    folder = build_tiny_qwen_image(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]) / "tiny" / "qwen-image")
+    denoiser = tmp_path / "qwen_image_tiny_fp8_scaled.safetensors"
+    save_file(comfy_tensors(transformer_state(folder), "fp8_scaled"), str(denoiser))
     parts = comfy_qwen_image_files(folder, tmp_path / "parts")
-    placed = {"text_encoder": Path(fp.get_folder_paths("text_encoders")[0]) / "qwen_2.5_vl_tiny.safetensors",
-              "vae": Path(fp.get_folder_paths("vae")[0]) / "qwen_image_vae_tiny.safetensors"}
-    for name, path in placed.items():
-        shutil.copyfile(parts[name], path)
-    files = [extra / FILE, *placed.values()]
-    before = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
-    load = {"config": "tiny/qwen-image", "denoiser": FILE, "text_encoder": placed["text_encoder"].name,
-            "vae": placed["vae"].name, "dtype": "bf16"}
-    gen = {"pipe": ["1", 0], "prompt": "a red fox", "negative_prompt": "blurry", "seed": 0, "steps": 2,
-           "guidance": 2.0, "width": 32, "height": 32, "batch_size": 1}
-    result = comfy.run_prompt({
-        "1": {"class_type": LOADER, "inputs": load},
-        "2": {"class_type": "DiffusersOffloadReport", "inputs": {"pipe": ["1", 0]}},
-        "3": {"class_type": "DiffusersOffloadGenerateImage", "inputs": gen},
-        "4": {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}},
-        "5": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}},
-    })
-    result.raise_for_error()
-    report = "".join(result.outputs["4"]["text"])
+    report = generate_from_files(comfy, "tiny/qwen-image", denoiser, parts,
+                                 {"negative_prompt": "blurry", "guidance": 2.0}, tmp_path)
     assert "QwenImagePipeline" in report and "fp8" in report, report
-    assert len(result.outputs["5"]["images"]) == 1
-    assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in files] == before
-    for path in (folder, *placed.values()):  # (the model folders are the session's: leave no model behind)
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    shutil.rmtree(folder)
 
 
 def test_the_fixtures_vae_layout_is_comfyuis_wan_vae(comfy: harness.ComfyHost, tmp_path: Path) -> None:

@@ -186,20 +186,14 @@ def _stand_in(file: Any, example: ex.Example, request: pytest.FixtureRequest, tm
         return comfy_files.write_component_file(folder, file.tiny, tmp / f"flux-{file.tiny}.safetensors")
     if example.tiny == "z_image":  # Comfy-Org's files: ComfyUI's names, the Qwen3 file, ae.safetensors
         return z_image_files.comfy_z_image_files(request.getfixturevalue("tiny_z_image_dir"), tmp / "z-image")[file.input]
-    if example.tiny == "qwen_image":  # Comfy-Org's files: diffusers' names, ComfyUI's Qwen2.5-VL layout, Wan's VAE
-        folder = request.getfixturevalue("tiny_qwen_image_dir")
+    if example.tiny in FILE_FAMILIES:  # the transformer in its file's names, the family's text-encoder and VAE files
+        fixture, transformer_state, parts = FILE_FAMILIES[example.tiny]
+        folder = request.getfixturevalue(fixture)
         if file.input == "denoiser":
-            save_file(comfy_files.comfy_tensors(qwen_image_files.transformer_state(folder), file.tiny),
-                      str(tmp / f"qwen-image-{file.tiny}.safetensors"))
-            return tmp / f"qwen-image-{file.tiny}.safetensors"
-        return qwen_image_files.comfy_qwen_image_files(folder, tmp / "qwen-image")[file.input]
-    if example.tiny == "flux2_klein":  # BFL's names, ComfyUI's Qwen3 layout, flux2-vae's
-        folder = request.getfixturevalue("tiny_flux2_klein_dir")
-        if file.input == "denoiser":
-            save_file(comfy_files.comfy_tensors(flux2_klein_files.transformer_state(folder), file.tiny),
-                      str(tmp / f"flux2-klein-{file.tiny}.safetensors"))
-            return tmp / f"flux2-klein-{file.tiny}.safetensors"
-        return flux2_klein_files.comfy_flux2_klein_files(folder, tmp / "flux2-klein")[file.input]
+            out = tmp / f"{example.tiny}-{file.tiny}.safetensors"
+            save_file(comfy_files.comfy_tensors(transformer_state(folder), file.tiny), str(out))
+            return out
+        return parts(folder, tmp / example.tiny)[file.input]
     if example.tiny != "wan":
         folder = request.getfixturevalue("tiny_wan_family")(example.tiny)
         if file.input in ("text_encoder", "vae"):
@@ -228,6 +222,11 @@ def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
     return tmp / "ltx2-gemma-fp4.safetensors"
 
 
+FILE_FAMILIES = {  # tiny family -> (its folder's fixture, its transformer in its files' names, its other files)
+    "qwen_image": ("tiny_qwen_image_dir", qwen_image_files.transformer_state, qwen_image_files.comfy_qwen_image_files),
+    "flux2_klein": ("tiny_flux2_klein_dir", flux2_klein_files.transformer_state,
+                    flux2_klein_files.comfy_flux2_klein_files),
+}
 SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo", "qwen_image": "Qwen-Image",
            "flux2_klein": "FLUX.2-klein-4B"}  # tiny family -> carried folder naming ComfyUI's tokenizers
 

@@ -21,7 +21,7 @@ from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats import carried
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, describe_keys
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser, load_vae
-from fixtures.comfy_files import carried_like_copy, comfy_dequantised, comfy_tensors
+from fixtures.comfy_files import carried_like_with_tokenizers, comfy_dequantised, comfy_tensors
 from fixtures.family_files import bfl_flux2_state
 from fixtures.flux2_klein_files import (
     build_tiny_flux2_klein,
@@ -53,16 +53,7 @@ def denoiser(folder, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def carried_like(folder, tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny configs with the carried ``tokenizers.json``, and a ComfyUI ``comfy`` folder holding
-    the tiny tokenizer where ComfyUI keeps its ``qwen25_tokenizer``."""
-    tmp = tmp_path_factory.mktemp("flux2-klein-carried")
-    configs = carried_like_copy(folder, tmp / "carried" / "flux2-klein-tiny")
-    (configs / carried.SHIPPED).write_bytes((carried.by_name("FLUX.2-klein-4B") / carried.SHIPPED).read_bytes())
-    package = tmp / "ComfyUI" / "comfy"
-    tokenizer = diffusers.Flux2KleinPipeline.from_pretrained(str(folder), transformer=None, vae=None,
-                                                             text_encoder=None).tokenizer
-    tokenizer.save_pretrained(str(package / "text_encoders" / "qwen25_tokenizer"))
-    return configs, package
+    return carried_like_with_tokenizers(folder, tmp_path_factory.mktemp("flux2-klein-carried"), "FLUX.2-klein-4B")
 
 
 def _meta(cls: type, folder: Path) -> torch.nn.Module:

@@ -23,7 +23,7 @@ from diffusers_offload.offload_core.formats.single_file_pipeline import (
     load_vae,
 )
 from diffusers_offload.offload_core.formats.vae_layouts import MARKER
-from fixtures.comfy_files import carried_like_copy, comfy_dequantised, comfy_tensors
+from fixtures.comfy_files import carried_like_with_tokenizers, comfy_dequantised, comfy_tensors
 from fixtures.placements import PLACEMENTS, run_placed
 from fixtures.quantized import digest
 from fixtures.qwen_image_files import (
@@ -60,16 +60,7 @@ def parts(folder, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def carried_like(folder, tmp_path_factory) -> tuple[Path, Path]:
-    """The tiny configs with the carried ``tokenizers.json``, and a ComfyUI ``comfy`` folder holding
-    the tiny tokenizer where ComfyUI keeps its ``qwen25_tokenizer``."""
-    tmp = tmp_path_factory.mktemp("qwen-image-carried")
-    configs = carried_like_copy(folder, tmp / "carried" / "qwen-image-tiny")
-    (configs / carried.SHIPPED).write_bytes((carried.by_name("Qwen-Image") / carried.SHIPPED).read_bytes())
-    package = tmp / "ComfyUI" / "comfy"
-    tokenizer = diffusers.QwenImagePipeline.from_pretrained(str(folder), transformer=None, vae=None,
-                                                            text_encoder=None).tokenizer
-    tokenizer.save_pretrained(str(package / "text_encoders" / "qwen25_tokenizer"))
-    return configs, package
+    return carried_like_with_tokenizers(folder, tmp_path_factory.mktemp("qwen-image-carried"), "Qwen-Image")
 
 
 def _reference(folder: Path, transformer: dict | None = None, text_encoder: dict | None = None) -> torch.Tensor:
