@@ -194,3 +194,16 @@ FLUX2_KLEIN = {  # folder -> (size, text encoder, distilled)
     "FLUX.2-klein-4B": ("4B", QWEN3_4B, True), "FLUX.2-klein-base-4B": ("4B", QWEN3_4B, False),
     "FLUX.2-klein-9B": ("9B", QWEN3_8B, True), "FLUX.2-klein-base-9B": ("9B", QWEN3_8B, False),
 }
+
+
+# FLUX.2 [dev]: the same script's flux2-dev transformer (a guidance input: the class's default), the FLUX.2 VAE, FLUX.1-dev's
+# scheduler; the text encoder Mistral Small 3.1's language model (a headless MistralModel, as ComfyUI's
+# mistral_3_small_flux2 files hold it: its Mistral3Small24BConfig agrees; the pipeline reads hidden states 10, 20
+# and 30), its tokenizer from the tekken vocabulary those files carry.
+FLUX2_DEV_TRANSFORMER = dict(FLUX2_KLEIN_TRANSFORMER, num_layers=8, num_single_layers=48, num_attention_heads=48,
+                             joint_attention_dim=15360, guidance_embeds=True)
+MISTRAL_SMALL_24B_TEXT = dict(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                              num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+                              max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000000.0,
+                              sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                              pad_token_id=11)

@@ -46,6 +46,7 @@ from released_configs import (  # noqa: E402  (tools/ is the script's folder)
     CLIP_PROCESSOR,
     CLIP_VIT_H,
     FLUX,
+    FLUX2_DEV_TRANSFORMER,
     FLUX2_KLEIN,
     FLUX2_KLEIN_SIZES,
     FLUX2_KLEIN_TRANSFORMER,
@@ -63,6 +64,7 @@ from released_configs import (  # noqa: E402  (tools/ is the script's folder)
     LTX2_SCHEDULER,
     LTX2_TRANSFORMER,
     LTX2_VAE,
+    MISTRAL_SMALL_24B_TEXT,
     QWEN3_4B,
     QWEN3_VL_32B_TEXT,
     QWEN3_VL_32B_VISION,
@@ -219,6 +221,24 @@ def write_flux2_klein(out: Path, size: str, text_encoder: dict, distilled: bool)
     (out / "tokenizers.json").write_text(json.dumps(Z_IMAGE_TOKENIZERS, indent=2) + "\n")
 
 
+def write_flux2_dev(out: Path) -> None:
+    """FLUX.2 [dev]: its transformer, the FLUX.2 VAE, Mistral Small 3.1's language model as the text
+    encoder (its tokenizer read from the text-encoder file), FLUX.1-dev's scheduler."""
+    with init_empty_weights():
+        diffusers.Flux2Transformer2DModel.from_config(FLUX2_DEV_TRANSFORMER).save_config(out / "transformer")
+        diffusers.AutoencoderKLFlux2.from_config({}).save_config(out / "vae")
+    diffusers.FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER, shift=3.0, use_dynamic_shifting=True
+                                              ).save_config(out / "scheduler")
+    mistral = transformers.MistralConfig(**MISTRAL_SMALL_24B_TEXT)
+    mistral.architectures = ["MistralModel"]
+    mistral.save_pretrained(out / "text_encoder")
+    index = {"_class_name": "Flux2Pipeline", "_diffusers_version": diffusers.__version__,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "MistralModel"],
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"], "transformer": ["diffusers", "Flux2Transformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKLFlux2"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
 def write_h3(out: Path) -> None:
     """MiniMax-H3's modular folder: every component's config, no weights; the index points nowhere
     (``null``), so only the schedulers resolve from the folder and the loader supplies the rest."""
@@ -265,6 +285,8 @@ def main(root: Path = OUT) -> None:
     for name, klein in FLUX2_KLEIN.items():
         write_flux2_klein(root / name, *klein)
         print(f"wrote {root / name}")
+    write_flux2_dev(root / "FLUX.2-dev")
+    print(f"wrote {root / 'FLUX.2-dev'}")
     write_h3(root / "MiniMax-H3")
     print(f"wrote {root / 'MiniMax-H3'}")
 

@@ -11,26 +11,21 @@ carry their sentencepiece model, which is what ComfyUI's own tokenizers read), F
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..log import get_logger
 from .denoiser_shapes import FILE_READERS, config_shape, file_shape
-from .inspect import SingleFileError, SingleFileInfo, inspect_file, inspect_safetensors
+from .file_tokenizers import tokenizer_from_file
+from .inspect import SingleFileError, SingleFileInfo, inspect_file
 
 log = get_logger("single_file")
 
 ROOT = Path(__file__).with_name("carried_configs")
-SPIECE = "spiece_model"  # ComfyUI's name for a sentencepiece model a text-encoder file carries
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
 FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2 [klein], LTX-2, Z-Image Turbo and Qwen-Image"
 NAME_WORDS = ("distilled", "base")  # what tells variants of one shape apart, in their folders' and files' names
-FILE_TOKENIZER_OPTIONS = {  # as the released tokenizers are: Wan's UMT5, LTX-2's Gemma 3 (which adds <bos>)
-    "T5TokenizerFast": dict(extra_ids=0, model_max_length=512),
-    "GemmaTokenizer": dict(add_bos_token=True), "GemmaTokenizerFast": dict(add_bos_token=True),
-}
 
 
 def carried(root: Path | None = None, index: str = "model_index.json") -> list[Path]:
@@ -100,7 +95,7 @@ def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
     """The tokenizers config ``folder`` lacks (the carried folders hold none), by component name:
     each from the folder ComfyUI ships it in where the folder's ``tokenizers.json`` names one (under
     ``comfy_tokenizers``, ComfyUI's ``comfy`` package folder), else read from the sentencepiece model
-    its text-encoder file carries (``tokenizer_2`` from ``text_encoder_2``)."""
+    its text-encoder file carries (`file_tokenizers`; ``tokenizer_2`` from ``text_encoder_2``)."""
     shipped = _shipped_entries(folder)
     out: dict[str, Any] = {}
     for name, spec in index.items():
@@ -140,45 +135,3 @@ def shipped_tokenizer(folder: Path, name: str, cls_name: str, comfy_tokenizers: 
                               f"{exc}): use a diffusers config folder with a tokenizer") from exc
     log.info("%s: %s from ComfyUI's %s", folder.name, name, source)
     return tokenizer
-
-
-def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
-    """The ``cls_name`` tokenizer (T5TokenizerFast for Wan's UMT5, GemmaTokenizer for LTX-2's Gemma 3)
-    built by transformers' own converter from the sentencepiece model text-encoder file ``path``
-    carries; ``what`` names the config folder that lacks one, for the error."""
-    import transformers
-
-    path = Path(path)
-    model = _spiece(path)
-    if model is None:
-        raise SingleFileError(f"{what} has no tokenizer and {path.name} carries none (no {SPIECE} entry, or in a "
-                              "GGUF file no T5 tokenizer metadata): pick a text-encoder file that carries it "
-                              "(Comfy-Org's umt5_xxl_fp8_e4m3fn_scaled does) or a diffusers config folder with a tokenizer")
-    cls = getattr(transformers, cls_name, None)
-    if not isinstance(cls, type):
-        raise SingleFileError(f"{what}: tokenizer class {cls_name!r} is not in this transformers version")
-    with tempfile.TemporaryDirectory(prefix="offload-tokenizer-") as tmp:
-        (Path(tmp) / cls.vocab_files_names.get("vocab_file", "tokenizer.model")).write_bytes(model)
-        try:
-            tokenizer = cls.from_pretrained(tmp, **FILE_TOKENIZER_OPTIONS.get(cls_name, {}))
-        except Exception as exc:  # no sentencepiece / protobuf, or a damaged model
-            raise SingleFileError(f"the tokenizer {path.name} carries could not be read ({type(exc).__name__}: "
-                                  f"{exc}); the pack needs the sentencepiece and protobuf packages") from exc
-    log.info("%s: tokenizer read from its sentencepiece model (%d pieces)", path.name, len(tokenizer))
-    return tokenizer
-
-
-def _spiece(path: Path) -> bytes | None:
-    """The sentencepiece model a text-encoder file carries: a safetensors file's ``spiece_model``
-    entry, or a GGUF file's tokenizer metadata (`gguf_text_encoder.gguf_spiece`)."""
-    if path.suffix.lower() == ".gguf":
-        from .gguf_text_encoder import gguf_spiece
-
-        return gguf_spiece(path)
-    keys = [k for k in inspect_safetensors(path).tokenizers if k.rsplit(".", 1)[-1] == SPIECE]
-    if not keys:
-        return None
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        return f.get_tensor(keys[0]).numpy().tobytes()

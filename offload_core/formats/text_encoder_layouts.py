@@ -14,6 +14,8 @@ Qwen3 (Z-Image's and FLUX.2 [klein]'s text encoder, a ``Qwen3Model``; ComfyUI's 
 ``qwen_3_8b`` files): ``model.*`` is the whole model, which transformers names without the prefix (its
 loader drops it, but a file holding stored layers is assigned to a model built empty, so the names
 must be the model's own); the 8B file's ``lm_head`` is left out (those pipelines read hidden states).
+Mistral Small 3.1's language model (FLUX.2 [dev]'s text encoder, a ``MistralModel``; ComfyUI's
+``mistral_3_small_flux2`` files, ``Mistral3Small24B``) is laid out the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ LAYOUTS = {
         prefixes=(("model.", "model.language_model."), ("visual.", "model.visual.")), optional=("model.visual.",),
     ),
     "Qwen3Model": Layout(prefixes=(("model.", ""),), unused=("lm_head.",)),
+    "MistralModel": Layout(prefixes=(("model.", ""),), unused=("lm_head.",)),
 }
 
 

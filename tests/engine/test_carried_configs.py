@@ -347,7 +347,7 @@ def _runs_as_the_configs_folder_pipeline(pipe, reference) -> None:
 
 def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried, comfy_wan, wan_component_files):
     te = wan_component_files["text_encoder"]
-    with pytest.raises(SingleFileError, match=f"{te.name} carries none \\(no spiece_model entry"):
+    with pytest.raises(SingleFileError, match=f"{te.name} carries none \\(no spiece_model or tekken_model entry"):
         load_pipeline_with_denoiser(tiny_carried["wan"], comfy_wan("fp8"), BF16, te, wan_component_files["vae"])
 
 

@@ -204,7 +204,7 @@ def test_comfyuis_gemma_file_gives_the_text_encoder_and_its_tokenizer(case, tmp_
     tokenizer is sentencepiece's own reading of the file's model with <bos> first (as ComfyUI's
     Gemma tokenizer and the released one), and the run equals the folder's with such a tokenizer."""
     import sentencepiece
-    from diffusers_offload.offload_core.formats.carried import tokenizer_from_file
+    from diffusers_offload.offload_core.formats.file_tokenizers import tokenizer_from_file
     from fixtures.comfy_files import carried_like_copy
     from fixtures.ltx2_files import comfy_gemma3_text_state
     from fixtures.tiny_tok import tiny_gemma_spiece
