@@ -33,7 +33,7 @@ from .single_file import (
     short_dtype,
 )
 from .stored_linear import StoredKind, StoredLinear, stored_keys, swap_stored, whole
-from .text_encoder_layouts import comfy_layout, drop_absent, renamer
+from .text_encoder_layouts import comfy_layout, drop_absent, fitted, renamer
 from .vae_layouts import is_wan22_vae, load_flux2_vae, load_qwen_image_vae, load_wan22_vae
 
 log = get_logger("single_file")
@@ -241,11 +241,12 @@ def load_text_encoder(path: Path, config: Path, cls_name: str, dtype: torch.dtyp
     layout = comfy_layout(cls_name, list(info.shapes)) if fit is None else None
     if layout is None:
         return _load_text_encoder(path, info, config, cls_name, dtype, fit)
-    fit = Fit(keys=renamer(layout), config=lambda settings: settings, absent=layout.optional)
+    fit = Fit(keys=renamer(layout), config=fitted(layout, list(info.shapes)),
+              absent=(*layout.optional, *(("norm.",) if layout.trimmed else ())))
     model = _load_text_encoder(path, info, config, cls_name, dtype, fit)
     dropped = drop_absent(model, layout)
     log.info("%s: %s in ComfyUI's layout%s", path.name, cls_name,
-             f" without {', '.join(dropped)} (text only)" if dropped else "")
+             f" without {', '.join(dropped)}" if dropped else "")
     return model
 
 

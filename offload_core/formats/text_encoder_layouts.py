@@ -15,13 +15,17 @@ Qwen3 (Z-Image's and FLUX.2 [klein]'s text encoder, a ``Qwen3Model``; ComfyUI's 
 loader drops it, but a file holding stored layers is assigned to a model built empty, so the names
 must be the model's own); the 8B file's ``lm_head`` is left out (those pipelines read hidden states).
 Mistral Small 3.1's language model (FLUX.2 [dev]'s text encoder, a ``MistralModel``; ComfyUI's
-``mistral_3_small_flux2`` files, ``Mistral3Small24B``) is laid out the same way.
+``mistral_3_small_flux2`` files, ``Mistral3Small24B``) is laid out the same way; ComfyUI's pruned
+ones stop after the 30 layers FLUX.2 reads, without the final norm: the model is built to the file's
+depth, an identity for the norm (it only norms the last hidden state, which is then read unnormed, as
+the whole model's hidden state 30 is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +37,7 @@ class Layout:
     prefixes: tuple[tuple[str, str], ...]
     optional: tuple[str, ...] = ()
     unused: tuple[str, ...] = ()  # ComfyUI's key prefixes the model has no place for (left out)
+    trimmed: bool = False  # a file may stop early (fewer layers, no final norm): the model is built to its depth
     sign: str = "model.layers."  # a key prefix only ComfyUI's layout has
 
 
@@ -46,7 +51,7 @@ LAYOUTS = {
         prefixes=(("model.", "model.language_model."), ("visual.", "model.visual.")), optional=("model.visual.",),
     ),
     "Qwen3Model": Layout(prefixes=(("model.", ""),), unused=("lm_head.",)),
-    "MistralModel": Layout(prefixes=(("model.", ""),), unused=("lm_head.",)),
+    "MistralModel": Layout(prefixes=(("model.", ""),), unused=("lm_head.",), trimmed=True),
 }
 
 
@@ -64,6 +69,20 @@ def renamer(layout: Layout) -> Callable[[dict[str, torch.Tensor]], dict[str, tor
     return rename
 
 
+def fitted(layout: Layout, keys: list[str]) -> Callable[[Any], Any]:
+    """The config a file of ``keys`` fits: a trimmed layout's at the file's depth."""
+    depth = len({k.split(".")[2] for k in keys if k.startswith(layout.sign)})
+
+    def config(settings: Any) -> Any:
+        if layout.trimmed and 0 < depth < settings.num_hidden_layers:
+            settings.num_hidden_layers = depth
+            if getattr(settings, "layer_types", None):
+                settings.layer_types = settings.layer_types[:depth]
+        return settings
+
+    return config
+
+
 def comfy_key(layout: Layout, key: str) -> str:
     """A transformers key under ComfyUI's name (the layout's renaming undone; a prefix the layout
     drops is not put back)."""
@@ -71,8 +90,12 @@ def comfy_key(layout: Layout, key: str) -> str:
 
 
 def drop_absent(model: torch.nn.Module, layout: Layout) -> list[str]:
-    """The optional modules the file did not fill (still on the meta device), set to None; their names."""
+    """The optional modules the file did not fill (still on the meta device), set to None, and a
+    trimmed layout's missing final norm set to an identity; their names."""
     dropped = []
+    if layout.trimmed and any(p.is_meta for p in model.norm.parameters()):
+        model.norm = torch.nn.Identity()
+        dropped.append("norm")
     for prefix in layout.optional:
         name = prefix.rstrip(".")
         module = model.get_submodule(name)

@@ -95,3 +95,23 @@ def test_comfyuis_files_run_with_the_carried_configs_in_every_placement(placemen
     assert torch.equal(run_placed(pipe, OffloadConfig(**PLACEMENTS[placement], **BASE), run_flux2_dev),
                        run_flux2_dev(reference))
     assert {p: digest(p) for p in before} == before
+
+
+def test_a_pruned_mistral_file_runs_as_the_whole_model(folder, files, tmp_path):
+    """ComfyUI's pruned Mistral Small files stop after the layers FLUX.2 reads, without the final
+    norm: the model is built to the file's depth (a norm-free end), and the pipeline gives the bits it
+    gives with the whole model."""
+    from safetensors.torch import load_file
+
+    whole = load_file(str(files["text_encoder"]))
+    pruned = tmp_path / "mistral_3_small_flux2_pruned.safetensors"
+    save_file({k: t for k, t in whole.items() if k != "model.norm.weight" and not k.startswith("model.layers.30.")},
+              str(pruned))
+    configs = carried_like_copy(folder, tmp_path / "carried" / "flux2-dev-tiny")
+    outputs = []
+    for text_encoder in (files["text_encoder"], pruned):
+        pipe = load_pipeline_with_denoiser(configs, files["denoiser"], BF16, text_encoder_file=text_encoder,
+                                           vae_file=files["vae"])
+        outputs.append(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_flux2_dev))
+    assert len(pipe.text_encoder.layers) == 30 and isinstance(pipe.text_encoder.norm, torch.nn.Identity)
+    assert torch.equal(*outputs)
