@@ -54,7 +54,7 @@ class Example:
     pipeline: str
     model: str
     tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (h3_ref: tiny_h3_ref.py; wan22_*: tiny_wan_families.py;
-    # z_image: z_image_files.py; qwen_image: qwen_image_files.py; flux2_klein: flux2_klein_files.py)
+    # z_image: z_image_files.py; qwen_image: qwen_image_files.py; flux2_klein / flux2_dev: flux2_*_files.py)
     repo: str  # Hugging Face repository of the diffusers-format model
     title: str  # what the Note and the thumbnail call it
     tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example
@@ -107,6 +107,9 @@ EXAMPLES = (
     Example("flux2_klein_single_files", "Flux2KleinPipeline", sf.AUTO_CONFIG, "flux2_klein",
             repo=sf.FLUX2_KLEIN_REPO, title="FLUX.2 [klein] 4B, ComfyUI's files: text to image",
             files=(sf.FLUX2_KLEIN_FP8, sf.Z_IMAGE_QWEN3, sf.FLUX2_VAE)),
+    Example("flux2_dev_single_files", "Flux2Pipeline", sf.AUTO_CONFIG, "flux2_dev",
+            repo=sf.FLUX2_DEV_REPO, title="FLUX.2 [dev], ComfyUI's files: text to image",
+            files=(sf.FLUX2_DEV_FP8, sf.FLUX2_DEV_MISTRAL, sf.FLUX2_VAE)),
     Example("ltx2_single_files", "LTX2Pipeline", sf.AUTO_CONFIG, "ltx2_checkpointable",
             repo=sf.LTX2_REPO, title="LTX-2 19B, ComfyUI's files: text to video with audio",
             files=(sf.LTX2_FP8, sf.LTX2_GEMMA_FP4), tiny_extra=(("width", 64), ("height", 64))),

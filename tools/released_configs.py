@@ -1,5 +1,17 @@
-"""The released values the carried configs are written from (``write_carried_configs.py``): each
-constant names its source; the classes' own defaults are used where they are the released model's."""
+"""The released values the carried configs are written from (``write_carried_configs.py``); the classes'
+own defaults are used where they are the released model's. Sources: Wan: diffusers'
+``scripts/convert_wan_to_diffusers.py`` (transformer sizes, the Wan 2.2 VAE less its ``clip_output``,
+UniPC's flow shift, boundary ratios), google/umt5-xxl's config (ComfyUI's ``umt5_config_xxl.json``
+agrees), Wan 2.1 I2V's CLIP ViT-H/14; FLUX.1: diffusers' defaults for its transformer, VAE and
+schedulers, CLIP-L / T5-XXL (ComfyUI's ``sd1_clip_config.json`` and ``t5_config_xxl.json`` agree);
+MiniMax-H3: diffusers' ``convert_minimax_h3_to_diffusers.py``, the video VAE's latent statistics from
+ComfyUI's ``comfy/ldm/minimax/vae.py``, Qwen3-VL-32B's config (ComfyUI's ``Qwen3VL_32BConfig``) and
+processors; LTX-2 19B: diffusers' ``convert_ltx2_to_diffusers.py`` (version "2.0"), gemma-3-12b-it's
+config; Z-Image Turbo: Tongyi-MAI's released configs (ComfyUI's ``model_detection`` and
+``Qwen3_4BConfig`` agree), ComfyUI's shift 3, Qwen3's chat template (ComfyUI's Z-Image prompt,
+which the Qwen2.5 template ComfyUI ships would wrap in a system prompt); Qwen-Image: Qwen/Qwen-Image's
+released configs (Qwen2.5-VL-7B-Instruct's, ComfyUI's ``Qwen25_7BVLI_Config``); FLUX.2: diffusers'
+``scripts/convert_flux2_to_diffusers.py`` (below)."""
 
 from __future__ import annotations
 

@@ -75,6 +75,11 @@ FLUX2_KLEIN_REPO = "black-forest-labs/FLUX.2-klein-4B"
 FLUX2_KLEIN_FP8 = ComfyFile("denoiser", "diffusion_models", "black-forest-labs/FLUX.2-klein-4b-fp8",
                             "flux-2-klein-4b-fp8.safetensors", "fp8_scaled")
 FLUX2_VAE = ComfyFile("vae", "vae", "Comfy-Org/flux2-dev", "split_files/vae/flux2-vae.safetensors", "vae")
+FLUX2_DEV_REPO, COMFY_FLUX2_DEV = "black-forest-labs/FLUX.2-dev", "Comfy-Org/flux2-dev"
+FLUX2_DEV_FP8 = ComfyFile("denoiser", "diffusion_models", COMFY_FLUX2_DEV,
+                          "split_files/diffusion_models/flux2_dev_fp8mixed.safetensors", "fp8_scaled")
+FLUX2_DEV_MISTRAL = ComfyFile("text_encoder", "text_encoders", COMFY_FLUX2_DEV,
+                              "split_files/text_encoders/mistral_3_small_flux2_fp8.safetensors", "text_encoder")
 SHIPPED_TOKENIZERS = {"FluxPipeline": "the tokenizers are ComfyUI's own.",  # the carried ones that ComfyUI ships
                       "ZImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
                       "QwenImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",

@@ -1,28 +1,12 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI, FLUX.1, LTX-2, Z-Image Turbo and Qwen-Image diffusers folders and of MiniMax-H3's modular one, so a
-single-file user needs no diffusers folder.
+copies of the Wan-AI, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo and Qwen-Image diffusers folders and of
+MiniMax-H3's modular one, so a single-file user needs no diffusers folder.
 
-Values: diffusers' ``scripts/convert_wan_to_diffusers.py`` (the script that made those folders:
-transformer sizes, the Wan 2.2 VAE less its ``clip_output``, which AutoencoderKLWan does not take,
-UniPC's flow shift, boundary ratios), google/umt5-xxl's config (ComfyUI's ``umt5_config_xxl.json``
-holds the same) and Wan 2.1 I2V's CLIP ViT-H/14 image encoder; FLUX.1's: diffusers' own defaults for
-its transformer, the FLUX.1 VAE, schedulers and CLIP-L / T5-XXL (ComfyUI's ``sd1_clip_config.json``
-and ``t5_config_xxl.json`` hold the same); MiniMax-H3's: diffusers' ``convert_minimax_h3_to_diffusers.py``
-(its transformer, VAEs and scheduler shifts equal the classes' defaults; the video VAE's latent
-statistics are ComfyUI's ``comfy/ldm/minimax/vae.py`` values, the audio VAE's are read from its file),
-Qwen3-VL-32B's config (ComfyUI's ``Qwen3VL_32BConfig`` at its released 64 layers) and image / video
-processors; LTX-2 19B's: diffusers' ``convert_ltx2_to_diffusers.py`` (version "2.0": split RoPE, a
-non-causal decoder, 32 / 8 compression, which the classes' defaults are not; dev's and distilled's
-schedulers) and google/gemma-3-12b-it's config; Z-Image Turbo's: Tongyi-MAI/Z-Image-Turbo's released configs
-(the transformer's ComfyUI's ``model_detection`` also holds, Qwen3-4B's its ``Qwen3_4BConfig``, the FLUX.1 VAE,
-ComfyUI's shift 3), its tokenizer ComfyUI's ``qwen25_tokenizer`` with Qwen3's chat template (ComfyUI's
-Z-Image prompt template, which the Qwen2.5 template it ships would wrap in a system prompt); Qwen-Image's:
-Qwen/Qwen-Image's released configs (its transformer and VAE are the classes' defaults; Qwen2.5-VL-7B-Instruct's
-config, ComfyUI's ``Qwen25_7BVLI_Config``; the scheduler's dynamic exponential shift), its tokenizer ComfyUI's
-``qwen25_tokenizer`` (the pipeline writes its own prompt template). Each file is saved by its real class (models built on
-the meta device), so it is what that class's loader reads. No tokenizer: Wan's comes from the
-text-encoder file (LTX-2's too), FLUX.1's, Z-Image's, Qwen-Image's and H3's from the folders ComfyUI ships them in
-(``tokenizers.json``). Run after a diffusers upgrade that changes a config:
+The released values, each with its source, are in ``released_configs.py``. Each file is saved by its
+real class (models built on the meta device), so it is what that class's loader reads. No tokenizer:
+Wan's, LTX-2's and FLUX.2 [dev]'s come from the text-encoder file; FLUX.1's, FLUX.2 [klein]'s,
+Z-Image's, Qwen-Image's and H3's from the folders ComfyUI ships them in (``tokenizers.json``). Run
+after a diffusers upgrade that changes a config:
 
     .venv/bin/python tools/write_carried_configs.py
 """

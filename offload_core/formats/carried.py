@@ -1,10 +1,10 @@
 """Configs the pack carries (configs-only copies of the Wan-AI diffusers folders of Wan 2.1 / 2.2,
-of FLUX.1 dev / schnell, FLUX.2 [klein] 4B / 9B (distilled and base), LTX-2 19B dev / distilled, Z-Image Turbo,
-Qwen-Image and MiniMax-H3's modular folder, written by
+of FLUX.1 dev / schnell, FLUX.2 [klein] 4B / 9B (distilled and base) and [dev], LTX-2 19B dev / distilled,
+Z-Image Turbo, Qwen-Image and MiniMax-H3's modular folder, written by
 ``tools/write_carried_configs.py``), so a user holding only ComfyUI single files needs no diffusers
 folder: the classic one whose transformer fits the denoiser file's shape is picked. They hold no
-tokenizer: Wan's and LTX-2's come from the text-encoder file (Comfy-Org's UMT5 and Gemma 3 files
-carry their sentencepiece model, which is what ComfyUI's own tokenizers read), FLUX.1's, FLUX.2
+tokenizer: Wan's, LTX-2's and FLUX.2 [dev]'s come from the text-encoder file (Comfy-Org's UMT5, Gemma 3
+and Mistral files carry theirs, which is what ComfyUI's own tokenizers read), FLUX.1's, FLUX.2
 [klein]'s, Z-Image's, Qwen-Image's and H3's from the folders ComfyUI ships them in (a folder's ``tokenizers.json``).
 """
 
@@ -24,7 +24,7 @@ log = get_logger("single_file")
 ROOT = Path(__file__).with_name("carried_configs")
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
-FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2 [klein], LTX-2, Z-Image Turbo and Qwen-Image"
+FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo and Qwen-Image"
 NAME_WORDS = ("distilled", "base")  # what tells variants of one shape apart, in their folders' and files' names
 
 

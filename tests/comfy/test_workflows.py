@@ -21,7 +21,15 @@ import av
 import pytest
 import torch
 from comfyhost import harness
-from fixtures import comfy_files, flux2_klein_files, flux_files, gguf_files, qwen_image_files, z_image_files
+from fixtures import (
+    comfy_files,
+    flux2_dev_files,
+    flux2_klein_files,
+    flux_files,
+    gguf_files,
+    qwen_image_files,
+    z_image_files,
+)
 from fixtures.tiny_tok import tiny_gemma_spiece, tiny_t5_spiece
 from PIL import Image
 from safetensors.torch import save_file
@@ -36,6 +44,7 @@ _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width
 _tiny_z_image = z_image_files.tiny_z_image_dir
 _tiny_qwen_image = qwen_image_files.tiny_qwen_image_dir
 _tiny_flux2_klein = flux2_klein_files.tiny_flux2_klein_dir
+_tiny_flux2_dev = flux2_dev_files.tiny_flux2_dev_dir
 
 NAMES = [e.name for e in ex.EXAMPLES]
 # combos listing the user's disk: any name is a valid value
@@ -226,6 +235,7 @@ FILE_FAMILIES = {  # tiny family -> (its folder's fixture, its transformer in it
     "qwen_image": ("tiny_qwen_image_dir", qwen_image_files.transformer_state, qwen_image_files.comfy_qwen_image_files),
     "flux2_klein": ("tiny_flux2_klein_dir", flux2_klein_files.transformer_state,
                     flux2_klein_files.comfy_flux2_klein_files),
+    "flux2_dev": ("tiny_flux2_dev_dir", flux2_klein_files.transformer_state, flux2_dev_files.comfy_flux2_dev_files),
 }
 SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo", "qwen_image": "Qwen-Image",
            "flux2_klein": "FLUX.2-klein-4B"}  # tiny family -> carried folder naming ComfyUI's tokenizers
@@ -238,7 +248,8 @@ def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pyt
     the node pointed at that folder instead of the running ComfyUI's."""
     assert example.model == ex.sf.AUTO_CONFIG
     families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir",
-                "z_image": "tiny_z_image_dir", "qwen_image": "tiny_qwen_image_dir", "flux2_klein": "tiny_flux2_klein_dir"}
+                "z_image": "tiny_z_image_dir", "qwen_image": "tiny_qwen_image_dir", "flux2_klein": "tiny_flux2_klein_dir",
+                "flux2_dev": "tiny_flux2_dev_dir"}
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
