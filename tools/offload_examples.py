@@ -53,8 +53,7 @@ class Example:
     name: str
     pipeline: str
     model: str
-    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS (h3_ref: tiny_h3_ref.py; wan22_*: tiny_wan_families.py;
-    # z_image: z_image_files.py; qwen_image: qwen_image_files.py; flux2_klein / flux2_dev: flux2_*_files.py)
+    tiny: str  # key of tests/fixtures/tiny_models.BUILDERS or of a tests/fixtures/*_files.py family (h3_ref, wan22_*: theirs)
     repo: str  # Hugging Face repository of the diffusers-format model
     title: str  # what the Note and the thumbnail call it
     tiny_extra: tuple[tuple[str, Any], ...] = ()  # Generate inputs on top of TINY_SIZES for this example

@@ -17,6 +17,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import diffusers
 import transformers
@@ -186,39 +187,35 @@ def write_qwen_image(out: Path) -> None:
 
 
 def write_flux2_klein(out: Path, size: str, text_encoder: dict, distilled: bool) -> None:
-    """FLUX.2 [klein]: its transformer, the FLUX.2 VAE, a headless Qwen3 text encoder, FLUX.1-dev's
-    scheduler (the pipeline computes its own shift), distilled or base."""
-    with init_empty_weights():
-        diffusers.Flux2Transformer2DModel.from_config({**FLUX2_KLEIN_TRANSFORMER, **FLUX2_KLEIN_SIZES[size]}
-                                                      ).save_config(out / "transformer")
-        diffusers.AutoencoderKLFlux2.from_config({}).save_config(out / "vae")
-    diffusers.FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER, shift=3.0, use_dynamic_shifting=True
-                                              ).save_config(out / "scheduler")
+    """FLUX.2 [klein]: its transformer, a headless Qwen3 text encoder, distilled or base (`write_flux2`)."""
     qwen3 = transformers.Qwen3Config(**text_encoder)
     qwen3.architectures = ["Qwen3ForCausalLM"]
-    qwen3.save_pretrained(out / "text_encoder")
-    index = {"_class_name": "Flux2KleinPipeline", "_diffusers_version": diffusers.__version__, "is_distilled": distilled,
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "Qwen3Model"],
-             "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "Flux2Transformer2DModel"],
-             "vae": ["diffusers", "AutoencoderKLFlux2"]}
-    (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_flux2(out, {**FLUX2_KLEIN_TRANSFORMER, **FLUX2_KLEIN_SIZES[size]}, qwen3, "Qwen3Model", "Flux2KleinPipeline",
+                "Qwen2Tokenizer", is_distilled=distilled)
     (out / "tokenizers.json").write_text(json.dumps(Z_IMAGE_TOKENIZERS, indent=2) + "\n")
 
 
 def write_flux2_dev(out: Path) -> None:
-    """FLUX.2 [dev]: its transformer, the FLUX.2 VAE, Mistral Small 3.1's language model as the text
-    encoder (its tokenizer read from the text-encoder file), FLUX.1-dev's scheduler."""
+    """FLUX.2 [dev]: its transformer, Mistral Small 3.1's language model as the text encoder (its
+    tokenizer read from the text-encoder file) (`write_flux2`)."""
+    mistral = transformers.MistralConfig(**MISTRAL_SMALL_24B_TEXT)
+    mistral.architectures = ["MistralModel"]
+    write_flux2(out, FLUX2_DEV_TRANSFORMER, mistral, "MistralModel", "Flux2Pipeline", "PreTrainedTokenizerFast")
+
+
+def write_flux2(out: Path, transformer: dict, text: Any, text_class: str, pipeline: str, tokenizer: str,
+                **fields: Any) -> None:
+    """A FLUX.2 folder: the transformer of config ``transformer``, the FLUX.2 VAE, FLUX.1-dev's
+    scheduler (the pipeline computes its own shift), the text encoder of config ``text``."""
     with init_empty_weights():
-        diffusers.Flux2Transformer2DModel.from_config(FLUX2_DEV_TRANSFORMER).save_config(out / "transformer")
+        diffusers.Flux2Transformer2DModel.from_config(transformer).save_config(out / "transformer")
         diffusers.AutoencoderKLFlux2.from_config({}).save_config(out / "vae")
     diffusers.FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULER, shift=3.0, use_dynamic_shifting=True
                                               ).save_config(out / "scheduler")
-    mistral = transformers.MistralConfig(**MISTRAL_SMALL_24B_TEXT)
-    mistral.architectures = ["MistralModel"]
-    mistral.save_pretrained(out / "text_encoder")
-    index = {"_class_name": "Flux2Pipeline", "_diffusers_version": diffusers.__version__,
-             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "MistralModel"],
-             "tokenizer": ["transformers", "PreTrainedTokenizerFast"], "transformer": ["diffusers", "Flux2Transformer2DModel"],
+    text.save_pretrained(out / "text_encoder")
+    index = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__, **fields,
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", text_class],
+             "tokenizer": ["transformers", tokenizer], "transformer": ["diffusers", "Flux2Transformer2DModel"],
              "vae": ["diffusers", "AutoencoderKLFlux2"]}
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
 
