@@ -115,3 +115,13 @@ def test_a_pruned_mistral_file_runs_as_the_whole_model(folder, files, tmp_path):
         outputs.append(run_placed(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE), run_flux2_dev))
     assert len(pipe.text_encoder.layers) == 30 and isinstance(pipe.text_encoder.norm, torch.nn.Identity)
     assert torch.equal(*outputs)
+
+
+def test_a_damaged_tekken_vocabulary_is_refused_naming_the_file(tmp_path):
+    from diffusers_offload.offload_core.formats.inspect import SingleFileError
+
+    path = tmp_path / "mistral_damaged.safetensors"
+    save_file({"model.norm.weight": torch.ones(4), "tekken_model": torch.tensor(list(b"{not json"), dtype=torch.uint8)},
+              str(path))
+    with pytest.raises(SingleFileError, match=r"the tekken vocabulary mistral_damaged\.safetensors carries could not be read"):
+        tokenizer_from_file(path, "PreTrainedTokenizerFast", "the test")
