@@ -105,14 +105,17 @@ QWEN_IMAGE_TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=6
 QWEN_IMAGE_PROMPT = 128  # prompt tokens after the template's 34 (the pipeline passes only the prompt's own)
 
 
-def build_qwenimage(device: str | torch.device = "cuda", tiny: bool = False) -> torch.nn.Module:
+def build_qwenimage(device: str | torch.device = "cuda", tiny: bool = False, layers: int | None = None
+                    ) -> torch.nn.Module:
+    """Qwen-Image's transformer (``layers``: its first blocks only, at full width)."""
     from diffusers import QwenImageTransformer2DModel
     from diffusers_offload.offload_core.formats.carried import by_name
 
     config = dict(QwenImageTransformer2DModel.load_config(str(by_name("Qwen-Image") / "transformer")))
+    depth = {"num_layers": layers} if layers else {}
     torch.manual_seed(0)
     with torch.device(device):
-        m = QwenImageTransformer2DModel.from_config({**config, **(QWEN_IMAGE_TINY if tiny else {})})
+        m = QwenImageTransformer2DModel.from_config({**config, **depth, **(QWEN_IMAGE_TINY if tiny else {})})
     return cast_like_from_pretrained(m, torch.bfloat16)
 
 

@@ -1,0 +1,88 @@
+"""ComfyUI's native path on an image transformer (Qwen-Image), the anchor beside ``wan_bench.py --model
+qwenimage``: the team's ``native_bench.py`` (``../shared/reference/native_anchor``, carried in
+``.gpu/native_anchor``) run as it is on a random file of the model, its Wan-only model summary fields
+(width, feed-forward, heads, text width) left empty.
+
+    python bench/native_image_anchor.py --write /tmp/qwen_image.safetensors          # the file (fp8 blocks)
+    python bench/native_image_anchor.py --run /tmp/qwen_image.safetensors -- --comfy-dir .gpu/comfyui \\
+        --cap-gb 12 --workloads image=1x16x1x128x128 --text-len 128 --text-dim 3584 --json-out $OUT/native.jsonl
+
+``--write`` builds the carried config's transformer with random weights (seed 0) and saves it in the
+key names ComfyUI's Qwen-Image files hold (diffusers'), the blocks' matrices as plain fp8 (what
+ComfyUI's ``weight_dtype`` fp8_e4m3fn holds them as), the rest bf16; ``--layers`` fewer blocks for a
+CPU check (with ``--cpu`` after ``--``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WAN_ONLY = ("dim", "ffn_dim", "num_heads", "num_layers", "text_dim", "model_type")
+
+
+def write(path: Path, layers: int | None, device: str) -> None:
+    import torch
+    from benchkit import pack
+    from benchkit.image_models import build_qwenimage
+    from safetensors.torch import save_file
+
+    pack()
+    model = build_qwenimage(device, layers=layers)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        fp8 = name.startswith("transformer_blocks.") and name.endswith(".weight") and tensor.ndim == 2
+        state[name] = (tensor.to(torch.float8_e4m3fn) if fp8 else tensor.to(torch.bfloat16)).contiguous().cpu()
+    save_file(state, str(path))
+    print(f"wrote {path}: {len(state)} tensors, {sum(t.nbytes for t in state.values()) / 2**30:.2f} GiB")
+
+
+def run(path: Path, argv: list[str], anchor: Path) -> None:
+    """native_bench.py's main on ``path``, the Wan-only fields given None once ComfyUI is up."""
+    sys.path.insert(0, str(anchor))
+    import native_bench
+
+    startup = native_bench.comfy_startup
+
+    def comfy_startup(args):
+        out = startup(args)
+        import comfy.sd
+
+        load = comfy.sd.load_diffusion_model
+
+        def load_diffusion_model(*a, **kw):
+            patcher = load(*a, **kw)
+            model = patcher.model.diffusion_model
+            for name in WAN_ONLY:
+                if not hasattr(model, name):
+                    setattr(model, name, None)
+            return patcher
+
+        comfy.sd.load_diffusion_model = load_diffusion_model
+        return out
+
+    native_bench.comfy_startup = comfy_startup
+    sys.argv = ["native_bench.py", "--model", str(path), *argv]
+    sys.exit(native_bench.main())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--write", type=Path, help="write the random Qwen-Image file here")
+    ap.add_argument("--run", type=Path, help="run native_bench.py on this file (its flags after --)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first blocks (a CPU check)")
+    ap.add_argument("--device", default="cuda", help="where the model is built for --write")
+    ap.add_argument("--anchor", type=Path, default=HERE.parent / ".gpu" / "native_anchor")
+    own, _, rest = " ".join(sys.argv[1:]).partition(" -- ")
+    args = ap.parse_args(own.split())
+    if args.write:
+        write(args.write, args.layers, args.device)
+    if args.run:
+        run(args.run, rest.split(), args.anchor)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    main()
