@@ -75,12 +75,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="keep only the first blocks (a CPU check)")
     ap.add_argument("--device", default="cuda", help="where the model is built for --write")
     ap.add_argument("--anchor", type=Path, default=HERE.parent / ".gpu" / "native_anchor")
-    own, _, rest = " ".join(sys.argv[1:]).partition(" -- ")
-    args = ap.parse_args(own.split())
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # native_bench.py's own flags after "--"
+    args = ap.parse_args(argv[:cut])
     if args.write:
         write(args.write, args.layers, args.device)
     if args.run:
-        run(args.run, rest.split(), args.anchor)
+        run(args.run, argv[cut + 1:], args.anchor)
 
 
 if __name__ == "__main__":

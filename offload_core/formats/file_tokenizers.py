@@ -32,13 +32,19 @@ MISTRAL_CHAT = ("{{ bos_token }}{% for m in messages %}{% set c = m['content'] i
 
 def tokenizer_from_file(path: Path, cls_name: str, what: str) -> Any:
     """The tokenizer text-encoder file ``path`` carries: from its sentencepiece model as ``cls_name``
-    (T5TokenizerFast for Wan's UMT5, GemmaTokenizer for LTX-2's Gemma 3), or from its tekken
-    vocabulary; ``what`` names the config folder that lacks one, for the error."""
+    (T5TokenizerFast for Wan's UMT5, GemmaTokenizer for LTX-2's Gemma 3; a T5 GGUF file's tokenizer
+    metadata, `gguf_text_encoder.gguf_spiece`), or from its tekken vocabulary; ``what`` names the
+    config folder that lacks one, for the error."""
     path = Path(path)
-    tekken = _entry(path, TEKKEN) if path.suffix.lower() != ".gguf" else None
-    if tekken is not None:
-        return _tekken_tokenizer(path, tekken)
-    model = _spiece(path)
+    if path.suffix.lower() == ".gguf":
+        from .gguf_text_encoder import gguf_spiece
+
+        entries = {SPIECE: gguf_spiece(path)}
+    else:
+        entries = _entries(path)
+    if entries.get(TEKKEN) is not None:
+        return _tekken_tokenizer(path, entries[TEKKEN])
+    model = entries.get(SPIECE)
     if model is None:
         raise SingleFileError(f"{what} has no tokenizer and {path.name} carries none (no {SPIECE} or {TEKKEN} "
                               "entry, or in a GGUF file no T5 tokenizer metadata): pick a text-encoder file that "
@@ -79,22 +85,13 @@ def _tekken_tokenizer(path: Path, vocabulary: bytes) -> Any:
     return tokenizer
 
 
-def _spiece(path: Path) -> bytes | None:
-    """The sentencepiece model a text-encoder file carries: a safetensors file's ``spiece_model``
-    entry, or a GGUF file's tokenizer metadata (`gguf_text_encoder.gguf_spiece`)."""
-    if path.suffix.lower() == ".gguf":
-        from .gguf_text_encoder import gguf_spiece
-
-        return gguf_spiece(path)
-    return _entry(path, SPIECE)
-
-
-def _entry(path: Path, name: str) -> bytes | None:
-    """The bytes of a safetensors file's tokenizer entry ``name`` (a uint8 tensor), or None."""
-    keys = [k for k in inspect_safetensors(path).tokenizers if k.rsplit(".", 1)[-1] == name]
-    if not keys:
-        return None
+def _entries(path: Path) -> dict[str, bytes]:
+    """A safetensors file's tokenizer entries (uint8 tensors) by ComfyUI's name (`SPIECE`, `TEKKEN`)."""
+    keys = {k.rsplit(".", 1)[-1]: k for k in inspect_safetensors(path).tokenizers}
+    wanted = {name: keys[name] for name in (SPIECE, TEKKEN) if name in keys}
+    if not wanted:
+        return {}
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return f.get_tensor(keys[0]).numpy().tobytes()
+        return {name: f.get_tensor(key).numpy().tobytes() for name, key in wanted.items()}

@@ -7,8 +7,8 @@ They are kept as stored (`NVFP4Linear`): 4.5 bits a weight are what is pinned, s
 kept, and each layer computes as ComfyUI's does on a card without fp4 tensor cores (its
 ``nvfp4`` ops are "emulated" below Blackwell): ``F.linear(x, dequantize_nvfp4(...)[:out, :in])``,
 comfy-kitchen's decode (on a GPU the pack's kernel, its bits in one pass: `tiled_kernel`); so do
-text encoders (an nvfp4-mixed Gemma 3 decoded would take the RAM its file was chosen to save). No NVFP4 matmuls: they need Blackwell
-tensor cores, which the engine has not been measured on.
+text encoders (an nvfp4-mixed Gemma 3 decoded would take the RAM its file was chosen to save). No
+NVFP4 matmuls: they need Blackwell tensor cores, which the engine has not been measured on.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from .single_file import (
 )
 from .stored_linear import StoredKind, StoredLinear, stored_keys, swap_stored, whole
 from .text_encoder_layouts import comfy_layout, drop_absent, fitted, renamer
-from .vae_layouts import is_wan22_vae, load_flux2_vae, load_qwen_image_vae, load_wan22_vae
+from .vae_layouts import own_loader
 
 log = get_logger("single_file")
 
@@ -222,11 +222,9 @@ def load_vae(path: Path, folder: Path, dtype: torch.dtype) -> Any:
     (`vae_layouts`: diffusers' cannot)."""
     cls = model_class(folder / "vae", "vae")
     info = _inspected(Path(path), "vae", FILE_KINDS["vae"], cls.__name__)
-    own = {"AutoencoderKLQwenImage": load_qwen_image_vae, "AutoencoderKLFlux2": load_flux2_vae}.get(cls.__name__)
+    own = own_loader(cls, info.shapes)
     if own is not None:
         return own(Path(path), cls, folder / "vae", dtype)
-    if is_wan22_vae(info.shapes):
-        return load_wan22_vae(Path(path), cls, folder / "vae", dtype)
     return from_single_file(path, folder, "vae", cls, torch_dtype=dtype)
 
 

@@ -109,6 +109,14 @@ def load_flux2_vae(path: Path, cls: type, config: Path, dtype: torch.dtype) -> A
     return _assigned(path, cls, config, state, dtype, "FLUX.2 VAE")
 
 
+def own_loader(cls: type, keys: Any) -> Any:
+    """The pack's loader for a VAE of class ``cls`` whose file holds ``keys``, or None where
+    diffusers' single-file loader reads it (Qwen-Image's and FLUX.2's classes have none; a Wan 2.2
+    file it misreads)."""
+    by_class = {"AutoencoderKLQwenImage": load_qwen_image_vae, "AutoencoderKLFlux2": load_flux2_vae}
+    return by_class.get(cls.__name__) or (load_wan22_vae if is_wan22_vae(keys) else None)
+
+
 def _assigned(path: Path, cls: type, config: Path, state: dict[str, torch.Tensor], dtype: torch.dtype,
               what: str) -> Any:
     """``cls`` built empty from the config in ``config`` holding ``state`` (every key, strictly), in ``dtype``."""
