@@ -298,8 +298,9 @@ def main() -> None:
     global row, DEV, FORWARD
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("wan", *IMAGE_MODELS), default="wan",
-                    help="flux: the FLUX.1-dev transformer (two towers), zimage / qwenimage: Z-Image Turbo's / "
-                         "Qwen-Image's (the carried configs); workload image (1024x1024)")
+                    help="flux: the FLUX.1-dev transformer (two towers), zimage / qwenimage / flux2 / klein9b: "
+                         "Z-Image Turbo's / Qwen-Image's / FLUX.2 [dev]'s / [klein] 9B's (the carried configs); "
+                         "workload image (1024x1024)")
     ap.add_argument("--sections", default="", help="default: modes,stream,preload,firstk,anchors,cycles "
                     "(flux: stream,preload,anchors,cycles)")
     ap.add_argument("--blocks", type=int, default=40)

@@ -1,12 +1,14 @@
 """The image transformers the bench runs beside Wan's (``wan_bench.py --model``): FLUX.1-dev's geometry,
-and Z-Image Turbo's and Qwen-Image's from the configs the pack carries, each with one pipeline step's
-inputs as its pipeline makes them, at 1024x1024 (``tiny``: a small width and depth for CPU dry runs).
+and Z-Image Turbo's, Qwen-Image's, FLUX.2 [dev]'s and [klein] 9B's from the configs the pack carries,
+each with one pipeline step's inputs as its pipeline makes them, at 1024x1024 (``tiny``: a small width
+and depth for CPU dry runs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -138,6 +140,53 @@ def qwenimage_forward(m, x, enc, mask, t, img_shapes) -> torch.Tensor:
                  img_shapes=img_shapes, return_dict=False)[0]
 
 
+# FLUX.2's transformers as the pack carries their configs: [dev] (8 dual- and 48 single-stream blocks, 32.2 B
+# parameters, 60.0 GiB in bf16, its text states Mistral's three layers: width 15360) and [klein] 9B (8 + 24,
+# 12288); tiny: width 128, 1 + 1 blocks. 1024x1024: 64x64 packed tokens of 128 channels, 512 text tokens.
+FLUX2_TINY = dict(num_layers=1, num_single_layers=1, num_attention_heads=2, attention_head_dim=64,
+                  axes_dims_rope=(16, 16, 16, 16))
+FLUX2_TEXT = 512  # the pipelines' max_sequence_length: the prompt padded to it
+
+
+def build_flux2(device: str | torch.device = "cuda", tiny: bool = False, name: str = "FLUX.2-dev") -> torch.nn.Module:
+    from diffusers import Flux2Transformer2DModel
+    from diffusers_offload.offload_core.formats.carried import by_name
+
+    config = dict(Flux2Transformer2DModel.load_config(str(by_name(name) / "transformer")))
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = Flux2Transformer2DModel.from_config({**config, **(FLUX2_TINY if tiny else {})})
+    return cast_like_from_pretrained(m, torch.bfloat16)
+
+
+def flux2_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False, text_dim: int = 15360,
+                 guidance: float | None = 4.0) -> tuple:
+    """One Flux2Pipeline step's transformer inputs for a ``FLUX_IMAGE[name]`` image (128 px tiny): packed
+    latents (1, tokens, 128), the text states (1, 512, ``text_dim``; 16 tokens tiny), timestep 0.5 (the
+    pipeline passes t / 1000), ``guidance`` (None: a model without the embedding) and the 4-axis ids
+    as ``_prepare_latent_ids`` / ``_prepare_text_ids`` make them."""
+    grid = (128 if tiny else FLUX_IMAGE[name]) // 16
+    g = torch.Generator(device=device).manual_seed(1)
+    dt = torch.bfloat16
+    x = torch.randn((1, grid * grid, 128), generator=g, device=device, dtype=dt)
+    enc = torch.randn((1, 16 if tiny else FLUX2_TEXT, text_dim), generator=g, device=device, dtype=dt)
+    zero, one = torch.arange(1), torch.arange(1)
+    img_ids = torch.cartesian_prod(zero, torch.arange(grid), torch.arange(grid), one - 1)[None].to(device)
+    txt_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(enc.shape[1]))[None].to(device)
+    g_in = None if guidance is None else torch.full((1,), guidance, device=device, dtype=torch.float32)
+    return x, enc, torch.full((1,), 0.5, device=device, dtype=dt), g_in, img_ids, txt_ids
+
+
+def klein_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    return flux2_inputs(name, device, tiny, text_dim=12288, guidance=None)
+
+
+def flux2_forward(m, x, enc, t, guidance, img_ids, txt_ids) -> torch.Tensor:
+    with torch.inference_mode():
+        return m(hidden_states=x, encoder_hidden_states=enc, timestep=t, guidance=guidance, img_ids=img_ids,
+                 txt_ids=txt_ids, return_dict=False)[0]
+
+
 @dataclass(frozen=True)
 class ImageModel:
     """One ``--model``: its builder (device, tiny), inputs (workload, device, tiny) and forward."""
@@ -149,4 +198,6 @@ class ImageModel:
 
 IMAGE_MODELS = {"flux": ImageModel(build_flux, flux_inputs, flux_forward),
                 "zimage": ImageModel(build_zimage, zimage_inputs, zimage_forward),
-                "qwenimage": ImageModel(build_qwenimage, qwenimage_inputs, qwenimage_forward)}
+                "qwenimage": ImageModel(build_qwenimage, qwenimage_inputs, qwenimage_forward),
+                "flux2": ImageModel(build_flux2, flux2_inputs, flux2_forward),
+                "klein9b": ImageModel(partial(build_flux2, name="FLUX.2-klein-9B"), klein_inputs, flux2_forward)}
