@@ -154,8 +154,13 @@ def build_flux2(device: str | torch.device = "cuda", tiny: bool = False, name: s
 
     config = dict(Flux2Transformer2DModel.load_config(str(by_name(name) / "transformer")))
     torch.manual_seed(0)
-    with torch.device(device):
-        m = Flux2Transformer2DModel.from_config({**config, **(FLUX2_TINY if tiny else {})})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # made in bf16: [dev] in fp32 (120 GiB) fits no card
+    try:
+        with torch.device(device):
+            m = Flux2Transformer2DModel.from_config({**config, **(FLUX2_TINY if tiny else {})})
+    finally:
+        torch.set_default_dtype(default)
     return cast_like_from_pretrained(m, torch.bfloat16)
 
 
