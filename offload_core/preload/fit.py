@@ -28,12 +28,16 @@ class MemoryReading:
     opening: activations of the cycle that is starting, already allocated when it is read (the
         non-block part's outputs, at the first block): the measured peak counts them, so they
         count as available rather than twice against the plan.
+    graphs: this model's CUDA graphs' memory now (their pool and static buffers; in none of the
+        above), and ``graphs_on``: whether its calls may be captured (`graphs_to_come`).
     """
 
     free: int
     cached_unused: int
     resident: int
     opening: int = 0
+    graphs: int = 0
+    graphs_on: bool = False
 
     @property
     def available(self) -> int:
@@ -46,6 +50,7 @@ class CycleUsage:
 
     peak: int  # max_memory_allocated() since the cycle began (peak stats reset at its start)
     weights_floor: int  # least bytes of this model's weights on the device during the cycle
+    graphs: int | None = None  # its CUDA graphs' memory at its end; None: none of its block calls can be graphed
 
     @property
     def activations(self) -> int:
@@ -56,10 +61,22 @@ def margin(peak: int) -> int:
     return MARGIN_BASE + int(peak * MARGIN_FRACTION)
 
 
-def weight_budget(reading: MemoryReading, peak: int, penalty: int) -> int:
+def weight_budget(reading: MemoryReading, peak: int, penalty: int, graphs: int = 0) -> int:
     """Bytes the resident weights plus the streaming slots may take: what is available less
-    the measured activation peak, its margin, and the penalty learnt from shortages."""
-    return reading.available - peak - margin(peak) - penalty
+    the measured activation peak, its margin, the penalty learnt from shortages and the
+    memory CUDA graphs will still take (`graphs_to_come`)."""
+    return reading.available - peak - margin(peak) - penalty - graphs
+
+
+def graphs_to_come(reading: MemoryReading, expected: int | None, peak: int) -> int:
+    """Bytes a workload's CUDA graphs will take beyond what they hold now: ``expected`` (the most
+    they took for it; None: its calls are not graphed), at least its eager ``peak`` (a capture
+    keeps a block's intermediates, and until every call is captured the eager ones still run
+    beside them), once graphs are on. A plan made before the captures leaves them this room, so
+    they neither run short nor shrink the plan a few steps into the run."""
+    if not reading.graphs_on or expected is None:
+        return 0
+    return max(0, max(expected, peak) - reading.graphs)
 
 
 def growth_threshold(largest_block: int) -> int:

@@ -6,7 +6,9 @@ weights) and, once a file is attached, the process: the first run after a restar
 planned from its first cycle. Each key keeps the largest peak seen: a plan must fit the worst
 step of a workload, not the last one. The penalty a workload's shortages taught (what the
 allocator wastes beyond the measure) is kept beside it, so a restart does not learn it again
-through the same shortages (on a 12 GiB card, a 480p video's first step met two).
+through the same shortages (on a 12 GiB card, a 480p video's first step met two). So is the
+most its CUDA graphs took (for a workload whose block calls are graphed), the room the next
+run's plan leaves them before they are captured.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ..log import get_logger
 logger = get_logger("preload")
 
 NEAR = 16  # workloads within 1/16 of each other share a penalty and scale a measure (`MeasureStore`)
-FORMAT_VERSION = 2  # 2 added penalties; files of version 1 are read as penalty-free
+FORMAT_VERSION = 3  # 2 added penalties, 3 graph bytes; older files are read without them
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,13 @@ class MeasureKey:
 
 
 class MeasureStore:
-    """Peak activation bytes and penalty bytes per ``MeasureKey``; saved to ``path`` (when
-    attached) on change."""
+    """Peak activation bytes, penalty bytes and CUDA graph bytes per ``MeasureKey``; saved to
+    ``path`` (when attached) on change."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self._peaks: dict[MeasureKey, int] = {}
         self._penalties: dict[MeasureKey, int] = {}
+        self._graphs: dict[MeasureKey, int] = {}
         self._path: Path | None = None
         if path is not None:
             self.attach(path)
@@ -53,11 +56,13 @@ class MeasureStore:
         """Read the file (missing or corrupt: start from what is in memory) and save every
         later change to it."""
         self._path = Path(path)
-        peaks, penalties = _read(self._path)
+        peaks, penalties, graphs = _read(self._path)
         for key, peak in peaks.items():
             self._peaks[key] = max(peak, self._peaks.get(key, 0))
         for key, penalty in penalties.items():
             self._penalties.setdefault(key, penalty)
+        for key, nbytes in graphs.items():
+            self._graphs[key] = max(nbytes, self._graphs.get(key, 0))
 
     def penalty(self, key: MeasureKey) -> int:
         """The workload's penalty; for one with none, the largest of the model's workloads within
@@ -76,6 +81,23 @@ class MeasureStore:
             self._penalties[key] = nbytes
         else:
             del self._penalties[key]
+        if self._path is not None:
+            self._save(self._path)
+
+    def graph_bytes(self, key: MeasureKey) -> int | None:
+        """The most the workload's CUDA graphs took (0: graphed, none captured yet); None when its
+        block calls are not graphed (or it never ran). Unknown: the largest of the model's
+        workloads within 1/``NEAR`` of its size (`penalty` says why)."""
+        if key in self._graphs:
+            return self._graphs[key]
+        return max((v for k, v in self._graphs.items() if k.model == key.model and _near(k.workload, key.workload)),
+                   default=None)
+
+    def record_graphs(self, key: MeasureKey, nbytes: int) -> None:
+        """The workload's block calls are graphed and its graphs hold ``nbytes`` now (the largest is kept)."""
+        if nbytes <= self._graphs.get(key, -1):
+            return
+        self._graphs[key] = nbytes
         if self._path is not None:
             self._save(self._path)
 
@@ -110,11 +132,12 @@ class MeasureStore:
             self._save(self._path)
 
     def _save(self, path: Path) -> None:
-        keys = [*self._peaks, *(k for k in self._penalties if k not in self._peaks)]
+        keys = list(dict.fromkeys([*self._peaks, *self._penalties, *self._graphs]))
         data = {
             "version": FORMAT_VERSION,
             "measures": [
-                {**asdict(k), "peak": self._peaks.get(k), "penalty": self._penalties.get(k, 0)} for k in keys
+                {**asdict(k), "peak": self._peaks.get(k), "penalty": self._penalties.get(k, 0),
+                 "graphs": self._graphs.get(k)} for k in keys
             ],
         }
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -126,21 +149,25 @@ class MeasureStore:
             logger.warning("preload measures not saved to %s: %s", path, exc)
 
 
-def _read(path: Path) -> tuple[dict[MeasureKey, int], dict[MeasureKey, int]]:
-    """(peaks, penalties) saved in ``path``."""
+Stored = dict[MeasureKey, int]
+
+
+def _read(path: Path) -> tuple[Stored, Stored, Stored]:
+    """(peaks, penalties, graph bytes) saved in ``path``."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("version") not in (1, FORMAT_VERSION):
+        if data.get("version") not in (1, 2, FORMAT_VERSION):
             raise ValueError(f"version {data.get('version')!r}")
         entries = [(_key(entry), entry) for entry in data["measures"]]
         peaks = {key: int(entry["peak"]) for key, entry in entries if entry["peak"] is not None}
         penalties = {key: int(entry.get("penalty", 0)) for key, entry in entries if entry.get("penalty")}
-        return peaks, penalties
+        graphs = {key: int(entry["graphs"]) for key, entry in entries if entry.get("graphs") is not None}
+        return peaks, penalties, graphs
     except FileNotFoundError:
-        return {}, {}
+        return {}, {}, {}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         logger.warning("preload measures in %s unreadable (%s): starting without them", path, exc)
-        return {}, {}
+        return {}, {}, {}
 
 
 def _key(entry: dict) -> MeasureKey:

@@ -19,6 +19,7 @@ from .fit import (
     CycleUsage,
     MemoryReading,
     fit_prefix,
+    graphs_to_come,
     growth_threshold,
     lookahead_slots,
     margin,
@@ -184,15 +185,12 @@ class PreloadPlanner:
         peak = self.measured_peak(workload)
         guess = self._store.estimate(self._key(workload)) if peak is None else None
         return (workload, reading, self._resident, self.last_workload, self._evened, self.policy, self._slot_count,
-                self._most_slots, peak, guess, self.penalty(workload))
+                self._most_slots, peak, guess, self.penalty(workload), self._store.graph_bytes(self._key(workload)))
 
     def _budget_before_penalty(self, workload: int, reading: MemoryReading) -> int | None:
-        """The weight budget a cycle of ``workload`` plans with, less no penalty (auto with a
-        measure); what a shortage in it compares the plan against (`_learn`)."""
+        """The weight budget a cycle plans with, less no penalty (auto, measured): what a shortage compares (`_learn`)."""
         peak = self.measured_peak(workload)
-        if self.policy.mode != "auto" or peak is None:
-            return None
-        return weight_budget(reading, peak, 0)
+        return None if self.policy.mode != "auto" or peak is None else self._budget(workload, peak, reading, 0)
 
     def preview(self, workload: int) -> frozenset[int]:
         """The resident set a cycle of ``workload`` would start with, changing nothing."""
@@ -210,7 +208,7 @@ class PreloadPlanner:
             return 0
         reading = self._reader()
         needs = self._footprint(self._cycle_target(workload, extra, reading))
-        return max(0, needs - weight_budget(reading, peak, self.penalty(workload)))
+        return max(0, needs - self._budget(workload, peak, reading))
 
     def spare(self, workload: int) -> int:
         """Bytes the plan for ``workload`` leaves unused beside its kept blocks and streaming
@@ -218,7 +216,7 @@ class PreloadPlanner:
         peak = self.measured_peak(workload)
         if self.policy.mode != "auto" or peak is None:
             return 0
-        return max(0, weight_budget(self._reader(), peak, self.penalty(workload)) - self._footprint(self._resident))
+        return max(0, self._budget(workload, peak, self._reader()) - self._footprint(self._resident))
 
     def _footprint(self, resident: frozenset[int]) -> int:
         """Device bytes a plan keeping ``resident`` takes: those blocks and the window's streaming slots."""
@@ -233,6 +231,8 @@ class PreloadPlanner:
             return
         if usage is not None and cycle.stable and not cycle.shortage:
             self._store.record(self._key(cycle.workload), usage.activations)
+        if usage is not None and usage.graphs is not None:
+            self._store.record_graphs(self._key(cycle.workload), usage.graphs)
         if cycle.workload in self._penalties or self.penalty(cycle.workload):  # learnt here or stored
             penalty = self._penalty_of(cycle.workload)
             penalty.close_cycle(clean=not cycle.shortage)
@@ -342,14 +342,15 @@ class PreloadPlanner:
         """The longest prefix of ``order`` that fits beside ``peak`` and the penalty (with
         ``extra`` bytes more than the reading's)."""
         reading, penalty = reading or self._reader(), self.penalty(workload)
-        budget = weight_budget(reading, peak, penalty) + extra
+        budget = self._budget(workload, peak, reading, penalty) + extra
+        graphs = weight_budget(reading, peak, penalty) + extra - budget
         chosen = set(order)
         outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
         k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside,
                        [self.slot_sizes[i] for i in order])
-        logger.debug("%s: fit: free %s + cached %s + ours %s - activations %s - margin %s - penalty %s = %s: %d of %d",
-                     self.label, *map(gb, (reading.free, reading.cached_unused, reading.resident, peak, margin(peak),
-                                            penalty, budget)), k, len(order))
+        logger.debug("%s: fit: free %s + cached %s + ours %s - activations %s - margin %s - penalty %s - graphs "
+                     "to come %s = %s: %d of %d", self.label, *map(gb, (reading.free, reading.cached_unused,
+                     reading.resident, peak, margin(peak), penalty, graphs, budget)), k, len(order))
         return frozenset(order[:k])
 
     def _ring_for(self, resident: frozenset[int], workload: int | None, reading: MemoryReading | None = None) -> int:
@@ -360,8 +361,15 @@ class PreloadPlanner:
         peak, slot = self.measured_peak(workload), self._slot(resident)
         if self.policy.mode != "auto" or peak is None or not slot:
             return self._slot_count
-        budget = weight_budget(reading or self._reader(), peak, self.penalty(workload))
+        budget = self._budget(workload, peak, reading or self._reader())
         return lookahead_slots(self._bytes(resident), budget, slot, self._slot_count, self._most_slots)
+
+    def _budget(self, workload: int | None, peak: int, reading: MemoryReading, penalty: int | None = None) -> int:
+        """`weight_budget` for ``workload`` (``penalty`` None: its own), less the room its CUDA graphs
+        will still take (`graphs_to_come`: from the most they took for it)."""
+        penalty = self.penalty(workload) if penalty is None else penalty
+        expected = None if workload is None else self._store.graph_bytes(self._key(workload))
+        return weight_budget(reading, peak, penalty, graphs_to_come(reading, expected, peak))
 
     def _slot(self, resident: frozenset[int]) -> int:
         """A streaming buffer's size beside ``resident``: the largest streamed block's slot (0: none streams)."""
@@ -381,17 +389,10 @@ class PreloadPlanner:
     def _log_plan(self, workload: int | None) -> None:
         whole, partly, total = block_counts(self._blocks, self._resident)
         self.last_plan_line = plan_line(
-            kept=whole,
-            partly=partly,
-            total=total,
-            kept_bytes=self._bytes(self._resident),
-            peak=self.measured_peak(workload),
-            workload=workload,
-            penalty=self.penalty(workload),
-            buffers=self.ring_slots,
-        )
+            kept=whole, partly=partly, total=total, kept_bytes=self._bytes(self._resident),
+            peak=self.measured_peak(workload), workload=workload, penalty=self.penalty(workload),
+            buffers=self.ring_slots)
         logger.info("%s: %s", self.label, self.last_plan_line)
-
 
 
 def _unplaced() -> MemoryReading:

@@ -101,6 +101,11 @@ class BlockGraphs:
         """Cached device memory only the graphs use (their pools)."""
         return self.cache.pool_bytes + self.head.pool_bytes
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory the graphs hold: their pools and static buffers."""
+        return self.cache.nbytes + self.head.nbytes
+
     def clear(self, forget: bool = False) -> None:
         """Drop every graph; ``forget``: the calls' trust too (a weight write, the release)."""
         self._pending = None

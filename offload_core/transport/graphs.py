@@ -142,6 +142,7 @@ class GraphCache:
         self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
         self.replayed = 0  # graphs handed out to replay, over the cache's life
+        self.described = 0  # calls that could be graphed (`plan`), over the cache's life
         self.starved = False  # a capture ran out of memory: none until the next `clear`
         self._said: set[str] = set()  # refusal reasons logged once
         self.enable(enabled)
@@ -178,6 +179,7 @@ class GraphCache:
         if call is None:
             return None
         key, tensors = call
+        self.described += 1
         entry = self._entries.get((owner, key), 0)
         if type(entry) is CallGraph:
             entry.inputs = tensors

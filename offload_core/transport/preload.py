@@ -112,7 +112,7 @@ class PreloadDriver:
         self.shared: SharedBudget | None = None  # the other denoisers of the pipeline (`share`)
         self._peak_before = 0  # this cycle's own peak before its CUDA graph captures (theirs is not activations)
         self._before_capture = 0  # bytes allocated when the last capture began
-        self._graph_bytes = 0  # the most the CUDA graphs held: room they need again once dropped
+        self._described = 0  # the graph cache's graphable calls when the cycle began
         self._hold = True  # pieces may be held as compute values (not after a shortage, until the run ends)
         streamer.events.subscribe(self.NAME, self.on_event)
 
@@ -120,13 +120,14 @@ class PreloadDriver:
         """The room a plan may use: the device's free and cached memory plus this model's kept
         blocks and streaming buffers, which a plan reuses; not the non-block part, which stays
         (counting it would over-commit by its size), nor the cached memory of the kept blocks'
-        CUDA graphs, which only they use."""
+        CUDA graphs, which only they use (the graphs' memory is read apart: `graphs_to_come`)."""
+        graphs = self.streamer.graphs
         with self.memory.one_reading():
             free, cached = self.memory.device_free(self.streamer.device)
             ours = self.streamer.device_bytes()
-            cached = max(cached - self.streamer.graphs.pool_bytes, 0)
+            cached = max(cached - graphs.pool_bytes, 0)
             return MemoryReading(free=free, cached_unused=cached, resident=max(ours - self.streamer.head_bytes(), 0),
-                                 opening=self._opening(ours))
+                                 opening=self._opening(ours), graphs=graphs.nbytes, graphs_on=graphs.cache.enabled)
 
     def _opening(self, ours: int) -> int:
         """Between a forward's start and its first block: what the forward has allocated so far
@@ -143,11 +144,15 @@ class PreloadDriver:
 
     def _usage(self) -> CycleUsage | None:
         """This model's own peak: the process-wide allocator peak (outside graph captures) less
-        what others held when the cycle began (their weights are not our activations)."""
+        what others held when the cycle began (their weights are not our activations); and its
+        CUDA graphs' memory where a block call of this cycle could be graphed."""
         peak = self.memory.peak_allocated(self.streamer.device)
         if peak is None:
             return None
-        return CycleUsage(peak=max(peak - self._others, self._peak_before), weights_floor=self.streamer.weights_at_peak())
+        graphs = self.streamer.graphs
+        graphed = graphs.cache.enabled and graphs.cache.described > self._described
+        return CycleUsage(peak=max(peak - self._others, self._peak_before), weights_floor=self.streamer.weights_at_peak(),
+                          graphs=graphs.nbytes if graphed else None)
 
     def _forward_begins(self, args: tuple, kwargs: dict) -> None:
         """Before the denoiser's own first allocation: give up now the blocks the coming
@@ -200,6 +205,7 @@ class PreloadDriver:
             self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             self._peak_before = 0
+            self._described = streamer.graphs.cache.described
             streamer.reset_peak()
         elif event == "oom":
             block = info["block"]
@@ -237,22 +243,20 @@ class PreloadDriver:
                      self.planner.ring_slots)
 
     def _hold_casts(self, workload: int) -> None:
-        """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves,
-        less what the CUDA graphs will need again once dropped: their most so far, or, before any,
-        a forward's activations and two unit casts (the cast buffer graphs and eager casts share,
-        and one more as headroom: the reserve measured at 24 GiB in runs 32-33). A plan that
-        streams, or a shortage in this run, holds none. A change drops the graphs: their keys name
-        the form of the weights, and their pool is the room the new captures need."""
+        """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves
+        (which leaves the CUDA graphs what they will need again once dropped: `graphs_to_come`),
+        less two unit casts where graphs are on (the cast buffer graphs and eager casts share, and
+        one more as headroom: the reserve measured at 24 GiB in runs 32-33). A plan that streams,
+        or a shortage in this run, holds none. A change drops the graphs: their keys name the form
+        of the weights, and their pool is the room the new captures need."""
         s, cache = self.streamer, self.streamer.graphs.cache
         if not s.held.castable:  # no fp8 units: nothing to do on each forward
             return
-        self._graph_bytes = max(self._graph_bytes, cache.nbytes)
         if not self._hold or len(s.resident_indices()) < len(s.pieces):
             changed = s.held.drop() > 0
         else:
-            peak = self.planner.measured_peak(workload) or 0  # the graphs' pool: a forward's intermediates
-            reserve = max(self._graph_bytes, peak + 2 * s.prefetch.casts.nbytes) if cache.enabled else 0
-            changed = s.held.fit(self.planner.spare(workload) - max(0, reserve - cache.nbytes))
+            reserve = 2 * s.prefetch.casts.nbytes if cache.enabled else 0
+            changed = s.held.fit(self.planner.spare(workload) - reserve)
         if changed:
             s.graphs.clear()
             self.memory.empty_cache(s.device)

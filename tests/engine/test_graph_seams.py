@@ -206,6 +206,39 @@ def test_a_cycle_that_captured_is_measured_without_the_capture(wan_pipe, monkeyp
     engine.release(wan_pipe)
 
 
+def test_a_graphed_workload_records_its_graphs_memory_and_its_plan_leaves_them_room(wan_pipe, monkeypatch) -> None:
+    """Graphs on and the block calls graphable (as on a GPU; none is captured on the CPU): the
+    cycle records what the graphs hold, and until they hold more than the eager peak the plan
+    leaves that peak for them (`graphs_to_come`); what they hold is read apart, not as free."""
+    monkeypatch.setattr(planner_module, "process_store", MeasureStore)
+    card = ScriptedCard()
+    engine = Engine(memory=card)
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="auto"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    planner, cache = streamer.driver.planner, streamer.graphs.cache
+    run_wan(wan_pipe, num_inference_steps=1)
+    workload = planner.last_workload
+    key, peak, spare = planner._key(workload), planner.measured_peak(workload), planner.spare(workload)
+    assert planner._store.graph_bytes(key) is None and peak > 0  # graphs off (a CPU): nothing recorded
+    held = [0]
+    monkeypatch.setattr(graphs.GraphCache, "nbytes", property(lambda self: held[0] if self is cache else 0))
+    monkeypatch.setattr(graphs.GraphCache, "plan", _graphable_never_captured)
+    cache.enabled = True
+    run_wan(wan_pipe, num_inference_steps=1)
+    assert planner._store.graph_bytes(key) == 0 and planner.measured_peak(workload) == peak
+    assert planner.spare(workload) == spare - peak  # the eager peak left to the graphs to come
+    held[0] = 3 * peak  # they hold more than the eager peak now (the scripted card's free memory is unchanged)
+    assert planner.spare(workload) == spare
+    run_wan(wan_pipe, num_inference_steps=1)
+    assert planner._store.graph_bytes(key) == 3 * peak
+    engine.release(wan_pipe)
+
+
+def _graphable_never_captured(self, owner, args, kwargs):
+    """`GraphCache.plan` as for a GPU call that is never captured: counted as graphable, run eagerly."""
+    self.described += 1
+
+
 @pytest.fixture
 def wan_pipe(tiny_wan_dir):
     return load_wan(tiny_wan_dir)

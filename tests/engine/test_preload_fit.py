@@ -7,6 +7,7 @@ from diffusers_offload.offload_core.preload.fit import (
     MIB,
     MemoryReading,
     fit_prefix,
+    graphs_to_come,
     growth_threshold,
     lookahead_slots,
     margin,
@@ -26,9 +27,11 @@ class Device:
     free: int
     cached_unused: int = 0
     resident: int = 0
+    graphs: int = 0
+    graphs_on: bool = False
 
     def __call__(self) -> MemoryReading:
-        return MemoryReading(self.free, self.cached_unused, self.resident)
+        return MemoryReading(self.free, self.cached_unused, self.resident, graphs=self.graphs, graphs_on=self.graphs_on)
 
 
 def free_for(budget: int) -> int:
@@ -58,6 +61,19 @@ def test_weight_budget_counts_cached_and_own_resident_bytes():
     reading = MemoryReading(free=10 * GIB, cached_unused=2 * GIB, resident=3 * GIB)
     # 15 available - 4 peak - (512 MiB + 5 % of 4 GiB) - 1 penalty
     assert weight_budget(reading, 4 * GIB, GIB) == 10 * GIB - 512 * MIB - 214_748_364
+    assert weight_budget(reading, 4 * GIB, GIB, graphs=GIB) == 9 * GIB - 512 * MIB - 214_748_364
+
+
+def test_graphs_to_come_are_the_most_they_took_or_the_eager_peak_less_what_they_hold():
+    on = MemoryReading(free=10 * GIB, cached_unused=0, resident=0, graphs_on=True)
+    assert graphs_to_come(on, None, GIB) == 0  # the workload's calls are not graphed
+    assert graphs_to_come(on, 0, GIB) == GIB  # graphed, none captured yet: its eager peak
+    assert graphs_to_come(on, 3 * GIB, GIB) == 3 * GIB
+    held = MemoryReading(free=10 * GIB, cached_unused=0, resident=0, graphs=2 * GIB, graphs_on=True)
+    assert graphs_to_come(held, 3 * GIB, GIB) == GIB
+    assert graphs_to_come(held, GIB, GIB) == 0
+    off = MemoryReading(free=10 * GIB, cached_unused=0, resident=0)
+    assert graphs_to_come(off, 3 * GIB, GIB) == 0  # graphs off: none will be captured
 
 
 def test_fit_prefix_counts_slots_for_the_largest_streamed_block():
@@ -193,3 +209,33 @@ def test_a_placement_with_another_window_rebinds_the_slots():
     planner = planner_of_16(device)  # the planner outlives the transport that made it
     planner.rebind(device, "auto", prefetch_window=3)
     assert len(planner.begin_cycle(100)) == 6
+
+
+def test_a_graphed_workload_is_planned_with_its_graphs_room_before_they_are_captured():
+    """Workload 100's block calls are graphed (its first cycle said so) and their graphs took
+    3 GiB at most: before they are captured the plan leaves them that room, and once they hold
+    it (out of the free memory) the plan is the same: nothing to shrink a few steps in."""
+    device = Device(free=free_for(10 * GIB))
+    store = MeasureStore()
+    planner = PreloadPlanner(BLOCKS, device, model_class="M", store=store)
+    planner.on_load()
+    planner.begin_cycle(100)
+    planner.end_cycle(CycleUsage(peak=PEAK, weights_floor=0, graphs=3 * GIB))
+    assert len(planner.begin_cycle(100)) == 8  # graphs off (a CPU): 10 GiB = 8 kept + 2 slots
+    device.graphs_on = True
+    before = planner.begin_cycle(100)
+    assert len(before) == 5  # 3 GiB left to the graphs to come
+    device.free, device.graphs = device.free - 3 * GIB, 3 * GIB  # captured
+    assert planner.begin_cycle(100) == before
+    planner.end_cycle(CycleUsage(peak=PEAK, weights_floor=0, graphs=None))  # a cycle whose calls were not graphable
+    assert store.graph_bytes(planner._key(100)) == 3 * GIB  # the most they took stays
+
+
+def test_graphs_smaller_than_the_eager_peak_are_planned_at_the_eager_peak():
+    """Until every call is captured the eager ones run beside the graphs: at least the eager peak."""
+    device = Device(free=free_for(10 * GIB), graphs_on=True)
+    planner = PreloadPlanner(BLOCKS, device, model_class="M", store=MeasureStore())
+    planner.on_load()
+    planner.begin_cycle(100)
+    planner.end_cycle(CycleUsage(peak=PEAK, weights_floor=0, graphs=0))  # graphable, nothing captured yet
+    assert len(planner.begin_cycle(100)) == 6  # 10 - 2 GiB: 6 kept + 2 slots

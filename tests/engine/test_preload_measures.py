@@ -121,3 +121,27 @@ def test_a_file_of_the_first_version_is_read_without_penalties(tmp_path):
     key = MeasureKey("M", "/m", 40, 28 * GIB, 7)
     assert store.get(key) == GIB
     assert store.penalty(key) == 0
+
+
+def test_graph_bytes_keep_their_largest_persist_and_serve_near_workloads(tmp_path):
+    path = tmp_path / "preload.json"
+    store = MeasureStore(path)
+    assert store.graph_bytes(KEY) is None  # never ran: not known to be graphed
+    store.record_graphs(KEY, 0)
+    assert store.graph_bytes(KEY) == 0
+    store.record_graphs(KEY, 2 * GIB)
+    store.record_graphs(KEY, GIB)
+    reread = MeasureStore(path)
+    assert reread.graph_bytes(KEY) == 2 * GIB and reread.get(KEY) is None
+    near = MeasureKey(*KEY.model, KEY.workload + KEY.workload // 32)  # a few more prompt tokens
+    far = MeasureKey(*KEY.model, 4 * KEY.workload)  # a video
+    assert reread.graph_bytes(near) == 2 * GIB and reread.graph_bytes(far) is None
+
+
+def test_a_file_of_the_second_version_is_read_without_graph_bytes(tmp_path):
+    path = tmp_path / "preload.json"
+    entry = {"model_class": "M", "identity": "/m", "block_count": 40, "total_bytes": 28 * GIB, "workload": 7}
+    path.write_text(json.dumps({"version": 2, "measures": [{**entry, "peak": GIB, "penalty": GIB}]}), encoding="utf-8")
+    store = MeasureStore(path)
+    key = MeasureKey("M", "/m", 40, 28 * GIB, 7)
+    assert (store.get(key), store.penalty(key), store.graph_bytes(key)) == (GIB, GIB, None)
