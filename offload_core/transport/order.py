@@ -31,6 +31,11 @@ class ExecutionOrder:
     def refresh(self) -> None:
         """Re-read which units stream (the resident set changed)."""
         self._positions = [p for p, u in enumerate(self._units) if self._streamed_fn(u)]
+        self._ranks = {self._units[p]: r for r, p in enumerate(self._positions)}
+
+    def rank(self, index: int) -> int | None:
+        """The unit's position among the forward's streamed units (None: it is not one of them)."""
+        return self._ranks.get(index)
 
     def first(self) -> int:
         return self._units[0]

@@ -183,8 +183,18 @@ class Prefetcher:
         for index in upcoming:
             if made_only and not self.ring.idle:
                 break
-            if index not in self.inflight:
+            home = self.home(index)
+            if index not in self.inflight and (home is None or self.ring.free_for(home)):
                 self.inflight[index] = self._load(self.units[index])
+
+    def home(self, index: int) -> int | None:
+        """The ring buffer unit ``index`` is copied into (`ring.py` says why): its position among
+        the forward's streamed units, modulo the buffers. A unit whose buffer is busy is copied
+        once it comes back, after the units behind it: only across a forward's end, where a
+        count of streamed units the buffers do not divide meets the next forward's first. None
+        without a side stream: one unit is bound at a time, in one buffer."""
+        rank = self.order.rank(index) if self.copy_stream is not None else None
+        return None if rank is None else rank % self.ring.capacity
 
     def _drop_wrong_guesses(self, unit: StreamUnit) -> None:
         """``unit`` was not prefetched (a new plan, a skipped branch): the units in flight that
@@ -206,7 +216,7 @@ class Prefetcher:
     def _load(self, unit: StreamUnit) -> RingSlot:
         """Copy a streamed unit into a ring slot, once the compute work that last read the
         slot is done (usually the unit that has just exited: the copy overlaps what runs next)."""
-        slot = self.ring.acquire()
+        slot = self.ring.acquire(self.home(unit.index))
         self.copied += unit.copy_bytes
         if self.staged(unit):
             slot.written = self.staging.copy(unit, slot.buf[: unit.nbytes], after=slot.read)

@@ -5,6 +5,13 @@ Why not a fresh buffer per block from the caching allocator: a freed block buffe
 the activations allocated next, so the next block's buffer needs a new segment; under a video's
 activations on a small card that churn leaves reserved memory no one can use, which the preload
 would learn as shortages. Buffers that are never freed inside a run cannot be split.
+
+Each buffer has a number (its ``home``, 0 to the capacity less one) and a streamed unit asks for
+the one its position among the forward's streamed units gives (`Prefetcher.home`): a unit is in
+the same buffer every forward, so the CUDA graph of a streamed unit, keyed by its buffer's address
+(`block_graphs.py`), is captured once. Handed out as they came back, with N streamed units and R
+buffers the units moved by N mod R buffers a forward and each needed R graphs, captured over 2R
+forwards (bench/README.md, run 54).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import torch
 @dataclass(eq=False)
 class RingSlot:
     buf: torch.Tensor
+    home: int = -1  # its number in the ring; -1: one allocated beyond the capacity
     written: torch.cuda.Event | None = None  # the last copy into it, on the side stream
     read: torch.cuda.Event | None = None  # the last compute work that may read it
     views: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per unit: its tensors in ``buf``
@@ -24,9 +32,9 @@ class RingSlot:
 
 
 class BufferRing:
-    """``capacity`` buffers of ``slot_bytes``. A slot taken while all are busy (a block that was
-    not prefetched) is allocated beside them and freed when it comes back, so the ring never
-    holds more than ``capacity`` between uses."""
+    """``capacity`` buffers of ``slot_bytes``, numbered. A slot taken while all are busy (a block
+    that was not prefetched) is allocated beside them and freed when it comes back, so the ring
+    never holds more than ``capacity`` between uses."""
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.device = device
@@ -34,6 +42,7 @@ class BufferRing:
         self.slot_bytes = 0
         self._free: list[RingSlot] = []
         self._busy = 0
+        self._numbers: set[int] = set()  # the homes of the slots of this size, free and busy
         self._cuda = device.type == "cuda"
 
     @property
@@ -50,8 +59,9 @@ class BufferRing:
         """A new number of buffers (the plan's lookahead): free ones beyond it go now, busy ones
         when they come back."""
         self.capacity = capacity
-        while self._free and len(self._free) + self._busy > capacity:
-            self._drop(self._free.pop())
+        for slot in [s for s in self._free if s.home >= capacity]:  # busy ones when they come back
+            self._free.remove(slot)
+            self._drop(slot)
 
     def resize(self, slot_bytes: int) -> None:
         """The largest streamed block changed (a new resident set): free slots of the old size
@@ -59,6 +69,7 @@ class BufferRing:
         if slot_bytes != self.slot_bytes:
             self.clear()
             self.slot_bytes = slot_bytes
+            self._numbers = set()  # busy slots of the old size are dropped when they come back
 
     def fill(self) -> bool:
         """Allocate the missing buffers now, at a plan change between forwards, rather than at
@@ -70,25 +81,43 @@ class BufferRing:
         made = False
         while self.slot_bytes and len(self._free) + self._busy < self.capacity:
             try:
-                buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+                self._free.append(self._make(self._unmade()[0]))
             except torch.OutOfMemoryError:
                 break
-            self._free.append(RingSlot(buf, read=self._record()))
             made = True
         return made
 
-    def acquire(self) -> RingSlot:
-        """A slot to copy a block into. A new one is allocated from the compute stream's pool,
-        whose queued work may still read that memory: its ``read`` event covers that work."""
-        self._busy += 1
-        if self._free:
+    def free_for(self, home: int) -> bool:
+        """Whether `acquire` would give buffer ``home``: it is free, or not made and there is room."""
+        return any(slot.home == home for slot in self._free) or (
+            home in self._unmade() and len(self._free) + self._busy < self.capacity)
+
+    def acquire(self, home: int | None = None) -> RingSlot:
+        """A slot to copy a block into: buffer ``home`` where it is free (or made now), else any
+        free one, else one allocated beside them. A new one is allocated from the compute stream's
+        pool, whose queued work may still read that memory: its ``read`` event covers that work."""
+        for k, slot in enumerate(self._free):
+            if slot.home == home:
+                self._busy += 1
+                return self._free.pop(k)
+        unmade = self._unmade()
+        if self._free and (home not in unmade or len(self._free) + self._busy >= self.capacity):
+            self._busy += 1
             return self._free.pop()
-        try:
-            buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
-        except BaseException:
-            self._busy -= 1
-            raise
-        return RingSlot(buf, read=self._record())
+        within = len(self._free) + self._busy < self.capacity
+        slot = self._make((home if home in unmade else unmade[0]) if within else -1)
+        self._busy += 1
+        return slot
+
+    def _unmade(self) -> list[int]:
+        """The buffer numbers below the capacity no slot of this size has, free or busy."""
+        return [n for n in range(self.capacity) if n not in self._numbers]
+
+    def _make(self, home: int) -> RingSlot:
+        buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        if home >= 0:
+            self._numbers.add(home)
+        return RingSlot(buf, home, read=self._record())
 
     def release(self, slot: RingSlot, read_by_compute: bool) -> None:
         """A slot is free again: after its block ran (``read_by_compute``), or unread (a
@@ -97,7 +126,7 @@ class BufferRing:
         self._busy -= 1
         if read_by_compute:
             slot.read = self._record()
-        if slot.buf.numel() == self.slot_bytes and len(self._free) + self._busy < self.capacity:
+        if slot.buf.numel() == self.slot_bytes and 0 <= slot.home < self.capacity:  # one of the ring's numbers
             self._free.append(slot)
         else:
             self._drop(slot)
@@ -108,6 +137,8 @@ class BufferRing:
             self._drop(self._free.pop())
 
     def _drop(self, slot: RingSlot) -> None:
+        if slot.buf.numel() == self.slot_bytes:
+            self._numbers.discard(slot.home)
         # The pool hands freed memory out in compute-stream order: the compute stream waits for
         # a copy still running into it, or the next activation placed there is overwritten.
         if slot.written is not None:

@@ -283,7 +283,7 @@ class DeviceReads(TorchFunctionMode):
         """Install the mode and the probes that track where transports bind weights."""
         saved = [(s.ring, s.ring.acquire) for s in self._streamers]
         for ring, acquire in saved:
-            ring.acquire = lambda acquire=acquire: self._seen(acquire())
+            ring.acquire = lambda home=None, acquire=acquire: self._seen(acquire(home))
         onload, offload = diffusers_go.ModuleGroup.onload_, diffusers_go.ModuleGroup.offload_
 
         def group_onload(group):

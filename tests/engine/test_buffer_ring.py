@@ -1,5 +1,6 @@
 """The streaming buffer ring: buffers are reused, never more than its capacity are kept between
-uses, and a new resident set's block size replaces them; a denoiser's stay from run to run and go
+uses, each streamed unit is copied into the same one every forward, and a new resident set's
+block size replaces them; a denoiser's stay from run to run and go
 last when room is asked, a text encoder's go when the denoiser starts (CPU: the event logic needs
 a GPU and is checked by the parity rows of bench/wan_bench.py)."""
 
@@ -42,6 +43,25 @@ def test_resizing_drops_slots_of_the_old_size_and_clear_drops_the_idle_ones():
     ring.release(busy, read_by_compute=True)
     assert ring.nbytes == 0
     assert ring.acquire().buf.numel() == 512
+
+
+def test_a_slot_asked_for_by_its_number_is_that_buffer_and_a_smaller_ring_drops_the_higher_numbers():
+    ring = BufferRing(CPU, capacity=3)
+    ring.resize(1024)
+    assert ring.fill() and ring.nbytes == 3 * 1024
+    slots = {home: ring.acquire(home) for home in (2, 0, 1)}
+    assert [slots[h].home for h in (0, 1, 2)] == [0, 1, 2]
+    assert not ring.free_for(1)
+    ring.release(slots[1], read_by_compute=True)
+    assert ring.free_for(1) and ring.acquire(1) is slots[1]
+    beside = ring.acquire(0)  # every buffer busy: one beside them, dropped when it comes back
+    assert beside.home == -1
+    ring.release(beside, read_by_compute=True)
+    for slot in slots.values():
+        ring.release(slot, read_by_compute=True)
+    assert ring.nbytes == 3 * 1024
+    ring.set_capacity(2)
+    assert ring.nbytes == 2 * 1024 and ring.acquire(2).home in (0, 1)  # number 2 is gone
 
 
 def _count_block_buffers(monkeypatch, ring: BufferRing | None = None) -> list:
@@ -188,6 +208,33 @@ def test_prefetching_gives_the_resident_output_for_every_plan_and_a_new_plan_reu
 
 
 @pytest.mark.parametrize("parts", [False, True])
+def test_each_streamed_unit_is_copied_into_one_buffer_every_forward(monkeypatch, parts):
+    """Three streamed blocks (whole, or in parts), two buffers: the buffers do not divide the
+    streamed units, yet each unit is copied into the same buffer every forward (so its CUDA
+    graph, keyed by that buffer's address, is captured once), and the output stays the resident
+    one. Handed out as they came back, the units moved by one buffer a forward."""
+    model, feeds, ref, engine, bag, streamer = _placed_with_side_stream(monkeypatch, parts)
+    streamer.events.unsubscribe("preload")  # the plan is set by hand
+    streamer.set_resident(streamer.pieces_of({0, 2, 4}))
+    streamed = [u.index for u in streamer.units if u.piece.resident is None]
+    assert streamer.ring.capacity == 2 and len(streamed) % 2 == 1
+    buffers: dict[int, set[int]] = {}
+    load = streamer.prefetch._load
+
+    def recording_load(unit):
+        slot = load(unit)
+        buffers.setdefault(unit.index, set()).add(slot.buf.data_ptr())
+        return slot
+
+    monkeypatch.setattr(streamer.prefetch, "_load", recording_load)
+    for _ in range(4):
+        torch.testing.assert_close(_forward(model, feeds), ref, rtol=0, atol=0)
+    assert sorted(buffers) == streamed and all(len(b) == 1 for b in buffers.values())
+    assert len(set().union(*buffers.values())) == 2 and streamer.ring.nbytes == 2 * streamer.ring.slot_bytes
+    engine.release(bag)
+
+
+@pytest.mark.parametrize("parts", [False, True])
 def test_a_units_views_of_a_buffer_are_made_once_and_later_forwards_make_none(monkeypatch, parts):
     """Building a unit's tensor views was most of the host time a streamed block cost; the ring's
     buffers live for the run, so each (buffer, unit) pair builds its views once."""
@@ -198,9 +245,9 @@ def test_a_units_views_of_a_buffer_are_made_once_and_later_forwards_make_none(mo
     real_views = StreamUnit.views
     monkeypatch.setattr(StreamUnit, "views", lambda unit, buf: built.append(unit.index) or real_views(unit, buf))
     outs = [_forward(model, feeds) for _ in range(2)]
-    settled = len(built)  # at most each unit in each of the two buffers
+    settled = len(built)  # each unit in its one buffer
     outs += [_forward(model, feeds) for _ in range(2)]
-    assert 0 < settled <= 2 * len(streamer.units) and len(built) == settled
+    assert 0 < settled <= len(streamer.units) and len(built) == settled
     for out in outs:
         torch.testing.assert_close(out, ref, rtol=0, atol=0)
     engine.release(bag)
