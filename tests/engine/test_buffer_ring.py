@@ -1,8 +1,8 @@
 """The streaming buffer ring: buffers are reused, never more than its capacity are kept between
 uses, each streamed unit is copied into the same one every forward, and a new resident set's
-block size replaces them; a denoiser's stay from run to run and go
-last when room is asked, a text encoder's go when the denoiser starts (CPU: the event logic needs
-a GPU and is checked by the parity rows of bench/wan_bench.py)."""
+block size replaces them; a denoiser's stay from run to run and go last when room is asked, a text
+encoder's go when the denoiser starts (CPU: the event logic needs a GPU and is checked by the
+parity rows of bench/wan_bench.py)."""
 
 import pytest
 import torch
