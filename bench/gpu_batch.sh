@@ -3,7 +3,7 @@
 # (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
 # Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
-# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), storedcompiled (W4A8, W4A4 and MXFP8 blocks compiled at 12 GiB; STORED_ROWS), zimage / qwenimage / flux2 / klein9b (Z-Image Turbo's / Qwen-Image's / FLUX.2 [dev]'s / [klein] 9B's transformer, bf16 and fp8 storage, at 12 and 24 GiB, 1024x1024; IMAGE_ROWS, IMAGE_CAPS), qwennative (ComfyUI's native Qwen-Image step on a random fp8-block file, NATIVE_CAPS; carry .gpu), nvfp4 (the blocks as ComfyUI
+# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), storedcompiled (W4A8, W4A4 and MXFP8 blocks compiled at 12 GiB; STORED_ROWS), zimage / qwenimage / flux2 / klein9b (Z-Image Turbo's / Qwen-Image's / FLUX.2 [dev]'s / [klein] 9B's transformer, bf16 and fp8 storage, at 12 and 24 GiB, 1024x1024; IMAGE_ROWS, IMAGE_CAPS), qwennative / flux2native (ComfyUI's native Qwen-Image / FLUX.2 [dev] step on a random fp8-block file, NATIVE_CAPS; carry .gpu), nvfp4 (the blocks as ComfyUI
 # NVFP4 layers, then fp8 storage, at 12 and 24 GiB, image-like), int8 (ComfyUI int8_tensorwise
 # blocks plain and convrot, at 12 and 24 GiB, image-like and video),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fp8trace (the same
@@ -106,6 +106,12 @@ for row in "$@"; do
                     --comfy-dir .gpu/comfyui --cap-gb "$cap" --workloads image=1x16x1x128x128 --text-len 128 \
                     --text-dim 3584 --warmup 4 --runs 3 --json-out "$ROWS_DIR/qwennative.jsonl"
                 done ;;
+    flux2native) run flux2file 240 python3 bench/native_image_anchor.py --model flux2 --write /tmp/flux2_dev_fp8.safetensors
+                 for cap in ${NATIVE_CAPS:-12 24}; do  # ComfyUI's native FLUX.2 [dev] step beside the flux2 rows
+                   run "flux2native_$cap" 150 python3 bench/native_image_anchor.py --run /tmp/flux2_dev_fp8.safetensors -- \
+                     --comfy-dir .gpu/comfyui --cap-gb "$cap" --workloads image=1x128x1x64x64 --text-len 512 \
+                     --text-dim 15360 --warmup 4 --runs 3 --json-out "$ROWS_DIR/flux2native.jsonl"
+                 done ;;
     storedcompiled) for st in ${STORED_ROWS:-w4a8 w4a4 mxfp8}; do  # stored layers in compiled blocks (their opaque ops)
                       run "${st}_compiled" 150 python3 bench/wan_bench.py --storage "$st" --compile --sections preload \
                         --caps 12 --workloads small --warmup 6 --out "$ROWS_DIR"

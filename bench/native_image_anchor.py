@@ -1,16 +1,18 @@
-"""ComfyUI's native path on an image transformer (Qwen-Image), the anchor beside ``wan_bench.py --model
-qwenimage``: the team's ``native_bench.py`` (``../shared/reference/native_anchor``, carried in
-``.gpu/native_anchor``) run as it is on a random file of the model, its Wan-only model summary fields
-(width, feed-forward, heads, text width) left empty.
+"""ComfyUI's native path on an image transformer (Qwen-Image, FLUX.2 [dev]), the anchor beside
+``wan_bench.py --model qwenimage | flux2``: the team's ``native_bench.py`` (``../shared/reference/native_anchor``,
+carried in ``.gpu/native_anchor``) run as it is on a random file of the model, its Wan-only model summary
+fields (width, feed-forward, heads, text width) left empty, and a 2-D model's latent given without its
+frame axis (native_bench.py makes 5-D ones).
 
     python bench/native_image_anchor.py --write /tmp/qwen_image.safetensors          # the file (fp8 blocks)
     python bench/native_image_anchor.py --run /tmp/qwen_image.safetensors -- --comfy-dir .gpu/comfyui \\
         --cap-gb 12 --workloads image=1x16x1x128x128 --text-len 128 --text-dim 3584 --json-out $OUT/native.jsonl
 
 ``--write`` builds the carried config's transformer with random weights (seed 0) and saves it in the
-key names ComfyUI's Qwen-Image files hold (diffusers'), the blocks' matrices as plain fp8 (what
-ComfyUI's ``weight_dtype`` fp8_e4m3fn holds them as), the rest bf16; ``--layers`` fewer blocks for a
-CPU check (with ``--cpu`` after ``--``).
+key names ComfyUI's files hold (Qwen-Image: diffusers'; FLUX.2: BFL's, as the test fixtures write
+them), the blocks' matrices as plain fp8 (what ComfyUI's ``weight_dtype`` fp8_e4m3fn holds them as),
+the rest bf16; ``--layers`` fewer blocks for a CPU check (with ``--cpu`` after ``--``). FLUX.2 [dev]:
+``--workloads image=1x128x1x64x64 --text-len 512 --text-dim 15360``.
 """
 
 from __future__ import annotations
@@ -23,17 +25,26 @@ HERE = Path(__file__).resolve().parent
 WAN_ONLY = ("dim", "ffn_dim", "num_heads", "num_layers", "text_dim", "model_type")
 
 
-def write(path: Path, layers: int | None, device: str) -> None:
+def write(path: Path, model_name: str, layers: int | None, device: str) -> None:
     import torch
-    from benchkit import pack
-    from benchkit.image_models import build_qwenimage
+    from benchkit import fixtures, pack
+    from benchkit.image_models import build_flux2, build_qwenimage
     from safetensors.torch import save_file
 
     pack()
-    model = build_qwenimage(device, layers=layers)
+    if model_name == "flux2":
+        fixtures()
+        from fixtures.family_files import bfl_flux2_state
+
+        model = build_flux2(device, layers=layers)
+        named, blocks = bfl_flux2_state(model.state_dict()), ("double_blocks.", "single_blocks.")
+    else:
+        model = build_qwenimage(device, layers=layers)
+        named, blocks = model.state_dict(), ("transformer_blocks.",)
+    del model
     state = {}
-    for name, tensor in model.state_dict().items():
-        fp8 = name.startswith("transformer_blocks.") and name.endswith(".weight") and tensor.ndim == 2
+    for name, tensor in named.items():
+        fp8 = name.startswith(blocks) and name.endswith(".weight") and tensor.ndim == 2
         state[name] = (tensor.to(torch.float8_e4m3fn) if fp8 else tensor.to(torch.bfloat16)).contiguous().cpu()
     save_file(state, str(path))
     print(f"wrote {path}: {len(state)} tensors, {sum(t.nbytes for t in state.values()) / 2**30:.2f} GiB")
@@ -48,6 +59,7 @@ def run(path: Path, argv: list[str], anchor: Path) -> None:
 
     def comfy_startup(args):
         out = startup(args)
+        import comfy.sample
         import comfy.sd
 
         load = comfy.sd.load_diffusion_model
@@ -61,6 +73,14 @@ def run(path: Path, argv: list[str], anchor: Path) -> None:
             return patcher
 
         comfy.sd.load_diffusion_model = load_diffusion_model
+        fix = comfy.sample.fix_empty_latent_channels
+
+        def fix_empty_latent_channels(model, latent, *a, **kw):
+            out = fix(model, latent, *a, **kw)
+            flat = model.get_model_object("latent_format").latent_dimensions == 2 and out.ndim == 5
+            return out.squeeze(2) if flat else out
+
+        comfy.sample.fix_empty_latent_channels = fix_empty_latent_channels
         return out
 
     native_bench.comfy_startup = comfy_startup
@@ -70,7 +90,8 @@ def run(path: Path, argv: list[str], anchor: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--write", type=Path, help="write the random Qwen-Image file here")
+    ap.add_argument("--write", type=Path, help="write the random model file here")
+    ap.add_argument("--model", choices=("qwenimage", "flux2"), default="qwenimage", help="for --write")
     ap.add_argument("--run", type=Path, help="run native_bench.py on this file (its flags after --)")
     ap.add_argument("--layers", type=int, default=None, help="keep only the first blocks (a CPU check)")
     ap.add_argument("--device", default="cuda", help="where the model is built for --write")
@@ -79,7 +100,7 @@ def main() -> None:
     cut = argv.index("--") if "--" in argv else len(argv)  # native_bench.py's own flags after "--"
     args = ap.parse_args(argv[:cut])
     if args.write:
-        write(args.write, args.layers, args.device)
+        write(args.write, args.model, args.layers, args.device)
     if args.run:
         run(args.run, argv[cut + 1:], args.anchor)
 

@@ -148,11 +148,14 @@ FLUX2_TINY = dict(num_layers=1, num_single_layers=1, num_attention_heads=2, atte
 FLUX2_TEXT = 512  # the pipelines' max_sequence_length: the prompt padded to it
 
 
-def build_flux2(device: str | torch.device = "cuda", tiny: bool = False, name: str = "FLUX.2-dev") -> torch.nn.Module:
+def build_flux2(device: str | torch.device = "cuda", tiny: bool = False, name: str = "FLUX.2-dev",
+                layers: int | None = None) -> torch.nn.Module:
+    """A FLUX.2 transformer (``layers``: that many dual- and single-stream blocks, at full width)."""
     from diffusers import Flux2Transformer2DModel
     from diffusers_offload.offload_core.formats.carried import by_name
 
     config = dict(Flux2Transformer2DModel.load_config(str(by_name(name) / "transformer")))
+    config.update({"num_layers": layers, "num_single_layers": layers} if layers else {})
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # made in bf16: [dev] in fp32 (120 GiB) fits no card
