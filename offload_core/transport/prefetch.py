@@ -184,7 +184,7 @@ class Prefetcher:
             if made_only and not self.ring.idle:
                 break
             home = self.home(index)
-            if index not in self.inflight and (home is None or self.ring.free_for(home)):
+            if index not in self.inflight and (home is None or self.ring.free_for(home, made_only)):
                 self.inflight[index] = self._load(self.units[index])
 
     def home(self, index: int) -> int | None:

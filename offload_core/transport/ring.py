@@ -87,10 +87,11 @@ class BufferRing:
             made = True
         return made
 
-    def free_for(self, home: int) -> bool:
-        """Whether `acquire` would give buffer ``home``: it is free, or not made and there is room."""
+    def free_for(self, home: int, made_only: bool = False) -> bool:
+        """Whether `acquire` would give buffer ``home``: it is free, or (unless ``made_only``) not
+        made and there is room."""
         return any(slot.home == home for slot in self._free) or (
-            home in self._unmade() and len(self._free) + self._busy < self.capacity)
+            not made_only and home in self._unmade() and len(self._free) + self._busy < self.capacity)
 
     def acquire(self, home: int | None = None) -> RingSlot:
         """A slot to copy a block into: buffer ``home`` where it is free (or made now), else any

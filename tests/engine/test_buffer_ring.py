@@ -53,6 +53,9 @@ def test_a_slot_asked_for_by_its_number_is_that_buffer_and_a_smaller_ring_drops_
     assert [slots[h].home for h in (0, 1, 2)] == [0, 1, 2]
     assert not ring.free_for(1)
     ring.release(slots[1], read_by_compute=True)
+    ring.set_capacity(4)
+    assert ring.free_for(3) and not ring.free_for(3, made_only=True)  # number 3 is not made yet
+    ring.set_capacity(3)
     assert ring.free_for(1) and ring.acquire(1) is slots[1]
     beside = ring.acquire(0)  # every buffer busy: one beside them, dropped when it comes back
     assert beside.home == -1
