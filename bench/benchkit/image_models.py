@@ -178,8 +178,8 @@ def flux2_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = Fa
     dt = torch.bfloat16
     x = torch.randn((1, grid * grid, 128), generator=g, device=device, dtype=dt)
     enc = torch.randn((1, 16 if tiny else FLUX2_TEXT, text_dim), generator=g, device=device, dtype=dt)
-    zero, one = torch.arange(1), torch.arange(1)
-    img_ids = torch.cartesian_prod(zero, torch.arange(grid), torch.arange(grid), one - 1)[None].to(device)
+    zero = torch.arange(1)
+    img_ids = torch.cartesian_prod(zero, torch.arange(grid), torch.arange(grid), zero)[None].to(device)
     txt_ids = torch.cartesian_prod(zero, zero, zero, torch.arange(enc.shape[1]))[None].to(device)
     g_in = None if guidance is None else torch.full((1,), guidance, device=device, dtype=torch.float32)
     return x, enc, torch.full((1,), 0.5, device=device, dtype=dt), g_in, img_ids, txt_ids

@@ -97,16 +97,17 @@ class BufferRing:
         """A slot to copy a block into: buffer ``home`` where it is free (or made now), else any
         free one, else one allocated beside them. A new one is allocated from the compute stream's
         pool, whose queued work may still read that memory: its ``read`` event covers that work."""
-        for k, slot in enumerate(self._free):
-            if slot.home == home:
-                self._busy += 1
-                return self._free.pop(k)
-        unmade = self._unmade()
-        if self._free and (home not in unmade or len(self._free) + self._busy >= self.capacity):
-            self._busy += 1
-            return self._free.pop()
-        within = len(self._free) + self._busy < self.capacity
-        slot = self._make((home if home in unmade else unmade[0]) if within else -1)
+        slot = next((s for s in self._free if s.home == home), None)
+        if slot is not None:
+            self._free.remove(slot)
+        else:
+            unmade = self._unmade() if len(self._free) + self._busy < self.capacity else []
+            if home in unmade:
+                slot = self._make(home)
+            elif self._free:
+                slot = self._free.pop()
+            else:
+                slot = self._make(unmade[0] if unmade else -1)
         self._busy += 1
         return slot
 
