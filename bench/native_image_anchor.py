@@ -36,16 +36,17 @@ def write(path: Path, model_name: str, layers: int | None, device: str) -> None:
         fixtures()
         from fixtures.family_files import bfl_flux2_state
 
-        model = build_flux2(device, layers=layers)
-        named, blocks = bfl_flux2_state(model.state_dict()), ("double_blocks.", "single_blocks.")
+        model, blocks = build_flux2(device, layers=layers), ("transformer_blocks.", "single_transformer_blocks.")
     else:
-        model = build_qwenimage(device, layers=layers)
-        named, blocks = model.state_dict(), ("transformer_blocks.",)
+        model, blocks = build_qwenimage(device, layers=layers), ("transformer_blocks.",)
+    with torch.no_grad():  # cast in place, one tensor at a time: [dev] in bf16 and fp8 at once fits no card
+        for name, p in model.named_parameters():
+            fp8 = name.startswith(blocks) and name.endswith(".weight") and p.ndim == 2
+            p.data = p.data.to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    state = {name: t.cpu().contiguous() for name, t in model.state_dict().items()}
     del model
-    state = {}
-    for name, tensor in named.items():
-        fp8 = name.startswith(blocks) and name.endswith(".weight") and tensor.ndim == 2
-        state[name] = (tensor.to(torch.float8_e4m3fn) if fp8 else tensor.to(torch.bfloat16)).contiguous().cpu()
+    if model_name == "flux2":
+        state = {name: t.contiguous() for name, t in bfl_flux2_state(state).items()}
     save_file(state, str(path))
     print(f"wrote {path}: {len(state)} tensors, {sum(t.nbytes for t in state.values()) / 2**30:.2f} GiB")
 
