@@ -38,6 +38,10 @@ T2V_VARIANTS = {"WanImageToVideoPipeline": "WanPipeline"}
 # TI2V-5B layout (``expand_timesteps``: the start image's latents replace the first latent frame)
 # runs both; Wan 2.1 / 2.2 A14B transformers take 16 channels (T2V) or 36 (I2V), never both.
 BOTH_MODES_FLAG = {"WanPipeline": "expand_timesteps", "WanImageToVideoPipeline": "expand_timesteps"}
+# Image pipelines that take several reference images (a list) / that cannot run without one.
+MULTI_REFERENCE = {"Flux2Pipeline", "Flux2KleinPipeline", "QwenImageEditPlusPipeline"}
+NEEDS_REFERENCE = {"QwenImageEditPipeline", "QwenImageEditPlusPipeline"}
+EDIT_HINT = "load an image-editing model (FLUX.2, Qwen-Image-Edit, FLUX.1 Kontext)"
 
 def call_params(pipe: Any) -> Mapping[str, inspect.Parameter]:
     """The keyword arguments the pipeline's ``__call__`` takes."""
@@ -90,6 +94,24 @@ class Call:
         self.kwargs["image"] = to_pil(image)
         if image.shape[0] > 1:
             self.notes.append(f"start_image: the first of {image.shape[0]} images is used")
+
+    def references(self, images: torch.Tensor | None) -> None:
+        """An image pipeline's reference images (``image``): each image of the batch for a pipeline
+        that takes several, else the first with a note. Refused by name where the pipeline takes
+        none, or needs one and none is connected."""
+        if images is None:
+            if self.name in NEEDS_REFERENCE:
+                raise ValueError(f"{self.name} edits an image: connect reference_images.")
+            return
+        if not self.takes("image"):
+            raise ValueError(f"{self.name} takes no reference image: {EDIT_HINT}, or disconnect reference_images.")
+        pictures = [to_pil(images[i : i + 1]) for i in range(images.shape[0])]
+        if self.name in MULTI_REFERENCE:
+            self.kwargs["image"] = pictures
+            return
+        self.kwargs["image"] = pictures[0]
+        if len(pictures) > 1:
+            self.notes.append(f"reference_images: {self.name} takes one, the first of {len(pictures)} is used")
 
     def text(self, prompt: str, negative_prompt: str, guidance: float) -> None:
         """The prompts and guidance. A true-CFG pipeline (Flux without distilled guidance, Qwen-Image)

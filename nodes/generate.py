@@ -46,7 +46,8 @@ def _size_inputs(width: int, height: int) -> list[io.Input]:
 
 
 class GenerateImage(io.ComfyNode):
-    """Text to image (Flux and the like) with a loaded diffusers pipeline."""
+    """Text to image (Flux and the like) with a loaded diffusers pipeline, or an edit of reference
+    images where the pipeline takes them (FLUX.2, Qwen-Image-Edit, FLUX.1 Kontext)."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -55,11 +56,16 @@ class GenerateImage(io.ComfyNode):
             **search_aliases("flux"),
             display_name="Generate image (diffusers)",
             category=CATEGORY,
-            description="Runs a text-to-image diffusers pipeline; size snapped to the model's grid.",
+            description="Runs a text-to-image or image-editing diffusers pipeline; size snapped to the model's grid.",
             inputs=[
                 *_prompt_inputs(),
                 *_size_inputs(1024, 1024),
                 io.Int.Input("batch_size", default=1, min=1, max=64),
+                io.Image.Input(
+                    "reference_images", optional=True,
+                    tooltip="Images to edit or draw from (FLUX.2, Qwen-Image-Edit Plus: every image of the batch; "
+                            "FLUX.1 Kontext, Qwen-Image-Edit: the first).",
+                ),
             ],
             outputs=[io.Image.Output("images", display_name="images"), NOTES],
             hidden=[io.Hidden.unique_id],
@@ -68,13 +74,14 @@ class GenerateImage(io.ComfyNode):
     @classmethod
     def execute(
         cls, pipe: PipeHandle, prompt: str, negative_prompt: str, seed: int, steps: int, guidance: float,
-        width: int, height: int, batch_size: int,
+        width: int, height: int, batch_size: int, reference_images: torch.Tensor | None = None,
     ) -> io.NodeOutput:
         call = Call(pipe.pipe)
         call.require("prompt", "height", "width", hint=f"Generate image runs text-to-image pipelines{MODULAR_HINT}.")
         if call.takes("num_frames"):
             raise ValueError(f"{call.name} makes video: use 'Generate video (diffusers)'.")
         call.size(model_grid(pipe.pipe, pipe.family), width, height)
+        call.references(reference_images)
         call.text(prompt, negative_prompt, guidance)
         if batch_size > 1:
             call.offer("num_images_per_prompt", batch_size, f"{call.name} makes one image per run: batch ignored")

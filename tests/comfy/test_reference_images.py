@@ -1,0 +1,90 @@
+"""Generate image's reference images inside a real ComfyUI: an image-editing pipeline (a tiny
+FLUX.2 [klein], which takes several) gets every image of the connected batch, in order, as the
+PIL images diffusers' own call takes; a text-to-image pipeline is refused by name."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import pytest
+import torch
+from comfyhost import harness
+from comfyhost.capture import capture_class, capture_fixtures
+from fixtures import flux2_klein_files
+from PIL import Image
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
+import offload_examples as ex  # noqa: E402
+
+pytest_plugins = ["comfyhost.fixtures"]
+_tiny_flux2_klein = flux2_klein_files.tiny_flux2_klein_dir
+
+CAPTURE = "DiffusersOffloadTest_Capture"
+GEN = "2"
+COLORS = (0xFF2020, 0x20A0FF)
+Capture = capture_class()
+capture_node, captured = capture_fixtures(CAPTURE, Capture)
+
+
+def graph(model: str, colors: tuple[int, ...], seed: int = 3) -> dict[str, Any]:
+    """Load (fp32) -> Generate image with a batch of plain 64 x 64 images of ``colors`` (none: no
+    reference) -> Capture of the images."""
+    prompt: dict[str, Any] = {
+        "1": {"class_type": "DiffusersOffloadLoadPipeline", "inputs": {"model": model, "dtype": "fp32"}},
+        GEN: {"class_type": "DiffusersOffloadGenerateImage", "inputs": {
+            "pipe": ["1", 0], "prompt": "a red fox", "negative_prompt": "", "seed": seed, "steps": 2,
+            "guidance": 0.0, "width": 32, "height": 32, "batch_size": 1}},
+        "c": {"class_type": CAPTURE, "inputs": {"value": [GEN, 0], "slot": 0}},
+    }
+    for i, color in enumerate(colors):
+        prompt[f"img{i}"] = {"class_type": "EmptyImage",
+                             "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": color}}
+    if len(colors) == 2:
+        prompt["batch"] = {"class_type": "ImageBatch", "inputs": {"image1": ["img0", 0], "image2": ["img1", 0]}}
+    if colors:
+        prompt[GEN]["inputs"]["reference_images"] = ["batch" if len(colors) == 2 else "img0", 0]
+    return prompt
+
+
+def direct(folder: Path, colors: tuple[int, ...], seed: int = 3) -> torch.Tensor:
+    """diffusers' own call with the same references as PIL images, as ComfyUI's IMAGE [B, H, W, C]."""
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.new("RGB", (64, 64), ((c >> 16) & 255, (c >> 8) & 255, c & 255)) for c in colors]
+    out = pipe(prompt="a red fox", image=images or None, height=32, width=32, num_inference_steps=2,
+               generator=torch.Generator("cpu").manual_seed(seed), output_type="pt")
+    return out.images.permute(0, 2, 3, 1).float()
+
+
+@pytest.fixture(scope="module")
+def klein(comfy: harness.ComfyHost, tiny_flux2_klein_dir: Path) -> str:
+    return ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_flux2_klein_dir)
+
+
+def test_every_reference_image_reaches_flux2_in_order_as_diffusers_takes_them(
+    comfy: harness.ComfyHost, klein: str, tiny_flux2_klein_dir: Path, captured: list[Any]
+) -> None:
+    runs = [(), COLORS[:1], COLORS, COLORS[::-1]]
+    for colors in runs:
+        comfy.run_prompt(graph(klein, colors)).raise_for_error()
+
+    images = [value for _, value in captured]
+    assert len(images) == len(runs)
+    for colors, image in zip(runs, images, strict=True):
+        assert torch.allclose(image, direct(tiny_flux2_klein_dir, colors), atol=1e-5), colors
+    assert len({image.sum().item() for image in images}) == len(runs)  # each reference set changes the image
+
+
+def test_a_pipeline_without_reference_images_is_refused_by_name(
+    comfy: harness.ComfyHost, tiny_flux_dir: Path, captured: list[Any]
+) -> None:
+    flux = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_flux_dir)
+
+    result = comfy.run_prompt(graph(flux, COLORS[:1]))
+
+    assert not result.success and result.error["node_id"] == GEN
+    assert "FluxPipeline takes no reference image" in result.error["exception_message"]
+    assert "disconnect reference_images" in result.error["exception_message"]
