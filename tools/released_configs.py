@@ -120,6 +120,14 @@ QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, n
 QWEN_IMAGE_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0,
                             shift_terminal=0.02, time_shift_type="exponential", use_dynamic_shifting=True)
 QWEN_IMAGE_TOKENIZERS = {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer"}}
+# Qwen/Qwen-Image-Edit, -2509, -2511: the pipeline class of each model_index.json; 2511's transformer
+# config adds zero_cond_t (its reference latents at timestep 0: ComfyUI's __index_timestep_zero__). The
+# processor's image configs are Qwen2.5-VL-7B-Instruct's (min_pixels 3136, max_pixels 12845056).
+QWEN_IMAGE_EDIT = {"Qwen-Image-Edit": ("QwenImageEditPipeline", False),
+                   "Qwen-Image-Edit-2509": ("QwenImageEditPlusPipeline", False),
+                   "Qwen-Image-Edit-2511": ("QwenImageEditPlusPipeline", True)}
+QWEN25_VL_PIXELS = dict(patch_size=14, temporal_patch_size=2, merge_size=2, image_mean=[0.48145466, 0.4578275, 0.40821073],
+                        image_std=[0.26862954, 0.26130258, 0.27577711], size={"shortest_edge": 3136, "longest_edge": 12845056})
 
 
 LTX2_TRANSFORMER = dict(  # diffusers' convert_ltx2_to_diffusers.py, version "2.0" (LTX-2 19B)

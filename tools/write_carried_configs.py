@@ -1,5 +1,5 @@
 """Write the configs the pack carries (``offload_core/formats/carried_configs/``): configs-only
-copies of the Wan-AI, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo and Qwen-Image diffusers folders and of
+copies of the Wan-AI, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo, Qwen-Image and Qwen-Image-Edit diffusers folders and of
 MiniMax-H3's modular one, so a single-file user needs no diffusers folder.
 
 The released values, each with its source, are in ``released_configs.py``. Each file is saved by its
@@ -57,6 +57,8 @@ from released_configs import (  # noqa: E402  (tools/ is the script's folder)
     QWEN3_VL_TOKENS,
     QWEN25_VL_7B_TEXT,
     QWEN25_VL_7B_VISION,
+    QWEN25_VL_PIXELS,
+    QWEN_IMAGE_EDIT,
     QWEN_IMAGE_SCHEDULER,
     QWEN_IMAGE_TOKENIZERS,
     SIZES,
@@ -165,23 +167,30 @@ def write_z_image(out: Path) -> None:
     (out / "tokenizers.json").write_text(json.dumps(Z_IMAGE_TOKENIZERS, indent=2) + "\n")
 
 
-def write_qwen_image(out: Path) -> None:
+def write_qwen_image(out: Path, pipeline: str = "QwenImagePipeline", zero_cond_t: bool = False) -> None:
     """Qwen-Image (text to image): its transformer and VAE (the classes' defaults), Qwen2.5-VL-7B as
     the text encoder (ComfyUI's ``qwen_2.5_vl_7b`` files: the language model, the vision tower and the
-    head), the scheduler's dynamic shift."""
+    head), the scheduler's dynamic shift. An edit ``pipeline`` adds the processor its vision tower
+    reads the reference images through (image configs; the tokenizer is the pipeline's)."""
     with init_empty_weights():
-        diffusers.QwenImageTransformer2DModel.from_config({}).save_config(out / "transformer")
+        diffusers.QwenImageTransformer2DModel.from_config({"zero_cond_t": True} if zero_cond_t else {}
+                                                          ).save_config(out / "transformer")
         diffusers.AutoencoderKLQwenImage.from_config({}).save_config(out / "vae")
     diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, **QWEN_IMAGE_SCHEDULER).save_config(out / "scheduler")
     text = transformers.Qwen2_5_VLConfig(text_config=QWEN25_VL_7B_TEXT, vision_config=QWEN25_VL_7B_VISION,
                                          tie_word_embeddings=False, **QWEN3_VL_TOKENS)
     text.architectures = ["Qwen2_5_VLForConditionalGeneration"]
     text.save_pretrained(out / "text_encoder")
-    index = {"_class_name": "QwenImagePipeline", "_diffusers_version": diffusers.__version__,
+    index = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__,
              "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
              "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
              "tokenizer": ["transformers", "Qwen2Tokenizer"], "transformer": ["diffusers", "QwenImageTransformer2DModel"],
              "vae": ["diffusers", "AutoencoderKLQwenImage"]}
+    if pipeline != "QwenImagePipeline":
+        index["processor"] = ["transformers", "Qwen2VLProcessor"]
+        pixels = dict(QWEN25_VL_PIXELS)
+        transformers.Qwen2VLImageProcessor(**pixels).save_pretrained(out / "processor")
+        transformers.Qwen2VLVideoProcessor(**pixels).save_pretrained(out / "processor")
     (out / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "tokenizers.json").write_text(json.dumps(QWEN_IMAGE_TOKENIZERS, indent=2) + "\n")
 
@@ -263,6 +272,9 @@ def main(root: Path = OUT) -> None:
     print(f"wrote {root / 'Z-Image-Turbo'}")
     write_qwen_image(root / "Qwen-Image")
     print(f"wrote {root / 'Qwen-Image'}")
+    for name, (pipeline, zero_cond_t) in QWEN_IMAGE_EDIT.items():
+        write_qwen_image(root / name, pipeline, zero_cond_t)
+        print(f"wrote {root / name}")
     for name, klein in FLUX2_KLEIN.items():
         write_flux2_klein(root / name, *klein)
         print(f"wrote {root / name}")

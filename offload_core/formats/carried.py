@@ -24,8 +24,10 @@ log = get_logger("single_file")
 ROOT = Path(__file__).with_name("carried_configs")
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
-FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo and Qwen-Image"
-NAME_WORDS = ("distilled", "base")  # what tells variants of one shape apart, in their folders' and files' names
+FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo, Qwen-Image and Qwen-Image-Edit"
+# What tells variants of one shape apart, in their folders' and files' names, most specific first.
+NAME_WORDS = ("distilled", "base", "2509", "edit")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
 def carried(root: Path | None = None, index: str = "model_index.json") -> list[Path]:
@@ -81,8 +83,9 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
 
 def _by_name(path: Path, folders: list[Path]) -> list[Path]:
     """Of folders of one shape, those whose name has each of `NAME_WORDS` exactly when the file's
-    does (LTX-2's dev and distilled models, FLUX.2 [klein]'s distilled and base ones share every
-    shape; diffusers' own conversions tell them by the file name)."""
+    does (LTX-2's dev and distilled models, FLUX.2 [klein]'s distilled and base ones, Qwen-Image and
+    its Edit and Edit-2509 models share every shape; diffusers' own conversions tell the first two
+    by the file name, and Comfy-Org's Qwen files are named so)."""
     name = Path(path).name.lower()
     for word in NAME_WORDS:
         if any(word in f.name.lower() for f in folders):
@@ -95,7 +98,8 @@ def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
     """The tokenizers config ``folder`` lacks (the carried folders hold none), by component name:
     each from the folder ComfyUI ships it in where the folder's ``tokenizers.json`` names one (under
     ``comfy_tokenizers``, ComfyUI's ``comfy`` package folder), else read from the sentencepiece model
-    its text-encoder file carries (`file_tokenizers`; ``tokenizer_2`` from ``text_encoder_2``)."""
+    its text-encoder file carries (`file_tokenizers`; ``tokenizer_2`` from ``text_encoder_2``); and a
+    ``processor`` whose folder holds its image configs but no tokenizer, around ``tokenizer``."""
     shipped = _shipped_entries(folder)
     out: dict[str, Any] = {}
     for name, spec in index.items():
@@ -109,7 +113,30 @@ def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
             raise SingleFileError(f"the config folder {folder} has no {name}: pick the text-encoder file, whose "
                                   "tokenizer the pack reads")
         out[name] = tokenizer_from_file(Path(encoder), str(spec[1]), f"the config folder {folder}")
+    spec = index.get("processor")
+    configs = folder / "processor"
+    if isinstance(spec, list) and all(spec) and configs.is_dir() and not any((configs / f).is_file() for f in TOKENIZER_FILES):
+        if "tokenizer" not in out:
+            raise SingleFileError(f"the config folder {folder} has a processor without a tokenizer and no tokenizer "
+                                  "to build it around: use a diffusers config folder with a tokenizer")
+        out["processor"] = processor_around(configs, str(spec[1]), out["tokenizer"])
     return out
+
+
+def processor_around(configs: Path, cls_name: str, tokenizer: Any) -> Any:
+    """A vision-language processor (class ``cls_name``) around ``tokenizer``, its image and video
+    processors from the ``configs`` folder (a carried folder's ``processor``: configs, no tokenizer)."""
+    import transformers
+
+    try:
+        processor = getattr(transformers, cls_name)(
+            image_processor=transformers.AutoImageProcessor.from_pretrained(str(configs)),
+            video_processor=transformers.AutoVideoProcessor.from_pretrained(str(configs)), tokenizer=tokenizer)
+    except Exception as exc:  # a damaged carried folder: name it
+        raise SingleFileError(f"{configs}: the image / video processor configs could not be read as {cls_name} "
+                              f"({type(exc).__name__}: {exc})") from exc
+    log.info("%s: %s around the tokenizer (%d tokens)", configs.parent.name, cls_name, len(tokenizer))
+    return processor
 
 
 def _shipped_entries(folder: Path) -> dict[str, dict]:

@@ -36,6 +36,7 @@ SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")
 QUANT_SUFFIX = ".comfy_quant"
 TOKENIZER_KEYS = ("spiece_model", "tokenizer_json", "tekken_model")  # tokenizers ComfyUI's files carry (comfy/sd.py)
+VARIANT_FLAGS = ("__index_timestep_zero__",)  # empty tensors that tell ComfyUI's model detection a variant (Qwen-Image-Edit-2511)
 QUANT_METADATA = "_quantization_metadata"
 # (pattern on any key, what the file looks like, its role): first match wins; before the denoiser
 # detector, since a text encoder never carries a denoiser's keys.

@@ -39,6 +39,7 @@ from .fp8 import (
 from .inspect import (
     INPUT_SCALE_SUFFIXES,
     QUANT_SUFFIX,
+    VARIANT_FLAGS,
     SingleFileError,
     SingleFileInfo,
     inspect_file,
@@ -197,7 +198,7 @@ def _matmul_off(info: SingleFileInfo) -> str:
 
 
 def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]:
-    """The file's tensors less the marker, quant entries and a tokenizer it carries (not a weight:
+    """The file's tensors less the marker, ComfyUI's variant flags, quant entries and a tokenizer it carries (not a weight:
     `carried.missing_tokenizers` reads it where the config folder has no tokenizer); weight and
     input scales under one spelling each (``<layer>.scale_weight``, ``<layer>.scale_input``), taken
     out by layer for a denoiser (`scale_trace` follows them through its conversion) and renamed with
@@ -209,6 +210,9 @@ def read_checkpoint(path: Path, info: SingleFileInfo) -> dict[str, torch.Tensor]
         raise SingleFileError(f"{path} cannot be read by safetensors ({exc}): download this file again") from exc
     if info.marker:
         checkpoint.pop(info.marker, None)
+    for key in [k for k in checkpoint if k.rsplit(".", 1)[-1] in VARIANT_FLAGS]:
+        checkpoint.pop(key)
+        log.info("%s: ComfyUI's variant flag %s is left aside: not a weight (the config says the variant)", path.name, key)
     for key in info.tokenizers:
         checkpoint.pop(key, None)
         log.info("%s: its own tokenizer (%s) is left aside: not a weight of the model", path.name, key)

@@ -82,6 +82,7 @@ def load_pipeline_with_denoiser(config_folder: Path, denoiser_file: Path, dtype:
             pick = f"pick {_a(kind)} for it" if kind else "use a diffusers folder that has them"
             raise SingleFileError(f"the config folder {folder} has no weights for {name} ({cls_name}): {pick}")
     parts.update(missing_tokenizers(folder, index, files, comfy_tokenizers))
+    _check_vision(index, parts.get("text_encoder"), text_encoder_file)
     parts["transformer"] = load_denoiser(Path(denoiser_file), folder, dtype)
     _check_experts(denoiser_file, denoiser_2_file)
     try:
@@ -171,6 +172,18 @@ def _component_class(library: str, name: str) -> type:
 
     module = getattr(pipelines, library) if hasattr(pipelines, library) else importlib.import_module(library)
     return getattr(module, name)
+
+
+def _check_vision(index: dict, text_encoder: Any, path: Path | None) -> None:
+    """A pipeline with a processor (Qwen-Image-Edit) reads its reference images through the text
+    encoder's vision tower: a text-encoder file without one (a text-only or GGUF Qwen2.5-VL) is
+    refused by name here, not at the first run."""
+    if "processor" not in index or text_encoder is None or getattr(getattr(text_encoder, "model", None), "visual",
+                                                                     True) is not None:
+        return
+    raise SingleFileError(f"{path} holds no vision tower (visual.*), through which {index['_class_name']} reads "
+                          "its reference images: pick a text-encoder file with it (ComfyUI's qwen_2.5_vl_7b "
+                          "safetensors files hold it; a GGUF one keeps it in a separate mmproj file)")
 
 
 def _read_index(folder: Path) -> dict:

@@ -1,6 +1,7 @@
-"""Generate image's reference images inside a real ComfyUI: an image-editing pipeline (a tiny
-FLUX.2 [klein], which takes several) gets every image of the connected batch, in order, as the
-PIL images diffusers' own call takes; a text-to-image pipeline is refused by name."""
+"""Generate image's reference images inside a real ComfyUI: an image-editing pipeline that takes
+several (a tiny FLUX.2 [klein], a tiny Qwen-Image-Edit Plus) gets every image of the connected batch,
+in order, as the PIL images diffusers' own call takes; a text-to-image pipeline given one, and an
+edit pipeline given none, are refused by name."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from comfyhost import harness
 from comfyhost.capture import capture_class, capture_fixtures
-from fixtures import flux2_klein_files
+from fixtures import flux2_klein_files, qwen_image_edit_files
 from PIL import Image
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
@@ -21,6 +22,7 @@ import offload_examples as ex  # noqa: E402
 
 pytest_plugins = ["comfyhost.fixtures"]
 _tiny_flux2_klein = flux2_klein_files.tiny_flux2_klein_dir
+_tiny_qwen_image_edit = qwen_image_edit_files.tiny_qwen_image_edit_dir
 
 CAPTURE = "DiffusersOffloadTest_Capture"
 GEN = "2"
@@ -50,8 +52,9 @@ def graph(model: str, colors: tuple[int, ...], seed: int = 3) -> dict[str, Any]:
 
 
 def direct(folder: Path, colors: tuple[int, ...], seed: int = 3) -> torch.Tensor:
-    """diffusers' own call with the same references as PIL images, as ComfyUI's IMAGE [B, H, W, C]."""
-    pipe = diffusers.Flux2KleinPipeline.from_pretrained(folder, dtype=torch.float32)
+    """The folder's own pipeline called by diffusers with the same references as PIL images, as
+    ComfyUI's IMAGE [B, H, W, C]."""
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     images = [Image.new("RGB", (64, 64), ((c >> 16) & 255, (c >> 8) & 255, c & 255)) for c in colors]
     out = pipe(prompt="a red fox", image=images or None, height=32, width=32, num_inference_steps=2,
@@ -59,9 +62,13 @@ def direct(folder: Path, colors: tuple[int, ...], seed: int = 3) -> torch.Tensor
     return out.images.permute(0, 2, 3, 1).float()
 
 
+def linked(comfy: harness.ComfyHost, folder: Path) -> str:
+    return ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), folder)
+
+
 @pytest.fixture(scope="module")
 def klein(comfy: harness.ComfyHost, tiny_flux2_klein_dir: Path) -> str:
-    return ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_flux2_klein_dir)
+    return linked(comfy, tiny_flux2_klein_dir)
 
 
 def test_every_reference_image_reaches_flux2_in_order_as_diffusers_takes_them(
@@ -78,13 +85,31 @@ def test_every_reference_image_reaches_flux2_in_order_as_diffusers_takes_them(
     assert len({image.sum().item() for image in images}) == len(runs)  # each reference set changes the image
 
 
-def test_a_pipeline_without_reference_images_is_refused_by_name(
-    comfy: harness.ComfyHost, tiny_flux_dir: Path, captured: list[Any]
+def test_qwen_image_edit_plus_gets_every_reference_image_in_order(
+    comfy: harness.ComfyHost, tiny_qwen_image_edit_dir: Path, captured: list[Any]
 ) -> None:
-    flux = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), tiny_flux_dir)
+    edit = linked(comfy, tiny_qwen_image_edit_dir)
+    runs = [COLORS, COLORS[::-1]]
+    for colors in runs:
+        comfy.run_prompt(graph(edit, colors)).raise_for_error()
 
-    result = comfy.run_prompt(graph(flux, COLORS[:1]))
+    images = [value for _, value in captured]
+    for colors, image in zip(runs, images, strict=True):
+        assert torch.allclose(image, direct(tiny_qwen_image_edit_dir, colors), atol=1e-5), colors
+    assert not torch.equal(*images)
+
+
+@pytest.mark.parametrize(("model", "colors", "message"), [
+    ("flux", COLORS[:1], "FluxPipeline takes no reference image: load an image-editing model"),
+    ("qwen_edit", (), "QwenImageEditPlusPipeline edits an image: connect reference_images"),
+])
+def test_a_pipeline_given_references_it_cannot_take_or_none_it_needs_is_refused_by_name(
+    comfy: harness.ComfyHost, tiny_flux_dir: Path, tiny_qwen_image_edit_dir: Path, captured: list[Any],
+    model: str, colors: tuple[int, ...], message: str,
+) -> None:
+    folder = {"flux": tiny_flux_dir, "qwen_edit": tiny_qwen_image_edit_dir}[model]
+
+    result = comfy.run_prompt(graph(linked(comfy, folder), colors))
 
     assert not result.success and result.error["node_id"] == GEN
-    assert "FluxPipeline takes no reference image" in result.error["exception_message"]
-    assert "disconnect reference_images" in result.error["exception_message"]
+    assert message in result.error["exception_message"]

@@ -1,4 +1,4 @@
-"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo, Qwen-Image, MiniMax-H3), so single files run without a diffusers folder:
+"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo, Qwen-Image (its own file), MiniMax-H3), so single files run without a diffusers folder:
 each carried folder builds the released models' sizes through the real classes and is what
 ``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
 second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
@@ -15,12 +15,12 @@ import diffusers
 import pytest
 import torch
 import transformers
-from accelerate import init_empty_weights
 from diffusers_offload.offload_core import OffloadConfig
 from diffusers_offload.offload_core.formats import carried
 from diffusers_offload.offload_core.formats.inspect import SingleFileError, describe_keys
 from diffusers_offload.offload_core.formats.single_file_pipeline import load_pipeline_with_denoiser
 from fixtures import comfy_files
+from fixtures.carried_checks import billions, meta_model, pipeline_index
 from fixtures.comfy_files import carried_like_copy, write_comfy_wan, write_fp8_text_encoder
 from fixtures.flux_files import bfl_flux_state
 from fixtures.gguf_files import comfy_wan_shapes
@@ -41,32 +41,9 @@ VAE = {False: 0.127, True: 0.705}  # wan_2.1_vae, wan2.2_vae (48 latent channels
 UMT5_XXL_ENCODER, CLIP_VISION_H = 5.68, 0.632
 FLUX_TRANSFORMER, FLUX_VAE, CLIP_L_TEXT, T5_XXL_ENCODER = 11.90, 0.0838, 0.1231, 4.762
 Z_IMAGE_TRANSFORMER, QWEN3_4B = 6.1549, 4.0225  # z_image_turbo_bf16, qwen_3_4b (no head)
-QWEN_IMAGE_TRANSFORMER, QWEN25_VL_7B = 20.430, 8.292  # qwen_image_bf16, qwen_2.5_vl_7b (vision tower and head)
 TINY = ("wan", "wan_i2v", "wan22_ti2v", "wan22_a14b", "wan22_a14b_i2v")
 WAN = [f for f in carried.carried() if f.name.startswith("Wan")]
 FLUX = [f for f in carried.carried() if f.name.startswith("FLUX.1")]
-
-
-def _billions(model: torch.nn.Module) -> float:
-    return sum(p.numel() for p in model.parameters()) / 1e9
-
-
-def _meta(cls: type, folder: Path) -> torch.nn.Module:
-    with init_empty_weights():
-        if issubclass(cls, diffusers.ModelMixin):
-            return cls.from_config(cls.load_config(str(folder)))
-        model = cls(cls.config_class.from_pretrained(str(folder)))
-    model.tie_weights()
-    return model
-
-
-def _index(folder: Path) -> dict:
-    """The folder's pipeline index, checked to name only components its pipeline class takes."""
-    index = json.loads((folder / "model_index.json").read_text())
-    expected, optional = diffusers.DiffusionPipeline._get_signature_keys(getattr(diffusers, index["_class_name"]))
-    assert {k for k in index if not k.startswith("_")} <= {*expected, *optional}
-    assert not any(folder.rglob("*.safetensors")) and not any(folder.glob("tokenizer*/"))
-    return index
 
 
 def test_the_pack_carries_wan_and_flux_configs() -> None:
@@ -75,17 +52,17 @@ def test_the_pack_carries_wan_and_flux_configs() -> None:
 
 @pytest.mark.parametrize("folder", WAN, ids=lambda p: p.name)
 def test_each_carried_wan_folder_builds_the_released_model_sizes(folder: Path) -> None:
-    index = _index(folder)
+    index = pipeline_index(folder)
     for name in ("transformer", "transformer_2") if (folder / "transformer_2").is_dir() else ("transformer",):
-        assert _billions(_meta(diffusers.WanTransformer3DModel, folder / name)) == pytest.approx(
+        assert billions(meta_model(diffusers.WanTransformer3DModel, folder / name)) == pytest.approx(
             RELEASED[folder.name], rel=5e-3)
-    vae = _meta(diffusers.AutoencoderKLWan, folder / "vae")
-    assert _billions(vae) == pytest.approx(VAE[vae.config.z_dim == 48], rel=5e-3)
-    assert _billions(_meta(transformers.UMT5EncoderModel, folder / "text_encoder")) == pytest.approx(
+    vae = meta_model(diffusers.AutoencoderKLWan, folder / "vae")
+    assert billions(vae) == pytest.approx(VAE[vae.config.z_dim == 48], rel=5e-3)
+    assert billions(meta_model(transformers.UMT5EncoderModel, folder / "text_encoder")) == pytest.approx(
         UMT5_XXL_ENCODER, rel=5e-3)
     if index.get("image_encoder", [None])[0]:
-        image = _meta(transformers.CLIPVisionModelWithProjection, folder / "image_encoder")
-        assert _billions(image) == pytest.approx(CLIP_VISION_H, rel=5e-3)
+        image = meta_model(transformers.CLIPVisionModelWithProjection, folder / "image_encoder")
+        assert billions(image) == pytest.approx(CLIP_VISION_H, rel=5e-3)
         assert transformers.CLIPImageProcessor.from_pretrained(str(folder / "image_processor")).crop_size == {
             "height": 224, "width": 224}
     scheduler = diffusers.UniPCMultistepScheduler.from_pretrained(str(folder / "scheduler"))
@@ -96,13 +73,13 @@ def test_each_carried_wan_folder_builds_the_released_model_sizes(folder: Path) -
 def test_each_carried_flux_folder_builds_the_released_model_sizes(folder: Path) -> None:
     """FLUX.1 dev / schnell: the same sizes, dev with a guidance input and a dynamic-shift scheduler;
     the tokenizers are ComfyUI's (CLIP-L at 77 tokens, T5 at 512, as the released folders)."""
-    _index(folder)
+    pipeline_index(folder)
     dev = folder.name == "FLUX.1-dev"
-    transformer = _meta(diffusers.FluxTransformer2DModel, folder / "transformer")
-    assert _billions(transformer) == pytest.approx(FLUX_TRANSFORMER, rel=5e-3) and transformer.config.guidance_embeds == dev
-    assert _billions(_meta(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
-    assert _billions(_meta(transformers.CLIPTextModel, folder / "text_encoder")) == pytest.approx(CLIP_L_TEXT, rel=5e-3)
-    assert _billions(_meta(transformers.T5EncoderModel, folder / "text_encoder_2")) == pytest.approx(
+    transformer = meta_model(diffusers.FluxTransformer2DModel, folder / "transformer")
+    assert billions(transformer) == pytest.approx(FLUX_TRANSFORMER, rel=5e-3) and transformer.config.guidance_embeds == dev
+    assert billions(meta_model(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
+    assert billions(meta_model(transformers.CLIPTextModel, folder / "text_encoder")) == pytest.approx(CLIP_L_TEXT, rel=5e-3)
+    assert billions(meta_model(transformers.T5EncoderModel, folder / "text_encoder_2")) == pytest.approx(
         T5_XXL_ENCODER, rel=5e-3)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler"))
     assert (scheduler.config.use_dynamic_shifting, scheduler.config.shift) == ((True, 3.0) if dev else (False, 1.0))
@@ -115,11 +92,11 @@ def test_the_carried_z_image_folder_builds_the_released_model_sizes() -> None:
     """Z-Image Turbo: its transformer, Qwen3-4B without a head (ComfyUI's ``qwen_3_4b`` file), the FLUX.1
     VAE; a fixed shift of 3; the tokenizer ComfyUI's Qwen folder with Qwen3's chat template."""
     folder = carried.by_name("Z-Image-Turbo")
-    _index(folder)
-    assert _billions(_meta(diffusers.ZImageTransformer2DModel, folder / "transformer")) == pytest.approx(
+    pipeline_index(folder)
+    assert billions(meta_model(diffusers.ZImageTransformer2DModel, folder / "transformer")) == pytest.approx(
         Z_IMAGE_TRANSFORMER, rel=5e-3)
-    assert _billions(_meta(transformers.Qwen3Model, folder / "text_encoder")) == pytest.approx(QWEN3_4B, rel=5e-3)
-    assert _billions(_meta(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
+    assert billions(meta_model(transformers.Qwen3Model, folder / "text_encoder")) == pytest.approx(QWEN3_4B, rel=5e-3)
+    assert billions(meta_model(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler"))
     assert (scheduler.config.use_dynamic_shifting, scheduler.config.shift) == (False, 3.0)
     tokenizers = json.loads((folder / "tokenizers.json").read_text())
@@ -131,7 +108,7 @@ def test_the_released_z_image_shape_picks_its_folder() -> None:
     hold it) picks the carried folder; a file of another depth fits none and is told by its shape."""
     folder = carried.by_name("Z-Image-Turbo")
     shapes = {}
-    for key, tensor in _meta(diffusers.ZImageTransformer2DModel, folder / "transformer").state_dict().items():
+    for key, tensor in meta_model(diffusers.ZImageTransformer2DModel, folder / "transformer").state_dict().items():
         for new, old in Z_IMAGE_RENAMES:
             key = key.replace(new, old)
         shapes[key] = tuple(tensor.shape)
@@ -144,38 +121,6 @@ def test_the_released_z_image_shape_picks_its_folder() -> None:
     shallow = {k: v for k, v in shapes.items() if not k.startswith("layers.29.")}
     with pytest.raises(SingleFileError, match="z-image denoiser of 29 blocks of width 3840 .2 refiner blocks."):
         carried.choose(describe_keys(Path("z_image_pruned.safetensors"), shallow), False, carried.carried())
-
-
-def test_the_carried_qwen_image_folder_builds_the_released_model_sizes() -> None:
-    """Qwen-Image: its transformer, Qwen2.5-VL-7B with its vision tower and head (ComfyUI's
-    ``qwen_2.5_vl_7b`` file), Wan 2.1's VAE size; the dynamic exponential shift; ComfyUI's Qwen folder."""
-    folder = carried.by_name("Qwen-Image")
-    _index(folder)
-    assert _billions(_meta(diffusers.QwenImageTransformer2DModel, folder / "transformer")) == pytest.approx(
-        QWEN_IMAGE_TRANSFORMER, rel=5e-3)
-    assert _billions(_meta(transformers.Qwen2_5_VLForConditionalGeneration, folder / "text_encoder")) == pytest.approx(
-        QWEN25_VL_7B, rel=5e-3)
-    assert _billions(_meta(diffusers.AutoencoderKLQwenImage, folder / "vae")) == pytest.approx(VAE[False], rel=5e-3)
-    config = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(str(folder / "scheduler")).config
-    assert (config.use_dynamic_shifting, config.max_shift, config.shift_terminal, config.time_shift_type) == (
-        True, 0.9, 0.02, "exponential")
-    assert json.loads((folder / "tokenizers.json").read_text()) == {"tokenizer": {"comfyui": "text_encoders/qwen25_tokenizer"}}
-
-
-def test_the_released_qwen_image_shape_picks_its_folder_and_other_variants_fit_none() -> None:
-    """A Qwen-Image file (diffusers' names, as Comfy-Org's hold them) picks the carried folder; the
-    edit variant with a zero-timestep reference (2511) is told by that key, Qwen-Image 2.1 by family."""
-    folder = carried.by_name("Qwen-Image")
-    shapes = {k: tuple(t.shape) for k, t in
-              _meta(diffusers.QwenImageTransformer2DModel, folder / "transformer").state_dict().items()}
-    info = describe_keys(Path("qwen_image_fp8_e4m3fn.safetensors"), shapes)
-    assert info.family == "qwen-image" and carried.choose(info, False, carried.carried()) == folder
-    edit = describe_keys(Path("qwen_image_edit_2511_bf16.safetensors"), {**shapes, "__index_timestep_zero__": (0,)})
-    with pytest.raises(SingleFileError, match="60 blocks of width 3072.*a zero-timestep reference .Qwen-Image-Edit-2511"):
-        carried.choose(edit, False, carried.carried())
-    newer = describe_keys(Path("qwen_image_2.1.safetensors"), {**shapes, "txt_in.text_norm.weight": (3584,)})
-    with pytest.raises(SingleFileError, match="looks like a qwen-image-2 denoiser: the pack carries configs for"):
-        carried.choose(newer, False, carried.carried())
 
 
 # MiniMax-H3 as Comfy-Org's files hold it, in billions (the bf16 / fp16 files' bytes / 2, the fp32 audio VAE's / 4):
@@ -192,17 +137,17 @@ def test_the_carried_h3_folder_builds_the_released_model_sizes() -> None:
 
     folder = carried.by_name("MiniMax-H3")
     assert carried.carried_modular() == [folder] and not any(folder.rglob("*.safetensors"))
-    transformer = _meta(diffusers.MiniMaxH3Transformer3DModel, folder / "transformer")
-    assert _billions(transformer) == pytest.approx(H3["transformer"], rel=5e-3)
-    assert transformer.config == _meta(diffusers.MiniMaxH3Transformer3DModel, folder / "transformer_ref").config
-    encoder = _meta(transformers.Qwen3VLForConditionalGeneration, folder / "text_encoder")
+    transformer = meta_model(diffusers.MiniMaxH3Transformer3DModel, folder / "transformer")
+    assert billions(transformer) == pytest.approx(H3["transformer"], rel=5e-3)
+    assert transformer.config == meta_model(diffusers.MiniMaxH3Transformer3DModel, folder / "transformer_ref").config
+    encoder = meta_model(transformers.Qwen3VLForConditionalGeneration, folder / "text_encoder")
     assert encoder.config.text_config.rope_parameters["rope_theta"] == 5e6
     fit_conditioner(encoder, 50)
-    kept = _billions(encoder) - _billions(encoder.lm_head) - _billions(encoder.model.language_model.norm)
+    kept = billions(encoder) - billions(encoder.lm_head) - billions(encoder.model.language_model.norm)
     assert kept == pytest.approx(H3["conditioner"], rel=5e-3)
-    assert _billions(_meta(diffusers.AutoencoderKLMiniMaxH3, folder / "vae")) == pytest.approx(H3["vae"], rel=5e-3)
-    audio = _meta(diffusers.AutoencoderKLMiniMaxH3Audio, folder / "audio_vae")
-    assert _billions(audio) == pytest.approx(H3["audio_vae"], rel=5e-3) and audio.config.latents_mean is None
+    assert billions(meta_model(diffusers.AutoencoderKLMiniMaxH3, folder / "vae")) == pytest.approx(H3["vae"], rel=5e-3)
+    audio = meta_model(diffusers.AutoencoderKLMiniMaxH3Audio, folder / "audio_vae")
+    assert billions(audio) == pytest.approx(H3["audio_vae"], rel=5e-3) and audio.config.latents_mean is None
     shifts = [diffusers.MiniMaxH3Scheduler.from_pretrained(str(folder / n)).config.shift
               for n in ("scheduler", "audio_scheduler")]
     assert shifts == [12.0, 3.0]
@@ -233,7 +178,7 @@ def test_the_carried_folders_are_what_the_tool_writes(tmp_path: Path, monkeypatc
 def test_each_released_flux_shape_picks_its_own_folder(folder: Path) -> None:
     """A FLUX.1 file (BFL's key names) picks dev or schnell by its guidance input; Fill's 384 input
     channels fit neither."""
-    model = _meta(diffusers.FluxTransformer2DModel, folder / "transformer")
+    model = meta_model(diffusers.FluxTransformer2DModel, folder / "transformer")
     info = describe_keys(Path(f"{folder.name}.safetensors"), {k: tuple(v.shape) for k, v in bfl_flux_state(model).items()})
     assert info.family == "flux" and carried.choose(info, False, carried.carried()) == folder
     fill = dict(info.shapes, **{"img_in.weight": (3072, 384)})
@@ -245,7 +190,7 @@ def test_a_flux_file_with_packed_input_layers_picks_its_folder_by_their_width() 
     """Layers stored two weights a byte (NVFP4, W4A8: half the stored columns) are read at their
     width: FLUX.1 dev's input layers so stored still pick dev."""
     folder = next(f for f in FLUX if "dev" in f.name)
-    model = _meta(diffusers.FluxTransformer2DModel, folder / "transformer")
+    model = meta_model(diffusers.FluxTransformer2DModel, folder / "transformer")
     shapes = {k: tuple(v.shape) for k, v in bfl_flux_state(model).items()}
     packed = ("img_in", "txt_in", "vector_in.in_layer")
     for layer in packed:
@@ -262,7 +207,7 @@ def test_a_flux_file_with_packed_input_layers_picks_its_folder_by_their_width() 
 def test_each_released_wan_shape_picks_its_own_folder(folder: Path) -> None:
     """A file holding the released model's tensors (its header: the shapes of the model built on
     the meta device, under ComfyUI's key names) picks its folder; A14B's experts need both files."""
-    shapes = comfy_wan_shapes(_meta(diffusers.WanTransformer3DModel, folder / "transformer"))
+    shapes = comfy_wan_shapes(meta_model(diffusers.WanTransformer3DModel, folder / "transformer"))
     info = describe_keys(Path(f"{folder.name}.safetensors"), shapes)
     two = (folder / "transformer_2").is_dir()
     assert carried.choose(info, two, carried.carried()) == folder
@@ -283,7 +228,7 @@ def test_each_released_wan_shape_picks_its_own_folder(folder: Path) -> None:
 def test_wan_variants_the_pack_carries_no_config_for_fit_none(base: str, key: str, what: str) -> None:
     """Wan 2.1 FLF2V (frame positions in the image embedding), VACE and Wan 2.2 Animate share a
     carried model's blocks but not its modules: refused, saying what the file has, not misloaded."""
-    shapes = comfy_wan_shapes(_meta(diffusers.WanTransformer3DModel, carried.by_name(base) / "transformer"))
+    shapes = comfy_wan_shapes(meta_model(diffusers.WanTransformer3DModel, carried.by_name(base) / "transformer"))
     info = describe_keys(Path("wan-variant.safetensors"), {**shapes, key: (1, 2)})
     with pytest.raises(SingleFileError, match=f"{what}: none of the configs the pack carries"):
         carried.choose(info, False, carried.carried())
@@ -352,7 +297,7 @@ def test_a_text_encoder_file_without_a_tokenizer_is_refused_by_name(tiny_carried
 
 
 def test_a_file_of_another_family_or_role_is_refused(wan_component_files) -> None:
-    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo and Qwen-Image only"):
+    with pytest.raises(SingleFileError, match="looks like .*text encoder.*configs for Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo, Qwen-Image and Qwen-Image-Edit only"):
         carried.pick(wan_component_files["text_encoder"], False)
     with pytest.raises(SingleFileError, match="carries no config folder 'Wan9'.*Wan2.1-T2V-14B-Diffusers"):
         carried.by_name("Wan9")

@@ -12,27 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...formats.carried import shipped_tokenizer
-from ...formats.inspect import SingleFileError
-from ...log import get_logger
+from ...formats.carried import processor_around, shipped_tokenizer
 
-log = get_logger("loaders")
 TOKENIZER_CLASS = "Qwen2TokenizerFast"  # what diffusers' H3 blocks expect
 
 
 def tokenizer_and_processor(folder: Path, comfy_tokenizers: Path | None) -> dict[str, Any]:
     """``tokenizer`` and ``processor`` for the carried H3 folder ``folder``, the tokenizer from
     ``comfy_tokenizers`` (ComfyUI's ``comfy`` package folder)."""
-    from transformers import AutoImageProcessor, AutoVideoProcessor, Qwen3VLProcessor
-
     tokenizer = shipped_tokenizer(folder, "tokenizer", TOKENIZER_CLASS, comfy_tokenizers)
-    configs = Path(folder) / "processor"
-    try:
-        processor = Qwen3VLProcessor(image_processor=AutoImageProcessor.from_pretrained(str(configs)),
-                                     video_processor=AutoVideoProcessor.from_pretrained(str(configs)),
-                                     tokenizer=tokenizer)
-    except Exception as exc:  # a damaged carried folder: name it
-        raise SingleFileError(f"{configs}: the image / video processor configs could not be read "
-                              f"({type(exc).__name__}: {exc})") from exc
-    log.info("%s: tokenizer and processor around ComfyUI's tokenizer (%d tokens)", Path(folder).name, len(tokenizer))
-    return {"tokenizer": tokenizer, "processor": processor}
+    return {"tokenizer": tokenizer, "processor": processor_around(Path(folder) / "processor", "Qwen3VLProcessor", tokenizer)}
