@@ -71,6 +71,9 @@ QWEN_IMAGE_FP8 = ComfyFile("denoiser", "diffusion_models", COMFY_QWEN_IMAGE,
 QWEN_IMAGE_TEXT_ENCODER = ComfyFile("text_encoder", "text_encoders", COMFY_QWEN_IMAGE,
                                     "split_files/text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors", "text_encoder")
 QWEN_IMAGE_VAE = ComfyFile("vae", "vae", COMFY_QWEN_IMAGE, "split_files/vae/qwen_image_vae.safetensors", "vae")
+QWEN_IMAGE_EDIT_REPO, COMFY_QWEN_IMAGE_EDIT = "Qwen/Qwen-Image-Edit-2509", "Comfy-Org/Qwen-Image-Edit_ComfyUI"
+QWEN_IMAGE_EDIT_FP8 = ComfyFile("denoiser", "diffusion_models", COMFY_QWEN_IMAGE_EDIT,
+                                "split_files/diffusion_models/qwen_image_edit_2509_fp8_e4m3fn.safetensors", "fp8")
 FLUX2_KLEIN_REPO = "black-forest-labs/FLUX.2-klein-4B"
 FLUX2_KLEIN_FP8 = ComfyFile("denoiser", "diffusion_models", "black-forest-labs/FLUX.2-klein-4b-fp8",
                             "flux-2-klein-4b-fp8.safetensors", "fp8_scaled")
@@ -83,6 +86,7 @@ FLUX2_DEV_MISTRAL = ComfyFile("text_encoder", "text_encoders", COMFY_FLUX2_DEV,
 SHIPPED_TOKENIZERS = {"FluxPipeline": "the tokenizers are ComfyUI's own.",  # the carried ones that ComfyUI ships
                       "ZImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
                       "QwenImagePipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
+                      "QwenImageEditPlusPipeline": "the tokenizer is ComfyUI's own (its Qwen folder).",
                       "Flux2KleinPipeline": "the tokenizer is ComfyUI's own (its Qwen folder)."}
 
 LTX2_REPO = "Lightricks/LTX-2"  # the checkpoint and Gemma file ComfyUI's own LTX-2 templates name

@@ -27,6 +27,7 @@ from fixtures import (
     flux2_klein_files,
     flux_files,
     gguf_files,
+    qwen_image_edit_files,
     qwen_image_files,
     z_image_files,
 )
@@ -43,6 +44,7 @@ _comfy_wan, _component_files, _wan_gguf = (comfy_files.comfy_wan, comfy_files.wa
 _bfl_flux, _flux_tiny_width = flux_files.bfl_flux, flux_files.flux_tiny_width
 _tiny_z_image = z_image_files.tiny_z_image_dir
 _tiny_qwen_image = qwen_image_files.tiny_qwen_image_dir
+_tiny_qwen_image_edit = qwen_image_edit_files.tiny_qwen_image_edit_dir
 _tiny_flux2_klein = flux2_klein_files.tiny_flux2_klein_dir
 _tiny_flux2_dev = flux2_dev_files.tiny_flux2_dev_dir
 
@@ -233,12 +235,14 @@ def _ltx2_stand_in(file: Any, folder: Path, tmp: Path) -> Path:
 
 FILE_FAMILIES = {  # tiny family -> (its folder's fixture, its transformer in its files' names, its other files)
     "qwen_image": ("tiny_qwen_image_dir", qwen_image_files.transformer_state, qwen_image_files.comfy_qwen_image_files),
+    "qwen_image_edit": ("tiny_qwen_image_edit_dir", qwen_image_files.transformer_state,
+                        qwen_image_files.comfy_qwen_image_files),
     "flux2_klein": ("tiny_flux2_klein_dir", flux2_klein_files.transformer_state,
                     flux2_klein_files.comfy_flux2_klein_files),
     "flux2_dev": ("tiny_flux2_dev_dir", flux2_klein_files.transformer_state, flux2_dev_files.comfy_flux2_dev_files),
 }
 SHIPPED = {"flux": "FLUX.1-schnell", "z_image": "Z-Image-Turbo", "qwen_image": "Qwen-Image",
-           "flux2_klein": "FLUX.2-klein-4B"}  # tiny family -> carried folder naming ComfyUI's tokenizers
+           "qwen_image_edit": "Qwen-Image-Edit-2509", "flux2_klein": "FLUX.2-klein-4B"}  # tiny family -> carried folder naming ComfyUI's tokenizers
 
 
 def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pytest.FixtureRequest, tmp: Path) -> str:
@@ -249,7 +253,7 @@ def carried_in_place(example: ex.Example, comfy: harness.ComfyHost, request: pyt
     assert example.model == ex.sf.AUTO_CONFIG
     families = {"wan": "tiny_wan_dir", "flux": "tiny_flux_dir", "ltx2_checkpointable": "tiny_ltx2_checkpointable_dir",
                 "z_image": "tiny_z_image_dir", "qwen_image": "tiny_qwen_image_dir", "flux2_klein": "tiny_flux2_klein_dir",
-                "flux2_dev": "tiny_flux2_dev_dir"}
+                "flux2_dev": "tiny_flux2_dev_dir", "qwen_image_edit": "tiny_qwen_image_edit_dir"}
     source = request.getfixturevalue(families.get(example.tiny, "tiny_wan_family"))
     folder = source if example.tiny in families else source(example.tiny)
     pack = comfy.pack_submodule("offload_core.formats.carried")
