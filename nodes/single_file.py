@@ -42,7 +42,8 @@ from .web_api import search_aliases
 
 COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPES = ("auto", *COMPUTE)
-AUTO = "auto: the pack's configs (Wan, FLUX.1)"
+AUTO = "auto: the configs the pack carries"
+LEGACY_AUTO = ("auto: the pack's configs (Wan, FLUX.1)",)  # the option's earlier label, in saved workflows
 
 
 def config_options() -> list[str]:
@@ -51,7 +52,7 @@ def config_options() -> list[str]:
 
 
 def config_folder(config: str, denoiser: str, two_experts: bool) -> Path:
-    if config == AUTO:
+    if config == AUTO or config in LEGACY_AUTO:
         return carried.pick(Path(denoiser), two_experts)
     if config.startswith(PACK):
         return carried.by_name(config.removeprefix(PACK))
@@ -69,17 +70,18 @@ class LoadDiffusionModelFile(io.ComfyNode):
             display_name="Load diffusion model file (diffusers)",
             category=CATEGORY,
             description="Loads a denoiser file from models/diffusion_models (bf16, fp8, fp8_scaled, int8_tensorwise, W4A8, W4A4, NVFP4, MXFP8 or GGUF) into the "
-                        "pipeline of its family: for Wan 2.1 / 2.2, FLUX.1, LTX-2 and Z-Image Turbo the configs the pack carries "
+                        f"pipeline of its family: for {carried.FAMILIES} the configs the pack carries "
                         "(auto), else a "
                         "diffusers folder of the same family (configs-only is enough when the text-encoder and "
                         "VAE files are picked). The file's storage (fp8, int8, W4A8, W4A4, NVFP4, MXFP8, GGUF) is kept. "
                         "Wan 2.2 A14B: the high-noise file in denoiser, the low-noise one in denoiser_2.",
             inputs=[
                 io.Combo.Input("config", options=config_options(),
-                               tooltip="auto: the configs the pack carries for Wan 2.1 / 2.2, FLUX.1, LTX-2 19B and Z-Image Turbo, picked "
-                                       "by the denoiser file's shape (LTX-2 dev or distilled by its name; Wan's and "
-                                       "LTX-2's tokenizers are read from the text-encoder file, FLUX.1's and "
-                                       "Z-Image's are ComfyUI's own); or one of them by name; or a "
+                               tooltip=f"auto: the configs the pack carries for {carried.FAMILIES}, picked "
+                                       "by the denoiser file's shape, then by its name where models share a shape "
+                                       "(LTX-2 dev or distilled, FLUX.2 [klein] base, Qwen-Image or its Edit models); "
+                                       "Wan's, LTX-2's and FLUX.2 [dev]'s tokenizers are read from the text-encoder file, "
+                                       "the others' are ComfyUI's own; or one of them by name; or a "
                                        "diffusers folder of the file's family under models/diffusers (configs, "
                                        "tokenizer and scheduler; weights optional)."),
                 io.Combo.Input("denoiser", options=denoiser_files(),
@@ -113,6 +115,15 @@ class LoadDiffusionModelFile(io.ComfyNode):
             ],
             outputs=[DiffusersPipe.Output(display_name="pipe")],
         )
+
+    @classmethod
+    def validate_inputs(cls, config: str) -> bool | str:
+        """``config`` as the combo checks it, and the auto option under its earlier label too (a
+        workflow saved with it still runs)."""
+        if config in LEGACY_AUTO or config in config_options():
+            return True
+        return (f"config {config!r} is not auto, a config folder the pack carries or a diffusers folder under "
+                "models/diffusers: pick one from the list")
 
     @classmethod
     def execute(cls, config: str, denoiser: str, text_encoder: str, vae: str, dtype: str,

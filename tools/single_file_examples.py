@@ -18,7 +18,7 @@ from typing import Any
 
 SINGLE_FILE_LOADER = "DiffusersOffloadLoadDiffusionModelFile"
 COMFY_MODELS = "ComfyUI/models"
-AUTO_CONFIG = "auto: the pack's configs (Wan, FLUX.1)"  # the loader's option: the configs the pack carries
+AUTO_CONFIG = "auto: the configs the pack carries"  # the loader's option: the configs the pack carries
 
 
 @dataclass(frozen=True)

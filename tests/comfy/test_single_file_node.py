@@ -194,7 +194,7 @@ def test_auto_takes_the_configs_the_pack_carries(comfy: harness.ComfyHost, place
     sentencepiece model, and Generate runs."""
     carried = comfy.pack_submodule("offload_core.formats.carried")
     opts = options(comfy, "config")
-    assert opts[0] == "auto: the pack's configs (Wan, FLUX.1)" and placed["config"] in opts
+    assert opts[0] == "auto: the configs the pack carries" and placed["config"] in opts
     assert opts[1:1 + len(carried.carried())] == ["pack: " + p.name for p in carried.carried()]
     result = comfy.run_prompt(prompt(placed, config=opts[0]))
     message = "" if result.success else result.error["exception_message"]
@@ -206,6 +206,10 @@ def test_auto_takes_the_configs_the_pack_carries(comfy: harness.ComfyHost, place
         / "umt5-tiny-fp8_scaled-spiece.safetensors", scaled=True, spiece=tiny_t5_spiece())
     assert options(comfy, "config")[1] == "pack: tiny-wan"
     generates(comfy, placed, placed["denoiser"], None, config=opts[0], text_encoder=te.name)
+    # a workflow saved with the option's earlier label still runs; a config nobody lists is refused by name
+    generates(comfy, placed, placed["denoiser"], None, config="auto: the pack's configs (Wan, FLUX.1)", text_encoder=te.name)
+    with pytest.raises(harness.PromptValidationError, match="config 'tiny-wan-moved' is not auto, a config folder"):
+        comfy.run_prompt(prompt(placed, config="tiny-wan-moved"))
 
 
 def test_flux_configs_take_comfyuis_own_tokenizers(comfy: harness.ComfyHost) -> None:
