@@ -128,3 +128,27 @@ def test_a_text_encoder_without_its_vision_tower_is_refused_by_name(folder, deno
                                               r"\.\*\), through which QwenImageEditPlusPipeline reads"):
         load_pipeline_with_denoiser(configs, denoiser, BF16, comfy_tokenizers=package, text_encoder_file=text_only,
                                     vae_file=parts["vae"])
+
+
+def test_the_prompt_cache_keys_the_reference_images_by_content(folder, denoiser, parts, carried_like, expected):
+    """The edit pipelines encode the prompt with the reference images (the vision tower reads them):
+    the same prompt with other images is a miss, giving those images' bits, and the first images
+    again a hit, giving the first bits."""
+    from diffusers_offload.offload_core import Engine
+    from diffusers_offload.offload_core.state import PROMPT_CACHE
+
+    configs, package = carried_like
+    pipe = load_pipeline_with_denoiser(configs, denoiser, BF16, comfy_tokenizers=package,
+                                       text_encoder_file=parts["text_encoder"], vae_file=parts["vae"])
+    swapped = references()[::-1]
+    engine = Engine()
+    engine.place(pipe, OffloadConfig(**PLACEMENTS["auto"], **BASE))
+    try:
+        first, other, again = (run_qwen_image_edit(pipe, images) for images in (None, swapped, None))
+        cache = PROMPT_CACHE.get(pipe)
+        counts = (cache.hits, cache.misses, len(cache.entries))
+    finally:
+        engine.release(pipe)
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+    assert torch.equal(other, _reference(folder, comfy_dequantised(denoiser, BF16), swapped))
+    assert counts == (1, 2, 2)
