@@ -95,17 +95,17 @@ class Call:
         if image.shape[0] > 1:
             self.notes.append(f"start_image: the first of {image.shape[0]} images is used")
 
-    def references(self, images: torch.Tensor | None) -> None:
-        """An image pipeline's reference images (``image``): each image of the batch for a pipeline
-        that takes several, else the first with a note. Refused by name where the pipeline takes
-        none, or needs one and none is connected."""
-        if images is None:
+    def references(self, batches: list[torch.Tensor]) -> None:
+        """An image pipeline's reference images (``image``): every image of the batches, in order,
+        for a pipeline that takes several, else the first with a note. Refused by name where the
+        pipeline takes none, or needs one and none is connected."""
+        if not batches:
             if self.name in NEEDS_REFERENCE:
                 raise ValueError(f"{self.name} edits an image: connect reference_images.")
             return
         if not self.takes("image"):
             raise ValueError(f"{self.name} takes no reference image: {EDIT_HINT}, or disconnect reference_images.")
-        pictures = [to_pil(images[i : i + 1]) for i in range(images.shape[0])]
+        pictures = [to_pil(batch[i : i + 1]) for batch in batches for i in range(batch.shape[0])]
         if self.name in MULTI_REFERENCE:
             self.kwargs["image"] = pictures
             return

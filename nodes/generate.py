@@ -63,9 +63,13 @@ class GenerateImage(io.ComfyNode):
                 io.Int.Input("batch_size", default=1, min=1, max=64),
                 io.Image.Input(
                     "reference_images", optional=True,
-                    tooltip="Images to edit or draw from (FLUX.2, Qwen-Image-Edit Plus: every image of the batch; "
-                            "FLUX.1 Kontext, Qwen-Image-Edit: the first).",
+                    tooltip="Images to edit or draw from (FLUX.2, Qwen-Image-Edit Plus: every image of the batch, "
+                            "then those of the inputs below; FLUX.1 Kontext, Qwen-Image-Edit: the first).",
                 ),
+                *(io.Image.Input(f"reference_images_{n}", optional=True,
+                                 tooltip="More reference images, after the inputs above (a batch holds one size: "
+                                         "an image of another size comes through its own input).")
+                  for n in (2, 3)),
             ],
             outputs=[io.Image.Output("images", display_name="images"), NOTES],
             hidden=[io.Hidden.unique_id],
@@ -75,13 +79,14 @@ class GenerateImage(io.ComfyNode):
     def execute(
         cls, pipe: PipeHandle, prompt: str, negative_prompt: str, seed: int, steps: int, guidance: float,
         width: int, height: int, batch_size: int, reference_images: torch.Tensor | None = None,
+        reference_images_2: torch.Tensor | None = None, reference_images_3: torch.Tensor | None = None,
     ) -> io.NodeOutput:
         call = Call(pipe.pipe)
         call.require("prompt", "height", "width", hint=f"Generate image runs text-to-image pipelines{MODULAR_HINT}.")
         if call.takes("num_frames"):
             raise ValueError(f"{call.name} makes video: use 'Generate video (diffusers)'.")
         call.size(model_grid(pipe.pipe, pipe.family), width, height)
-        call.references(reference_images)
+        call.references([b for b in (reference_images, reference_images_2, reference_images_3) if b is not None])
         call.text(prompt, negative_prompt, guidance)
         if batch_size > 1:
             call.offer("num_images_per_prompt", batch_size, f"{call.name} makes one image per run: batch ignored")

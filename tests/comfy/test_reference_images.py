@@ -85,6 +85,30 @@ def test_every_reference_image_reaches_flux2_in_order_as_diffusers_takes_them(
     assert len({image.sum().item() for image in images}) == len(runs)  # each reference set changes the image
 
 
+def test_references_of_other_sizes_come_through_the_second_and_third_inputs(
+    comfy: harness.ComfyHost, klein: str, tiny_flux2_klein_dir: Path, captured: list[Any]
+) -> None:
+    """A batch holds one size: images of other sizes come through reference_images_2 and _3, after
+    the first input's, each keeping its own size."""
+    prompt = graph(klein, COLORS[:1])
+    sizes = {"img_2": (96, 64, 0x20A0FF), "img_3": (64, 80, 0x30FF30)}
+    for n, (node, (width, height, color)) in enumerate(sizes.items(), start=2):
+        prompt[node] = {"class_type": "EmptyImage",
+                        "inputs": {"width": width, "height": height, "batch_size": 1, "color": color}}
+        prompt[GEN]["inputs"][f"reference_images_{n}"] = [node, 0]
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    pipe = diffusers.DiffusionPipeline.from_pretrained(tiny_flux2_klein_dir, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    images = [Image.new("RGB", (64, 64), (255, 32, 32)),
+              *(Image.new("RGB", (w, h), ((c >> 16) & 255, (c >> 8) & 255, c & 255)) for w, h, c in sizes.values())]
+    want = pipe(prompt="a red fox", image=images, height=32, width=32, num_inference_steps=2,
+                generator=torch.Generator("cpu").manual_seed(3), output_type="pt").images.permute(0, 2, 3, 1)
+    ((_, got),) = captured
+    assert torch.allclose(got, want.float(), atol=1e-5)
+
+
 def test_qwen_image_edit_plus_gets_every_reference_image_in_order(
     comfy: harness.ComfyHost, tiny_qwen_image_edit_dir: Path, captured: list[Any]
 ) -> None:
