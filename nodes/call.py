@@ -76,11 +76,15 @@ class Call:
             raise ValueError(f"{self.name} takes no {', '.join(missing)}: {hint}")
 
     def size(self, grid: Grid, width: int, height: int) -> None:
+        """Width and height snapped to the grid; a pipeline that rescales to an area (FLUX.1
+        Kontext: 1024² by default) gets theirs, so the image is the size asked for."""
         for name, value in (("width", width), ("height", height)):
             snapped = snap_size(value, grid.spatial)
             if snapped != value:
                 self.notes.append(f"{name} {value} → {snapped} (multiple of {grid.spatial} for {self.name})")
             self.kwargs[name] = snapped
+        if self.takes("max_area"):
+            self.kwargs["max_area"] = self.kwargs["width"] * self.kwargs["height"]
 
     def frames(self, grid: Grid, frames: int) -> None:
         snapped = snap_frames(frames, grid.temporal)

@@ -61,7 +61,10 @@ FLUX_SCHEDULER = dict(base_image_seq_len=256, base_shift=0.5, max_image_seq_len=
 FLUX_TOKENIZERS = {"tokenizer": {"comfyui": "sd1_tokenizer", "model_max_length": 77},  # (ComfyUI's says 8192)
                    "tokenizer_2": {"comfyui": "text_encoders/t5_tokenizer", "model_max_length": 512}}
 FLUX = {"FLUX.1-dev": dict(guidance_embeds=True, shift=3.0, use_dynamic_shifting=True),
-        "FLUX.1-schnell": dict(guidance_embeds=False, shift=1.0, use_dynamic_shifting=False)}
+        "FLUX.1-schnell": dict(guidance_embeds=False, shift=1.0, use_dynamic_shifting=False),
+        # black-forest-labs/FLUX.1-Kontext-dev: FLUX.1-dev's configs under FluxKontextPipeline (its model_index.json)
+        "FLUX.1-Kontext-dev": dict(guidance_embeds=True, shift=3.0, use_dynamic_shifting=True,
+                                   pipeline="FluxKontextPipeline")}
 
 
 H3_VAE_STATS = dict(latents_mean=[  # ComfyUI's comfy/ldm/minimax/vae.py LATENTS_MEAN / LATENTS_STD

@@ -102,7 +102,8 @@ def write_variant(out: Path, v: Variant) -> None:
     (out / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
 
 
-def write_flux(out: Path, guidance_embeds: bool, shift: float, use_dynamic_shifting: bool) -> None:
+def write_flux(out: Path, guidance_embeds: bool, shift: float, use_dynamic_shifting: bool,
+               pipeline: str = "FluxPipeline") -> None:
     with init_empty_weights():
         diffusers.FluxTransformer2DModel.from_config({"guidance_embeds": guidance_embeds}).save_config(out / "transformer")
         diffusers.AutoencoderKL.from_config(FLUX_VAE).save_config(out / "vae")
@@ -112,7 +113,7 @@ def write_flux(out: Path, guidance_embeds: bool, shift: float, use_dynamic_shift
                               ("text_encoder_2", transformers.T5Config(**T5_XXL), "T5EncoderModel")):
         config.architectures = [cls]
         config.save_pretrained(out / name)
-    index = {"_class_name": "FluxPipeline", "_diffusers_version": diffusers.__version__,
+    index = {"_class_name": pipeline, "_diffusers_version": diffusers.__version__,
              "feature_extractor": [None, None], "image_encoder": [None, None],
              "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers", "CLIPTextModel"],
              "text_encoder_2": ["transformers", "T5EncoderModel"], "tokenizer": ["transformers", "CLIPTokenizer"],

@@ -26,7 +26,7 @@ MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
 FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo, Qwen-Image and Qwen-Image-Edit"
 # What tells variants of one shape apart, in their folders' and files' names, most specific first.
-NAME_WORDS = ("distilled", "base", "2509", "edit")
+NAME_WORDS = ("distilled", "base", "kontext", "2509", "edit")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
@@ -83,9 +83,9 @@ def choose(info: SingleFileInfo, two_experts: bool, folders: list[Path]) -> Path
 
 def _by_name(path: Path, folders: list[Path]) -> list[Path]:
     """Of folders of one shape, those whose name has each of `NAME_WORDS` exactly when the file's
-    does (LTX-2's dev and distilled models, FLUX.2 [klein]'s distilled and base ones, Qwen-Image and
-    its Edit and Edit-2509 models share every shape; diffusers' own conversions tell the first two
-    by the file name, and Comfy-Org's Qwen files are named so)."""
+    does (LTX-2's dev and distilled models, FLUX.2 [klein]'s distilled and base ones, FLUX.1-dev and
+    Kontext, Qwen-Image and its Edit and Edit-2509 models share every shape; diffusers' own
+    conversions tell the first two by the file name, and BFL's and Comfy-Org's files are named so)."""
     name = Path(path).name.lower()
     for word in NAME_WORDS:
         if any(word in f.name.lower() for f in folders):

@@ -1,7 +1,8 @@
 """Generate image's reference images inside a real ComfyUI: an image-editing pipeline that takes
 several (a tiny FLUX.2 [klein], a tiny Qwen-Image-Edit Plus) gets every image of the connected batch,
-in order, as the PIL images diffusers' own call takes; a text-to-image pipeline given one, and an
-edit pipeline given none, are refused by name."""
+in order, as the PIL images diffusers' own call takes; one that takes one (the first
+Qwen-Image-Edit) the first, with a note; FLUX.1 Kontext the size asked for; a text-to-image pipeline given one, and an edit pipeline given none, are
+refused by name."""
 
 from __future__ import annotations
 
@@ -51,13 +52,14 @@ def graph(model: str, colors: tuple[int, ...], seed: int = 3) -> dict[str, Any]:
     return prompt
 
 
-def direct(folder: Path, colors: tuple[int, ...], seed: int = 3) -> torch.Tensor:
-    """The folder's own pipeline called by diffusers with the same references as PIL images, as
-    ComfyUI's IMAGE [B, H, W, C]."""
+def direct(folder: Path, colors: tuple[int, ...], seed: int = 3, single: bool = False) -> torch.Tensor:
+    """The folder's own pipeline called by diffusers with the same references as PIL images (``single``:
+    the one image), as ComfyUI's IMAGE [B, H, W, C]."""
     pipe = diffusers.DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     images = [Image.new("RGB", (64, 64), ((c >> 16) & 255, (c >> 8) & 255, c & 255)) for c in colors]
-    out = pipe(prompt="a red fox", image=images or None, height=32, width=32, num_inference_steps=2,
+    image = images[0] if single else images or None
+    out = pipe(prompt="a red fox", image=image, height=32, width=32, num_inference_steps=2,
                generator=torch.Generator("cpu").manual_seed(seed), output_type="pt")
     return out.images.permute(0, 2, 3, 1).float()
 
@@ -121,6 +123,36 @@ def test_qwen_image_edit_plus_gets_every_reference_image_in_order(
     for colors, image in zip(runs, images, strict=True):
         assert torch.allclose(image, direct(tiny_qwen_image_edit_dir, colors), atol=1e-5), colors
     assert not torch.equal(*images)
+
+
+def test_a_one_image_pipeline_takes_the_first_reference_with_a_note(
+    comfy: harness.ComfyHost, tmp_path: Path, captured: list[Any]
+) -> None:
+    """The first Qwen-Image-Edit takes one image: the first of the batch, and the node says so."""
+    folder = qwen_image_edit_files.build_tiny_qwen_image_edit(tmp_path / "qwen-image-edit-v1",
+                                                              pipeline="QwenImageEditPipeline")
+    prompt = graph(linked(comfy, folder), COLORS)
+    prompt["n"] = {"class_type": CAPTURE, "inputs": {"value": [GEN, 1], "slot": 1}}
+
+    comfy.run_prompt(prompt).raise_for_error()
+
+    (_, image), (_, notes) = sorted(captured, key=lambda seen: seen[0])
+    assert notes == "reference_images: QwenImageEditPipeline takes one, the first of 2 is used"
+    assert torch.allclose(image, direct(folder, COLORS[:1], single=True), atol=1e-5)
+
+
+def test_kontext_is_given_the_size_asked_for_as_its_area(comfy: harness.ComfyHost, tiny_flux_dir: Path) -> None:
+    """FLUX.1 Kontext rescales its output to an area (1024² by default) at the asked aspect: the call
+    carries width × height as that area, so the image is the size asked for."""
+    call = comfy.pack_submodule("nodes.call")
+    grid = comfy.pack_submodule("nodes.grid")
+    pipe = diffusers.FluxKontextPipeline(**diffusers.FluxPipeline.from_pretrained(tiny_flux_dir).components)
+    assembled = call.Call(pipe)
+    assembled.size(grid.model_grid(pipe, "flux"), 48, 32)
+    assert (assembled.kwargs["width"], assembled.kwargs["height"], assembled.kwargs["max_area"]) == (48, 32, 48 * 32)
+    plain = call.Call(diffusers.FluxPipeline.from_pretrained(tiny_flux_dir))
+    plain.size(grid.model_grid(plain.pipe, "flux"), 48, 32)
+    assert "max_area" not in plain.kwargs
 
 
 @pytest.mark.parametrize(("model", "colors", "message"), [

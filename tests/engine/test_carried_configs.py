@@ -1,4 +1,4 @@
-"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1, LTX-2, Z-Image Turbo, Qwen-Image (its own file), MiniMax-H3), so single files run without a diffusers folder:
+"""The configs the pack carries (Wan 2.1 / 2.2, FLUX.1 and Kontext, LTX-2, Z-Image Turbo, Qwen-Image (its own file), MiniMax-H3), so single files run without a diffusers folder:
 each carried folder builds the released models' sizes through the real classes and is what
 ``tools/write_carried_configs.py`` writes; a denoiser file picks the folder of its shape (and
 second expert); the tokenizer is read from the text-encoder file's sentencepiece model, and a
@@ -47,7 +47,7 @@ FLUX = [f for f in carried.carried() if f.name.startswith("FLUX.1")]
 
 
 def test_the_pack_carries_wan_and_flux_configs() -> None:
-    assert len(WAN) == 6 and [f.name for f in FLUX] == ["FLUX.1-dev", "FLUX.1-schnell"]
+    assert len(WAN) == 6 and [f.name for f in FLUX] == ["FLUX.1-Kontext-dev", "FLUX.1-dev", "FLUX.1-schnell"]
 
 
 @pytest.mark.parametrize("folder", WAN, ids=lambda p: p.name)
@@ -71,10 +71,12 @@ def test_each_carried_wan_folder_builds_the_released_model_sizes(folder: Path) -
 
 @pytest.mark.parametrize("folder", FLUX, ids=lambda p: p.name)
 def test_each_carried_flux_folder_builds_the_released_model_sizes(folder: Path) -> None:
-    """FLUX.1 dev / schnell: the same sizes, dev with a guidance input and a dynamic-shift scheduler;
-    the tokenizers are ComfyUI's (CLIP-L at 77 tokens, T5 at 512, as the released folders)."""
-    pipeline_index(folder)
-    dev = folder.name == "FLUX.1-dev"
+    """FLUX.1 dev / schnell / Kontext dev: the same sizes, dev and Kontext with a guidance input and
+    a dynamic-shift scheduler, Kontext under its own pipeline; the tokenizers are ComfyUI's (CLIP-L at
+    77 tokens, T5 at 512, as the released folders)."""
+    index = pipeline_index(folder)
+    dev = "schnell" not in folder.name
+    assert index["_class_name"] == ("FluxKontextPipeline" if "Kontext" in folder.name else "FluxPipeline")
     transformer = meta_model(diffusers.FluxTransformer2DModel, folder / "transformer")
     assert billions(transformer) == pytest.approx(FLUX_TRANSFORMER, rel=5e-3) and transformer.config.guidance_embeds == dev
     assert billions(meta_model(diffusers.AutoencoderKL, folder / "vae")) == pytest.approx(FLUX_VAE, rel=5e-3)
@@ -176,11 +178,15 @@ def test_the_carried_folders_are_what_the_tool_writes(tmp_path: Path, monkeypatc
 
 @pytest.mark.parametrize("folder", FLUX, ids=lambda p: p.name)
 def test_each_released_flux_shape_picks_its_own_folder(folder: Path) -> None:
-    """A FLUX.1 file (BFL's key names) picks dev or schnell by its guidance input; Fill's 384 input
-    channels fit neither."""
+    """A FLUX.1 file (BFL's key names) picks dev or schnell by its guidance input, Kontext dev by its
+    name (BFL's ``flux1-kontext-dev``, Comfy-Org's ``flux1-dev-kontext_fp8_scaled``); Fill's 384 input
+    channels fit none."""
     model = meta_model(diffusers.FluxTransformer2DModel, folder / "transformer")
     info = describe_keys(Path(f"{folder.name}.safetensors"), {k: tuple(v.shape) for k, v in bfl_flux_state(model).items()})
     assert info.family == "flux" and carried.choose(info, False, carried.carried()) == folder
+    if "Kontext" in folder.name:
+        for name in ("flux1-kontext-dev.safetensors", "flux1-dev-kontext_fp8_scaled.safetensors"):
+            assert carried.choose(describe_keys(Path(name), info.shapes), False, carried.carried()) == folder
     fill = dict(info.shapes, **{"img_in.weight": (3072, 384)})
     with pytest.raises(SingleFileError, match="flux denoiser of 19 double and 38 single blocks .* 384 input channels"):
         carried.choose(describe_keys(Path("flux1-fill-dev.safetensors"), fill), False, carried.carried())
@@ -189,7 +195,7 @@ def test_each_released_flux_shape_picks_its_own_folder(folder: Path) -> None:
 def test_a_flux_file_with_packed_input_layers_picks_its_folder_by_their_width() -> None:
     """Layers stored two weights a byte (NVFP4, W4A8: half the stored columns) are read at their
     width: FLUX.1 dev's input layers so stored still pick dev."""
-    folder = next(f for f in FLUX if "dev" in f.name)
+    folder = carried.by_name("FLUX.1-dev")
     model = meta_model(diffusers.FluxTransformer2DModel, folder / "transformer")
     shapes = {k: tuple(v.shape) for k, v in bfl_flux_state(model).items()}
     packed = ("img_in", "txt_in", "vector_in.in_layer")
