@@ -3,7 +3,7 @@
 # (a call returns at most 8 files). On the GPU machine (carry [".gpu", ".whl"]), from the repo root:
 #   BUDGET_S=560 bash bench/gpu_batch.sh host fresh h3te
 # Rows: host (host_profile.py, ~2 min), hostq4 (the same with GGUF Q4_K layers at caps 0 and 12),
-# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), storedcompiled (W4A8, W4A4 and MXFP8 blocks compiled at 12 GiB; STORED_ROWS), zimage / qwenimage / flux2 / klein9b (Z-Image Turbo's / Qwen-Image's / FLUX.2 [dev]'s / [klein] 9B's transformer, bf16 and fp8 storage, at 12 and 24 GiB, 1024x1024; IMAGE_ROWS, IMAGE_CAPS), qwennative / flux2native (ComfyUI's native Qwen-Image / FLUX.2 [dev] step on a random fp8-block file, NATIVE_CAPS; carry .gpu), nvfp4 (the blocks as ComfyUI
+# w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), storedcompiled (W4A8, W4A4 and MXFP8 blocks compiled at 12 GiB; STORED_ROWS), zimage / qwenimage / qwenedit / flux2 / klein9b (Z-Image Turbo's / Qwen-Image's / Qwen-Image-Edit-2511's with one reference / FLUX.2 [dev]'s / [klein] 9B's transformer, bf16 and fp8 storage, at 12 and 24 GiB, 1024x1024; IMAGE_ROWS, IMAGE_CAPS), qwennative / flux2native (ComfyUI's native Qwen-Image / FLUX.2 [dev] step on a random fp8-block file, NATIVE_CAPS; carry .gpu), nvfp4 (the blocks as ComfyUI
 # NVFP4 layers, then fp8 storage, at 12 and 24 GiB, image-like), int8 (ComfyUI int8_tensorwise
 # blocks plain and convrot, at 12 and 24 GiB, image-like and video),
 # trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), fp8trace (the same
@@ -96,7 +96,7 @@ for row in "$@"; do
                   done ;;
     w4a8) run w4a8 150 python3 bench/wan_bench.py --storage w4a8 --sections preload --caps 12,24 --workloads small \
             --out "$ROWS_DIR" ;;
-    zimage|qwenimage|flux2|klein9b) for st in ${IMAGE_ROWS:-bf16 fp8_e4m3fn}; do  # the carried config's transformer, 1024x1024
+    zimage|qwenimage|qwenedit|flux2|klein9b) for st in ${IMAGE_ROWS:-bf16 fp8_e4m3fn}; do  # the carried config's transformer, 1024x1024
                         run "${row}_$st" 150 python3 bench/wan_bench.py --model "$row" --storage "$st" --sections preload \
                           --caps ${IMAGE_CAPS:-12,24} --warmup 6 --out "$ROWS_DIR"
                       done ;;

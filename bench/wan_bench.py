@@ -300,7 +300,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("wan", *IMAGE_MODELS), default="wan",
                     help="flux: the FLUX.1-dev transformer (two towers), zimage / qwenimage / flux2 / klein9b: "
                          "Z-Image Turbo's / Qwen-Image's / FLUX.2 [dev]'s / [klein] 9B's (the carried configs); "
-                         "workload image (1024x1024)")
+                         "qwenedit: Qwen-Image-Edit-2511's with one reference image; workload image (1024x1024)")
     ap.add_argument("--sections", default="", help="default: modes,stream,preload,firstk,anchors,cycles "
                     "(flux: stream,preload,anchors,cycles)")
     ap.add_argument("--blocks", type=int, default=40)

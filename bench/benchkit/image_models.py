@@ -107,13 +107,14 @@ QWEN_IMAGE_TINY = dict(num_layers=2, num_attention_heads=2, attention_head_dim=6
 QWEN_IMAGE_PROMPT = 128  # prompt tokens after the template's 34 (the pipeline passes only the prompt's own)
 
 
-def build_qwenimage(device: str | torch.device = "cuda", tiny: bool = False, layers: int | None = None
-                    ) -> torch.nn.Module:
-    """Qwen-Image's transformer (``layers``: its first blocks only, at full width)."""
+def build_qwenimage(device: str | torch.device = "cuda", tiny: bool = False, layers: int | None = None,
+                    name: str = "Qwen-Image") -> torch.nn.Module:
+    """Qwen-Image's transformer, or the carried folder ``name``'s (``layers``: its first blocks only,
+    at full width)."""
     from diffusers import QwenImageTransformer2DModel
     from diffusers_offload.offload_core.formats.carried import by_name
 
-    config = dict(QwenImageTransformer2DModel.load_config(str(by_name("Qwen-Image") / "transformer")))
+    config = dict(QwenImageTransformer2DModel.load_config(str(by_name(name) / "transformer")))
     depth = {"num_layers": layers} if layers else {}
     torch.manual_seed(0)
     with torch.device(device):
@@ -132,6 +133,16 @@ def qwenimage_inputs(name: str, device: str | torch.device = "cuda", tiny: bool 
     enc = torch.randn((1, 16 if tiny else QWEN_IMAGE_PROMPT, 3584), generator=g, device=device, dtype=dt)
     mask = torch.ones(enc.shape[:2], device=device, dtype=torch.long)
     return x, enc, mask, torch.full((1,), 0.5, device=device, dtype=dt), [[(1, grid, grid)]]
+
+
+def qwenedit_inputs(name: str, device: str | torch.device = "cuda", tiny: bool = False) -> tuple:
+    """One QwenImageEditPlusPipeline step's transformer inputs: `qwenimage_inputs`' latents, then one
+    reference image's of the same size (its grid the second of ``img_shapes``), as the pipeline
+    concatenates them."""
+    x, enc, mask, t, shapes = qwenimage_inputs(name, device, tiny)
+    reference = torch.randn(x.shape, generator=torch.Generator(device=device).manual_seed(2), device=device,
+                            dtype=x.dtype)
+    return torch.cat([x, reference], dim=1), enc, mask, t, [shapes[0] * 2]
 
 
 def qwenimage_forward(m, x, enc, mask, t, img_shapes) -> torch.Tensor:
@@ -207,5 +218,7 @@ class ImageModel:
 IMAGE_MODELS = {"flux": ImageModel(build_flux, flux_inputs, flux_forward),
                 "zimage": ImageModel(build_zimage, zimage_inputs, zimage_forward),
                 "qwenimage": ImageModel(build_qwenimage, qwenimage_inputs, qwenimage_forward),
+                "qwenedit": ImageModel(partial(build_qwenimage, name="Qwen-Image-Edit-2511"), qwenedit_inputs,
+                                       qwenimage_forward),
                 "flux2": ImageModel(build_flux2, flux2_inputs, flux2_forward),
                 "klein9b": ImageModel(partial(build_flux2, name="FLUX.2-klein-9B"), klein_inputs, flux2_forward)}
