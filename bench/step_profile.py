@@ -1,5 +1,5 @@
 """Where a preloaded step's time goes: the host's launch time against the GPU's, and a profiler
-trace of one forward (Wan-14B geometry, ballast cap; benchkit).
+trace of one forward (Wan-14B geometry, or ``--model`` an image model's step; ballast cap; benchkit).
 
 Why: it tells a host-bound step (launch time ≈ step time) from exposed copies (the compute stream
 idle while a copy runs); it traced the 24 GiB image-sized step to its bound (bench/README.md).
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from benchkit import Rows, open_output, output_args, pack
 from benchkit.cpuwatch import CpuWatch
+from benchkit.image_models import IMAGE_MODELS
 from benchkit.measure import Ballast, launch_and_step, python_speed_ms, sync, to_host
 from benchkit.models import FP8_STORAGES, blocks_of, build_wan, store_fp8_as, wan_forward, wan_inputs
 
@@ -31,6 +32,7 @@ from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # 
 from diffusers_offload.offload_core.memory import MemoryReader  # noqa: E402
 
 row = Rows()
+FORWARD = wan_forward  # an image model's with --model
 
 
 def in_hooks(streamer, names=("enter_block", "enter", "exit")) -> list[float]:
@@ -58,10 +60,8 @@ def reading_costs(repeats: int = 200) -> None:
     """Host microseconds per allocator reading: the flat table against the nested one the engine
     reads, and the driver's free-memory query."""
     calls = {
-        "memory_stats": torch.cuda.memory_stats,
-        "memory_stats_as_nested_dict": torch.cuda.memory_stats_as_nested_dict,
-        "memory_allocated": torch.cuda.memory_allocated,
-        "mem_get_info": torch.cuda.mem_get_info,
+        "memory_stats": torch.cuda.memory_stats, "memory_stats_as_nested_dict": torch.cuda.memory_stats_as_nested_dict,
+        "memory_allocated": torch.cuda.memory_allocated, "mem_get_info": torch.cuda.mem_get_info,
         "MemoryReader.device_free": lambda: MemoryReader().device_free(torch.device("cuda")),
         "MemoryReader.allocated": lambda: MemoryReader().allocated(torch.device("cuda")),
     }
@@ -193,7 +193,7 @@ def clocked(m, feeds, forwards: int = 10) -> dict:
     try:
         sync()
         t0 = time.perf_counter_ns()
-        wan_forward(m, *feeds)
+        FORWARD(m, *feeds)
         t1 = time.perf_counter_ns()
         sync()
     finally:
@@ -201,7 +201,7 @@ def clocked(m, feeds, forwards: int = 10) -> dict:
             h.remove()
     with CpuWatch() as watch:
         for _ in range(forwards):
-            wan_forward(m, *feeds)
+            FORWARD(m, *feeds)
             sync()
     return {"block_gaps_ms": gaps_ms(stamps, t0), "after_last_ms": round((t1 - stamps[-1]) / 1e6, 3),
             "cpu": watch.result, "probe": host_probe(m), "paired": paired(m, feeds)}
@@ -215,7 +215,7 @@ def paired(m, feeds, forwards: int = 12) -> list[list[float]]:
         probe = python_speed_ms(repeats=1)
         sync()
         t0 = time.perf_counter()
-        wan_forward(m, *feeds)
+        FORWARD(m, *feeds)
         t1 = time.perf_counter()
         sync()
         out.append([round(probe, 1), round((t1 - t0) * 1e3, 2), round((time.perf_counter() - t0) * 1e3, 2)])
@@ -247,7 +247,7 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
     sync()
     activities = [ProfilerActivity.CUDA, *([ProfilerActivity.CPU] if with_host else [])]
     with profile(activities=activities) as prof:
-        wan_forward(m, *feeds)
+        FORWARD(m, *feeds)
         sync()
     prof.export_chrome_trace(path)
     trace_summary(path)
@@ -273,7 +273,7 @@ def by_hand(m, feeds, streamer, sets: list[str], window: int, warmup: int) -> No
             streamer.set_resident(everything - streamed)
             names = sorted(piece_name(p) for p in streamer.pieces if p.index in streamed)
             try:
-                launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=warmup)
+                launch, step, loop = launch_and_step(lambda: FORWARD(m, *feeds), warmup=warmup)
             except torch.OutOfMemoryError:  # the planner, which would give blocks up, is detached
                 row(section="by_hand", set=text, window=window, streamed=names, error="out of memory")
                 continue
@@ -303,17 +303,16 @@ def piece_name(piece) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("wan", *IMAGE_MODELS), default="wan", help="an image model: its 1024x1024 step")
     ap.add_argument("--caps", default="24")
     ap.add_argument("--workload", default="small")
     ap.add_argument("--whole-blocks", action="store_true")
-    ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_STORAGES],
-                    help="fp8: Linear weights stored in fp8 (bf16 compute; _fast: fp8 matmuls); its resident row is "
-                         "the engine keeping every block")
+    ap.add_argument("--storage", default="bf16", choices=["bf16", *FP8_STORAGES], help="fp8: Linear weights stored "
+                    "in fp8 (bf16 compute; _fast: fp8 matmuls); its resident row: the engine keeping every block")
     ap.add_argument("--compile", action="store_true", help="the engine rows and fp8's reference compile_blocks")
     ap.add_argument("--trace", default="", help="chrome trace of one forward at the first cap")
     ap.add_argument("--with-host", action="store_true", help="the trace records host ops too")
-    ap.add_argument("--window", default="1", help="prefetch window(s) of the engine rows, comma-separated: "
-                                                    "each cap runs once per window, in one process")
+    ap.add_argument("--window", default="1", help="prefetch windows of the engine rows (each cap once per window)")
     ap.add_argument("--streamed", action="append", default=[],
                     help="after the first cap's auto row, the same placement with exactly these blocks streamed "
                          "(comma-separated; repeatable): which blocks stream, at the same count; 'plan' or 'mirror' "
@@ -325,17 +324,18 @@ def main() -> None:
                     help="forwards before the engine rows are timed (the plan settles, then graphs are captured)")
     output_args(ap)
     args = ap.parse_args()
-    global row
+    global row, FORWARD
     row = open_output(args, "step_profile", lines=True)
-    m = build_wan(40)
-    feeds = wan_inputs(args.workload, 21)
+    image = IMAGE_MODELS.get(args.model)
+    m, feeds = (image.build("cuda"), image.inputs("image")) if image else (build_wan(40), wan_inputs(args.workload, 21))
+    FORWARD = image.forward if image else wan_forward
     reading_costs()
     if args.storage in FP8_STORAGES or args.compile:
         if args.storage in FP8_STORAGES:
             store_fp8_as(m, args.storage)
         fp8_resident(m, feeds, args)
     else:
-        row(section="resident", launch_s=(r := launch_and_step(lambda: wan_forward(m, *feeds)))[0], step_s=r[1],
+        row(section="resident", launch_s=(r := launch_and_step(lambda: FORWARD(m, *feeds)))[0], step_s=r[1],
             loop_s=r[2], **clocked(m, feeds))
         if args.trace:
             trace(m, feeds, args.trace.replace(".json", "_resident.json"), args.with_host)
@@ -355,7 +355,7 @@ def fp8_resident(m, feeds, args) -> None:
     eng, bag = Engine(), Components(transformer=m)
     try:
         eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks, compile_blocks=args.compile))
-        launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=args.warmup)
+        launch, step, loop = launch_and_step(lambda: FORWARD(m, *feeds), warmup=args.warmup)
         row(section="fp8_resident", launch_s=launch, step_s=step, loop_s=loop, **clocked(m, feeds))
         if args.trace:
             trace(m, feeds, args.trace.replace(".json", "_resident.json"), args.with_host)
@@ -376,10 +376,10 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bo
         if per_part:
             streamer._bind_whole = lambda *_: False  # this instance only
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
-        launch, step, loop = launch_and_step(lambda: wan_forward(m, *feeds), warmup=args.warmup)
+        launch, step, loop = launch_and_step(lambda: FORWARD(m, *feeds), warmup=args.warmup)
         spent[0] = driver[0] = 0.0
         sync()
-        wan_forward(m, *feeds)
+        FORWARD(m, *feeds)
         row(section="auto", cap_gib=cap or None, window=window, per_part=per_part, launch_s=launch, step_s=step, loop_s=loop,
             in_hooks_s=spent[0], in_driver_s=driver[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
             streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],
