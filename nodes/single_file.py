@@ -79,7 +79,7 @@ class LoadDiffusionModelFile(io.ComfyNode):
                 io.Combo.Input("config", options=config_options(),
                                tooltip=f"auto: the configs the pack carries for {carried.FAMILIES}, picked "
                                        "by the denoiser file's shape, then by its name where models share a shape "
-                                       "(LTX-2 dev or distilled, FLUX.2 [klein] base, Qwen-Image or its Edit models); "
+                                       "(LTX-2 dev or distilled, FLUX.2 [klein] base, FLUX.1 Kontext, Qwen-Image's Edit models); "
                                        "Wan's, LTX-2's and FLUX.2 [dev]'s tokenizers are read from the text-encoder file, "
                                        "the others' are ComfyUI's own; or one of them by name; or a "
                                        "diffusers folder of the file's family under models/diffusers (configs, "

@@ -113,9 +113,9 @@ def missing_tokenizers(folder: Path, index: dict, files: dict[str, Path | None],
             raise SingleFileError(f"the config folder {folder} has no {name}: pick the text-encoder file, whose "
                                   "tokenizer the pack reads")
         out[name] = tokenizer_from_file(Path(encoder), str(spec[1]), f"the config folder {folder}")
-    spec = index.get("processor")
-    configs = folder / "processor"
-    if isinstance(spec, list) and all(spec) and configs.is_dir() and not any((configs / f).is_file() for f in TOKENIZER_FILES):
+    spec, configs = index.get("processor"), folder / "processor"
+    tokenizer_held = any((configs / f).is_file() for f in TOKENIZER_FILES)
+    if isinstance(spec, list) and all(spec) and configs.is_dir() and not tokenizer_held:
         if "tokenizer" not in out:
             raise SingleFileError(f"the config folder {folder} has a processor without a tokenizer and no tokenizer "
                                   "to build it around: use a diffusers config folder with a tokenizer")

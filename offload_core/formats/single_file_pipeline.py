@@ -178,8 +178,8 @@ def _check_vision(index: dict, text_encoder: Any, path: Path | None) -> None:
     """A pipeline with a processor (Qwen-Image-Edit) reads its reference images through the text
     encoder's vision tower: a text-encoder file without one (a text-only or GGUF Qwen2.5-VL) is
     refused by name here, not at the first run."""
-    if "processor" not in index or text_encoder is None or getattr(getattr(text_encoder, "model", None), "visual",
-                                                                     True) is not None:
+    model = getattr(text_encoder, "model", None)
+    if "processor" not in index or not hasattr(model, "visual") or model.visual is not None:
         return
     raise SingleFileError(f"{path} holds no vision tower (visual.*), through which {index['_class_name']} reads "
                           "its reference images: pick a text-encoder file with it (ComfyUI's qwen_2.5_vl_7b "
