@@ -316,9 +316,9 @@ def test_api_twin_runs_on_the_tiny_model(name: str, comfy: harness.ComfyHost, re
         model = ex.link_model(Path(comfy.folder_paths.get_folder_paths("diffusers")[0]), folder)
     prompt = ex.api_prompt(name, model, overrides)
     input_dir = Path(comfy.folder_paths.get_input_directory())
-    for node in prompt.values():  # the keyframes an example loads: flat 32x32 pictures
+    for node in prompt.values():  # the keyframes an example loads: flat 64x64 pictures (FLUX.2's least)
         if node["class_type"] == "LoadImage":
-            Image.new("RGB", (32, 32), (200, 30, 30)).save(input_dir / node["inputs"]["image"])
+            Image.new("RGB", (64, 64), (200, 30, 30)).save(input_dir / node["inputs"]["image"])
 
     result = comfy.run_prompt(prompt).raise_for_error()
 
