@@ -1,5 +1,5 @@
 """Generate image's reference images inside a real ComfyUI: an image-editing pipeline that takes
-several (a tiny FLUX.2 [klein], a tiny Qwen-Image-Edit Plus) gets every image of the connected batch,
+several (tiny FLUX.2 [klein] and [dev], a tiny Qwen-Image-Edit Plus) gets every image of the connected batch,
 in order, as the PIL images diffusers' own call takes; one that takes one (the first
 Qwen-Image-Edit) the first, with a note; FLUX.1 Kontext the size asked for; a text-to-image pipeline given one, and an edit pipeline given none, are
 refused by name."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 from comfyhost import harness
 from comfyhost.capture import capture_class, capture_fixtures
-from fixtures import flux2_klein_files, qwen_image_edit_files
+from fixtures import flux2_dev_files, flux2_klein_files, qwen_image_edit_files
 from PIL import Image
 
 sys.path.append(str(Path(__file__).resolve().parents[2] / "tools"))  # tools/ only, never the repo root
@@ -23,6 +23,7 @@ import offload_examples as ex  # noqa: E402
 
 pytest_plugins = ["comfyhost.fixtures"]
 _tiny_flux2_klein = flux2_klein_files.tiny_flux2_klein_dir
+_tiny_flux2_dev = flux2_dev_files.tiny_flux2_dev_dir
 _tiny_qwen_image_edit = qwen_image_edit_files.tiny_qwen_image_edit_dir
 
 CAPTURE = "DiffusersOffloadTest_Capture"
@@ -111,17 +112,18 @@ def test_references_of_other_sizes_come_through_the_second_and_third_inputs(
     assert torch.allclose(got, want.float(), atol=1e-5)
 
 
-def test_qwen_image_edit_plus_gets_every_reference_image_in_order(
-    comfy: harness.ComfyHost, tiny_qwen_image_edit_dir: Path, captured: list[Any]
+@pytest.mark.parametrize("folder", ["tiny_qwen_image_edit_dir", "tiny_flux2_dev_dir"])
+def test_qwen_image_edit_plus_and_flux2_dev_get_every_reference_image_in_order(
+    comfy: harness.ComfyHost, request: pytest.FixtureRequest, captured: list[Any], folder: str
 ) -> None:
-    edit = linked(comfy, tiny_qwen_image_edit_dir)
+    source = request.getfixturevalue(folder)
     runs = [COLORS, COLORS[::-1]]
     for colors in runs:
-        comfy.run_prompt(graph(edit, colors)).raise_for_error()
+        comfy.run_prompt(graph(linked(comfy, source), colors)).raise_for_error()
 
     images = [value for _, value in captured]
     for colors, image in zip(runs, images, strict=True):
-        assert torch.allclose(image, direct(tiny_qwen_image_edit_dir, colors), atol=1e-5), colors
+        assert torch.allclose(image, direct(source, colors), atol=1e-5), colors
     assert not torch.equal(*images)
 
 
