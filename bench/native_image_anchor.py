@@ -46,7 +46,7 @@ def write(path: Path, model_name: str, layers: int | None, device: str) -> None:
     state = {name: t.cpu().contiguous() for name, t in model.state_dict().items()}
     del model
     if model_name == "flux2":
-        state = {name: t.contiguous() for name, t in bfl_flux2_state(state).items()}
+        state = bfl_flux2_state(state)  # (renames and concatenations: contiguous)
     save_file(state, str(path))
     print(f"wrote {path}: {len(state)} tensors, {sum(t.nbytes for t in state.values()) / 2**30:.2f} GiB")
 

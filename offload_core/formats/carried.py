@@ -25,7 +25,7 @@ ROOT = Path(__file__).with_name("carried_configs")
 MODULAR_INDEX = "modular_model_index.json"
 SHIPPED = "tokenizers.json"  # a carried folder's tokenizers that ComfyUI ships: name -> {"comfyui": subfolder, kwargs}
 FAMILIES = "Wan 2.1 / 2.2, FLUX.1, FLUX.2, LTX-2, Z-Image Turbo, Qwen-Image and Qwen-Image-Edit"
-# What tells variants of one shape apart, in their folders' and files' names, most specific first.
+# What tells variants of one shape apart, in their folders' and files' names.
 NAME_WORDS = ("distilled", "base", "kontext", "2509", "edit")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
