@@ -13,11 +13,8 @@ GPU machine's CPU speed drifts within a process (run 28).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import timeit
-from bisect import bisect_left, bisect_right
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +23,7 @@ from benchkit.cpuwatch import CpuWatch
 from benchkit.image_models import IMAGE_MODELS
 from benchkit.measure import Ballast, launch_and_step, python_speed_ms, sync, to_host
 from benchkit.models import FP8_STORAGES, blocks_of, build_wan, store_fp8_as, wan_forward, wan_inputs
+from benchkit.trace_gaps import trace_summary
 
 pack()
 from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
@@ -68,77 +66,6 @@ def reading_costs(repeats: int = 200) -> None:
     for call in calls.values():  # warm
         call()
     row(section="reading_us", **{name: timeit.timeit(call, number=repeats) / repeats * 1e6 for name, call in calls.items()})
-
-
-def trace_summary(path: str) -> None:
-    """Copy-engine and kernel busy time over the traced forward, how much of it overlapped, and
-    the idle gaps of each (over 0.3 ms, with where they start): whether copies wait for buffers
-    (copy gaps while kernels run) or compute waits for copies (kernel gaps while a copy runs)."""
-    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    kernels = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"])
-    copies = merged([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "gpu_memcpy"])
-    if not kernels or not copies:
-        return row(section="trace", path=path, kernels_ms=sum(b - a for a, b in kernels) / 1e3, host_api=api_time(events))
-    start = min(kernels[0][0], copies[0][0])
-    end = max(kernels[-1][1], copies[-1][1])
-    busy = lambda spans: sum(b - a for a, b in spans)  # noqa: E731
-    overlap = busy(kernels) + busy(copies) - busy(merged(kernels + copies))
-    row(section="trace", span_ms=(end - start) / 1e3, kernels_ms=busy(kernels) / 1e3, copies_ms=busy(copies) / 1e3,
-        overlap_ms=overlap / 1e3, first_copy_at_ms=(copies[0][0] - start) / 1e3,
-        last_kernel_end_ms=(kernels[-1][1] - start) / 1e3,
-        kernel_gaps=gaps(kernels, start), copy_gaps=gaps(copies, start), host_api=api_time(events),
-        compute_gaps=compute_gaps(events))
-
-
-def compute_gaps(events: list[dict]) -> dict[str, list[float]]:
-    """Every idle gap of the compute stream (the stream with the most kernel time), summed by what
-    it lies between: ``graph`` (a kernel of a CUDA graph), ``in_graph`` (two kernels of one graph
-    replay), ``kernel`` (launched eagerly), ``memcpy``; ``after_copy``: the next op started within
-    20 us of a side-stream copy's end (it waited for that copy). Name -> [gaps, total ms]. Where a
-    step's time over its kernels goes, when no single gap is large."""
-    launcher = {e["args"]["correlation"]: e["name"] for e in events
-                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
-    ops = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "stream" in e.get("args", {})]
-    busy: dict[int, float] = {}
-    for e in ops:
-        if e["cat"] == "kernel":
-            busy[e["args"]["stream"]] = busy.get(e["args"]["stream"], 0.0) + e["dur"]
-    if not busy:
-        return {}
-    compute = max(busy, key=busy.get)
-    mine = sorted((e for e in ops if e["args"]["stream"] == compute), key=lambda e: e["ts"])
-    copy_ends = sorted(e["ts"] + e["dur"] for e in ops if e["args"]["stream"] != compute and e["cat"] == "gpu_memcpy")
-
-    def kind(e: dict) -> str:
-        if e["cat"] != "kernel":
-            return "memcpy"
-        return "graph" if launcher.get(e["args"].get("correlation")) == "cudaGraphLaunch" else "kernel"
-
-    out: dict[str, list[float]] = {}
-    for a, b in zip(mine, mine[1:], strict=False):
-        gap = b["ts"] - (a["ts"] + a["dur"])
-        if gap <= 0:
-            continue
-        same = kind(a) == kind(b) == "graph" and a["args"].get("correlation") == b["args"].get("correlation")
-        name = "in_graph" if same else f"{kind(a)}>{kind(b)}"
-        if bisect_right(copy_ends, b["ts"]) > bisect_left(copy_ends, b["ts"] - 20):
-            name = "after_copy"
-        n, total = out.get(name, [0, 0.0])
-        out[name] = [n + 1, round(total + gap / 1e3, 3)]
-    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
-
-
-
-def api_time(events: list[dict]) -> dict[str, list[float]]:
-    """The host's CUDA runtime and driver calls in the trace: name -> [calls, total ms, longest
-    ms]. Whether a slow launch is spent in the driver (copies issued from registered pages,
-    event waits) or in Python between the calls."""
-    out: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver"):
-            n, total, longest = out.get(e["name"], [0, 0.0, 0.0])
-            out[e["name"]] = [n + 1, round(total + e["dur"] / 1e3, 3), round(max(longest, e["dur"] / 1e3), 3)]
-    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
 
 
 def block_clock(m) -> tuple[list[int], list]:
@@ -222,23 +149,6 @@ def paired(m, feeds, forwards: int = 12) -> list[list[float]]:
     return out
 
 
-def merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Overlapping (start, end) spans joined, in time order."""
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def gaps(spans: list[tuple[float, float]], start: float, least_us: float = 300.0) -> list[list[float]]:
-    """[at ms, length ms] of each idle gap between ``spans`` longer than ``least_us``."""
-    return [[round((b0 - start) / 1e3, 2), round((a1 - b0) / 1e3, 2)]
-            for (_a0, b0), (a1, _b1) in zip(spans, spans[1:], strict=False) if a1 - b0 > least_us]
-
-
 def trace(m, feeds, path: str, with_host: bool) -> None:
     """CUDA activity only by default: recording every host op stretched a 109 ms step to 158 ms
     on the H200, which is not the timeline being asked about."""
@@ -250,7 +160,7 @@ def trace(m, feeds, path: str, with_host: bool) -> None:
         FORWARD(m, *feeds)
         sync()
     prof.export_chrome_trace(path)
-    trace_summary(path)
+    row(section="trace", **trace_summary(path))
 
 
 def by_hand(m, feeds, streamer, sets: list[str], window: int, warmup: int) -> None:
@@ -320,6 +230,8 @@ def main() -> None:
                          "across a forward's end (`by_hand`)")
     ap.add_argument("--per-part", action="store_true",
                     help="the first cap again with streaming blocks' parts graphed one by one (the A/B of whole-block graphs)")
+    ap.add_argument("--slots", type=int, action="append", default=[],
+                    help="the first cap again with exactly this many streaming buffers (repeatable; with --per-part, both ways)")
     ap.add_argument("--warmup", type=int, default=10,
                     help="forwards before the engine rows are timed (the plan settles, then graphs are captured)")
     output_args(ap)
@@ -344,8 +256,10 @@ def main() -> None:
     for cap in [float(c) for c in args.caps.split(",")] + [0.0]:
         for window in [int(w) for w in args.window.split(",")]:
             auto_row(m, feeds, cap, window, args, extras=cap == first)
-            if args.per_part and cap == first:
-                auto_row(m, feeds, cap, window, args, extras=True, per_part=True)
+            for slots in args.slots if cap == first else ():
+                auto_row(m, feeds, cap, window, args, extras=False, slots=slots)
+            for slots in [0, *args.slots] if args.per_part and cap == first else ():
+                auto_row(m, feeds, cap, window, args, extras=not slots, per_part=True, slots=slots)
 
 
 def fp8_resident(m, feeds, args) -> None:
@@ -363,10 +277,11 @@ def fp8_resident(m, feeds, args) -> None:
         eng.release(bag)
 
 
-def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bool = False) -> None:
+def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bool = False, slots: int = 0) -> None:
     """The engine at ``cap`` with preload auto; at the first cap, the trace and hand-set rows.
     ``per_part``: a streaming block in parts is never bound whole, so its parts are graphed one
-    by one (as before whole-block graphs; `BlockStreamer._bind_whole`)."""
+    by one (as before whole-block graphs; `BlockStreamer._bind_whole`). ``slots``: the planner
+    fits and fills exactly that many streaming buffers."""
     ballast = Ballast(cap) if cap else None
     eng, bag = Engine(), Components(transformer=m)
     try:
@@ -375,12 +290,15 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bo
         streamer = eng.states(bag)["transformer"].transport
         if per_part:
             streamer._bind_whole = lambda *_: False  # this instance only
+        if slots:
+            planner = streamer.driver.planner
+            planner._slot_count = planner._most_slots = slots  # its next cycle plans with them
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
         launch, step, loop = launch_and_step(lambda: FORWARD(m, *feeds), warmup=args.warmup)
         spent[0] = driver[0] = 0.0
         sync()
         FORWARD(m, *feeds)
-        row(section="auto", cap_gib=cap or None, window=window, per_part=per_part, launch_s=launch, step_s=step, loop_s=loop,
+        row(section="auto", cap_gib=cap or None, window=window, per_part=per_part, slots=slots or None, launch_s=launch, step_s=step, loop_s=loop,
             in_hooks_s=spent[0], in_driver_s=driver[0], kept=streamer.details()["kept"], buffers=streamer.ring.capacity,
             streamed=[piece_name(p) for p in streamer.pieces if p.resident is None],
             streamed_gib=streamer.streamed_bytes() / 2**30, **clocked(m, feeds))

@@ -62,8 +62,8 @@ class PreloadPlanner:
     shrunk on shortage; and how many streaming buffers the streamer may fill ahead
     (``ring_slots``). ``blocks`` index the streamer's block table; ``model_class`` and
     ``identity`` (with the blocks' count and size) key the measures; ``prefetch_window`` is the
-    streamer's, for the slots its streamed blocks need; ``whole``: a streamed block's parts are
-    bound together at its entry (its compiled forward, `transport/compiled.py`)."""
+    streamer's, for the slots its streamed blocks need; ``whole``: a streamed block's parts may be
+    bound together at its entry (its graph or compiled forward, `BlockStreamer._bind_whole`)."""
 
     def __init__(
         self,
@@ -117,11 +117,13 @@ class PreloadPlanner:
         self._reader = _unplaced
 
     def _set_window(self, prefetch_window: int, whole: bool) -> None:
-        """The streaming buffers: ``window + 1`` always (``whole``: a streamed piece's units bound
-        together, and ``window`` more), up to a whole block ahead of the unit running when there
-        is room (``_ring_for``)."""
+        """The streaming buffers: ``window + 1`` always, up to a whole block ahead of the unit
+        running when there is room (``_ring_for``). ``whole``: a streamed piece's units may be
+        bound together (graphed or compiled), so the buffers are counted in pieces: the one bound
+        and ``window`` more. Why: a piece bound whole frees its buffers only at its exit, so with
+        fewer the next piece's copies wait for that exit and the compute waits for them."""
         self.whole = whole
-        self._slot_count = prefetch_window + (self._units if whole else 1)
+        self._slot_count = (prefetch_window + 1) * (self._units if whole else 1)
         self._most_slots = max(self._slot_count, prefetch_window + self._units)
         self.ring_slots = self._slot_count
 

@@ -39,12 +39,17 @@ class PreloadingStreamer(BlockStreamer):
         self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.config.preload)
         self.driver.load()
 
+    @property
+    def binds_whole(self) -> bool:
+        """A streaming block in parts may be bound whole (`_bind_whole`): its call graphed or its forward compiled."""
+        return self.graphs.cache.enabled or self.compiled.enabled
+
     def retune(self, config: OffloadConfig) -> None:
         """A new preload policy on a placed model: re-planned in place, no re-hooking."""
         super().retune(config)
         planner = self.driver.planner if self.driver is not None else None
-        if planner is not None and (config.preload != planner.policy or self.compiled.enabled != planner.whole):
-            planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window, self.compiled.enabled)
+        if planner is not None and (config.preload != planner.policy or self.binds_whole != planner.whole):
+            planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window, self.binds_whole)
             self.driver.load()
 
     def remove(self, module: torch.nn.Module) -> None:
@@ -98,7 +103,7 @@ class PreloadingStreamer(BlockStreamer):
 class PreloadDriver:
     NAME = "preload"
 
-    def __init__(self, streamer: BlockStreamer, module: torch.nn.Module, memory: MemoryReader,
+    def __init__(self, streamer: PreloadingStreamer, module: torch.nn.Module, memory: MemoryReader,
                  policy: Policy) -> None:
         self.streamer = streamer
         self.memory = memory
@@ -305,7 +310,7 @@ class PreloadDriver:
             self._retries = self.memory.allocator_retries(self.streamer.device)
 
 
-def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, policy: Policy) -> PreloadPlanner:
+def _planner_for(module: torch.nn.Module, streamer: PreloadingStreamer, reading, policy: Policy) -> PreloadPlanner:
     blocks = [BlockInfo(p.index, p.block.tower, p.block.depth, p.nbytes, p.block.pinned or not streamer.cuda,
                         p.largest_unit, len(p.units), p.core) for p in streamer.pieces]
     planner: PreloadPlanner | None = PLANNER.get(module)
@@ -314,7 +319,7 @@ def _planner_for(module: torch.nn.Module, streamer: BlockStreamer, reading, poli
         identity = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
         planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
                                  policy=policy, prefetch_window=streamer.ctx.prefetch_window,
-                                 whole=streamer.compiled.enabled)
+                                 whole=streamer.binds_whole)
         PLANNER.set(module, planner)
-    planner.rebind(reading, policy, streamer.ctx.prefetch_window, streamer.compiled.enabled)
+    planner.rebind(reading, policy, streamer.ctx.prefetch_window, streamer.binds_whole)
     return planner

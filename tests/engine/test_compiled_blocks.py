@@ -36,14 +36,19 @@ def _streamer(engine, pipe):
     return engine.states(pipe)["transformer"].transport
 
 
-def _compiled_run(pipe, config: OffloadConfig, cores_kept: bool = False) -> tuple[torch.Tensor, dict]:
+def _compiled_run(pipe, config: OffloadConfig, cores_kept: bool = False,
+                  buffers: int | None = None) -> tuple[torch.Tensor, dict]:
     """Two runs placed; the streamer's details, with ``block_calls``: the blocks' forwards.
-    ``cores_kept``: every block's core kept, its other parts streamed (as a plan at a small cap)."""
+    ``cores_kept``: every block's core kept, its other parts streamed (as a plan at a small cap);
+    ``buffers``: the streaming buffers set by hand, the plan detached."""
     engine = Engine()
     engine.place(pipe, config)
     if cores_kept:  # a fixed budget of exactly the cores (ranked first)
         cores = sum(p.nbytes for p in _streamer(engine, pipe).pieces if p.core)
         engine.place(pipe, config.replace(preload=f"{cores}b"))
+    if buffers is not None:
+        _streamer(engine, pipe).events.unsubscribe("preload")
+        _streamer(engine, pipe).set_lookahead(buffers)
     forwards = []
     handle = pipe.transformer.register_forward_pre_hook(lambda *_: forwards.append(1))
     try:
@@ -93,16 +98,18 @@ def test_every_family_compiles_to_the_eager_output(name: str, request) -> None:
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("window", "cores_kept", "compiles"), [(1, False, False), (3, False, True), (1, True, True)])
-def test_parts_streamed_run_compiled_where_the_ring_holds_them_all(wan_pipe, window, cores_kept, compiles) -> None:
+@pytest.mark.parametrize(("cores_kept", "buffers", "compiles"), [(False, 3, False), (False, None, True),
+                                                                (True, None, True), (True, 3, True)])
+def test_parts_streamed_run_compiled_where_the_ring_holds_them_all(wan_pipe, cores_kept, buffers, compiles) -> None:
     """A block streamed in parts is bound whole and runs compiled (no CUDA graph here: on the GPU,
     a video's call too large to graph) where its streamed parts fit the ring with a buffer to
     spare; else its parts' hooks bind them between its ops and it runs eagerly. Compiling, the
-    plan keeps a piece's parts and the window's buffers (window 1: three): a block whose core is
-    kept streams its two other parts bound together; one streaming all three needs window 3."""
-    config = OffloadConfig(**BASE, preload="off", prefetch_window=window)
-    eager, _ = _compiled_run(wan_pipe, config.replace(compile_blocks=False), cores_kept)
-    out, details = _compiled_run(wan_pipe, config, cores_kept)
+    plan holds the rest bound and the window's rest ahead (window 1: four buffers), so a block
+    whose core is kept, or one streaming all three parts, is bound whole; three buffers set by
+    hand still hold a rest of two, but not all three."""
+    config = OffloadConfig(**BASE, preload="off")
+    eager, _ = _compiled_run(wan_pipe, config.replace(compile_blocks=False), cores_kept, buffers)
+    out, details = _compiled_run(wan_pipe, config, cores_kept, buffers)
     assert details["units"] == 3 * details["blocks"] and details["kept"] == 0
     assert details["kept_pieces"] == (details["blocks"] if cores_kept else 0)
     assert details["compiled_calls"] == (details["block_calls"] if compiles else 0)
@@ -239,7 +246,7 @@ def test_a_weight_write_and_a_release_drop_the_twins_and_a_retune_turns_it_off(w
     assert streamer.compiled._forwards == {}
     run_wan(wan_pipe)
     calls = streamer.details()["compiled_calls"]
-    assert streamer.driver.planner.ring_slots == 3  # a block's two streamed parts bound together, and one more
+    assert streamer.driver.planner.ring_slots == 4  # the two streamed parts bound together, and the next rest
     engine.place(wan_pipe, config.replace(compile_blocks=False))  # a retune, not a re-place
     assert _streamer(engine, wan_pipe) is streamer
     assert streamer.driver.planner.ring_slots == 2  # the window's

@@ -264,16 +264,19 @@ def test_a_cycle_that_starts_as_the_last_keeps_its_plan_unworked(monkeypatch):
 
 
 def test_parts_bound_together_keep_buffers_for_a_whole_block_and_the_window():
-    """Compiled blocks bind a streamed block's parts together (`BlockStreamer._bind_whole`): the
-    plan fits a block's four parts and the window's one more, even where that keeps a block less,
-    and a shortage never gives those buffers up (a block would run its parts eagerly)."""
+    """Graphed or compiled blocks bind a streamed block's parts together
+    (`BlockStreamer._bind_whole`), freeing their buffers only at its exit: the plan fits the four
+    parts bound and the window's block of four more, even where that keeps two blocks less, and
+    a shortage never gives those buffers up (a block would run its parts eagerly)."""
     device = Device(budget=8 * GIB + GIB // 2 + GIB // 4)  # 8 blocks and 3 slots of 0.25 GiB
     planner = measured(parts_planner(device, whole=True))
-    assert len(planner.resident) == 7 and planner.ring_slots == 5
-    assert "5 streaming buffers" in planner.last_plan_line
+    assert len(planner.resident) == 6 and planner.ring_slots == 8
+    assert "8 streaming buffers" in planner.last_plan_line
     assert planner.on_shortage().blocks  # a block goes, not a buffer
-    assert planner.ring_slots == 5
-    planner.rebind(device, "auto", prefetch_window=1, whole=False)  # compiling turned off
+    assert planner.ring_slots == 8
+    planner.rebind(device, "auto", prefetch_window=2, whole=True)  # a window of two blocks ahead
+    assert planner.ring_slots == 12
+    planner.rebind(device, "auto", prefetch_window=1, whole=False)  # neither graphs nor compiling
     assert planner.ring_slots == 2
 
 

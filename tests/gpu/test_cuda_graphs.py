@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.preload import fit as fit_module
 from diffusers_offload.offload_core.transport import graphs as graphs_module
 from fixtures.graph_runs import keep_first_after, placed_runs
-from fixtures.tiny_pipes import load_wan
+from fixtures.tiny_pipes import load_wan, run_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000")
@@ -33,6 +33,25 @@ def test_kept_blocks_replay_graphs_that_equal_the_eager_forward(pipe) -> None:
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
+def test_blocks_bound_whole_plan_their_buffers_a_block_ahead(pipe) -> None:
+    """Graphed blocks in parts are bound whole (`BlockStreamer._bind_whole`) and free their buffers
+    only at their exit, so the plan counts its streaming buffers in blocks: the streamed rest bound
+    and the window's rest ahead (fewer, and the next block's copies wait for that exit). Without
+    graphs, in units. A retune that turns the graphs off re-plans it."""
+    engine, config = Engine(), OffloadConfig(**{**BASE, "preload": "off"})
+    engine.place(pipe, config)
+    streamer = engine.states(pipe)["transformer"].transport
+    try:
+        rest = max(len(p.units) for p in streamer.pieces if not p.core)
+        assert rest >= 2 and streamer.driver.planner.whole and streamer.ring.capacity == 2 * rest
+        run_wan(pipe)
+        assert streamer.details()["graphs"] > 0
+        engine.place(pipe, config.replace(cuda_graphs=False))  # a retune
+        assert not streamer.driver.planner.whole and streamer.ring.capacity == 2
+    finally:
+        engine.release(pipe)
+
+
 def _fp8(p):
     p.transformer.to(torch.bfloat16)
     store_fp8(p.transformer, torch.float8_e4m3fn, torch.bfloat16)
@@ -41,11 +60,12 @@ def _fp8(p):
 
 @pytest.mark.parametrize("storage", ["model dtype", "fp8"])
 def test_a_plan_that_streams_graphs_each_streamed_unit_per_buffer(tiny_wan_dir, storage: str) -> None:
-    """A plan that keeps block 0 only: block 0 is graphed whole, each unit of the other blocks once
-    per ring buffer it is bound to (its copy stays outside the graph, an fp8 unit's cast inside);
-    the runs equal the eager ones bit for bit, and none waits for a copy it did not queue."""
+    """A plan that keeps block 0 only, streaming through two buffers (too few to bind a block
+    whole): block 0 is graphed whole, each unit of the other blocks once per ring buffer it is
+    bound to (its copy stays outside the graph, an fp8 unit's cast inside); the runs equal the
+    eager ones bit for bit, and none waits for a copy it did not queue."""
     streamed: list[int] = []
-    keep_first = keep_first_after(streamed)
+    keep_first = keep_first_after(streamed, buffers=2)
     prepare = _fp8 if storage == "fp8" else (lambda p: p)
     eager, off = placed_runs(prepare(load_wan(tiny_wan_dir)), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
                        between=keep_first)
@@ -60,10 +80,10 @@ def test_a_plan_that_streams_graphs_each_streamed_unit_per_buffer(tiny_wan_dir, 
 def test_a_capture_gets_the_memory_the_eager_forwards_left_cached(tiny_wan_dir, storage: str) -> None:
     """While a capture is under way the allocator frees no cached memory, so on a card whose only
     room is what the eager forwards left cached, a capture runs out of memory: it is made again
-    once that cache is emptied, and every kept block and streamed unit is graphed (fp8 units cast
-    into the buffer eager casts use), the same bits as eager."""
+    once that cache is emptied, and every kept block and streamed unit (two buffers: graphed one
+    by one) is graphed (fp8 units cast into the buffer eager casts use), the same bits as eager."""
     streamed: list[int] = []
-    keep_first = keep_first_after(streamed)
+    keep_first = keep_first_after(streamed, buffers=2)
     prepare = _fp8 if storage == "fp8" else (lambda p: p)
     total = torch.cuda.get_device_properties(0).total_memory
 
