@@ -117,11 +117,10 @@ class PreloadPlanner:
         self._reader = _unplaced
 
     def _set_window(self, prefetch_window: int, whole: bool) -> None:
-        """The streaming buffers: ``window + 1`` always, up to a whole block ahead of the unit
-        running when there is room (``_ring_for``). ``whole``: a streamed piece's units may be
-        bound together (graphed or compiled), so the buffers are counted in pieces: the one bound
-        and ``window`` more. Why: a piece bound whole frees its buffers only at its exit, so with
-        fewer the next piece's copies wait for that exit and the compute waits for them."""
+        """The streaming buffers: ``window + 1`` always, up to a block ahead of the unit running
+        where there is room (``_ring_for``). ``whole`` (a piece's units may be bound together):
+        counted in pieces, the one bound and ``window`` more, since a piece bound whole frees its
+        buffers only at its exit: with fewer, the next piece's copies wait for that exit."""
         self.whole = whole
         self._slot_count = (prefetch_window + 1) * (self._units if whole else 1)
         self._most_slots = max(self._slot_count, prefetch_window + self._units)
