@@ -292,7 +292,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bo
             streamer._bind_whole = lambda *_: False  # this instance only
         if slots:
             planner = streamer.driver.planner
-            planner._slot_count = planner._most_slots = slots  # its next cycle plans with them
+            planner.buffers.base = planner.buffers.most = slots  # its next cycle plans with them
         spent, driver = in_hooks(streamer), in_hooks(streamer, ("notify",))
         launch, step, loop = launch_and_step(lambda: FORWARD(m, *feeds), warmup=args.warmup)
         spent[0] = driver[0] = 0.0

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from ..log import get_logger
 from . import registry
+from .buffers import StreamingBuffers
 from .fit import (
     CycleUsage,
     MemoryReading,
     fit_prefix,
     graphs_to_come,
     growth_threshold,
-    lookahead_slots,
     margin,
     weight_budget,
 )
@@ -85,11 +85,11 @@ class PreloadPlanner:
         self.last_workload: int | None = None
         self.last_plan_line = ""
         self._sizes = {b.index: b.nbytes for b in blocks}
-        self.slot_sizes = {b.index: b.slot_bytes or b.nbytes for b in blocks}
         self._largest = max(self._sizes.values(), default=0)
         self._reader = reader
-        self._units = max((b.units for b in blocks), default=1)
-        self._set_window(prefetch_window, whole)
+        self.buffers = StreamingBuffers({b.index: b.slot_bytes or b.nbytes for b in blocks},
+                                        max((b.units for b in blocks), default=1))
+        self.buffers.set_window(prefetch_window, whole)
         self._store = process_store() if store is None else store
         self._model = (model_class, identity)
         self._resident: frozenset[int] = frozenset()
@@ -108,7 +108,7 @@ class PreloadPlanner:
         transports (it lives on the model), so a re-placement hands it fresh ones."""
         self._reader = reader
         self.policy = parse_policy(policy)
-        self._set_window(prefetch_window, whole)
+        self.buffers.set_window(prefetch_window, whole)
 
     def unbind(self) -> None:
         """The transport is gone: drop its reading (its driver's method, which holds the streamer
@@ -116,15 +116,10 @@ class PreloadPlanner:
         holds its measures only and a release frees the device without a garbage collection."""
         self._reader = _unplaced
 
-    def _set_window(self, prefetch_window: int, whole: bool) -> None:
-        """The streaming buffers: ``window + 1`` always, up to a block ahead of the unit running
-        where there is room (``_ring_for``). ``whole`` (a piece's units may be bound together):
-        counted in pieces, the one bound and ``window`` more, since a piece bound whole frees its
-        buffers only at its exit: with fewer, the next piece's copies wait for that exit."""
-        self.whole = whole
-        self._slot_count = (prefetch_window + 1) * (self._units if whole else 1)
-        self._most_slots = max(self._slot_count, prefetch_window + self._units)
-        self.ring_slots = self._slot_count
+    @property
+    def ring_slots(self) -> int:
+        """The streaming buffers of the plan in force (`StreamingBuffers`)."""
+        return self.buffers.count
 
     @property
     def resident(self) -> frozenset[int]:
@@ -143,7 +138,7 @@ class PreloadPlanner:
         registry.notify_model_load()
         self._loaded = True
         self._resident = self._load_set()
-        self.ring_slots = self._ring_for(self._resident, self.last_workload)
+        self.buffers.count = self._ring_for(self._resident, self.last_workload)
         self._log_plan(self.last_workload)
         return self._resident
 
@@ -174,8 +169,8 @@ class PreloadPlanner:
             budget = self._budget_before_penalty(workload, reading)
         stable = target == self._resident
         self.last_workload = workload
-        if not stable or slots != self.ring_slots:
-            self._resident, self.ring_slots = target, slots
+        if not stable or slots != self.buffers.count:
+            self._resident, self.buffers.count = target, slots
             self._log_plan(workload)
         self._planned = (inputs, (target, slots, budget))
         self._cycle = _Cycle(workload, stable, budget)
@@ -185,8 +180,8 @@ class PreloadPlanner:
         """Everything a cycle's plan is worked from: equal ones give the same plan."""
         peak = self.measured_peak(workload)
         guess = self._store.estimate(self._key(workload)) if peak is None else None
-        return (workload, reading, self._resident, self.last_workload, self._evened, self.policy, self._slot_count,
-                self._most_slots, peak, guess, self.penalty(workload), self._store.graph_bytes(self._key(workload)))
+        return (workload, reading, self._resident, self.last_workload, self._evened, self.policy, self.buffers.base,
+                self.buffers.most, peak, guess, self.penalty(workload), self._store.graph_bytes(self._key(workload)))
 
     def _budget_before_penalty(self, workload: int, reading: MemoryReading) -> int | None:
         """The weight budget a cycle plans with, less no penalty (auto, measured): what a shortage compares (`_learn`)."""
@@ -221,7 +216,7 @@ class PreloadPlanner:
 
     def _footprint(self, resident: frozenset[int]) -> int:
         """Device bytes a plan keeping ``resident`` takes: those blocks and the window's streaming slots."""
-        return self._bytes(resident) + self._slot_count * self._slot(resident)
+        return self._bytes(resident) + self.buffers.reserved(resident)
 
     def end_cycle(self, usage: CycleUsage | None = None) -> None:
         """Close the open cycle, if any. Its measure is recorded only with ``usage`` and when
@@ -253,7 +248,7 @@ class PreloadPlanner:
         if not relief:
             return relief
         self._resident -= relief.blocks
-        self.ring_slots = self._slot_count
+        self.buffers.count = self.buffers.base
         if self._cycle is not None:
             self._cycle.shortage = True
         if self.policy.mode == "auto" and self.last_workload is not None:
@@ -269,14 +264,11 @@ class PreloadPlanner:
 
     def _plan_bytes(self) -> int:
         """Device bytes the plan takes now: its kept blocks and all its streaming buffers."""
-        return self._bytes(self._resident) + self.ring_slots * self._slot(self._resident)
+        return self._bytes(self._resident) + self.buffers.held(self._resident)
 
     def _release_buffers(self) -> Relief:
         """The lookahead's buffers beyond the window's, as a relief (empty when there are none)."""
-        extra = self.ring_slots - self._slot_count
-        if extra <= 0:
-            return Relief()
-        return Relief(buffer_bytes=extra * self._slot(self._resident))
+        return Relief(buffer_bytes=self.buffers.beyond_base(self._resident))
 
     def penalty(self, workload: int | None) -> int:
         if workload is None:
@@ -346,24 +338,22 @@ class PreloadPlanner:
         budget = self._budget(workload, peak, reading, penalty) + extra
         graphs = weight_budget(reading, peak, penalty) + extra - budget
         chosen = set(order)
-        outside = max((s for i, s in self.slot_sizes.items() if i not in chosen), default=0)
-        k = fit_prefix([self._sizes[i] for i in order], budget, self._slot_count, outside,
-                       [self.slot_sizes[i] for i in order])
+        outside = max((s for i, s in self.buffers.slot_sizes.items() if i not in chosen), default=0)
+        k = fit_prefix([self._sizes[i] for i in order], budget, self.buffers.base, outside,
+                       [self.buffers.slot_sizes[i] for i in order])
         logger.debug("%s: fit: free %s + cached %s + ours %s - activations %s - margin %s - penalty %s - graphs "
                      "to come %s = %s: %d of %d", self.label, *map(gb, (reading.free, reading.cached_unused,
                      reading.resident, peak, margin(peak), penalty, graphs, budget)), k, len(order))
         return frozenset(order[:k])
 
     def _ring_for(self, resident: frozenset[int], workload: int | None, reading: MemoryReading | None = None) -> int:
-        """Streaming buffers beside ``resident``: the window's, plus as many more as the room the
-        fit left holds, up to a whole streamed block ahead of the unit running. Why: with most
-        blocks kept, the kept runs between streamed blocks outlast the copies two part-buffers
-        hold, and the copy engine idles."""
-        peak, slot = self.measured_peak(workload), self._slot(resident)
-        if self.policy.mode != "auto" or peak is None or not slot:
-            return self._slot_count
+        """Streaming buffers beside ``resident``: the window's, and more where the fit left room
+        (auto, measured; `StreamingBuffers.for_room`)."""
+        peak = self.measured_peak(workload)
+        if self.policy.mode != "auto" or peak is None:
+            return self.buffers.base
         budget = self._budget(workload, peak, reading or self._reader())
-        return lookahead_slots(self._bytes(resident), budget, slot, self._slot_count, self._most_slots)
+        return self.buffers.for_room(self._bytes(resident), budget, resident)
 
     def _budget(self, workload: int | None, peak: int, reading: MemoryReading, penalty: int | None = None) -> int:
         """`weight_budget` for ``workload`` (``penalty`` None: its own), less the room its CUDA graphs
@@ -371,10 +361,6 @@ class PreloadPlanner:
         penalty = self.penalty(workload) if penalty is None else penalty
         expected = None if workload is None else self._store.graph_bytes(self._key(workload))
         return weight_budget(reading, peak, penalty, graphs_to_come(reading, expected, peak))
-
-    def _slot(self, resident: frozenset[int]) -> int:
-        """A streaming buffer's size beside ``resident``: the largest streamed block's slot (0: none streams)."""
-        return max((s for i, s in self.slot_sizes.items() if i not in resident), default=0)
 
     def _bytes(self, blocks: frozenset[int]) -> int:
         return sum(self._sizes[i] for i in blocks)
@@ -392,7 +378,7 @@ class PreloadPlanner:
         self.last_plan_line = plan_line(
             kept=whole, partly=partly, total=total, kept_bytes=self._bytes(self._resident),
             peak=self.measured_peak(workload), workload=workload, penalty=self.penalty(workload),
-            buffers=self.ring_slots)
+            buffers=self.buffers.count)
         logger.info("%s: %s", self.label, self.last_plan_line)
 
 

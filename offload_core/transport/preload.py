@@ -48,7 +48,7 @@ class PreloadingStreamer(BlockStreamer):
         """A new preload policy on a placed model: re-planned in place, no re-hooking."""
         super().retune(config)
         planner = self.driver.planner if self.driver is not None else None
-        if planner is not None and (config.preload != planner.policy or self.binds_whole != planner.whole):
+        if planner is not None and (config.preload != planner.policy or self.binds_whole != planner.buffers.whole):
             planner.rebind(self.driver.reading, config.preload, self.ctx.prefetch_window, self.binds_whole)
             self.driver.load()
 
@@ -283,7 +283,7 @@ class PreloadDriver:
         if self.streamer.held.drop(keep=running):
             self.streamer.graphs.clear()
             return True
-        need = max(self.planner.slot_sizes.values(), default=0)
+        need = max(self.planner.buffers.slot_sizes.values(), default=0)
         if self.shared is not None and self.shared.take_idle(self.streamer, need, f"a shortage in {self.planner.label}"):
             return True
         relief = self.planner.on_shortage(running=running)
@@ -315,7 +315,7 @@ def _planner_for(module: torch.nn.Module, streamer: PreloadingStreamer, reading,
                         p.largest_unit, len(p.units), p.core) for p in streamer.pieces]
     planner: PreloadPlanner | None = PLANNER.get(module)
     slots = {b.index: b.slot_bytes for b in blocks}
-    if planner is None or len(planner.ranking) != len(blocks) or planner.slot_sizes != slots:
+    if planner is None or len(planner.ranking) != len(blocks) or planner.buffers.slot_sizes != slots:
         identity = str(getattr(getattr(module, "config", None), "_name_or_path", "") or "")
         planner = PreloadPlanner(blocks, reading, model_class=type(module).__name__, identity=identity,
                                  policy=policy, prefetch_window=streamer.ctx.prefetch_window,

@@ -69,7 +69,7 @@ def test_the_buffers_are_sized_to_the_largest_part_and_the_rest_stays_with_the_n
     assert [type(u.module).__name__ for u in block.units] == ["WanAttention", "WanAttention", "FeedForward"]
     assert streamer.ring.slot_bytes == max(u.nbytes for u in block.units) < block_bytes
     assert streamer.head_bytes() == head + sum(b.rest_bytes for b in streamer.blocks) > head
-    assert streamer.driver.planner.slot_sizes == {p.index: p.largest_unit for p in streamer.pieces}
+    assert streamer.driver.planner.buffers.slot_sizes == {p.index: p.largest_unit for p in streamer.pieces}
 
 
 def test_any_pieces_kept_in_parts_mode_give_the_unplaced_output(wan_pipe):

@@ -167,7 +167,7 @@ def test_a_shortage_in_one_denoiser_takes_the_idle_ones_blocks_before_its_own(a1
     engine.after_run(a14b)
     idle, running = streamers["transformer"], streamers["transformer_2"]
     assert idle.kept_bytes() > 0 and running.kept_bytes() > 0
-    own, block = running.resident_indices(), max(running.driver.planner.slot_sizes.values())
+    own, block = running.resident_indices(), max(running.driver.planner.buffers.slot_sizes.values())
     takes, _cycles = _watch(streamers, monkeypatch)
     relieved = []
 

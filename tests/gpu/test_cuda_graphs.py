@@ -43,11 +43,11 @@ def test_blocks_bound_whole_plan_their_buffers_a_block_ahead(pipe) -> None:
     streamer = engine.states(pipe)["transformer"].transport
     try:
         rest = max(len(p.units) for p in streamer.pieces if not p.core)
-        assert rest >= 2 and streamer.driver.planner.whole and streamer.ring.capacity == 2 * rest
+        assert rest >= 2 and streamer.driver.planner.buffers.whole and streamer.ring.capacity == 2 * rest
         run_wan(pipe)
         assert streamer.details()["graphs"] > 0
         engine.place(pipe, config.replace(cuda_graphs=False))  # a retune
-        assert not streamer.driver.planner.whole and streamer.ring.capacity == 2
+        assert not streamer.driver.planner.buffers.whole and streamer.ring.capacity == 2
     finally:
         engine.release(pipe)
 
