@@ -27,4 +27,4 @@ if PKG not in sys.modules:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ only: fixtures, harness
 
-pytest_plugins = ["fixtures.tiny_pipes"]
+pytest_plugins = ["fixtures.tiny_pipes", "fixtures.edit_areas"]
