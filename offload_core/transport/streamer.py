@@ -212,7 +212,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         """A block in parts that streams is bound whole, like a kept one, where its call can be
         graphed or its forward runs compiled (a video's call, too large to graph, would otherwise
         run its parts eagerly), and its streamed parts fit the ring with a buffer to spare (the plan
-        gives it a block's more, `PreloadPlanner._set_window`): every unit bound now, in execution
+        gives it a block's more, `StreamingBuffers.set_window`): every unit bound now, in execution
         order, until the block exits (True). Else its parts are bound (and graphed) one by one."""
         streamed = sum(u.piece.resident is None for u in block.units)
         if streamed >= self.ring.capacity:
