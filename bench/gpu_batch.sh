@@ -50,6 +50,13 @@ for row in "$@"; do
                  run "qwentrace${v:+_whole}" 150 python3 bench/step_profile.py --model qwenedit --storage fp8_e4m3fn \
                    --caps 12 $v --warmup 6 --trace "$ROWS_DIR/qwentrace${v:+_whole}.json" --out "$ROWS_DIR"
                done ;;
+    fluxtrace) for v in "fp8_e4m3fn" "fp8_e4m3fn --whole-blocks" "bf16"; do  # FLUX.1 at 12 GiB: fp8 in parts, whole, bf16
+                 tag=$(echo "$v" | tr -cs 'A-Za-z0-9\n' _ | sed 's/_*$//')
+                 run "fluxtrace_$tag" 150 python3 bench/step_profile.py --model flux --storage $v --caps 12 --warmup 6 \
+                   --trace "$ROWS_DIR/fluxtrace_$tag.json" --out "$ROWS_DIR"
+               done
+               run fluxring 200 python3 bench/step_profile.py --model flux --storage fp8_e4m3fn --caps 12 --warmup 6 \
+                 --slots 12 --slots 16 --out "$ROWS_DIR" ;;  # more buffers ahead: is FLUX.1's 4 % the lookahead?
     ringab) run qwenring 300 python3 bench/step_profile.py --model qwenedit --storage fp8_e4m3fn --caps 12 --warmup 6 \
               --per-part --slots 8 --slots 9 --out "$ROWS_DIR"  # whole-bound parts: a unit ahead, a block ahead, or per part
             run wanring 200 python3 bench/step_profile.py --storage fp8_e4m3fn --caps 12 --warmup 6 \
