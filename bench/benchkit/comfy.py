@@ -335,22 +335,27 @@ class Recorder:
                     pass
 
     def time_transformer(self) -> None:
-        """Time every call of the diffusers Wan transformer, the engine's hooks inside (class-level
-        ``__call__``: outside every hook the engine puts on the instance)."""
-        import torch
+        """Time every call of the diffusers Wan transformer, the engine's hooks inside."""
         from diffusers import WanTransformer3DModel
 
-        base_call, rec = torch.nn.Module.__call__, self
+        self.time_calls(WanTransformer3DModel, "ours")
 
-        def __call__(self, *args, **kwargs):
+    def time_calls(self, cls: type, who: str, method: str = "__call__") -> None:
+        """Record (``who``, seconds) for every call of ``cls.method``, synchronised on both sides;
+        ``__call__`` is wrapped at the class level: outside every hook the engine puts on the instance."""
+        import torch
+
+        base, rec = getattr(cls, method) if method != "__call__" else torch.nn.Module.__call__, self
+
+        def timed(self, *args, **kwargs):
             rec.sync()
             t = time.perf_counter()
-            out = base_call(self, *args, **kwargs)
+            out = base(self, *args, **kwargs)
             rec.sync()
-            rec.forwards.append(("ours", time.perf_counter() - t))
+            rec.forwards.append((who, time.perf_counter() - t))
             return out
 
-        WanTransformer3DModel.__call__ = __call__
+        setattr(cls, method, timed)
 
     def snapshot(self, mm, ballast_used: int) -> dict[str, Any]:
         """Loaded/size of both models and of every entry ComfyUI holds, DynamicVRAM's bytes, torch's."""

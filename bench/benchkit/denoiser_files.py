@@ -21,13 +21,15 @@ MARKER = "scaled_fp8"
 SIZES = {"F8_E4M3": 1, "F32": 4, "BF16": 2, "U8": 1}
 
 
-def _fp8_entries(specs: list[tuple], marker: int) -> list[tuple[str, str, tuple[int, ...], tuple | None]]:
+def _fp8_entries(specs: list[tuple], marker: int,
+                 bf16: tuple[str, ...] = ()) -> list[tuple[str, str, tuple[int, ...], tuple | None]]:
     """(key, safetensors dtype, shape, init or None for a scale) in data order: every Linear
     weight fp8 with its scale right after it (convolutions, biases, norms and modulations stay
-    bf16, as in Comfy-Org's files), the marker (``marker`` elements) last."""
+    bf16, as in Comfy-Org's files, and 2-D weights named by ``bf16``: an embedding), the marker
+    (``marker`` elements) last."""
     out: list[tuple[str, str, tuple[int, ...], tuple | None]] = []
     for name, shape, init in specs:
-        if name.endswith(".weight") and len(shape) == 2:
+        if name.endswith(".weight") and len(shape) == 2 and not name.endswith(bf16):
             out.append((name, "F8_E4M3", tuple(shape), init))
             out.append((name.removesuffix(".weight") + ".scale_weight", "F32", (), None))
         else:
@@ -52,14 +54,14 @@ def _header(entries: list[tuple], metadata: dict[str, str]) -> tuple[bytes, int]
 
 
 def write_fp8_scaled(
-    path: Path, specs: list[tuple], device: str, seed: int, meta: dict, marker: int = 0
+    path: Path, specs: list[tuple], device: str, seed: int, meta: dict, marker: int = 0, bf16: tuple[str, ...] = ()
 ) -> dict:
     """Stream random weights (``init`` as make_wan_sd's: normal with a std, ones, zeros) into a
     ComfyUI fp8_scaled file. A marker of 2 elements asks ComfyUI for full-precision matmuls
     (weights dequantised); an empty one lets it run fp8 matmuls where the GPU has them."""
     import torch
 
-    entries = _fp8_entries(specs, marker)
+    entries = _fp8_entries(specs, marker, bf16)
     hb, data_len = _header(entries, meta)
     gen = torch.Generator(device=device).manual_seed(seed)
     tmp, scale, fp8_bytes = Path(str(path) + ".part"), None, 0
