@@ -242,7 +242,7 @@ class DiffusersPatcher(ModelPatcher):
 
     # -- what ComfyUI reads -------------------------------------------------------------------
     def loaded_size(self) -> int:
-        return self.report().device_bytes if self._placed() else 0
+        return ENGINE.device_bytes(self.pipe)
 
     def current_loaded_device(self) -> torch.device:
         return self.load_device if self._placed() else self.offload_device

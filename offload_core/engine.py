@@ -16,7 +16,7 @@ import torch
 
 from .components import ComponentInfo, describe, iter_modules
 from .config import OffloadConfig
-from .formats.mapped import mapped_bytes
+from .formats.mapped import loader_ranges, mapped_bytes
 from .guards import onload_device, refuse_foreign_offload, refuse_unmovable_quantization
 from .log import get_logger
 from .memory import MemoryReader, PinVerdict, sweep_cleanup
@@ -242,16 +242,20 @@ class Engine:
         ask their memory manager for this much before a run, as they do for their own models."""
         return max((s.transport.run_bytes() for s in self.states(pipe).values()), default=0)
 
+    def device_bytes(self, pipe: object) -> int:
+        """Device bytes ``pipe``'s components hold now: the report's total, without its walk over
+        every tensor (hosts ask for it often: ComfyUI's ``loaded_size``)."""
+        return sum(s.transport.device_bytes() for s in self.states(pipe).values())
+
     def states(self, pipe: object) -> dict[str, ComponentState]:
         return {n: state for n, m in iter_modules(pipe) if (state := COMPONENT.get(m)) is not None}
 
     def report(self, pipe: object) -> PlacementReport:
-        pstate = PIPELINE.get(pipe)
-        comps = []
+        pstate, comps, ranges = PIPELINE.get(pipe), [], loader_ranges()
         for name, module in iter_modules(pipe):
             state = COMPONENT.get(module)
             info = state.info if state is not None else describe(name, module)
-            comps.append(_component_report(info, state, LORA_REPORT.get(module), mapped_bytes(module)))
+            comps.append(_component_report(info, state, LORA_REPORT.get(module), mapped_bytes(module, ranges)))
         return PlacementReport(
             pipeline=type(pipe).__name__,
             device=str(pstate.device) if pstate else "unplaced",

@@ -19,6 +19,7 @@ Every file's header is checked against its size before anything is mapped: a tru
 
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import os
@@ -151,7 +152,7 @@ def map_from_files(module: torch.nn.Module, folder: str | os.PathLike[str] | Non
     if not index:
         _keep_all(module, report, f"no safetensors files in {path}")
         return report
-    maps = _Mappings(_loader_ranges())
+    maps = _Mappings(loader_ranges())
     for names, tensor in _tensors(module):
         _map_one(names, tensor, index, maps, report)
     return report
@@ -222,7 +223,8 @@ class _Mappings:
 
     def __init__(self, loader: list[tuple[int, int, int, tuple[int, int]]]) -> None:
         self._maps: dict[str, mmap.mmap] = {}
-        self._loader = loader
+        self._loader = sorted(loader)
+        self._starts = [r[0] for r in self._loader]
         self._ids: dict[str, tuple[int, int]] = {}
 
     def view(self, entry: FileTensor) -> torch.Tensor:
@@ -238,13 +240,17 @@ class _Mappings:
         if entry.file not in self._ids:
             stat = os.stat(entry.file)
             self._ids[entry.file] = (stat.st_dev, stat.st_ino)
-        return any(lo <= ptr and ptr + n <= hi and file_id == self._ids[entry.file] and off + ptr - lo == entry.start
-                   for lo, hi, off, file_id in self._loader)
+        i = bisect.bisect_right(self._starts, ptr) - 1
+        if i < 0:
+            return False
+        lo, hi, off, file_id = self._loader[i]
+        return ptr + n <= hi and file_id == self._ids[entry.file] and off + ptr - lo == entry.start
 
 
-def _loader_ranges() -> list[tuple[int, int, int, tuple[int, int]]]:
-    """File-backed private mappings of this process: (start, end, file offset, (dev, inode)).
-    Linux only; elsewhere every tensor is compared and re-pointed."""
+def loader_ranges() -> list[tuple[int, int, int, tuple[int, int]]]:
+    """File-backed private mappings of this process: (start, end, file offset, (dev, inode)), by
+    start (mappings never overlap: a bisection finds a pointer's). Linux only; elsewhere every
+    tensor is compared and re-pointed."""
     if not sys.platform.startswith("linux"):
         return []
     out = []
@@ -259,18 +265,20 @@ def _loader_ranges() -> list[tuple[int, int, int, tuple[int, int]]]:
     return out
 
 
-def mapped_bytes(module: torch.nn.Module) -> int:
+def mapped_bytes(module: torch.nn.Module, ranges: list[tuple[int, int, int, tuple[int, int]]] | None = None) -> int:
     """Bytes of ``module``'s tensors resting unpinned in a private file mapping now (a tensor moved
-    to a device or pinned is not counted: it no longer reads from the file)."""
-    ranges = [(lo, hi) for lo, hi, _off, _id in _loader_ranges()]
-    if not ranges:
+    to a device or pinned is not counted: it no longer reads from the file). ``ranges``: this
+    process's `loader_ranges`, read once for several modules."""
+    spans = sorted((lo, hi) for lo, hi, _off, _id in (loader_ranges() if ranges is None else ranges))
+    if not spans:
         return 0
-    total = 0
+    starts, total = [lo for lo, _hi in spans], 0
     for _names, t in _tensors(module):
         if t.device.type != "cpu" or (torch.cuda.is_available() and t.is_pinned()):
             continue
         ptr = t.data_ptr()
-        if any(lo <= ptr < hi for lo, hi in ranges):
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i >= 0 and ptr < spans[i][1]:
             total += t.numel() * t.element_size()
     return total
 

@@ -7,6 +7,7 @@ import weakref
 import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig, OffloadConfigError
+from diffusers_offload.offload_core import engine as engine_mod
 from diffusers_offload.offload_core.memory import MemoryReader
 from diffusers_offload.offload_core.pinning import pinned_bytes
 from diffusers_offload.offload_core.report import gib
@@ -276,6 +277,20 @@ def test_memory_required_is_the_largest_single_need_of_the_next_run(wan_pipe):
     slots = 2 * max(b.largest_unit for b in streamer.blocks)  # a ring of window + 1 unit buffers
     assert engine.memory_required(wan_pipe) == max(slots, sizes["vae"], engine.states(wan_pipe)[
         "text_encoder"].transport.run_bytes())
+
+
+def test_device_bytes_is_the_reports_total_without_the_report(wan_pipe, monkeypatch):
+    """What hosts read often (ComfyUI's loaded_size) equals the report's device total, placed and
+    released, and never builds the report (its walk over every tensor for the mapped bytes)."""
+    engine = Engine()
+    engine.place(wan_pipe, CFG.replace(mode="none"))
+    run_wan(wan_pipe)
+    held = engine.report(wan_pipe).device_bytes
+    with monkeypatch.context() as m:
+        m.setattr(engine_mod, "mapped_bytes", lambda *_a: pytest.fail("device_bytes built a report"))
+        assert engine.device_bytes(wan_pipe) == held > 0
+    engine.release(wan_pipe)
+    assert engine.device_bytes(wan_pipe) == engine.report(wan_pipe).device_bytes == 0
 
 
 def test_on_demand_goes_back_to_its_resting_tensors_without_copying_out(monkeypatch):
