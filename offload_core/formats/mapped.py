@@ -272,9 +272,9 @@ def mapped_bytes(module: torch.nn.Module, ranges: list[tuple[int, int, int, tupl
     spans = sorted((lo, hi) for lo, hi, _off, _id in (loader_ranges() if ranges is None else ranges))
     if not spans:
         return 0
-    starts, total = [lo for lo, _hi in spans], 0
+    starts, total, cuda = [lo for lo, _hi in spans], 0, torch.cuda.is_available()
     for _names, t in _tensors(module):
-        if t.device.type != "cpu" or (torch.cuda.is_available() and t.is_pinned()):
+        if t.device.type != "cpu" or (cuda and t.is_pinned()):
             continue
         ptr = t.data_ptr()
         i = bisect.bisect_right(starts, ptr) - 1
