@@ -5,7 +5,7 @@
 # Here (no GPU), once, to fill the ignored folder .gpu/ that travels with carry [".gpu", ".whl"]:
 #   bash bench/comfy_coexist.sh prep [COMFY_TREE=/work/comfyui-2026]
 #     .gpu/comfyui         the 2026 ComfyUI tree without tests, CI, docs, blueprints, API nodes and
-#                          tokenizer data files (none is read by this bench)
+#                          tokenizer data files but Qwen2.5-VL's (image_pipeline_node.py reads it)
 #     .gpu/native_anchor   make_wan_sd.py + native_bench.py (from ../shared/reference/native_anchor)
 #     .gpu/whl             wheels the GPU image lacks: comfy-aimdo, torchsde, trampoline, SQLAlchemy,
 #                          pydantic (+core, annotated-types, typing-inspection, typing-extensions),
@@ -35,8 +35,8 @@ if [ "$MODE" = prep ]; then
   (cd .gpu/comfyui && rm -rf .git .ci .github tests tests-unit blueprints comfy_api_nodes script_examples \
      openapi.yaml .coderabbit.yaml .spectral.yaml AGENTS.md QUANTIZATION.md CONTRIBUTING.md SECURITY.md \
      CODEOWNERS README.md)
-  # tokenizer data (vocab/merges/tokenizer.json/.model): read only when a text encoder is built
-  find .gpu/comfyui/comfy -path '*tokenizer*' -type f ! -name '*.py' -delete
+  # tokenizer data (vocab/merges/tokenizer.json/.model): read only when a text encoder is built; Qwen2.5-VL's kept
+  find .gpu/comfyui/comfy -path '*tokenizer*' -type f ! -name '*.py' ! -path '*/qwen25_tokenizer/*' -delete  # Qwen2.5-VL's: image_pipeline_node.py
   find .gpu/comfyui -name __pycache__ -type d -prune -exec rm -rf {} +
   cp "$ANCHOR/make_wan_sd.py" "$ANCHOR/native_bench.py" .gpu/native_anchor/
   dl() {  # dl DEST NAME==VERSION: a cp312 manylinux (or pure-Python) wheel, no dependencies

@@ -155,6 +155,11 @@ def shipped_tokenizer(folder: Path, name: str, cls_name: str, comfy_tokenizers: 
         raise SingleFileError(f"the config folder {folder} takes its {name} from ComfyUI's {source.name} folder, which "
                               f"{'was not given' if comfy_tokenizers is None else f'is not at {source}'}: use a "
                               "diffusers config folder with a tokenizer")
+    vocabulary = set(getattr(getattr(transformers, cls_name, None), "vocab_files_names", {}).values())
+    if vocabulary and not any((source / name).is_file() for name in vocabulary):  # transformers would read it as empty
+        raise SingleFileError(f"ComfyUI's tokenizer {source} holds none of its vocabulary files "
+                              f"({', '.join(sorted(vocabulary))}; it holds {sorted(p.name for p in source.iterdir())}): "
+                              "reinstall ComfyUI's tokenizer files or use a diffusers config folder with a tokenizer")
     try:
         tokenizer = getattr(transformers, cls_name).from_pretrained(str(source), **entry)
     except Exception as exc:

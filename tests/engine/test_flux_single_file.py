@@ -246,7 +246,7 @@ def test_flux_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer
     ships CLIP-L's and T5's in. The tiny Flux's configs (less weights and tokenizers, with that
     file) stand for a carried folder, its tokenizers saved where ComfyUI keeps its own: the file
     picks that folder and, with the VAE in the LDM layout of BFL's ae.safetensors, runs as the tiny
-    Flux; without ComfyUI's folder, refused by name."""
+    Flux; without ComfyUI's folder, or with its files gone, refused by name."""
     folder = carried_like_copy(tiny_flux_dir, tmp_path / "carried" / "tiny-flux")
     shutil.copyfile(carried.by_name("FLUX.1-dev") / "tokenizers.json", folder / "tokenizers.json")
     comfy = tmp_path / "ComfyUI" / "comfy"
@@ -261,3 +261,7 @@ def test_flux_files_run_with_the_configs_the_pack_carries_and_comfyuis_tokenizer
     assert torch.equal(_run_placed(pipe, "auto"), _once("bf16", lambda: run_flux(_folder_pipe(tiny_flux_dir))))
     with pytest.raises(SingleFileError, match="takes its tokenizer from ComfyUI's sd1_tokenizer folder, which was not"):
         load_pipeline_with_denoiser(folder, bfl_flux("bf16"), BF16, **files)
+    for f in (comfy / "sd1_tokenizer").iterdir():  # a ComfyUI install without its tokenizer files
+        f.unlink()
+    with pytest.raises(SingleFileError, match=r"sd1_tokenizer holds none of its vocabulary files \(merges.txt, tokenizer.json, vocab.json; it holds \[\]\)"):
+        load_pipeline_with_denoiser(folder, bfl_flux("bf16"), BF16, comfy_tokenizers=comfy, **files)
