@@ -34,6 +34,8 @@ import torch
 from ..log import get_logger
 from ..report import gib
 
+FileRange = tuple[int, int, int, tuple[int, int]]  # a file-backed mapping: start, end, file offset, (dev, inode)
+
 log = get_logger("mapped")
 
 MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
@@ -221,10 +223,10 @@ class _Mappings:
     """The private mappings opened by one ``map_from_files`` call (one per file, opened at first
     use) and the loader's file-backed ranges to recognise tensors mapped already."""
 
-    def __init__(self, loader: list[tuple[int, int, int, tuple[int, int]]]) -> None:
+    def __init__(self, loader: list[FileRange]) -> None:
         self._maps: dict[str, mmap.mmap] = {}
-        self._loader = sorted(loader)
-        self._starts = [r[0] for r in self._loader]
+        self._loader = loader
+        self._starts = [r[0] for r in loader]
         self._ids: dict[str, tuple[int, int]] = {}
 
     def view(self, entry: FileTensor) -> torch.Tensor:
@@ -247,7 +249,7 @@ class _Mappings:
         return ptr + n <= hi and file_id == self._ids[entry.file] and off + ptr - lo == entry.start
 
 
-def loader_ranges() -> list[tuple[int, int, int, tuple[int, int]]]:
+def loader_ranges() -> list[FileRange]:
     """File-backed private mappings of this process: (start, end, file offset, (dev, inode)), by
     start (mappings never overlap: a bisection finds a pointer's). Linux only; elsewhere every
     tensor is compared and re-pointed."""
@@ -262,17 +264,17 @@ def loader_ranges() -> list[tuple[int, int, int, tuple[int, int]]]:
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             major, minor = (int(x, 16) for x in parts[3].split(":"))
             out.append((lo, hi, int(parts[2], 16), (os.makedev(major, minor), int(parts[4]))))
-    return out
+    return sorted(out)
 
 
-def mapped_bytes(module: torch.nn.Module, ranges: list[tuple[int, int, int, tuple[int, int]]] | None = None) -> int:
+def mapped_bytes(module: torch.nn.Module, ranges: list[FileRange] | None = None) -> int:
     """Bytes of ``module``'s tensors resting unpinned in a private file mapping now (a tensor moved
     to a device or pinned is not counted: it no longer reads from the file). ``ranges``: this
     process's `loader_ranges`, read once for several modules."""
-    spans = sorted((lo, hi) for lo, hi, _off, _id in (loader_ranges() if ranges is None else ranges))
+    spans = loader_ranges() if ranges is None else ranges
     if not spans:
         return 0
-    starts, total, cuda = [lo for lo, _hi in spans], 0, torch.cuda.is_available()
+    starts, total, cuda = [r[0] for r in spans], 0, torch.cuda.is_available()
     for _names, t in _tensors(module):
         if t.device.type != "cpu" or (cuda and t.is_pinned()):
             continue
