@@ -36,7 +36,7 @@ from typing import Any
 import benchkit.comfy as bc
 from benchkit import ROOT, gib, open_output, output_args
 from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
-from benchkit.qwen_image_files import NAMES
+from benchkit.qwen_image_files import FOLDERS, NAMES
 from benchkit.single_file import host_rss, unload_all
 
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -87,9 +87,6 @@ def ensure_files(a: argparse.Namespace, models: Path) -> dict[str, Any]:
     sizes = json.loads(lines[-1][len("BUILD "):])
     stamp.write_text(json.dumps({"args": key, "sizes": sizes}))
     return {**sizes, "build_s": round(time.perf_counter() - t0, 1)}
-
-
-FOLDERS = {"denoiser": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}
 
 
 def build_only(a: argparse.Namespace, models: Path) -> int:

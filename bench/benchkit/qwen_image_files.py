@@ -21,6 +21,7 @@ CARRIED = ROOT / "offload_core" / "formats" / "carried_configs" / "Qwen-Image"
 NAMES = {"denoiser": "qwen_image_fp8_random.safetensors",
          "text_encoder": "qwen_2.5_vl_7b_fp8_scaled_random.safetensors",
          "vae": "qwen_image_vae_random.safetensors"}
+FOLDERS = {"denoiser": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}  # ComfyUI's, by input
 BF16_2D = ("embed_tokens.weight",)  # 2-D but not a Linear: bf16 in Comfy-Org's file
 
 
@@ -58,8 +59,7 @@ def _init(key: str, ndim: int) -> tuple:
 
 def write(models: Path, tiny: bool, device: str, te_layers: int | None = None) -> dict[str, Any]:
     """The three files under ``models`` (diffusion_models, text_encoders, vae); their sizes."""
-    paths = {"denoiser": models / "diffusion_models" / NAMES["denoiser"],
-             "text_encoder": models / "text_encoders" / NAMES["text_encoder"], "vae": models / "vae" / NAMES["vae"]}
+    paths = {name: models / folder / NAMES[name] for name, folder in FOLDERS.items()}
     for p in paths.values():
         p.parent.mkdir(parents=True, exist_ok=True)
     if tiny:
