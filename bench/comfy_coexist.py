@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from typing import Any
 import benchkit.comfy as bc
 from benchkit import ROOT, GiB, gib, version_of
 from benchkit.coexist_report import fmt, print_report, summarize
-from benchkit.comfy_run import aimdo_enabled, comfy_tree, offline, queue, require_nodes
+from benchkit.comfy_run import aimdo_enabled, comfy_tree, offline, queue, require_nodes, rerun_json
 
 PIPE_NAME = "wan_coexist"
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -103,12 +102,7 @@ def ensure_models(a: argparse.Namespace) -> dict[str, Any]:
     if not a.rebuild and built and json.loads(p.stamp.read_text()).get("args") == [a.layers, a.tiny, 1]:
         return {"reused": True}
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-only", *sys.argv[1:]],
-                         stdout=subprocess.PIPE, text=True)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("BUILD ")]
-    if res.returncode != 0 or not lines:
-        raise SystemExit(f"model build failed (rc={res.returncode}):\n{res.stdout[-4000:]}")
-    return dict(json.loads(lines[-1][len("BUILD "):]), build_process_s=round(time.perf_counter() - t0, 2))
+    return dict(rerun_json("--build-only", "BUILD"), build_process_s=round(time.perf_counter() - t0, 2))
 
 
 def build_only(a: argparse.Namespace) -> int:

@@ -35,8 +35,9 @@ if [ "$MODE" = prep ]; then
   (cd .gpu/comfyui && rm -rf .git .ci .github tests tests-unit blueprints comfy_api_nodes script_examples \
      openapi.yaml .coderabbit.yaml .spectral.yaml AGENTS.md QUANTIZATION.md CONTRIBUTING.md SECURITY.md \
      CODEOWNERS README.md)
-  # tokenizer data (vocab/merges/tokenizer.json/.model): read only when a text encoder is built; Qwen2.5-VL's kept
-  find .gpu/comfyui/comfy -path '*tokenizer*' -type f ! -name '*.py' ! -path '*/qwen25_tokenizer/*' -delete  # Qwen2.5-VL's: image_pipeline_node.py
+  # tokenizer data (vocab/merges/tokenizer.json/.model): read only when a text encoder is built;
+  # Qwen2.5-VL's kept (image_pipeline_node.py reads it)
+  find .gpu/comfyui/comfy -path '*tokenizer*' -type f ! -name '*.py' ! -path '*/qwen25_tokenizer/*' -delete
   find .gpu/comfyui -name __pycache__ -type d -prune -exec rm -rf {} +
   cp "$ANCHOR/make_wan_sd.py" "$ANCHOR/native_bench.py" .gpu/native_anchor/
   dl() {  # dl DEST NAME==VERSION: a cp312 manylinux (or pure-Python) wheel, no dependencies

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
 from benchkit import ROOT, gib, open_output, output_args
-from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
+from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes, rerun_json
 from benchkit.qwen_image_files import FOLDERS, NAMES
 from benchkit.single_file import host_rss, unload_all
 
@@ -76,15 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def ensure_files(a: argparse.Namespace, models: Path) -> dict[str, Any]:
     stamp, key = models / "qwen_image_files.json", [a.tiny, STAMP_VERSION]
     ready = stamp.is_file() and all((models / d / NAMES[n]).is_file() for n, d in FOLDERS.items())
-    if not a.rebuild and ready and json.loads(stamp.read_text()).get("args") == key:
-        return {"reused": True, **json.loads(stamp.read_text())["sizes"]}
+    if not a.rebuild and ready and (stamped := json.loads(stamp.read_text())).get("args") == key:
+        return {"reused": True, **stamped["sizes"]}
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--build-only", *sys.argv[1:]],
-                         stdout=subprocess.PIPE, text=True)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("BUILD ")]
-    if res.returncode != 0 or not lines:
-        raise SystemExit(f"file build failed (rc={res.returncode}):\n{res.stdout[-4000:]}")
-    sizes = json.loads(lines[-1][len("BUILD "):])
+    sizes = rerun_json("--build-only", "BUILD")
     stamp.write_text(json.dumps({"args": key, "sizes": sizes}))
     return {**sizes, "build_s": round(time.perf_counter() - t0, 1)}
 
@@ -104,8 +98,9 @@ def workflow(a: argparse.Namespace, text: str, seed: int) -> dict[str, Any]:
     settings = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
                 "on_demand_threshold_gb": 0.0 if a.tiny else 1.0, "resident_floor_mb": 0.0 if a.tiny else 64.0,
                 "always": "", "never": "", "preload": "auto", "prefetch_window": 1, "device": "", "measures_path": ""}
-    load = {"config": "qwen-image-tiny" if a.tiny else "auto: the configs the pack carries", "denoiser": NAMES["denoiser"], "text_encoder": NAMES["text_encoder"],
-            "vae": NAMES["vae"], "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0], "fp8_matmul": a.fp8_matmul}
+    load = {"config": "qwen-image-tiny" if a.tiny else "auto: the configs the pack carries",
+            **{name: NAMES[name] for name in FOLDERS}, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0],
+            "fp8_matmul": a.fp8_matmul}
     size = {"width": a.size, "height": a.size}
     return {
         "s": {"class_type": "DiffusersOffloadSettings", "inputs": settings},
@@ -230,8 +225,7 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
            "denoise_s": round(sum(forwards), 3),
            "step_median_s": round(statistics.median(forwards[1:]), 4) if len(forwards) > 1 else None,
            "image_finite": None if image is None else bool(torch.isfinite(image).all()),
-           **dict(zip(("torch_ooms", "alloc_retries"), [n - m for n, m in zip(c.alloc_counts(), counts0, strict=True)],
-                      strict=True)),
+           **dict(zip(("torch_ooms", "alloc_retries"), map(int.__sub__, c.alloc_counts(), counts0), strict=True)),
            **host_rss(), "storage_gib": gib(c.storage), "log": rec.log[-30:]}
     row["other_s"] = round(wall - row["text_s"] - row["denoise_s"] - row["decode_s"], 3)
     if side == "ours" and rec.ours is not None:

@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ from typing import Any
 import benchkit.comfy as bc
 import comfy_coexist as coexist
 from benchkit import ROOT, GiB, gib, open_output, output_args
-from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
+from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes, rerun_json
 from benchkit.single_file import (
     gbs,
     host_rss,
@@ -148,12 +147,7 @@ def ensure_models(a: argparse.Namespace) -> dict[str, Any]:
     if not a.rebuild and ready and json.loads(p.stamp.read_text()).get("args") == key:
         return {"reused": True, **json.loads(p.stamp.read_text()).get("build", {})}
     t0 = time.perf_counter()
-    argv = [sys.executable, str(Path(__file__).resolve()), "--build-only", *sys.argv[1:]]
-    res = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("BUILD ")]
-    if res.returncode != 0 or not lines:
-        raise SystemExit(f"model build failed (rc={res.returncode}):\n{res.stdout[-4000:]}")
-    return dict(json.loads(lines[-1][len("BUILD ") :]), build_process_s=round(time.perf_counter() - t0, 2))
+    return dict(rerun_json("--build-only", "BUILD"), build_process_s=round(time.perf_counter() - t0, 2))
 
 
 def build_only(a: argparse.Namespace) -> int:

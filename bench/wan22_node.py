@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 # Nothing here may import torch before ComfyUI's start-up has run (cuda_malloc picks the allocator).
 import benchkit.comfy as bc
 from benchkit import ROOT, GiB, gib
-from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes
+from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes, rerun_json
 from benchkit.wan22 import DENOISERS, latent_shape
 
 PIPE_NAME = "wan22_a14b_bench"
@@ -101,27 +100,13 @@ def device_of(a: argparse.Namespace) -> str:
 
 
 # -- the subprocesses: the model written, each denoiser timed resident -----------------------------
-def subprocess_json(flag: str, prefix: str) -> dict[str, Any]:
-    """Runs this script with ``flag`` (its allocations and RNG never touch this process) and reads
-    the JSON of its last ``prefix`` line."""
-    res = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), flag, *sys.argv[1:]],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(prefix + " ")]
-    if res.returncode != 0 or not lines:
-        raise SystemExit(f"{flag} failed (rc={res.returncode}):\n{res.stdout[-4000:]}")
-    return json.loads(lines[-1][len(prefix) + 1 :])
-
-
 def ensure_model(a: argparse.Namespace) -> dict[str, Any]:
     p, key = paths(a), [a.layers, a.tiny, STAMP_VERSION]
     if not a.rebuild and p.stamp.is_file() and (p.pipe / "model_index.json").is_file():
         stamp = json.loads(p.stamp.read_text())
         if stamp.get("args") == key:
             return dict(stamp["build"], reused=True)
-    build = subprocess_json("--build-only", "BUILD")
+    build = rerun_json("--build-only", "BUILD")
     p.stamp.write_text(json.dumps({"args": key, "build": build}))
     return build
 
@@ -202,7 +187,7 @@ def main() -> int:
 
     build = ensure_model(a)
     stamp(f"model ready: {json.dumps(build)}")
-    resident = subprocess_json("--resident-only", "RESIDENT")
+    resident = rerun_json("--resident-only", "RESIDENT")
     stamp("resident steps: " + ", ".join(f"{n} {r['median_s']:.4f} s" for n, r in resident.items()))
     p.measures.unlink(missing_ok=True)  # every invocation learns its measures afresh
     av_stubbed = bc.stub_av_if_missing()

@@ -1,10 +1,13 @@
 """What the ComfyUI-side benches (comfy_coexist.py, wan22_node.py, single_file_node.py) do alike
-with a booted host: check the tree, check the pack's nodes loaded, queue a prompt and report its
-error, whether DynamicVRAM is on. No torch import here (ComfyUI's start-up must import it first)."""
+with a booted host: build their files in a process of their own, check the tree, check the pack's
+nodes loaded, queue a prompt and report its error, whether DynamicVRAM is on. No torch import here (ComfyUI's start-up must import it first)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,17 @@ def offline() -> None:
     """No hub access and no bytecode files, unless the caller's environment says otherwise."""
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PYTHONDONTWRITEBYTECODE"):
         os.environ.setdefault(key, "1")
+
+
+def rerun_json(flag: str, prefix: str) -> dict[str, Any]:
+    """Run this script again with ``flag`` (a process of its own: its allocations and RNG never touch
+    this one) and read the JSON of its last ``prefix`` line; stop with its output if it failed."""
+    res = subprocess.run([sys.executable, str(Path(sys.argv[0]).resolve()), flag, *sys.argv[1:]],
+                         stdout=subprocess.PIPE, text=True)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(prefix + " ")]
+    if res.returncode != 0 or not lines:
+        raise SystemExit(f"{flag} failed (rc={res.returncode}):\n{res.stdout[-4000:]}")
+    return json.loads(lines[-1][len(prefix) + 1:])
 
 
 def comfy_tree(path: str) -> Path:
