@@ -221,14 +221,14 @@ class DiffusersPatcher(ModelPatcher):
         return self.model.pipe
 
     # -- what the nodes call ----------------------------------------------------------------
-    def prepare(self, config: OffloadConfig, memory_required: int = 0) -> PlacementReport:
-        """(Re)place through ComfyUI's loader, the way core nodes load a model before use."""
+    def prepare(self, config: OffloadConfig, memory_required: int = 0) -> None:
+        """(Re)place through ComfyUI's loader, the way core nodes load a model before use (the
+        handle reads the report once its LoRA set is effective: `PipeHandle.prepare`)."""
         effective = effective_config(config)
         attach_measures(effective.measures_path)
         self._retarget(torch.device(effective.device))
         self.model.config = effective
         mm.load_models_gpu([self], memory_required=memory_required or ENGINE.memory_required(self.pipe))
-        return self.report()
 
     def finish(self) -> None:
         """End of a pipeline call: on-demand modules go home, streamed blocks are released (their
