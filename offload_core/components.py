@@ -127,10 +127,17 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 
 def _is_bridged(method: object) -> bool:
-    """True when a method carries diffusers' ``apply_forward_hook`` bridge (it calls ``_hf_hook``)."""
-    wrapped = getattr(method, "__wrapped__", None)
-    code = getattr(method, "__code__", None)
-    return wrapped is not None and code is not None and code.co_filename.endswith("accelerate_utils.py")
+    """True when a method carries diffusers' ``apply_forward_hook`` bridge (it calls ``_hf_hook``),
+    under any wrappers that name what they wrap (``functools.wraps``: a profiler's, another pack's)."""
+    for _ in range(16):  # a chain of wrappers, never a loop
+        wrapped = getattr(method, "__wrapped__", None)
+        if wrapped is None:
+            return False
+        code = getattr(method, "__code__", None)
+        if code is not None and code.co_filename.endswith("accelerate_utils.py"):
+            return True
+        method = wrapped
+    return False
 
 
 def _quantization(module: torch.nn.Module) -> str | None:

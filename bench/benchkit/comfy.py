@@ -8,6 +8,7 @@ Nothing here imports torch at module level: ComfyUI's start-up must import it fi
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -347,6 +348,7 @@ class Recorder:
 
         base, rec = getattr(cls, method) if method != "__call__" else torch.nn.Module.__call__, self
 
+        @functools.wraps(base)  # names what it wraps: the engine finds diffusers' decode bridge under it
         def timed(self, *args, **kwargs):
             rec.sync()
             t = time.perf_counter()

@@ -108,6 +108,34 @@ def test_a_decode_without_the_bridge_stays_resident_with_a_warning_in_auto_and_m
     assert "decode without diffusers' forward-hook bridge" in caplog.text
 
 
+@pytest.mark.parametrize("threshold_gb", [0, 1])  # on demand; resident (small), its calls given room
+def test_a_bridged_decode_under_a_well_behaved_wrapper_keeps_its_bridge(wan_pipe, monkeypatch, threshold_gb):
+    """A profiler or another pack that wraps the VAE class's ``decode`` with ``functools.wraps``
+    keeps diffusers' bridge under it: the decode still moves an on-demand VAE in, and a resident
+    VAE's decode still asks the other components for its working memory (`workspace.py`; without
+    it a Qwen-Image decode at 1024² ran out of memory beside the denoiser's kept blocks)."""
+    import functools
+
+    from diffusers_offload.offload_core.state import COMPONENT
+
+    vae_cls = type(wan_pipe.vae)
+    base, calls = vae_cls.decode, []
+
+    @functools.wraps(base)
+    def timed(self, *args, **kwargs):
+        calls.append(1)
+        return base(self, *args, **kwargs)
+
+    monkeypatch.setattr(vae_cls, "decode", timed)
+    engine = Engine()
+    role = engine.place(wan_pipe, CFG.replace(on_demand_threshold_gb=threshold_gb)).component("vae").role
+    transport = COMPONENT.get(wan_pipe.vae).transport
+    assert (role, transport.entries) == ("resident" if threshold_gb else "on-demand", ("encode", "decode"))
+    wan_pipe.vae.decode(torch.randn(1, wan_pipe.vae.config.z_dim, 1, 4, 4))
+    assert calls == [1]
+    engine.release(wan_pipe)
+
+
 def test_a_clip_image_encoder_is_reported_as_an_image_encoder():
     from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
 
