@@ -128,12 +128,14 @@ def test_a_bridged_decode_under_a_well_behaved_wrapper_keeps_its_bridge(wan_pipe
 
     monkeypatch.setattr(vae_cls, "decode", timed)
     engine = Engine()
-    role = engine.place(wan_pipe, CFG.replace(on_demand_threshold_gb=threshold_gb)).component("vae").role
-    transport = COMPONENT.get(wan_pipe.vae).transport
-    assert (role, transport.entries) == ("resident" if threshold_gb else "on-demand", ("encode", "decode"))
-    wan_pipe.vae.decode(torch.randn(1, wan_pipe.vae.config.z_dim, 1, 4, 4))
-    assert calls == [1]
-    engine.release(wan_pipe)
+    try:
+        role = engine.place(wan_pipe, CFG.replace(on_demand_threshold_gb=threshold_gb)).component("vae").role
+        transport = COMPONENT.get(wan_pipe.vae).transport
+        assert (role, transport.entries) == ("resident" if threshold_gb else "on-demand", ("encode", "decode"))
+        wan_pipe.vae.decode(torch.randn(1, wan_pipe.vae.config.z_dim, 1, 4, 4))
+        assert calls == [1]
+    finally:
+        engine.release(wan_pipe)
 
 
 def test_a_clip_image_encoder_is_reported_as_an_image_encoder():
