@@ -229,7 +229,9 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
            **host_rss(), "storage_gib": gib(c.storage), "log": rec.log[-30:]}
     row["other_s"] = round(wall - row["text_s"] - row["denoise_s"] - row["decode_s"], 3)
     if side == "ours" and rec.ours is not None:
-        row["ours_pinned_gib"] = gib(rec.ours.report().pinned_bytes)
+        report = rec.ours.report()
+        row["ours_pinned_gib"] = gib(report.pinned_bytes)
+        row["ours_details"] = {c.name: c.details for c in report.components}  # graphs, plan, moves: run by run
     if c.poller is not None:
         c.poller.sample()
         row["peak_used_less_ballast_gib"] = gib(c.poller.peak - c.ballast_used)
