@@ -6,6 +6,7 @@ under its own guard, and the failure is logged and skipped.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -126,18 +127,21 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 
 
+def _is_bridge(method: object) -> bool:
+    """``method`` is diffusers' ``apply_forward_hook`` wrapper itself (it calls ``_hf_hook``)."""
+    code = getattr(method, "__code__", None)
+    return hasattr(method, "__wrapped__") and code is not None and code.co_filename.endswith("accelerate_utils.py")
+
+
 def _is_bridged(method: object) -> bool:
-    """True when a method carries diffusers' ``apply_forward_hook`` bridge (it calls ``_hf_hook``),
-    under any wrappers that name what they wrap (``functools.wraps``: a profiler's, another pack's)."""
-    for _ in range(16):  # a chain of wrappers, never a loop
-        wrapped = getattr(method, "__wrapped__", None)
-        if wrapped is None:
-            return False
-        code = getattr(method, "__code__", None)
-        if code is not None and code.co_filename.endswith("accelerate_utils.py"):
-            return True
-        method = wrapped
-    return False
+    """True when a method carries diffusers' bridge, under any wrappers that name what they wrap
+    (``functools.wraps``: a profiler's, another pack's)."""
+    if not callable(method):
+        return False
+    try:
+        return _is_bridge(inspect.unwrap(method, stop=_is_bridge))
+    except ValueError:  # a cycle of wrappers
+        return False
 
 
 def _quantization(module: torch.nn.Module) -> str | None:

@@ -1,6 +1,7 @@
-"""What the ComfyUI-side benches (comfy_coexist.py, wan22_node.py, single_file_node.py) do alike
-with a booted host: build their files in a process of their own, check the tree, check the pack's
-nodes loaded, queue a prompt and report its error, whether DynamicVRAM is on. No torch import here (ComfyUI's start-up must import it first)."""
+"""What the ComfyUI-side benches (comfy_coexist.py, wan22_node.py, single_file_node.py,
+image_pipeline_node.py) do alike with a booted host: build their files in a process of their own,
+check the tree, check the pack's nodes loaded, queue a prompt and report its error, whether
+DynamicVRAM is on. No torch import here (ComfyUI's start-up must import it first)."""
 
 from __future__ import annotations
 
