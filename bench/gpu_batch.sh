@@ -98,7 +98,7 @@ for row in "$@"; do
             run mapped 240 python3 bench/mapped_check.py --free-gb 16 ;;
     wan22) run wan22 300 python3 bench/wan22_node.py --comfy-dir .gpu/comfyui --cap 12 --json "$ROWS_DIR/wan22.jsonl" ;;
     imagepipe) run imagepipe 200 python3 bench/image_pipeline_node.py --comfy-dir .gpu/comfyui --cap ${PIPE_CAP:-12} \
-                 --steps 8 --out "$ROWS_DIR" ;;  # Qwen-Image's three fp8 files, whole pipeline, ours then native
+                 --steps 8 --prompts ${PIPE_PROMPTS:-first,seed,prompt} --out "$ROWS_DIR" ;;  # Qwen-Image's three fp8 files, whole pipeline, ours then native
     single) run single 300 python3 bench/single_file_node.py --comfy-dir .gpu/comfyui --cap 12 --layers 40 \
               --out "$ROWS_DIR" ${SINGLE_ARGS:-} ;;  # SINGLE_ARGS=--fp8-matmul: our loader's fp8 matmuls on
     gguf) for st in gguf_q8_0 gguf_q4_k; do

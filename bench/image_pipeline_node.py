@@ -40,7 +40,8 @@ from benchkit.single_file import host_rss, unload_all
 
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
 PROMPTS = {"first": ("a red fox in the snow, photograph", 1), "seed": ("a red fox in the snow, photograph", 2),
-           "prompt": ("a lighthouse on a cliff at dusk, oil painting", 3)}
+           "prompt": ("a lighthouse on a cliff at dusk, oil painting", 3),
+           "again": ("a red fox in the snow, photograph", 4)}  # after a new prompt: the settled run
 STAMP_VERSION = 1
 
 

@@ -243,9 +243,9 @@ class PreloadDriver:
                  "head": s.head_bytes(), "kept": s.kept_bytes(), "ring": s.ring.nbytes,
                  "end_alloc": self.memory.allocated(s.device) - s.device_bytes() - self._others,
                  "graph_pool": g.pool_bytes, "graph_io": g.nbytes - g.pool_bytes}
-        logger.debug("%s forward: %s; graphs %d (replayed %d), lookahead %d", self.planner.label,
-                     ", ".join(f"{k} {v / 2**30:.3f}" for k, v in terms.items()), len(g), g.replayed,
-                     self.planner.ring_slots)
+        logger.debug("%s forward: %s; kept %d pieces; graphs %d (captured %d, refused %d, replayed %d), lookahead %d",
+                     self.planner.label, ", ".join(f"{k} {v / 2**30:.3f}" for k, v in terms.items()),
+                     len(s.resident_indices()), len(g), g.captured, g.refused, g.replayed, self.planner.ring_slots)
 
     def _hold_casts(self, workload: int) -> None:
         """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves
