@@ -141,6 +141,10 @@ def install_timers(rec: bc.Recorder, nodes: Any) -> None:
     rec.time_calls(QwenImageTransformer2DModel, "ours")
     rec.time_calls(Qwen2_5_VLForConditionalGeneration, "ours_text")
     rec.time_calls(AutoencoderKLQwenImage, "ours_decode", "decode")
+    engine, single_file = (next(m for n, m in sys.modules.items() if n.endswith(tail))
+                           for tail in ("offload_core.engine", "nodes.single_file"))
+    rec.time_function(single_file, "load_pipeline_with_denoiser", "ours_load")  # the files to a pipeline
+    rec.time_calls(engine.Engine, "ours_place", "place")  # placing it: pinning, the streamers' tables
     rec.time_calls(nodes.CLIPTextEncode, "native_text", "encode")
     rec.time_calls(nodes.VAEDecode, "native_decode", "decode")
 
@@ -218,12 +222,13 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
     if got is not None:
         rec.ours = getattr(got, "patcher", got)
     image = rec.captured(f"{side}_image")
-    timed = {k: [s for who, s in rec.forwards if who == f"{side}{k}"] for k in ("", "_text", "_decode")}
+    timed = {k: [s for who, s in rec.forwards if who == f"{side}{k}"] for k in ("", "_text", "_decode", "_load", "_place")}
     forwards = timed[""]
     row = {"section": "run", "side": side, "prompt": name, "seed": seed, "error": err, "wall_s": round(wall, 3),
            "text_s": round(sum(timed["_text"]), 3), "text_calls": len(timed["_text"]),
            "decode_s": round(sum(timed["_decode"]), 3), "forward_s": [round(x, 4) for x in forwards],
-           "denoise_s": round(sum(forwards), 3),
+           "denoise_s": round(sum(forwards), 3), "load_s": round(sum(timed["_load"]), 3),
+           "place_s": round(sum(timed["_place"]), 3),
            "step_median_s": round(statistics.median(forwards[1:]), 4) if len(forwards) > 1 else None,
            "image_finite": None if image is None else bool(torch.isfinite(image).all()),
            **dict(zip(("torch_ooms", "alloc_retries"), map(int.__sub__, c.alloc_counts(), counts0), strict=True)),
@@ -239,7 +244,8 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
     rec.capture.seen.clear()
     c.runs.append(row)
     print(f"   wall {wall:.2f} s: text {row['text_s']} s, denoise {row['denoise_s']} s "
-          f"(step {row['step_median_s']}), decode {row['decode_s']} s, rest {row['other_s']} s; error={err}", flush=True)
+          f"(step {row['step_median_s']}), decode {row['decode_s']} s, rest {row['other_s']} s (loading "
+          f"{row['load_s']} s, placing {row['place_s']} s); error={err}", flush=True)
     return row
 
 

@@ -359,6 +359,21 @@ class Recorder:
 
         setattr(cls, method, timed)
 
+    def time_function(self, module: Any, name: str, who: str) -> None:
+        """Record (``who``, seconds) for every call of the function ``module.name`` (host-side work:
+        not synchronised)."""
+        base, rec = getattr(module, name), self
+
+        @functools.wraps(base)
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return base(*args, **kwargs)
+            finally:
+                rec.forwards.append((who, time.perf_counter() - t))
+
+        setattr(module, name, timed)
+
     def snapshot(self, mm, ballast_used: int) -> dict[str, Any]:
         """Loaded/size of both models and of every entry ComfyUI holds, DynamicVRAM's bytes, torch's."""
         s: dict[str, Any] = {"loaded_models": [
