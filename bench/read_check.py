@@ -1,0 +1,150 @@
+"""How fast a safetensors file reaches page-locked host memory, by way of reading it.
+
+Ours' first prompt spends most of its time before the first step reading the files and pinning
+them (bench/README.md, run 58). This check times, on one file whose pages are cached:
+- ``load_file``: safetensors' own read (what the single-file loader does), then registering
+  every tensor in place (`offload_core/pinning.py`);
+- ``threads N``: the same tensors read by N threads (``safe_open`` per thread, a share of keys each);
+- ``mapped clone N``: the file memory-mapped once and each tensor cloned out of it by N threads;
+- ``pread N``: the file's data read with N threads straight into one host buffer, registered once.
+
+Usage: python3 bench/read_check.py FILE [--threads 1,4,8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import safetensors
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from offload_core.pinning import PinSet  # noqa: E402
+
+
+def header(path: Path) -> tuple[int, dict]:
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return 8 + n, json.loads(f.read(n))
+
+
+COPIES: list[int] = []  # per `pinned` call: tensors that got a pinned copy (not registered in place)
+
+
+def pinned(tensors: list[torch.Tensor]) -> float:
+    """Seconds to register every tensor in place, then unregister (not timed)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    pins = PinSet()
+    t = time.perf_counter()
+    copies = sum(pins.pin(x) is not x for x in tensors)
+    s = time.perf_counter() - t
+    COPIES.append(copies)
+    pins.release()
+    return s
+
+
+def by_touch(path: Path) -> tuple[float, float]:
+    """``load_file``'s tensors summed (every page read once), not pinned: the read alone."""
+    state = load_file(str(path))
+    t = time.perf_counter()
+    for x in state.values():
+        x.view(torch.uint8).max()
+    return time.perf_counter() - t, 0.0
+
+
+def by_load_file(path: Path) -> tuple[float, float]:
+    t = time.perf_counter()
+    state = load_file(str(path))
+    return time.perf_counter() - t, pinned(list(state.values()))
+
+
+def by_threads(path: Path, n: int) -> tuple[float, float]:
+    with safe_open(str(path), "pt") as f:
+        keys = list(f.keys())
+
+    def read(share: list[str]) -> list[torch.Tensor]:
+        with safe_open(str(path), "pt") as f:
+            return [f.get_tensor(k) for k in share]
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        parts = list(pool.map(read, [keys[i::n] for i in range(n)]))
+    return time.perf_counter() - t, pinned([x for p in parts for x in p])
+
+
+def by_mapped_clone(path: Path, n: int) -> tuple[float, float]:
+    start, head = header(path)
+    size = path.stat().st_size
+    t = time.perf_counter()
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    spans = [(start + v["data_offsets"][0], start + v["data_offsets"][1]) for k, v in head.items() if k != "__metadata__"]
+    with ThreadPoolExecutor(n) as pool:
+        out = list(pool.map(lambda s: raw[s[0]:s[1]].clone(), spans))
+    return time.perf_counter() - t, pinned(out)
+
+
+def by_pread(path: Path, n: int) -> tuple[float, float]:
+    start, _head = header(path)
+    size = path.stat().st_size - start
+    t = time.perf_counter()
+    buf = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    chunk = 64 << 20
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read(off: int) -> int:
+            return os.preadv(fd, [view[off:off + chunk]], start + off)
+
+        with ThreadPoolExecutor(n) as pool:
+            got = sum(pool.map(read, range(0, size, chunk)))
+    finally:
+        os.close(fd)
+    s = time.perf_counter() - t
+    assert got == size, (got, size)
+    return s, pinned([buf])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("file")
+    ap.add_argument("--threads", default="1,4,8")
+    ap.add_argument("--out", default=os.environ.get("OUT", ""))
+    a = ap.parse_args()
+    path = Path(a.file)
+    gb = path.stat().st_size / 1e9
+    rows = []
+
+    def row(how: str, times: tuple[float, float]) -> None:
+        read_s, pin_s = times
+        copies = COPIES.pop() if COPIES else 0
+        rows.append({"how": how, "read_s": round(read_s, 3), "pin_s": round(pin_s, 3), "pinned_copies": copies,
+                     "read_pin_gbps": round(gb / (read_s + pin_s), 2)})
+        print(f"{how:>16}: read {read_s:6.2f} s, pin {pin_s:5.2f} s ({gb / (read_s + pin_s):5.2f} GB/s; "
+              f"{copies} pinned copies)", flush=True)
+
+    print(f"{path.name}: {gb:.2f} GB, safetensors {safetensors.__version__}, torch {torch.__version__} "
+          f"(threads {torch.get_num_threads()}), cpus {os.cpu_count()}", flush=True)
+    row("load_file", by_load_file(path))
+    row("load_file touched", by_touch(path))
+    for n in map(int, a.threads.split(",")):
+        row(f"threads {n}", by_threads(path, n))
+        row(f"mapped clone {n}", by_mapped_clone(path, n))
+        row(f"pread {n}", by_pread(path, n))
+    if a.out:
+        Path(a.out, "read_check.json").write_text(json.dumps({"file": str(path), "gb": gb, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
