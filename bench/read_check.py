@@ -3,7 +3,8 @@
 Ours' first prompt spends most of its time before the first step reading the files and pinning
 them (bench/README.md, run 58). This check times, on one file whose pages are cached:
 - ``load_file``: safetensors' own read (what the single-file loader does), then registering
-  every tensor in place (`offload_core/pinning.py`);
+  every tensor in place (`offload_core/pinning.py`); ``read-only``: registered as read-only
+  (``cudaHostRegisterReadOnly``: a private file mapping need not be copied to be locked);
 - ``threads N``: the same tensors read by N threads (``safe_open`` per thread, a share of keys each);
 - ``mapped clone N``: the file memory-mapped once and each tensor cloned out of it by N threads;
 - ``pread N``: the file's data read with N threads straight into one host buffer, registered once.
@@ -37,20 +38,45 @@ def header(path: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
-COPIES: list[int] = []  # per `pinned` call: tensors that got a pinned copy (not registered in place)
+NOTES: list[dict] = []  # per `pinned` call: pinned copies (not registered in place), anonymous RSS while pinned
+READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
-def pinned(tensors: list[torch.Tensor]) -> float:
-    """Seconds to register every tensor in place, then unregister (not timed)."""
+def anon_gib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return round(int(line.split()[1]) / 2**20, 2)
+    return 0.0
+
+
+def pinned(tensors: list[torch.Tensor], flags: int = 0) -> float:
+    """Seconds to register every tensor in place (flags 0: as `PinSet`; else cudaHostRegister's
+    ``flags`` directly, a failure counted as a copy), then unregister (not timed)."""
     if not torch.cuda.is_available():
         return 0.0
-    pins = PinSet()
+    cudart, pins, ptrs, copies = torch.cuda.cudart(), PinSet(), [], 0
     t = time.perf_counter()
-    copies = sum(pins.pin(x) is not x for x in tensors)
+    for x in tensors:
+        if not flags:
+            copies += pins.pin(x) is not x
+            continue
+        st = x.untyped_storage()
+        if int(cudart.cudaHostRegister(st.data_ptr(), st.nbytes(), flags)) == 0:
+            ptrs.append(st.data_ptr())
+        else:
+            copies += 1
     s = time.perf_counter() - t
-    COPIES.append(copies)
+    NOTES.append({"pinned_copies": copies, "anon_gib_pinned": anon_gib()})
     pins.release()
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)
     return s
+
+
+def by_load_file_read_only(path: Path) -> tuple[float, float]:
+    t = time.perf_counter()
+    state = load_file(str(path))
+    return time.perf_counter() - t, pinned(list(state.values()), READ_ONLY)
 
 
 def by_touch(path: Path) -> tuple[float, float]:
@@ -127,16 +153,17 @@ def main() -> int:
 
     def row(how: str, times: tuple[float, float]) -> None:
         read_s, pin_s = times
-        copies = COPIES.pop() if COPIES else 0
-        rows.append({"how": how, "read_s": round(read_s, 3), "pin_s": round(pin_s, 3), "pinned_copies": copies,
+        note = NOTES.pop() if NOTES else {}
+        rows.append({"how": how, "read_s": round(read_s, 3), "pin_s": round(pin_s, 3), **note,
                      "read_pin_gbps": round(gb / (read_s + pin_s), 2)})
-        print(f"{how:>16}: read {read_s:6.2f} s, pin {pin_s:5.2f} s ({gb / (read_s + pin_s):5.2f} GB/s; "
-              f"{copies} pinned copies)", flush=True)
+        print(f"{how:>18}: read {read_s:6.2f} s, pin {pin_s:5.2f} s ({gb / (read_s + pin_s):5.2f} GB/s; {note})",
+              flush=True)
 
     print(f"{path.name}: {gb:.2f} GB, safetensors {safetensors.__version__}, torch {torch.__version__} "
           f"(threads {torch.get_num_threads()}), cpus {os.cpu_count()}", flush=True)
     row("load_file", by_load_file(path))
     row("load_file touched", by_touch(path))
+    row("load_file read-only", by_load_file_read_only(path))
     for n in map(int, a.threads.split(",")):
         row(f"threads {n}", by_threads(path, n))
         row(f"mapped clone {n}", by_mapped_clone(path, n))
