@@ -5,7 +5,7 @@ them (bench/README.md, run 58). This check times, on one file whose pages are ca
 - ``load_file``: safetensors' own read (what the single-file loader does), then registering
   every tensor in place (`offload_core/pinning.py`); ``read-only``: registered as read-only
   (``cudaHostRegisterReadOnly``: a private file mapping need not be copied to be locked);
-- ``load_file pin N``: the same tensors registered in place by N threads, a share each;
+- ``load_file pin N``: the same tensors registered in place by N threads (`PinSet.pin_all`);
 - ``mapped clone N``: the file memory-mapped once and each tensor cloned out of it by N threads;
 - ``pread N``: the file's data read with N threads straight into one host buffer, registered once.
 
@@ -73,23 +73,17 @@ def pinned(tensors: list[torch.Tensor], flags: int = 0) -> float:
 
 
 def pinned_by_threads(tensors: list[torch.Tensor], n: int) -> float:
-    """Seconds for ``n`` threads to register the tensors in place, a share each (the binding lets
-    the GIL go during the call), then unregister (not timed)."""
+    """Seconds for `PinSet.pin_all` to register the tensors in place from ``n`` threads, then
+    unregister (not timed)."""
     if not torch.cuda.is_available():
         return 0.0
-    cudart = torch.cuda.cudart()
-    storages = [x.untyped_storage() for x in tensors]
-
-    def register(share: list) -> list[int]:
-        return [st.data_ptr() for st in share if int(cudart.cudaHostRegister(st.data_ptr(), st.nbytes(), 0)) == 0]
-
+    pins = PinSet()
     t = time.perf_counter()
-    with ThreadPoolExecutor(n) as pool:
-        done = [p for got in pool.map(register, [storages[i::n] for i in range(n)]) for p in got]
+    done = pins.pin_all(tensors, n)
     s = time.perf_counter() - t
-    NOTES.append({"pinned_copies": len(storages) - len(done), "anon_gib_pinned": anon_gib()})
-    for p in done:
-        cudart.cudaHostUnregister(p)
+    NOTES.append({"pinned_copies": sum(not x.is_pinned() for x in tensors), "registered_gib": round(done / 2**30, 2),
+                  "anon_gib_pinned": anon_gib()})
+    pins.release()
     return s
 
 

@@ -88,16 +88,17 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         shared = shared_tensors(module, towers, tower_ids)
         self._move_head(module, tower_ids, self.device)
         grant = PinGrant(self.ctx.pin and self.cuda, self.block_grant())
-        for tower in towers:
-            for depth, block in enumerate(tower.blocks):
-                pin = grant.claim(sum(nbytes(t) for t in block_tensors(block) if id(t) not in shared))
-                made = make_block(len(self.blocks), tower.name, depth, block, parts=self.ctx.stream_parts,
-                                  host_of=lambda t, pin=pin: self._host_master(t, pin), pinned=pin,
-                                  device=self.device, first_unit=len(self.units), shared=shared,
-                                  fp8=table_of(module))
-                self.blocks.append(made)
-                self.units.extend(made.units)
-                self.pieces.extend(make_pieces(made, len(self.pieces)))
+        placed = [(tower.name, depth, block) for tower in towers for depth, block in enumerate(tower.blocks)]
+        own = [[t for t in block_tensors(block) if id(t) not in shared] for _n, _d, block in placed]
+        pins = [grant.claim(sum(nbytes(t) for t in tensors)) for tensors in own]
+        self.pins.pin_all(t.data for tensors, pin in zip(own, pins, strict=True) if pin for t in tensors)
+        for (tower, depth, block), pin in zip(placed, pins, strict=True):
+            made = make_block(len(self.blocks), tower, depth, block, parts=self.ctx.stream_parts,
+                              host_of=lambda t, pin=pin: self._host_master(t, pin), pinned=pin, device=self.device,
+                              first_unit=len(self.units), shared=shared, fp8=table_of(module))
+            self.blocks.append(made)
+            self.units.extend(made.units)
+            self.pieces.extend(make_pieces(made, len(self.pieces)))
         for block in self.blocks:
             self._hook(block.module, BlockHook(self, block))
             for unit in block.units if block.in_parts else ():
@@ -115,13 +116,11 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         self.learner.guessed = {b.tower for b in self.blocks if b.in_parts}
         self.ring.resize(self._largest_streamed())
         self.prefetch.casts.resize(max((u.cast.compute_bytes for u in self.units if u.cast), default=0))
-        log.info(
-            "%s: %d blocks in %d tower(s) streamed in %d units (%.2f GiB/step, buffers of %.2f GiB, %s, %s), "
-            "non-block part resident (%.2f GiB)",
-            type(module).__name__, len(self.blocks), len(towers), len(self.units), self.streamed_bytes() / 2**30,
-            self.ring.slot_bytes / 2**30, "side-stream prefetch" if self.prefetch.copy_stream else "no stream",
-            self.prefetch.host_note(self.blocks), self.head_bytes() / 2**30,
-        )
+        log.info("%s: %d blocks in %d tower(s) streamed in %d units (%.2f GiB/step, buffers of %.2f GiB, %s, %s), "
+                 "non-block part resident (%.2f GiB)", type(module).__name__, len(self.blocks), len(towers),
+                 len(self.units), self.streamed_bytes() / 2**30, self.ring.slot_bytes / 2**30,
+                 "side-stream prefetch" if self.prefetch.copy_stream else "no stream",
+                 self.prefetch.host_note(self.blocks), self.head_bytes() / 2**30)
 
     def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
