@@ -70,18 +70,22 @@ class PinSet:
         with _lock:  # claimed before the calls: another set registering the same storage skips it
             todo = {ptr: v for ptr, v in todo.items() if ptr not in _registered}
             _registered.update(dict.fromkeys(todo, 0))
-        cudart = torch.cuda.cudart()
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            done = list(pool.map(lambda item: int(cudart.cudaHostRegister(item[0], item[1][0], 0)) == 0, todo.items()))
-        with _lock:
-            for (ptr, (size, t)), ok in zip(todo.items(), done, strict=True):
-                if ok:
-                    _registered[ptr] = size
-                    self._ptrs.append(ptr)
-                    self._keep.append(t)
-                else:
-                    del _registered[ptr]
-        return sum(size for (size, _t), ok in zip(todo.values(), done, strict=True) if ok)
+        cudart, calls, done = torch.cuda.cudart(), {}, 0
+        try:  # (an interrupt waits for the calls under way: each one made is recorded for `release`)
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                for ptr, (size, _t) in todo.items():
+                    calls[ptr] = pool.submit(cudart.cudaHostRegister, ptr, size, 0)
+        finally:
+            with _lock:
+                for ptr, (size, t) in todo.items():
+                    call = calls.get(ptr)
+                    if call is not None and not call.cancelled() and call.exception() is None and int(call.result()) == 0:
+                        _registered[ptr], done = size, done + size
+                        self._ptrs.append(ptr)
+                        self._keep.append(t)
+                    else:
+                        del _registered[ptr]
+        return done
 
     def release(self) -> None:
         for ptr in self._ptrs:
