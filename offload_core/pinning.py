@@ -3,15 +3,17 @@
 Why not ``Tensor.pin_memory()`` (what diffusers does): it allocates a second, fresh copy through
 the caching host allocator, rounded up to a power of two (1.57x the weights on Wan 14B) and at
 ~2.3 GB/s; registering memory that is already touched runs at ~23 GB/s and costs no extra byte.
-Why `PinSet.pin_all` registers from several threads: weights read by safetensors are pages of a
-private file mapping, which registering copies page by page in the kernel, one thread per call.
+Why `PinSet.pin_all` copies weights that lie in a private file mapping (safetensors' ``load_file``
+maps them) before registering them: registering such pages makes the kernel copy each one, one
+page at a time, whatever the number of threads asking; threads copying into fresh memory first are
+several times faster (bench/README.md, run 59).
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -22,7 +24,7 @@ log = get_logger("pinning")
 
 _lock = threading.Lock()
 _registered: dict[int, int] = {}  # host pointer -> bytes, for every live registration
-THREADS = min(8, os.cpu_count() or 1)  # `PinSet.pin_all`'s registering threads
+THREADS = min(16, os.cpu_count() or 1)  # `fresh_copies`' copying threads
 
 
 def pinned_bytes() -> int:
@@ -56,36 +58,21 @@ class PinSet:
             return tensor
         return tensor.pin_memory()
 
-    def pin_all(self, tensors: Iterable[torch.Tensor], threads: int = THREADS) -> int:
-        """Register the storages of ``tensors`` in place from ``threads`` threads at once (torch's
-        binding lets the GIL go during the call), so that `pin` finds them pinned; one whose
-        registration fails is left to `pin` (a pinned copy). The bytes registered."""
+    def pin_all(self, tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
+        """`pin` on each of ``tensors``, in order; those ``mapped`` says lie in a private file
+        mapping are first copied into fresh memory (`fresh_copies`). Without CUDA nothing is
+        pinned and nothing copied: a mapped weight stays mapped."""
         if not torch.cuda.is_available():
-            return 0
-        todo: dict[int, tuple[int, torch.Tensor]] = {}
-        for t in tensors:  # plain tensors: a subclass (GGUF's, torchao's) is left to `pin`
-            if type(t) is torch.Tensor and t.device.type == "cpu" and t.untyped_storage().nbytes() and not t.is_pinned():
-                storage = t.untyped_storage()
-                todo.setdefault(storage.data_ptr(), (storage.nbytes(), t))
-        with _lock:  # claimed before the calls: another set registering the same storage skips it
-            todo = {ptr: v for ptr, v in todo.items() if ptr not in _registered}
-            _registered.update(dict.fromkeys(todo, 0))
-        cudart, calls, done = torch.cuda.cudart(), {}, 0
-        try:  # (an interrupt waits for the calls under way: each one made is recorded for `release`)
-            with ThreadPoolExecutor(max(1, threads)) as pool:
-                for ptr, (size, _t) in todo.items():
-                    calls[ptr] = pool.submit(cudart.cudaHostRegister, ptr, size, 0)
-        finally:
-            with _lock:
-                for ptr, (size, t) in todo.items():
-                    call = calls.get(ptr)
-                    if call is not None and not call.cancelled() and call.exception() is None and int(call.result()) == 0:
-                        _registered[ptr], done = size, done + size
-                        self._ptrs.append(ptr)
-                        self._keep.append(t)
-                    else:
-                        del _registered[ptr]
-        return done
+            return list(tensors)
+        return [self.pin(t) for t in fresh_copies(tensors, mapped)]
+
+    def pin_weights(self, weights: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> None:
+        """Page-lock the host data of ``weights`` (parameters, buffers) at once (`pin_all`); a
+        weight whose data had to be copied holds the copy. Subclass data (GGUF's, torchao's) is
+        left to the caller's `pin` of its inner tensors."""
+        plain = [w for w in weights if type(w.data) is torch.Tensor and w.device.type == "cpu"]
+        for w, data in zip(plain, self.pin_all([w.data for w in plain], mapped), strict=True):
+            w.data = data
 
     def release(self) -> None:
         for ptr in self._ptrs:
@@ -110,6 +97,16 @@ class PinGrant:
             return False
         self.left -= nbytes
         return True
+
+
+def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool],
+                 threads: int = THREADS) -> list[torch.Tensor]:
+    """``tensors`` in order, each plain one ``mapped`` names replaced by a copy in fresh (anonymous)
+    memory, made by ``threads`` threads at once (a copy lets the GIL go)."""
+    if not any(type(t) is torch.Tensor and mapped(t) for t in tensors):
+        return list(tensors)
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        return list(pool.map(lambda t: t.clone() if type(t) is torch.Tensor and mapped(t) else t, tensors))
 
 
 def _register(ptr: int, size: int) -> bool:

@@ -26,6 +26,7 @@ import os
 import struct
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -267,22 +268,27 @@ def loader_ranges() -> list[FileRange]:
     return sorted(out)
 
 
+def in_mapping(ranges: list[FileRange] | None = None) -> Callable[[torch.Tensor], bool]:
+    """Whether a host tensor's bytes start in one of this process's private file mappings
+    (``ranges``: its `loader_ranges`, read now when not given)."""
+    spans = loader_ranges() if ranges is None else ranges
+    starts = [r[0] for r in spans]
+
+    def inside(t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        i = bisect.bisect_right(starts, ptr) - 1
+        return t.device.type == "cpu" and i >= 0 and ptr < spans[i][1]
+
+    return inside
+
+
 def mapped_bytes(module: torch.nn.Module, ranges: list[FileRange] | None = None) -> int:
     """Bytes of ``module``'s tensors resting unpinned in a private file mapping now (a tensor moved
     to a device or pinned is not counted: it no longer reads from the file). ``ranges``: this
     process's `loader_ranges`, read once for several modules."""
-    spans = loader_ranges() if ranges is None else ranges
-    if not spans:
-        return 0
-    starts, total, cuda = [r[0] for r in spans], 0, torch.cuda.is_available()
-    for _names, t in _tensors(module):
-        if t.device.type != "cpu" or (cuda and t.is_pinned()):
-            continue
-        ptr = t.data_ptr()
-        i = bisect.bisect_right(starts, ptr) - 1
-        if i >= 0 and ptr < spans[i][1]:
-            total += t.numel() * t.element_size()
-    return total
+    inside, cuda = in_mapping(ranges), torch.cuda.is_available()
+    return sum(t.numel() * t.element_size() for _names, t in _tensors(module)
+               if inside(t) and not (cuda and t.is_pinned()))
 
 
 def source_folder(module: torch.nn.Module) -> Path | None:

@@ -31,6 +31,7 @@ import dataclasses
 import torch
 
 from ..components import module_bytes
+from ..formats.mapped import in_mapping
 from ..log import get_logger
 from .base import MarkerHook, Masters
 from .blocks import StreamBlock, modules_outside, nbytes
@@ -87,9 +88,10 @@ class EncoderStreamer(BlockStreamer):
                         own.setdefault(id(t), (sub, name, is_param, t))
         grant = self.ctx.pin_bytes
         self._head_pinned = self.ctx.pin and (grant is None or sum(nbytes(t) for *_, t in own.values()) <= grant)
-        for sub, name, is_param, t in own.values():
-            host = t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
-            host = self.pins.pin(host) if self._head_pinned else host
+        hosts = [t.data if t.device == self.ctx.offload_device else t.data.to(self.ctx.offload_device)
+                 for *_, t in own.values()]
+        hosts = self.pins.pin_all(hosts, in_mapping()) if self._head_pinned else hosts
+        for (sub, name, is_param, t), host in zip(own.values(), hosts, strict=True):
             if is_param:
                 t.data = host
             else:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from .. import state
+from ..formats.mapped import in_mapping
 from ..formats.torchao import is_wrapper, map_inner
 from ..log import get_logger
 from ..pinning import PinSet
@@ -91,10 +92,13 @@ class OnDemandTransport(TransportBase):
         self.module = None
 
     def _pin_resting(self, module: torch.nn.Module) -> None:
-        """Page-lock the resting tensors where they lie (a pinned copy stands in where a storage
-        cannot be registered; a subclass weight's inner tensors one by one, swapped in whole)."""
-        for owner, name, is_param, t in host_tensors(module):
-            pinned = map_inner(t, self.pins.pin) if is_wrapper(t) else self.pins.pin(t)
+        """Page-lock the resting tensors where they lie (`PinSet.pin_all`: a pinned copy stands in
+        where a storage cannot be registered; a subclass weight's inner tensors one by one, swapped
+        in whole)."""
+        rows = host_tensors(module)
+        plain = iter(self.pins.pin_all([t for *_, t in rows if not is_wrapper(t)], in_mapping()))
+        for owner, name, is_param, t in rows:
+            pinned = map_inner(t, self.pins.pin) if is_wrapper(t) else next(plain)
             if pinned is not t:
                 put(owner, name, is_param, pinned)
 

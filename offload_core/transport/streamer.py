@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.fp8 import table_of
+from ..formats.mapped import in_mapping
 from ..log import get_logger
 from ..pinning import PinGrant, PinSet
 from .base import MARKER, STREAM_HOOK, TransportBase, TransportContext, add_hook, remove_hook
@@ -91,7 +92,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         placed = [(tower.name, depth, block) for tower in towers for depth, block in enumerate(tower.blocks)]
         own = [[t for t in block_tensors(block) if id(t) not in shared] for _n, _d, block in placed]
         pins = [grant.claim(sum(nbytes(t) for t in tensors)) for tensors in own]
-        self.pins.pin_all(t.data for tensors, pin in zip(own, pins, strict=True) if pin for t in tensors)
+        self.pins.pin_weights([t for tensors, pin in zip(own, pins, strict=True) if pin for t in tensors], in_mapping())
         for (tower, depth, block), pin in zip(placed, pins, strict=True):
             made = make_block(len(self.blocks), tower, depth, block, parts=self.ctx.stream_parts,
                               host_of=lambda t, pin=pin: self._host_master(t, pin), pinned=pin, device=self.device,

@@ -305,3 +305,29 @@ def test_scarce_ram_logs_the_disk_reads_per_step_once(tiny_wan_dir: Path, caplog
                                                                         pin_memory=pin_memory, **BASE))
         assert not [r for r in caplog.records if "read from disk" in r.getMessage()]
         assert len([r for r in caplog.records if "cached in RAM" in r.getMessage()]) == cached
+
+
+# -- pinning mapped weights -------------------------------------------------------------------------
+def test_pinning_copies_mapped_weights_into_fresh_memory_by_threads_and_leaves_the_rest(tmp_path: Path) -> None:
+    """What `PinSet.pin_all` does before it registers (a GPU host: tests/gpu/test_pin_all.py): each
+    plain tensor on a private file mapping gets a copy in fresh memory with its values, every other
+    tensor is handed back as it is, in order; the file is not touched."""
+    from diffusers_offload.offload_core.formats.mapped import in_mapping
+    from diffusers_offload.offload_core.pinning import fresh_copies
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(0)
+    save_file({f"w{i}": torch.randn(64, 32 + i, generator=g).to(torch.bfloat16) for i in range(12)},
+              tmp_path / "w.safetensors")
+    before = hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
+    state = load_file(tmp_path / "w.safetensors")
+    loose = [torch.randn(8, 8), torch.zeros(3)]
+    tensors = [*state.values(), *loose]
+    mapped = in_mapping()
+    assert all(mapped(t) for t in state.values()) and not any(mapped(t) for t in loose)
+    out = fresh_copies(tensors, mapped, threads=4)
+    assert [o is t for o, t in zip(out, tensors, strict=True)] == [False] * len(state) + [True] * len(loose)
+    assert all(torch.equal(o, t) and o.dtype == t.dtype and not mapped(o)
+               for o, t in zip(out[:len(state)], state.values(), strict=True))
+    assert all(o is t for o, t in zip(fresh_copies(loose, mapped), loose, strict=True))
+    assert hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest() == before

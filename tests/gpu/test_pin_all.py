@@ -1,32 +1,52 @@
-"""Registering many weights at once (`PinSet.pin_all`), on a CUDA host (skipped in CI): tensors
-read by safetensors (pages of a private file mapping) are registered in place from several
-threads, keep their values, count in the process's pinned bytes, and are unregistered at release;
-a storage registered by one set is not claimed again by another."""
+"""Page-locking many weights at once (`PinSet.pin_all`), on a CUDA host (skipped in CI): tensors
+safetensors left on a private file mapping are copied into fresh memory and registered there,
+others are registered in place; values are kept, the pinned bytes are counted and release
+undoes them. A denoiser placed from its files ends with every streamed block pinned and none on
+the file's mapping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.formats.mapped import in_mapping
 from diffusers_offload.offload_core.pinning import PinSet, pinned_bytes
+from fixtures.tiny_pipes import load_wan, run_wan
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking needs a CUDA host")
 
 
-def test_pin_all_registers_mapped_tensors_in_place_and_release_undoes_it(tmp_path) -> None:
+def test_pin_all_copies_mapped_tensors_registers_the_rest_in_place_and_release_undoes_it(tmp_path) -> None:
     g = torch.Generator().manual_seed(0)
     weights = {f"w{i}": torch.randn(512 + i, 1024, generator=g).to(torch.bfloat16) for i in range(24)}
     save_file(weights, tmp_path / "w.safetensors")
-    state = load_file(tmp_path / "w.safetensors")
-    before, pins = pinned_bytes(), PinSet()
-    done = pins.pin_all(state.values(), threads=4)
-    assert 0 < done <= sum(t.untyped_storage().nbytes() for t in state.values())
-    assert pinned_bytes() - before == done == pins.nbytes
-    assert all(pins.pin(t) is t for t in state.values() if t.is_pinned())  # in place: no copy
-    assert all(torch.equal(state[k], weights[k]) for k in weights)
-    other = PinSet()
-    assert other.pin_all(state.values(), threads=4) == 0  # already registered: not claimed twice
-    other.release()
-    assert pinned_bytes() - before == done
+    state, loose = load_file(tmp_path / "w.safetensors"), torch.randn(4096, 256)
+    mapped, before, pins = in_mapping(), pinned_bytes(), PinSet()
+    tensors = [*state.values(), loose]
+    out = pins.pin_all(tensors, mapped)
+    assert out[-1] is loose and loose.is_pinned()  # registered where it lies
+    assert all(t.is_pinned() and not mapped(t) for t in out)
+    assert all(torch.equal(o, weights[k]) for o, k in zip(out, state, strict=False))
+    assert pinned_bytes() - before == pins.nbytes >= sum(t.nbytes for t in out)
     pins.release()
-    assert pinned_bytes() == before and not any(t.is_pinned() for t in state.values())
+    assert pinned_bytes() == before and not loose.is_pinned()
+
+
+def test_a_denoiser_placed_from_its_files_streams_from_pinned_copies(tiny_wan_dir) -> None:
+    base = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="off")
+    outputs = []
+    for pin in (False, True):
+        pipe, engine = load_wan(tiny_wan_dir), Engine()
+        mapped = in_mapping()
+        assert any(mapped(t) for t in pipe.transformer.parameters())  # the loader left them on the files
+        engine.place(pipe, OffloadConfig(**base, pin_memory=pin))
+        streamer = engine.states(pipe)["transformer"].transport
+        try:
+            hosts = [slot.host for block in streamer.blocks for slot in block.slots]
+            assert hosts and all(h.is_pinned() == pin for h in hosts)
+            assert not (pin and any(mapped(h) for h in hosts))
+            outputs.append(run_wan(pipe))
+        finally:
+            engine.release(pipe)
+    assert torch.equal(*outputs) and pinned_bytes() == 0
