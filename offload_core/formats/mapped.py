@@ -275,9 +275,11 @@ def in_mapping(ranges: list[FileRange] | None = None) -> Callable[[torch.Tensor]
     starts = [r[0] for r in spans]
 
     def inside(t: torch.Tensor) -> bool:
+        if t.device.type != "cpu":
+            return False
         ptr = t.data_ptr()
         i = bisect.bisect_right(starts, ptr) - 1
-        return t.device.type == "cpu" and i >= 0 and ptr < spans[i][1]
+        return i >= 0 and ptr < spans[i][1]
 
     return inside
 
