@@ -143,7 +143,7 @@ def install_timers(rec: bc.Recorder, nodes: Any) -> None:
     rec.time_calls(AutoencoderKLQwenImage, "ours_decode", "decode")
     engine, single_file = (next(m for n, m in sys.modules.items() if n.endswith(tail))
                            for tail in ("offload_core.engine", "nodes.single_file"))
-    rec.time_function(single_file, "load_pipeline_with_denoiser", "ours_load")  # the files to a pipeline
+    rec.time_calls(single_file, "ours_load", "load_pipeline_with_denoiser")  # the files to a pipeline
     rec.time_calls(engine.Engine, "ours_place", "place")  # placing it: pinning, the streamers' tables
     rec.time_calls(nodes.CLIPTextEncode, "native_text", "encode")
     rec.time_calls(nodes.VAEDecode, "native_decode", "decode")

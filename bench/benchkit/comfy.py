@@ -341,38 +341,24 @@ class Recorder:
 
         self.time_calls(WanTransformer3DModel, "ours")
 
-    def time_calls(self, cls: type, who: str, method: str = "__call__") -> None:
-        """Record (``who``, seconds) for every call of ``cls.method``, synchronised on both sides;
-        ``__call__`` is wrapped at the class level: outside every hook the engine puts on the instance."""
+    def time_calls(self, owner: Any, who: str, method: str = "__call__") -> None:
+        """Record (``who``, seconds) for every call of ``owner.method`` (a class's method or a module's
+        function), synchronised on both sides; ``__call__`` is wrapped at the class level: outside
+        every hook the engine puts on the instance."""
         import torch
 
-        base, rec = getattr(cls, method) if method != "__call__" else torch.nn.Module.__call__, self
+        base, rec = getattr(owner, method) if method != "__call__" else torch.nn.Module.__call__, self
 
         @functools.wraps(base)  # names what it wraps: the engine finds diffusers' decode bridge under it
-        def timed(self, *args, **kwargs):
+        def timed(*args, **kwargs):
             rec.sync()
             t = time.perf_counter()
-            out = base(self, *args, **kwargs)
+            out = base(*args, **kwargs)
             rec.sync()
             rec.forwards.append((who, time.perf_counter() - t))
             return out
 
-        setattr(cls, method, timed)
-
-    def time_function(self, module: Any, name: str, who: str) -> None:
-        """Record (``who``, seconds) for every call of the function ``module.name`` (host-side work:
-        not synchronised)."""
-        base, rec = getattr(module, name), self
-
-        @functools.wraps(base)
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return base(*args, **kwargs)
-            finally:
-                rec.forwards.append((who, time.perf_counter() - t))
-
-        setattr(module, name, timed)
+        setattr(owner, method, timed)
 
     def snapshot(self, mm, ballast_used: int) -> dict[str, Any]:
         """Loaded/size of both models and of every entry ComfyUI holds, DynamicVRAM's bytes, torch's."""
