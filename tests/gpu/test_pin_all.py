@@ -1,8 +1,8 @@
 """Page-locking many weights at once (`PinSet.pin_all`), on a CUDA host (skipped in CI): tensors
 safetensors left on a private file mapping are copied into fresh memory and registered there,
 others are registered in place; values are kept, the pinned bytes are counted and release
-undoes them. A denoiser placed from its files ends with every streamed block pinned and none on
-the file's mapping."""
+undoes them. A pipeline placed from its files ends with every streamed block (and an on-demand
+VAE) pinned and none on the files' mappings, and computes what it computes unpinned."""
 
 from __future__ import annotations
 
@@ -41,11 +41,13 @@ def test_a_denoiser_placed_from_its_files_streams_from_pinned_copies(tiny_wan_di
         mapped = in_mapping()
         assert any(mapped(t) for t in pipe.transformer.parameters())  # the loader left them on the files
         engine.place(pipe, OffloadConfig(**base, pin_memory=pin))
-        streamer = engine.states(pipe)["transformer"].transport
+        states = engine.states(pipe)
         try:
-            hosts = [slot.host for block in streamer.blocks for slot in block.slots]
+            hosts = [slot.host for block in states["transformer"].transport.blocks for slot in block.slots]
             assert hosts and all(h.is_pinned() == pin for h in hosts)
             assert not (pin and any(mapped(h) for h in hosts))
+            if pin and states["vae"].transport.pinned_bytes():  # an on-demand VAE pinned at placement
+                assert all(t.is_pinned() and not mapped(t) for t in pipe.vae.parameters())
             outputs.append(run_wan(pipe))
         finally:
             engine.release(pipe)
