@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -60,8 +60,9 @@ class PinSet:
 
     def pin_all(self, tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
         """`pin` on each of ``tensors``, in order; those ``mapped`` says lie in a private file
-        mapping are first copied into fresh memory (`fresh_copies`). Without CUDA nothing is
-        pinned and nothing copied: a mapped weight stays mapped."""
+        mapping are first copied into fresh memory (`fresh_copies`: each registered as it comes,
+        while the next are copied). Without CUDA nothing is pinned and nothing copied: a mapped
+        weight stays mapped."""
         if not torch.cuda.is_available():
             return list(tensors)
         return [self.pin(t) for t in fresh_copies(tensors, mapped)]
@@ -100,13 +101,15 @@ class PinGrant:
 
 
 def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool],
-                 threads: int = THREADS) -> list[torch.Tensor]:
+                 threads: int = THREADS) -> Iterator[torch.Tensor]:
     """``tensors`` in order, each plain one ``mapped`` names replaced by a copy in fresh (anonymous)
-    memory, made by ``threads`` threads at once (a copy lets the GIL go)."""
+    memory; ``threads`` threads copy ahead of the one reading them (a copy lets the GIL go), so
+    whatever the reader does with each (`PinSet.pin_all` registers it) overlaps the copies."""
     if not any(type(t) is torch.Tensor and mapped(t) for t in tensors):
-        return list(tensors)
+        yield from tensors
+        return
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        return list(pool.map(lambda t: t.clone() if type(t) is torch.Tensor and mapped(t) else t, tensors))
+        yield from pool.map(lambda t: t.clone() if type(t) is torch.Tensor and mapped(t) else t, tensors)
 
 
 def _register(ptr: int, size: int) -> bool:

@@ -325,7 +325,7 @@ def test_pinning_copies_mapped_weights_into_fresh_memory_by_threads_and_leaves_t
     tensors = [*state.values(), *loose]
     mapped = in_mapping()
     assert all(mapped(t) for t in state.values()) and not any(mapped(t) for t in loose)
-    out = fresh_copies(tensors, mapped, threads=4)
+    out = list(fresh_copies(tensors, mapped, threads=4))
     assert [o is t for o, t in zip(out, tensors, strict=True)] == [False] * len(state) + [True] * len(loose)
     assert all(torch.equal(o, t) and o.dtype == t.dtype and not mapped(o)
                for o, t in zip(out[:len(state)], state.values(), strict=True))
