@@ -8,10 +8,11 @@ the 20B transformer with fp8 blocks, the Qwen2.5-VL 7B text encoder fp8_scaled, 
   native   UNETLoader -> timer -> KSampler (cfg 1, euler/simple) <- CLIPLoader (qwen_image) -> CLIPTextEncode
            (negative: ConditioningZeroOut), EmptySD3LatentImage; VAELoader -> VAEDecode
 
-Each side runs ``--prompts`` in turn (default: first, a new seed, a new prompt: what a user does next),
-the other side's models unloaded before its first. Per run: wall, text encode, every transformer
-forward, VAE decode (each timed synchronised around the component's call), OOMs, retries, peak card
-use less the ballast, host RSS. cfg 1 on both: one forward a step. JSON lines to --json / --out.
+Each side runs ``--prompts`` in turn (default: first, a new seed, a new prompt: what a user does next;
+``again``: the first prompt's text with a new seed), the other side's models unloaded before its first.
+Per run: wall, text encode, every transformer forward, VAE decode (each timed synchronised around the
+component's call), ours' loading (files to a pipeline) and placing, OOMs, retries, peak card use less
+the ballast, host RSS. cfg 1 on both: one forward a step. JSON lines to --json / --out.
 
 GPU (carry .gpu and .whl; the pip/tar install lines of bench/fp8_native.sh first):
     python3 bench/image_pipeline_node.py --comfy-dir .gpu/comfyui --cap 12 --steps 8 --out $OUT
