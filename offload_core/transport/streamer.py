@@ -1,13 +1,13 @@
 """Block streamer: the per-step transport for denoisers (vocabulary: `blocks.py`).
 
-Why not diffusers' block-level group offload: it cannot change which blocks stay resident between
-steps without re-hooking (preload needs that), it moves the non-block part from pageable memory
-every forward, and it pins a second, rounded-up copy of every weight. Here the non-block part is
-resident; each block's weights stay where they are in host memory, page-locked in place, as the
-master copy; a forward binds a unit's tensors to views of a ring buffer (`ring.py`) filled on a
-side stream in *execution* order (recorded, `order.py`), and rebinds them to the host copy after.
-A unit that was not prefetched loads synchronously: a wrong guess costs time, never correctness.
-Any set of pieces can be kept resident between steps (``set_resident``), without re-hooking.
+Why not diffusers' block-level group offload: it cannot change which blocks stay resident between steps
+without re-hooking (preload needs that), it moves the non-block part from pageable memory every forward,
+and it pins a second, rounded-up copy of every weight. Here the non-block part is resident; each block's
+weights stay where they are in host memory, page-locked in place (copied first where they lie on a file's
+mapping: `PinSet.pin_all`), as the master copy; a forward binds a unit's tensors to views of a ring buffer
+(`ring.py`) filled on a side stream in *execution* order (recorded, `order.py`), and rebinds them to the
+host copy after. A unit that was not prefetched loads synchronously: a wrong guess costs time, never
+correctness. Any set of pieces can be kept resident between steps (``set_resident``), without re-hooking.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ..pinning import PinGrant, PinSet
 from .base import MARKER, STREAM_HOOK, TransportBase, TransportContext, add_hook, remove_hook
 from .block_graphs import BlockGraphs
 from .blocks import (
+    PACK_BELOW,
     StoredDtypes,
     StreamBlock,
     StreamPiece,
@@ -73,7 +74,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         self._transit_peak = 0
         self.ooms = 0  # out-of-memory errors met in the hooks (torch counts none under cudaMallocAsync)
         self.events = Events()  # forward, cycle, oom, end: see events.py
-        self.graphs = BlockGraphs(self.device, self._graphs_on(ctx.config), self.prefetch, self.notify)
+        self.graphs = BlockGraphs(self.device, ctx.config.cuda_graphs and self.graphed, self.prefetch, self.notify)
         self._kept_blocks: set[int] = set()  # blocks with every piece kept: graphed whole
         self._whole: list[StreamUnit] = []  # a streaming block's units bound together (`_bind_whole`)
         self.compiled = CompiledBlocks(ctx.config.compile_blocks and self.compiles, self.device)
@@ -92,7 +93,8 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
         placed = [(tower.name, depth, block) for tower in towers for depth, block in enumerate(tower.blocks)]
         own = [[t for t in block_tensors(block) if id(t) not in shared] for _n, _d, block in placed]
         pins = [grant.claim(sum(nbytes(t) for t in tensors)) for tensors in own]
-        self.pins.pin_weights([t for tensors, pin in zip(own, pins, strict=True) if pin for t in tensors], in_mapping())
+        self.pins.pin_weights([t for tensors, pin in zip(own, pins, strict=True) if pin for t in tensors
+                               if nbytes(t) >= PACK_BELOW], in_mapping())  # (the small ones may go in a packet)
         for (tower, depth, block), pin in zip(placed, pins, strict=True):
             made = make_block(len(self.blocks), tower, depth, block, parts=self.ctx.stream_parts,
                               host_of=lambda t, pin=pin: self._host_master(t, pin), pinned=pin, device=self.device,
@@ -125,11 +127,8 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
 
     def retune(self, config) -> None:  # options needing no re-hooking: whether kept blocks are graphed
         self.ctx.config = config
-        self.graphs.enable(self._graphs_on(config))
+        self.graphs.enable(config.cuda_graphs and self.graphed)
         self.compiled.enable(config.compile_blocks and self.compiles)
-
-    def _graphs_on(self, config) -> bool:
-        return config.cuda_graphs and self.graphed
 
     def block_grant(self) -> int | None:  # the bytes its blocks may page-lock (None: all of them)
         return self.ctx.pin_bytes
