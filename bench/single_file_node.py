@@ -144,8 +144,9 @@ def ensure_models(a: argparse.Namespace) -> dict[str, Any]:
     ready = all(
         f.is_file() for f in (p.stamp, p.denoiser, p.text_encoder, p.vae, p.config_dir / "model_index.json")
     )
-    if not a.rebuild and ready and json.loads(p.stamp.read_text()).get("args") == key:
-        return {"reused": True, **json.loads(p.stamp.read_text()).get("build", {})}
+    stamp = json.loads(p.stamp.read_text()) if ready and not a.rebuild else {}
+    if stamp.get("args") == key:
+        return {"reused": True, **stamp.get("build", {})}
     t0 = time.perf_counter()
     return dict(rerun_json("--build-only", "BUILD"), build_process_s=round(time.perf_counter() - t0, 2))
 
