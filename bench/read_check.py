@@ -26,6 +26,7 @@ from pathlib import Path
 
 import safetensors
 import torch
+from benchkit.single_file import host_rss
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,13 +34,6 @@ from offload_core.formats.mapped import in_mapping  # noqa: E402
 from offload_core.pinning import PinSet  # noqa: E402
 
 READ_ONLY = 8  # cudaHostRegisterReadOnly
-
-
-def anon_gib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return round(int(line.split()[1]) / 2**20, 2)
-    return 0.0
 
 
 def in_place(tensors: list[torch.Tensor]) -> dict:
@@ -77,7 +71,7 @@ def timed(path: Path, way: Callable[[list[torch.Tensor]], dict]) -> dict:
     note = way(tensors)
     t2 = time.perf_counter()
     note.pop("release")()
-    return {"read_s": round(t1 - t, 3), "pin_s": round(t2 - t1, 3), "anon_gib_after": anon_gib(), **note}
+    return {"read_s": round(t1 - t, 3), "pin_s": round(t2 - t1, 3), "anon_gib_after": host_rss()["rss_anon_gib"], **note}
 
 
 def main() -> int:

@@ -19,11 +19,18 @@ import torch
 from diffusers import WanPipeline, WanTransformer3DModel
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.components import iter_modules
-from diffusers_offload.offload_core.formats.mapped import MappedFileError, index_folder, map_from_files
+from diffusers_offload.offload_core.formats.mapped import (
+    MappedFileError,
+    in_mapping,
+    index_folder,
+    map_from_files,
+)
 from diffusers_offload.offload_core.lora import LoraSpec, activate
 from diffusers_offload.offload_core.memory import MemoryReader
+from diffusers_offload.offload_core.pinning import fresh_copies
 from diffusers_offload.offload_core.state import leftovers
 from fixtures.tiny_models import load_flux, load_wan, run_flux, run_wan
+from safetensors.torch import load_file, save_file
 
 pytest_plugins = ["fixtures.tiny_loras"]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
@@ -312,10 +319,6 @@ def test_pinning_copies_mapped_weights_into_fresh_memory_by_threads_and_leaves_t
     """What `PinSet.pin_all` does before it registers (a GPU host: tests/gpu/test_pin_all.py): each
     plain tensor on a private file mapping gets a copy in fresh memory with its values, every other
     tensor is handed back as it is, in order; the file is not touched."""
-    from diffusers_offload.offload_core.formats.mapped import in_mapping
-    from diffusers_offload.offload_core.pinning import fresh_copies
-    from safetensors.torch import load_file, save_file
-
     g = torch.Generator().manual_seed(0)
     save_file({f"w{i}": torch.randn(64, 32 + i, generator=g).to(torch.bfloat16) for i in range(12)},
               tmp_path / "w.safetensors")
