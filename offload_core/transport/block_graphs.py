@@ -1,6 +1,7 @@
 """The block streamer's use of CUDA graphs (`graphs.py`): which calls are graphed, when one is
-captured (after its eager forward, on its second call with those inputs and those buffers), and
-what a capture binds (an fp8 unit's weights, cast inside the graph).
+captured (after its eager forward: on its second call with those inputs and those buffers, or on
+its first where the call is trusted, `graphs.py`), and what a capture binds (an fp8 unit's
+weights, cast inside the graph).
 
 Two kinds of call are graphed. A block as one graph: a kept block, or a block in parts that
 streams some of them, whose units are then all bound at its entry (while its streamed parts fit
@@ -40,15 +41,15 @@ class BlockGraphs:
 
     def key(self, owner: Owner) -> tuple[tuple, tuple]:
         """Which call this is: the owner and its units' form (stored, or held as compute values:
-        `held_casts.py`), then where their bytes lie now (kept or a ring buffer). A call trusted
-        once is captured at its first call in a new place (`GraphCache.plan`) only when all its
-        units are kept (a denoiser's blocks taken back after the other ran): a call that reads a
-        ring buffer names the buffers in what it is, since capturing streamed units at their first
-        call in each buffer cost more warm-up than it saved (bench/README run 37)."""
+        `held_casts.py`), then where their bytes lie now (kept or a ring buffer). Trust is keyed
+        by the first alone, so a call checked once is captured at its first call in a new place
+        (`GraphCache.plan`): kept blocks taken back after the other denoiser ran, streamed units
+        in a ring made again. Run 37 had streamed units wait for their second call in each buffer,
+        when a unit took whichever buffer was free; since each asks for its own (`ring.py`'s
+        homes), a new place lasts."""
         units = owner.units if isinstance(owner, StreamBlock) else (owner,)
         where = tuple(self.prefetch.region(u).data_ptr() for u in units)
-        kept = all(u.piece.resident is not None for u in units)
-        return (id(owner), tuple(u.computed for u in units), *(() if kept else (where,))), where
+        return (id(owner), tuple(u.computed for u in units)), where
 
     def enter(self, owner: Owner, args: tuple, kwargs: dict, seen: list[int], casts: bool = True) -> CallGraph | None:
         """A kept block or a bound streamed unit is entered: its trusted graph, to replay instead of

@@ -10,9 +10,10 @@ signature, its outputs come back as fresh tensors, and every graph is dropped wh
 written (a LoRA), at a shortage and at release. A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
 capture fails or differs stays eager for that signature. Trust is the call's, not its place's: a
-call trusted once is captured at its first call in a new place (a denoiser's kept blocks taken
-back after the other denoiser ran; `block_graphs.py` says which calls), without the check replay,
-until a weight write. Large inputs (a video's activations)
+call trusted once is captured at its first call in a new place (kept blocks taken back after the
+other denoiser ran, a ring made again after a decode took its room), without the check replay,
+until a weight write; and at its first call with a new input signature (a new prompt's token
+count), with the check replay. Large inputs (a video's activations)
 stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
 Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture
 (here the cache is emptied only for a capture that ran out of memory).
@@ -31,6 +32,7 @@ log = get_logger("graphs")
 
 INPUT_LIMIT = 64 << 20  # tensor bytes a call may take and still be graphed
 SIGNATURES = 8  # input signatures graphed at once; one more (a new size each run) drops them all
+GUESSES = 2  # new signatures a trusted call is captured at first sight with, unreplayed at once (with and without guidance)
 CALLS_KEPT = 4096  # (block, signature) counts kept; inputs that change every call (a float) would grow them
 _SCALARS = (type(None), bool, int, float, str)
 Key = tuple
@@ -113,6 +115,7 @@ class CallGraph:
     out_key: Key
     units: list[int]  # the unit indices the eager forward ran, in order (the streamer's order learning)
     inputs: list[torch.Tensor] = field(default_factory=list)  # this call's tensors, set by `GraphCache.plan`
+    guessed: bool = False  # captured at its signature's first call and not replayed yet (`GraphCache._guess`)
 
     def replay(self) -> object:
         """Run the graph on this call's inputs; the outputs as fresh tensors (a caller may keep
@@ -134,6 +137,7 @@ class GraphCache:
         self.enabled = False
         self._entries: dict[tuple[Key, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
         self._trusted: set[tuple[Key, Key]] = set()  # (what is called, signature) whose replay was checked
+        self._guesses: dict[Key, set[Key]] = {}  # what is called: the signatures it was captured at first sight with, unreplayed
         self._io: dict[Key, StaticIO] = {}
         self._pool: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -171,8 +175,9 @@ class GraphCache:
 
     def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
         """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph
-        (with this call's inputs), `CAPTURE` (its second eager call with this signature, or its
-        first in this place when the call is trusted: capture after it), or None (run eagerly)."""
+        (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
+        in this place when the call is trusted, or its first with this signature when trusted with
+        another (`_guess`): capture after it), or None (run eagerly)."""
         if self.starved:
             return None
         call = describe(args, kwargs)
@@ -184,13 +189,27 @@ class GraphCache:
         if type(entry) is CallGraph:
             entry.inputs = tensors
             self.replayed += 1
+            if entry.guessed:
+                entry.guessed = False
+                self._guesses[owner[0]].discard(key)
             return entry
         if entry is None:
             return None
         if not entry and len(self._entries) >= CALLS_KEPT:
             self.clear()
         self._entries[(owner, key)] = entry + 1
-        return self.CAPTURE if entry >= 1 or (owner[0], key) in self._trusted else None
+        return self.CAPTURE if entry >= 1 or (owner[0], key) in self._trusted or self._guess(owner[0], key) else None
+
+    def _guess(self, what: Key, key: Key) -> bool:
+        """Whether a call trusted with another input signature is captured at its first call with
+        ``key`` (checked by a replay like any first capture): while fewer than `GUESSES` of its
+        earlier guesses wait for their first replay. A call whose signature changes at every call (a
+        float among its inputs) so stops guessing after two."""
+        guesses = self._guesses.setdefault(what, set())
+        if len(guesses) >= GUESSES or not any(w == what for w, _k in self._trusted):
+            return False
+        guesses.add(key)
+        return True
 
     def capture(self, owner: tuple[Key, Key], name: str, run: Callable[..., object], args: tuple, kwargs: dict,
                 reference: object, units: list[int]) -> bool:
@@ -208,7 +227,8 @@ class GraphCache:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
             graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
             if graph is not None:
-                entry = CallGraph(graph, io, out_key, units, [] if trusted else tensors)
+                entry = CallGraph(graph, io, out_key, units, [] if trusted else tensors,
+                                  guessed=key in self._guesses.get(owner[0], ()))
                 if trusted or _replays_equal(entry, outs, out_tensors):
                     self._entries[(owner, key)] = entry
                     self._trusted.add((owner[0], key))
@@ -297,6 +317,7 @@ class GraphCache:
             if type(entry) is CallGraph:
                 entry.graph.reset()
         self._entries.clear()
+        self._guesses.clear()
         self._io.clear()
         self._pool = None
         self.pool_bytes = 0

@@ -2,7 +2,7 @@
 on-demand component moving in, another denoiser's plan): kept pieces first, in `release_order`,
 the idle streaming buffers last. Why the buffers last: they serve every forward, a dropped one is
 remade at the next, maybe elsewhere, and the CUDA graphs of streamed units are keyed by their
-buffer's address, so each such unit would be captured again."""
+buffer's address, so each such unit is captured again at its first call there."""
 
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ class BlockStreamer(StreamRoom, StreamAccounts, TransportBase):
     def exit_block(self, block: StreamBlock, output: object, forward) -> None:
         """A block's forward returned (``forward``: its forward under our hook; None when its graph
         was replayed): a block streamed whole, or bound whole, is released, and a kept or bound
-        block on its second call with these inputs is captured first."""
+        block is captured first where its entry asked for it (`block_graphs.py`)."""
         if self._bound_whole(block):
             if forward is not None:
                 self.graphs.exit(block, output, forward, self.learner.seen)

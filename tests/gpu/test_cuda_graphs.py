@@ -199,6 +199,47 @@ def test_a_call_checked_once_is_captured_at_its_first_call_in_a_new_place(pipe, 
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
+def _reading(streamer) -> tuple[int, int, int]:
+    cache = streamer.graphs.cache
+    return cache.described, cache.replayed, cache.captured
+
+
+def _eager_and_captured(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[int, int]:
+    """(block calls run eagerly, captures) between two `_reading`s."""
+    (described, replayed, captured), (described_2, replayed_2, captured_2) = before, after
+    return (described_2 - described) - (replayed_2 - replayed), captured_2 - captured
+
+
+def test_a_streamed_unit_checked_once_is_captured_at_its_first_call_in_a_ring_made_again(tiny_wan_dir) -> None:
+    """Block 0 kept, the rest streamed through two buffers: after the ring is dropped and made
+    again elsewhere (a decode took its room), each streamed unit is captured at its first call in
+    its new buffer, so every eager call is followed by a capture; in the run before, whose units
+    were new, each ran eagerly twice before its capture. Every run equals the eager ones."""
+    streamed: list[int] = []
+    keep_first = keep_first_after(streamed, buffers=2)
+    readings: list[tuple[int, int, int]] = []
+
+    def remake_ring(streamer, k: int) -> None:
+        keep_first(streamer, k)
+        readings.append(_reading(streamer))
+        if k == 1:
+            streamer.drop_prefetched()
+            fillers = [torch.empty(streamer.ring.slot_bytes, dtype=torch.uint8, device="cuda")
+                       for _ in range(streamer.ring.capacity)]
+            streamer.fill_ring()
+            del fillers
+
+    eager, _ = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False), runs=4,
+                           between=keep_first)
+    graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), runs=4, between=remake_ring)
+    assert on["kept"] == 1 and streamed[-1] > 0 and on["graphs_refused"] == 0
+    eager_1, captured_1 = _eager_and_captured(readings[0], readings[1])
+    eager_2, captured_2 = _eager_and_captured(readings[1], readings[2])
+    assert captured_1 >= streamed[-1] and eager_1 >= 2 * captured_1
+    assert captured_2 >= streamed[-1] and eager_2 == captured_2
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
 def test_fp8_kept_blocks_graph_their_cast(pipe, tiny_wan_dir) -> None:
     eager, _ = placed_runs(_fp8(pipe), OffloadConfig(**BASE, cuda_graphs=False))
     graphed, on = placed_runs(_fp8(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
