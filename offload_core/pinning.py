@@ -6,16 +6,19 @@ the caching host allocator, rounded up to a power of two (1.57x the weights on W
 Why `PinSet.pin_all` copies weights that lie in a private file mapping (safetensors' ``load_file``
 maps them) before registering them: registering such pages makes the kernel copy each one, one
 page at a time, whatever the number of threads asking; threads copying into fresh memory first are
-several times faster (bench/README.md, run 59).
+several times faster, and into memory backed by huge pages (`host_arena`) faster again, with one
+registration for all (bench/README.md, runs 59-60).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import torch
 
 from .log import get_logger
@@ -25,6 +28,9 @@ log = get_logger("pinning")
 _lock = threading.Lock()
 _registered: dict[int, int] = {}  # host pointer -> bytes, for every live registration
 THREADS = min(16, os.cpu_count() or 1)  # `fresh_copies`' copying threads
+CHUNK = 64 << 20  # bytes one copying job moves at most, so one large tensor spreads over the threads
+HUGE_PAGE = 2 << 20  # where an arena starts, so huge pages cover it from its first byte
+ALIGN = 512  # each copy's offset in an arena
 
 
 def pinned_bytes() -> int:
@@ -60,9 +66,9 @@ class PinSet:
 
     def pin_all(self, tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
         """`pin` on each of ``tensors``, in order; those ``mapped`` says lie in a private file
-        mapping are first copied into fresh memory (`fresh_copies`: each registered as it comes,
-        while the next are copied). Without CUDA nothing is pinned and nothing copied: a mapped
-        weight stays mapped."""
+        mapping are first copied into one fresh arena (`fresh_copies`), registered at once by the
+        first of them. Without CUDA nothing is pinned and nothing copied: a mapped weight stays
+        mapped."""
         if not torch.cuda.is_available():
             return list(tensors)
         return [self.pin(t) for t in fresh_copies(tensors, mapped)]
@@ -101,15 +107,47 @@ class PinGrant:
 
 
 def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool],
-                 threads: int = THREADS) -> Iterator[torch.Tensor]:
-    """``tensors`` in order, each plain one ``mapped`` names replaced by a copy in fresh (anonymous)
-    memory; ``threads`` threads copy ahead of the one reading them (a copy lets the GIL go), so
-    whatever the reader does with each (`PinSet.pin_all` registers it) overlaps the copies."""
-    if not any(type(t) is torch.Tensor and mapped(t) for t in tensors):
-        yield from tensors
-        return
+                 threads: int = THREADS) -> list[torch.Tensor]:
+    """``tensors`` in order, each plain one ``mapped`` names replaced by a copy with its values in
+    one `host_arena` (views of it, contiguous), copied by ``threads`` threads in jobs of at most
+    `CHUNK` bytes (a copy lets the GIL go); the others handed back as they are."""
+    picked = [i for i, t in enumerate(tensors) if type(t) is torch.Tensor and mapped(t)]
+    out = list(tensors)
+    if not picked:
+        return out
+    offsets = [0]
+    for i in picked:
+        offsets.append(offsets[-1] + -(-tensors[i].nbytes // ALIGN) * ALIGN)
+    arena = host_arena(offsets[-1])
+    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i, start in zip(picked, offsets, strict=False):
+        t = tensors[i]
+        out[i] = copy = arena[start:start + t.nbytes].view(t.dtype).view(t.shape)
+        if not t.is_contiguous() or t.dim() == 0:
+            jobs.append((copy, t))
+            continue
+        src, dst = t.reshape(-1).view(torch.uint8), copy.reshape(-1).view(torch.uint8)
+        jobs += [(dst[a:a + CHUNK], src[a:a + CHUNK]) for a in range(0, t.nbytes, CHUNK)]
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        yield from pool.map(lambda t: t.clone() if type(t) is torch.Tensor and mapped(t) else t, tensors)
+        list(pool.map(lambda job: job[0].copy_(job[1]), jobs))
+    return out
+
+
+def host_arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh anonymous host memory (uint8), asked to be backed by huge pages where
+    the kernel allows it (``madvise``) and that much RAM is free: faulted in and registered several
+    times faster than 4 KiB pages; with less free, the kernel would compact memory at each fault.
+    Freed when the last tensor viewing it goes. Why not torch's allocator: it takes huge pages only
+    when the whole process was started with ``THP_MEM_ALLOC_ENABLE=1``."""
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = hasattr(mmap, "MADV_HUGEPAGE") and psutil.virtual_memory().free >= nbytes
+    if huge:
+        area.madvise(mmap.MADV_HUGEPAGE)
+    log.debug("a host arena of %.2f GiB for pinned copies, %s", nbytes / 2**30,
+              "huge pages asked for" if huge else "4 KiB pages (less RAM free than that)")
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
+    skip = -whole.data_ptr() % HUGE_PAGE
+    return whole[skip:skip + nbytes]
 
 
 def _register(ptr: int, size: int) -> bool:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import WanPipeline, WanTransformer3DModel
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import Engine, OffloadConfig, pinning
 from diffusers_offload.offload_core.components import iter_modules
 from diffusers_offload.offload_core.formats.mapped import (
     MappedFileError,
@@ -315,22 +315,27 @@ def test_scarce_ram_logs_the_disk_reads_per_step_once(tiny_wan_dir: Path, caplog
 
 
 # -- pinning mapped weights -------------------------------------------------------------------------
-def test_pinning_copies_mapped_weights_into_fresh_memory_by_threads_and_leaves_the_rest(tmp_path: Path) -> None:
+def test_pinning_copies_mapped_weights_into_one_fresh_arena_by_threads_and_leaves_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What `PinSet.pin_all` does before it registers (a GPU host: tests/gpu/test_pin_all.py): each
-    plain tensor on a private file mapping gets a copy in fresh memory with its values, every other
-    tensor is handed back as it is, in order; the file is not touched."""
+    plain tensor on a private file mapping gets a copy with its values in one fresh arena (copied
+    in jobs of at most `CHUNK` bytes: here 1 KiB, so tensors span several), every other tensor is
+    handed back as it is, in order; the file is not touched."""
+    monkeypatch.setattr(pinning, "CHUNK", 1024)
     g = torch.Generator().manual_seed(0)
-    save_file({f"w{i}": torch.randn(64, 32 + i, generator=g).to(torch.bfloat16) for i in range(12)},
-              tmp_path / "w.safetensors")
+    save_file({f"w{i}": torch.randn(64, 32 + i, generator=g).to(torch.bfloat16) for i in range(12)}
+              | {"scalar": torch.tensor(3.0), "empty": torch.zeros(0, 4)}, tmp_path / "w.safetensors")
     before = hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest()
     state = load_file(tmp_path / "w.safetensors")
     loose = [torch.randn(8, 8), torch.zeros(3)]
     tensors = [*state.values(), *loose]
     mapped = in_mapping()
-    assert all(mapped(t) for t in state.values()) and not any(mapped(t) for t in loose)
-    out = list(fresh_copies(tensors, mapped, threads=4))
-    assert [o is t for o, t in zip(out, tensors, strict=True)] == [False] * len(state) + [True] * len(loose)
-    assert all(torch.equal(o, t) and o.dtype == t.dtype and not mapped(o)
+    assert all(mapped(t) for t in state.values() if t.nbytes) and not any(mapped(t) for t in loose)
+    out = fresh_copies(tensors, mapped, threads=4)
+    copied = [o is not t for o, t in zip(out, tensors, strict=True)]
+    assert copied == [mapped(t) for t in state.values()] + [False] * len(loose)
+    assert all(torch.equal(o, t) and o.dtype == t.dtype and o.shape == t.shape and not mapped(o)
                for o, t in zip(out[:len(state)], state.values(), strict=True))
+    assert len({o.untyped_storage().data_ptr() for o, c in zip(out, copied, strict=True) if c}) == 1  # one arena
     assert all(o is t for o, t in zip(fresh_copies(loose, mapped), loose, strict=True))
     assert hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest() == before
