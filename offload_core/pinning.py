@@ -112,9 +112,14 @@ def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor
     one `host_arena` (views of it, contiguous), copied by ``threads`` threads in jobs of at most
     `CHUNK` bytes (a copy lets the GIL go); the others handed back as they are."""
     picked = [i for i, t in enumerate(tensors) if type(t) is torch.Tensor and mapped(t)]
-    out = list(tensors)
     if not picked:
-        return out
+        return list(tensors)
+    with torch.inference_mode(False):  # the copying threads run outside it: the arena must be a normal tensor
+        return _copied(tensors, picked, threads)
+
+
+def _copied(tensors: Sequence[torch.Tensor], picked: list[int], threads: int) -> list[torch.Tensor]:
+    out = list(tensors)
     offsets = [0]
     for i in picked:
         offsets.append(offsets[-1] + -(-tensors[i].nbytes // ALIGN) * ALIGN)

@@ -331,7 +331,8 @@ def test_pinning_copies_mapped_weights_into_one_fresh_arena_by_threads_and_leave
     tensors = [*state.values(), *loose]
     mapped = in_mapping()
     assert all(mapped(t) for t in state.values() if t.nbytes) and not any(mapped(t) for t in loose)
-    out = fresh_copies(tensors, mapped, threads=4)
+    with torch.inference_mode():  # (where ComfyUI runs a node; the copying threads are outside it)
+        out = fresh_copies(tensors, mapped, threads=4)
     copied = [o is not t for o, t in zip(out, tensors, strict=True)]
     assert copied == [mapped(t) for t in state.values()] + [False] * len(loose)
     assert all(torch.equal(o, t) and o.dtype == t.dtype and o.shape == t.shape and not mapped(o)

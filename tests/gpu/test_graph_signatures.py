@@ -42,6 +42,7 @@ def test_a_call_whose_signature_changes_every_time_stops_being_guessed() -> None
     cache, owner = GraphCache(torch.device("cuda"), True), (("scale",), ())
     x = torch.arange(4.0, device="cuda")
 
+    @torch.inference_mode()
     def call(s: float) -> str:
         plan = cache.plan(owner, (x,), {"s": s})
         if type(plan) is CallGraph:
