@@ -51,17 +51,20 @@ class PinSet:
         with _lock:
             return sum(_registered.get(p, 0) for p in self._ptrs)
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pin(self, tensor: torch.Tensor, refused: set[int] | None = None) -> torch.Tensor:
         """Return a pinned tensor with the same values: ``tensor`` itself when its storage could be
-        registered in place, else a pinned copy."""
+        registered in place, else a pinned copy. ``refused``: storages whose registration failed
+        (added to), not asked again (an arena's views share one)."""
         if not torch.cuda.is_available() or tensor.device.type != "cpu" or tensor.is_pinned():
             return tensor
         storage = tensor.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
-        if size and _register(ptr, size):
+        if size and (refused is None or ptr not in refused) and _register(ptr, size):
             self._ptrs.append(ptr)
             self._keep.append(tensor)
             return tensor
+        if refused is not None:
+            refused.add(ptr)
         return tensor.pin_memory()
 
     def pin_all(self, tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
@@ -71,7 +74,8 @@ class PinSet:
         mapped."""
         if not torch.cuda.is_available():
             return list(tensors)
-        return [self.pin(t) for t in fresh_copies(tensors, mapped)]
+        refused: set[int] = set()
+        return [self.pin(t, refused) for t in fresh_copies(tensors, mapped)]
 
     def pin_weights(self, weights: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> None:
         """Page-lock the host data of ``weights`` (parameters, buffers) at once (`pin_all`); a
@@ -144,7 +148,8 @@ def host_arena(nbytes: int) -> torch.Tensor:
     times faster than 4 KiB pages; with less free, the kernel would compact memory at each fault.
     Freed when the last tensor viewing it goes. Why not torch's allocator: it takes huge pages only
     when the whole process was started with ``THP_MEM_ALLOC_ENABLE=1``."""
-    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}  # (Windows: none)
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, **private)
     huge = hasattr(mmap, "MADV_HUGEPAGE") and psutil.virtual_memory().free >= nbytes
     if huge:
         area.madvise(mmap.MADV_HUGEPAGE)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core import Engine, OffloadConfig, pinning
 from diffusers_offload.offload_core.formats.mapped import in_mapping
 from diffusers_offload.offload_core.pinning import PinSet, pinned_bytes
 from fixtures.tiny_pipes import load_wan, run_wan
@@ -31,6 +31,18 @@ def test_pin_all_copies_mapped_tensors_registers_the_rest_in_place_and_release_u
     assert pinned_bytes() - before == pins.nbytes >= sum(t.nbytes for t in out)
     pins.release()
     assert pinned_bytes() == before and not loose.is_pinned()
+
+
+def test_an_arena_the_driver_refuses_is_asked_once_and_its_tensors_get_pinned_copies(tmp_path, monkeypatch) -> None:
+    """Where registering the copies' arena fails (a host that refuses to lock that much), it is not
+    asked again for each of its views: each gets a pinned copy with its values, none counted ours."""
+    weights = {f"w{i}": torch.randn(256, 512 + i) for i in range(12)}
+    save_file(weights, tmp_path / "w.safetensors")
+    state, asked, pins = load_file(tmp_path / "w.safetensors"), [], PinSet()
+    monkeypatch.setattr(pinning, "_register", lambda ptr, size: asked.append(ptr) or False)
+    out = pins.pin_all(list(state.values()), in_mapping())
+    assert len(asked) == 1 and pins.nbytes == 0
+    assert all(t.is_pinned() and torch.equal(t, weights[k]) for t, k in zip(out, state, strict=True))
 
 
 def test_a_denoiser_placed_from_its_files_streams_from_pinned_copies(tiny_wan_dir) -> None:
