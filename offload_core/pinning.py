@@ -123,6 +123,7 @@ def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor
 
 
 def _copied(tensors: Sequence[torch.Tensor], picked: list[int], threads: int) -> list[torch.Tensor]:
+    """`fresh_copies` for the ``picked`` indices: their arena laid out, the copies made."""
     out = list(tensors)
     offsets = [0]
     for i in picked:

@@ -205,8 +205,10 @@ class GraphCache:
         ``key`` (checked by a replay like any first capture): while fewer than `GUESSES` of its
         earlier guesses wait for their first replay. A call whose signature changes at every call (a
         float among its inputs) so stops guessing after two."""
+        if not any(w == what for w, _k in self._trusted):
+            return False
         guesses = self._guesses.setdefault(what, set())
-        if len(guesses) >= GUESSES or not any(w == what for w, _k in self._trusted):
+        if len(guesses) >= GUESSES:
             return False
         guesses.add(key)
         return True
