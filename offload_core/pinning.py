@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import torch
 
+from .host_pages import drop_file_pages
 from .log import get_logger
 
 log = get_logger("pinning")
@@ -123,24 +124,33 @@ def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor
 
 
 def _copied(tensors: Sequence[torch.Tensor], picked: list[int], threads: int) -> list[torch.Tensor]:
-    """`fresh_copies` for the ``picked`` indices: their arena laid out, the copies made."""
+    """`fresh_copies` for the ``picked`` indices: their arena laid out, the copies made, and the
+    pages each chunk read from the file given back (`host_pages.drop_file_pages`)."""
     out = list(tensors)
     offsets = [0]
     for i in picked:
         offsets.append(offsets[-1] + -(-tensors[i].nbytes // ALIGN) * ALIGN)
     arena = host_arena(offsets[-1])
-    jobs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    jobs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (into, from, give its pages back)
     for i, start in zip(picked, offsets, strict=False):
         t = tensors[i]
         out[i] = copy = arena[start:start + t.nbytes].view(t.dtype).view(t.shape)
         if not t.is_contiguous() or t.dim() == 0:
-            jobs.append((copy, t))
+            jobs.append((copy, t, False))
             continue
         src, dst = t.reshape(-1).view(torch.uint8), copy.reshape(-1).view(torch.uint8)
-        jobs += [(dst[a:a + CHUNK], src[a:a + CHUNK]) for a in range(0, t.nbytes, CHUNK)]
+        jobs += [(dst[a:a + CHUNK], src[a:a + CHUNK], True) for a in range(0, t.nbytes, CHUNK)]
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        list(pool.map(lambda job: job[0].copy_(job[1]), jobs))
+        dropped = sum(pool.map(_copy, jobs))
+    log.debug("%d tensors copied out of file mappings (%.2f GiB), %.2f GiB of the files' pages given back",
+              len(picked), offsets[-1] / 2**30, dropped / 2**30)
     return out
+
+
+def _copy(job: tuple[torch.Tensor, torch.Tensor, bool]) -> int:
+    into, source, drop = job
+    into.copy_(source)
+    return drop_file_pages(source) if drop else 0
 
 
 def host_arena(nbytes: int) -> torch.Tensor:

@@ -340,3 +340,28 @@ def test_pinning_copies_mapped_weights_into_one_fresh_arena_by_threads_and_leave
     assert len({o.untyped_storage().data_ptr() for o, c in zip(out, copied, strict=True) if c}) == 1  # one arena
     assert all(o is t for o, t in zip(fresh_copies(loose, mapped), loose, strict=True))
     assert hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest() == before
+
+
+def _file_rss_mib() -> float:
+    return int(next(line for line in open("/proc/self/status") if line.startswith("RssFile")).split()[1]) / 1024
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and pagemap")
+def test_copying_out_of_a_file_mapping_gives_back_the_pages_it_read_and_keeps_the_written_ones(tmp_path: Path) -> None:
+    """The pages a copy read from a file mapping leave the process's RSS (64 MiB of tensors: the
+    file-backed RSS grows by far less), and no value changes: the sources read back the file's
+    bytes, and one written in place before the copy (its pages private now) keeps what was written."""
+    g = torch.Generator().manual_seed(0)
+    weights = {f"w{i}": torch.randn(1024, 2048 + i, generator=g) for i in range(8)}
+    save_file(weights, tmp_path / "w.safetensors")
+    state = load_file(tmp_path / "w.safetensors")
+    sources = list(state.values())
+    sources[3][:64] += 1.0  # written: those pages are private copies now
+    rss = _file_rss_mib()
+    out = fresh_copies(sources, in_mapping(), threads=4)
+    grown = _file_rss_mib() - rss
+    assert grown < 0.25 * sum(t.nbytes for t in sources) / 2**20  # (without giving back: all 64 MiB)
+    written = weights["w3"].clone()
+    written[:64] += 1.0
+    assert all(torch.equal(o, s) for o, s in zip(out, sources, strict=True))
+    assert all(torch.equal(s, written if k == "w3" else weights[k]) for k, s in zip(state, sources, strict=True))
