@@ -163,7 +163,10 @@ def host_arena(nbytes: int) -> torch.Tensor:
     area = mmap.mmap(-1, nbytes + HUGE_PAGE, **private)
     huge = hasattr(mmap, "MADV_HUGEPAGE") and psutil.virtual_memory().free >= nbytes
     if huge:
-        area.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            area.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel without transparent huge pages
+            huge = False
     log.debug("a host arena of %.2f GiB for pinned copies, %s", nbytes / 2**30,
               "huge pages asked for" if huge else "4 KiB pages (less RAM free than that)")
     whole = torch.frombuffer(area, dtype=torch.uint8)  # (the tensor keeps the mapping alive)

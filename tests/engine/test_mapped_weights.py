@@ -342,6 +342,31 @@ def test_pinning_copies_mapped_weights_into_one_fresh_arena_by_threads_and_leave
     assert hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest() == before
 
 
+def _vm_flags(ptr: int) -> list[str]:
+    """The kernel's flags of the mapping holding ``ptr`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and not line.startswith("VmFlags"):
+            lo, hi = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+            inside = lo <= ptr < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="a kernel without huge pages")
+def test_an_arena_asks_for_huge_pages_only_while_that_much_ram_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`host_arena`: the mapping is marked for huge pages (``hg``) where the RAM it needs is free, and
+    left to 4 KiB pages where it is not (each fault would make the kernel compact memory); 2 MiB
+    aligned either way, the size asked for."""
+    roomy = pinning.host_arena(8 << 20)
+    assert roomy.numel() == 8 << 20 and roomy.data_ptr() % pinning.HUGE_PAGE == 0
+    assert "hg" in _vm_flags(roomy.data_ptr())
+    monkeypatch.setattr(pinning.psutil, "virtual_memory", lambda: type("Mem", (), {"free": 1 << 20})())
+    tight = pinning.host_arena(8 << 20)
+    assert tight.data_ptr() % pinning.HUGE_PAGE == 0 and "hg" not in _vm_flags(tight.data_ptr())
+
+
 def _file_rss_mib() -> float:
     return int(next(line for line in open("/proc/self/status") if line.startswith("RssFile")).split()[1]) / 1024
 
