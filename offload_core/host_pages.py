@@ -2,9 +2,8 @@
 own bytes (Linux; elsewhere nothing is done).
 
 Why: copying a weight out of safetensors' mapping (`pinning.fresh_copies`) maps each page it reads
-into this process, and the mapping lives on while any tensor over the file does (the non-block
-part kept for a clean release), so those pages count in the process's RSS beside their copy:
-double the weights. ``MADV_DONTNEED`` unmaps them; a page the file still holds reads back
+into this process, and the mapping lives on while any tensor over the file does (one small one
+left is enough), so those pages count in the process's RSS beside their copy: double the weights. ``MADV_DONTNEED`` unmaps them; a page the file still holds reads back
 unchanged at its next touch, so no tensor's value can change. A page written since it was mapped
 (a private copy: a fused LoRA, a page-locked page) would read back the file's bytes, so a range
 holding one is left as it is: ``/proc/self/pagemap`` tells which pages are the file's.
