@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +32,8 @@ _registered: dict[int, int] = {}  # host pointer -> bytes, for every live regist
 THREADS = min(16, os.cpu_count() or 1)  # `fresh_copies`' copying threads
 CHUNK = 64 << 20  # bytes one copying job moves at most, so one large tensor spreads over the threads
 HUGE_PAGE = 2 << 20  # where an arena starts, so huge pages cover it from its first byte
-ALIGN = 512  # each copy's offset in an arena
+ALIGN = mmap.PAGESIZE  # each copy's offset in an arena: a page, so that each can be page-locked alone
+_arenas: set[int] = set()  # the storages `host_arena` made and still alive: their views are page-locked alone
 
 
 def pinned_bytes() -> int:
@@ -52,31 +54,31 @@ class PinSet:
         with _lock:
             return sum(_registered.get(p, 0) for p in self._ptrs)
 
-    def pin(self, tensor: torch.Tensor, refused: set[int] | None = None) -> torch.Tensor:
+    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return a pinned tensor with the same values: ``tensor`` itself when its storage could be
-        registered in place, else a pinned copy. ``refused``: storages whose registration failed
-        (added to), not asked again (an arena's views share one)."""
+        registered in place (a view of an arena: its own pages, since a grant may cover only some
+        of the arena's tensors), else a pinned copy."""
         if not torch.cuda.is_available() or tensor.device.type != "cpu" or tensor.is_pinned():
             return tensor
         storage = tensor.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
-        if size and (refused is None or ptr not in refused) and _register(ptr, size):
-            self._ptrs.append(ptr)
-            self._keep.append(tensor)
-            return tensor
-        if refused is not None:
-            refused.add(ptr)
-        return tensor.pin_memory()
+        if ptr in _arenas:
+            ptr, size = tensor.data_ptr(), -(-tensor.nbytes // ALIGN) * ALIGN
+        return tensor if size and self._take(ptr, size, tensor) else tensor.pin_memory()
 
     def pin_all(self, tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
         """`pin` on each of ``tensors``, in order; those ``mapped`` says lie in a private file
-        mapping are first copied into one fresh arena (`fresh_copies`), registered at once by the
-        first of them. Without CUDA nothing is pinned and nothing copied: a mapped weight stays
-        mapped."""
+        mapping are first copied into one fresh arena (`fresh_copies`), registered whole in one
+        call (where that fails, view by view). Without CUDA nothing is pinned and nothing copied:
+        a mapped weight stays mapped."""
         if not torch.cuda.is_available():
             return list(tensors)
-        refused: set[int] = set()
-        return [self.pin(t, refused) for t in fresh_copies(tensors, mapped)]
+        out = fresh_copies(tensors, mapped)
+        made = next((o for o, t in zip(out, tensors, strict=True) if o is not t), None)
+        if made is not None:
+            storage = made.untyped_storage()
+            self._take(storage.data_ptr(), storage.nbytes(), made)
+        return [self.pin(t) for t in out]
 
     def pin_weights(self, weights: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> None:
         """Page-lock the host data of ``weights`` (parameters, buffers) at once (`pin_all`); a
@@ -85,6 +87,14 @@ class PinSet:
         plain = [w for w in weights if type(w.data) is torch.Tensor and w.device.type == "cpu"]
         for w, data in zip(plain, self.pin_all([w.data for w in plain], mapped), strict=True):
             w.data = data
+
+    def _take(self, ptr: int, size: int, keep: torch.Tensor) -> bool:
+        """Register ``size`` bytes at ``ptr`` (``keep`` holds them) as this set's; False if refused."""
+        if not _register(ptr, size):
+            return False
+        self._ptrs.append(ptr)
+        self._keep.append(keep)
+        return True
 
     def release(self) -> None:
         for ptr in self._ptrs:
@@ -170,6 +180,8 @@ def host_arena(nbytes: int) -> torch.Tensor:
     log.debug("a host arena of %.2f GiB for pinned copies, %s", nbytes / 2**30,
               "huge pages asked for" if huge else "4 KiB pages (less RAM free than that)")
     whole = torch.frombuffer(area, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
+    _arenas.add(whole.data_ptr())
+    weakref.finalize(area, _arenas.discard, whole.data_ptr())  # (once its last view is gone)
     skip = -whole.data_ptr() % HUGE_PAGE
     return whole[skip:skip + nbytes]
 

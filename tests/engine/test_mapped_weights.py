@@ -338,6 +338,7 @@ def test_pinning_copies_mapped_weights_into_one_fresh_arena_by_threads_and_leave
     assert all(torch.equal(o, t) and o.dtype == t.dtype and o.shape == t.shape and not mapped(o)
                for o, t in zip(out[:len(state)], state.values(), strict=True))
     assert len({o.untyped_storage().data_ptr() for o, c in zip(out, copied, strict=True) if c}) == 1  # one arena
+    assert all(o.data_ptr() % pinning.ALIGN == 0 for o, c in zip(out, copied, strict=True) if c)  # each on its own pages
     assert all(o is t for o, t in zip(fresh_copies(loose, mapped), loose, strict=True))
     assert hashlib.sha256((tmp_path / "w.safetensors").read_bytes()).hexdigest() == before
 

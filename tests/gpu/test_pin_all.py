@@ -33,16 +33,37 @@ def test_pin_all_copies_mapped_tensors_registers_the_rest_in_place_and_release_u
     assert pinned_bytes() == before and not loose.is_pinned()
 
 
-def test_an_arena_the_driver_refuses_is_asked_once_and_its_tensors_get_pinned_copies(tmp_path, monkeypatch) -> None:
-    """Where registering the copies' arena fails (a host that refuses to lock that much), it is not
-    asked again for each of its views: each gets a pinned copy with its values, none counted ours."""
+def _pages(tensors) -> int:
+    return sum(-(-t.nbytes // pinning.ALIGN) * pinning.ALIGN for t in tensors)
+
+
+def test_an_arena_the_driver_refuses_whole_is_page_locked_view_by_view(tmp_path, monkeypatch) -> None:
+    """Where registering the copies' arena in one call fails (a host that refuses to lock that much
+    at once), each copy's own pages are registered: all pinned, the set holding just their pages."""
     weights = {f"w{i}": torch.randn(256, 512 + i) for i in range(12)}
     save_file(weights, tmp_path / "w.safetensors")
-    state, asked, pins = load_file(tmp_path / "w.safetensors"), [], PinSet()
-    monkeypatch.setattr(pinning, "_register", lambda ptr, size: asked.append(ptr) or False)
+    state, asked, pins, register = load_file(tmp_path / "w.safetensors"), [], PinSet(), pinning._register
+    monkeypatch.setattr(pinning, "_register", lambda ptr, size: asked.append(size) or (size < 4 << 20 and register(ptr, size)))
     out = pins.pin_all(list(state.values()), in_mapping())
-    assert len(asked) == 1 and pins.nbytes == 0
+    assert max(asked) > 4 << 20 and len(asked) == 1 + len(out)  # the arena, then each copy
     assert all(t.is_pinned() and torch.equal(t, weights[k]) for t, k in zip(out, state, strict=True))
+    assert pins.nbytes == _pages(out)
+    pins.release()
+    assert pinned_bytes() == 0
+
+
+def test_some_copies_of_an_arena_pinned_again_lock_only_their_own_pages(tmp_path) -> None:
+    """A placement again with a smaller grant (a lower host_ram_gb) pins some of the copies an
+    earlier one made: only their pages are locked, not the whole arena."""
+    save_file({f"w{i}": torch.randn(256, 512 + i) for i in range(12)}, tmp_path / "w.safetensors")
+    first = PinSet()
+    out = first.pin_all(list(load_file(tmp_path / "w.safetensors").values()), in_mapping())
+    first.release()
+    again = PinSet()
+    assert all(again.pin(t) is t for t in out[:4])
+    assert again.nbytes == _pages(out[:4]) and not any(t.is_pinned() for t in out[4:])
+    again.release()
+    assert pinned_bytes() == 0
 
 
 def test_a_denoiser_placed_from_its_files_streams_from_pinned_copies(tiny_wan_dir) -> None:
