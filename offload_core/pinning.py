@@ -178,7 +178,7 @@ def host_arena(nbytes: int) -> torch.Tensor:
         except OSError:  # a kernel without transparent huge pages
             huge = False
     log.debug("a host arena of %.2f GiB for pinned copies, %s", nbytes / 2**30,
-              "huge pages asked for" if huge else "4 KiB pages (less RAM free than that)")
+              "huge pages asked for" if huge else "small pages (less RAM free than that, or no huge pages here)")
     whole = torch.frombuffer(area, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
     _arenas.add(whole.data_ptr())
     weakref.finalize(area, _arenas.discard, whole.data_ptr())  # (once its last view is gone)
