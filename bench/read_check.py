@@ -74,14 +74,17 @@ def read_only(tensors: list[torch.Tensor]) -> dict:
 
 
 def timed(path: Path, way: Callable[[list[torch.Tensor]], dict]) -> dict:
-    """``load_file``, then ``way`` on its tensors; seconds of each, anonymous RSS after, then undone."""
+    """``load_file``, then ``way`` on its tensors; seconds of each, the anonymous and file-backed RSS
+    while pinned (the file's pages a copy read count there until given back), then undone."""
     t = time.perf_counter()
     tensors = list(load_file(str(path)).values())
     t1 = time.perf_counter()
     note = way(tensors)
     t2 = time.perf_counter()
+    held = host_rss()  # the file's tensors still alive: its mapping too, and the pages of it this process maps
     note.pop("release")()
-    return {"read_s": round(t1 - t, 3), "pin_s": round(t2 - t1, 3), "anon_gib_after": host_rss()["rss_anon_gib"], **note}
+    return {"read_s": round(t1 - t, 3), "pin_s": round(t2 - t1, 3), "anon_gib_pinned": held["rss_anon_gib"],
+            "file_gib_pinned": held["rss_file_gib"], "anon_gib_after": host_rss()["rss_anon_gib"], **note}
 
 
 def main() -> int:
