@@ -12,7 +12,7 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.preload import fit as fit_module
 from diffusers_offload.offload_core.transport import graphs as graphs_module
-from fixtures.graph_runs import keep_first_after, placed_runs
+from fixtures.graph_runs import eager_and_captured, graph_counts, keep_first_after, placed_runs
 from fixtures.tiny_pipes import load_wan, run_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -199,17 +199,6 @@ def test_a_call_checked_once_is_captured_at_its_first_call_in_a_new_place(pipe, 
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
-def _reading(streamer) -> tuple[int, int, int]:
-    cache = streamer.graphs.cache
-    return cache.described, cache.replayed, cache.captured
-
-
-def _eager_and_captured(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[int, int]:
-    """(block calls run eagerly, captures) between two `_reading`s."""
-    (described, replayed, captured), (described_2, replayed_2, captured_2) = before, after
-    return (described_2 - described) - (replayed_2 - replayed), captured_2 - captured
-
-
 def test_a_streamed_unit_checked_once_is_captured_at_its_first_call_in_a_ring_made_again(tiny_wan_dir) -> None:
     """Block 0 kept, the rest streamed through two buffers: after the ring is dropped and made
     again elsewhere (a decode took its room), each streamed unit is captured at its first call in
@@ -221,7 +210,7 @@ def test_a_streamed_unit_checked_once_is_captured_at_its_first_call_in_a_ring_ma
 
     def remake_ring(streamer, k: int) -> None:
         keep_first(streamer, k)
-        readings.append(_reading(streamer))
+        readings.append(graph_counts(streamer))
         if k == 1:
             streamer.drop_prefetched()
             fillers = [torch.empty(streamer.ring.slot_bytes, dtype=torch.uint8, device="cuda")
@@ -233,8 +222,8 @@ def test_a_streamed_unit_checked_once_is_captured_at_its_first_call_in_a_ring_ma
                            between=keep_first)
     graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), runs=4, between=remake_ring)
     assert on["kept"] == 1 and streamed[-1] > 0 and on["graphs_refused"] == 0
-    eager_1, captured_1 = _eager_and_captured(readings[0], readings[1])
-    eager_2, captured_2 = _eager_and_captured(readings[1], readings[2])
+    eager_1, captured_1 = eager_and_captured(readings[0], readings[1])
+    eager_2, captured_2 = eager_and_captured(readings[1], readings[2])
     assert captured_1 >= streamed[-1] and eager_1 >= 2 * captured_1
     assert captured_2 >= streamed[-1] and eager_2 == captured_2
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
