@@ -251,12 +251,13 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
 
 
 def print_table(c: SimpleNamespace, total_s: float) -> None:
-    print("\n| side | run | wall s | text encode s | denoise s (step) | decode s | rest s | OOMs | peak GiB | RSS GiB |"
-          "\n|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| side | run | wall s | text encode s | denoise s (step) | decode s | rest s | OOMs | peak GiB | RSS GiB (anon, file) |"
+          "\n|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in c.runs:
         print(f"| {r['side']} | {r['prompt']} | {r['wall_s']:.2f} | {r['text_s']:.2f} | {r['denoise_s']:.2f} "
               f"({r['step_median_s']}) | {r['decode_s']:.2f} | {r['other_s']:.2f} | {r['torch_ooms']} "
-              f"| {r.get('peak_used_less_ballast_gib')} | {r.get('rss_gib')} |")
+              f"| {r.get('peak_used_less_ballast_gib')} | {r.get('rss_gib')} ({r.get('rss_anon_gib')}, "
+              f"{r.get('rss_file_gib')}) |")
     print(f"\n(files {gib(c.storage)} GiB; the whole bench {total_s:.0f} s; errors: "
           f"{[r['error'] for r in c.runs if r['error']]})")
 
