@@ -3,8 +3,9 @@ own bytes (Linux; elsewhere nothing is done).
 
 Why: copying a weight out of safetensors' mapping (`pinning.fresh_copies`) maps each page it reads
 into this process, and the mapping lives on while any tensor over the file does (one small one
-left is enough), so those pages count in the process's RSS beside their copy: double the weights. ``MADV_DONTNEED`` unmaps them; a page the file still holds reads back
-unchanged at its next touch, so no tensor's value can change. A page written since it was mapped
+left is enough), so those pages count in the process's RSS beside their copy: double the weights.
+``MADV_DONTNEED`` unmaps them; a page the file still holds reads back unchanged at its next touch,
+so no tensor's value can change. A page written since it was mapped
 (a private copy: a fused LoRA, a page-locked page) would read back the file's bytes, so a range
 holding one is left as it is: ``/proc/self/pagemap`` tells which pages are the file's.
 """
@@ -12,12 +13,13 @@ holding one is left as it is: ``/proc/self/pagemap`` tells which pages are the f
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 
 import torch
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+PAGE = mmap.PAGESIZE
 MADV_DONTNEED = 4
 _FILE_PAGE = 1 << 61  # pagemap: a file page (or shared anonymous), not a private copy; bit 63: present
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -41,10 +43,13 @@ def _all_file_pages(start: int, end: int) -> bool:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
         return False
+    want = (end - start) // PAGE * 8
     try:
-        raw = os.pread(fd, (end - start) // PAGE * 8, start // PAGE * 8)
+        raw = os.pread(fd, want, start // PAGE * 8)
     finally:
         os.close(fd)
+    if len(raw) != want:
+        return False
     entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)
     private = (entries < 0) & ((entries & _FILE_PAGE) == 0)  # present (bit 63, the sign) and not the file's
-    return len(raw) == (end - start) // PAGE * 8 and not bool(private.any())
+    return not bool(private.any())

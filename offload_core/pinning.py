@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import torch
 
-from .host_pages import drop_file_pages
+from .host_pages import PAGE, drop_file_pages
 from .log import get_logger
 
 log = get_logger("pinning")
@@ -32,7 +32,7 @@ _registered: dict[int, int] = {}  # host pointer -> bytes, for every live regist
 THREADS = min(16, os.cpu_count() or 1)  # `fresh_copies`' copying threads
 CHUNK = 64 << 20  # bytes one copying job moves at most, so one large tensor spreads over the threads
 HUGE_PAGE = 2 << 20  # where an arena starts, so huge pages cover it from its first byte
-ALIGN = mmap.PAGESIZE  # each copy's offset in an arena: a page, so that each can be page-locked alone
+ALIGN = PAGE  # each copy's offset in an arena: a page, so that each can be page-locked alone
 _arenas: set[int] = set()  # the storages `host_arena` made and still alive: their views are page-locked alone
 
 
@@ -63,7 +63,7 @@ class PinSet:
         storage = tensor.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()
         if ptr in _arenas:
-            ptr, size = tensor.data_ptr(), -(-tensor.nbytes // ALIGN) * ALIGN
+            ptr, size = tensor.data_ptr(), aligned(tensor.nbytes)
         return tensor if size and self._take(ptr, size, tensor) else tensor.pin_memory()
 
     def pin_all(self, tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool]) -> list[torch.Tensor]:
@@ -121,6 +121,11 @@ class PinGrant:
         return True
 
 
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole `ALIGN` units: the room a copy takes in an arena."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def fresh_copies(tensors: Sequence[torch.Tensor], mapped: Callable[[torch.Tensor], bool],
                  threads: int = THREADS) -> list[torch.Tensor]:
     """``tensors`` in order, each plain one ``mapped`` names replaced by a copy with its values in
@@ -139,7 +144,7 @@ def _copied(tensors: Sequence[torch.Tensor], picked: list[int], threads: int) ->
     out = list(tensors)
     offsets = [0]
     for i in picked:
-        offsets.append(offsets[-1] + -(-tensors[i].nbytes // ALIGN) * ALIGN)
+        offsets.append(offsets[-1] + aligned(tensors[i].nbytes))
     arena = host_arena(offsets[-1])
     jobs: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # (into, from, give its pages back)
     for i, start in zip(picked, offsets, strict=False):
