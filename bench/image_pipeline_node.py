@@ -1,12 +1,14 @@
-"""Qwen-Image's whole pipeline from a ComfyUI user's three fp8 files, ours beside native, run after run.
+"""An image model's whole pipeline from a ComfyUI user's three fp8 files, ours beside native, run after run.
 
-One ComfyUI process (as ``main.py`` starts it on a GPU: DynamicVRAM on) under a ``--cap`` GiB card
-(a ballast) runs one workflow holding two chains on the same three files (benchkit/qwen_image_files.py:
-the 20B transformer with fp8 blocks, the Qwen2.5-VL 7B text encoder fp8_scaled, the VAE), branch by branch:
+``--family qwenimage`` (benchkit/qwen_image_files.py: the 20B transformer with fp8 blocks, the Qwen2.5-VL
+7B text encoder fp8_scaled, the VAE) or ``flux2`` (benchkit/flux2_dev_files.py: FLUX.2 [dev]'s 32B
+transformer with fp8 blocks, Mistral Small 3.1 pruned to 30 layers fp8_scaled, the VAE). One ComfyUI
+process (as ``main.py`` starts it on a GPU: DynamicVRAM on) under a ``--cap`` GiB card (a ballast) runs
+one workflow holding two chains on the same three files, branch by branch:
 
   ours     Offload settings -> Load diffusion model file (diffusers; config auto) -> Generate image
-  native   UNETLoader -> timer -> KSampler (cfg 1, euler/simple) <- CLIPLoader (qwen_image) -> CLIPTextEncode
-           (negative: ConditioningZeroOut), EmptySD3LatentImage; VAELoader -> VAEDecode
+  native   UNETLoader -> timer -> KSampler (cfg 1, euler/simple) <- CLIPLoader -> CLIPTextEncode (FLUX.2:
+           FluxGuidance 4) (negative: ConditioningZeroOut), the family's empty latent; VAELoader -> VAEDecode
 
 Each side runs ``--prompts`` in turn (default: first, a new seed, a new prompt: what a user does next;
 ``again``: the first prompt's text with a new seed), the other side's models unloaded before its first.
@@ -23,6 +25,7 @@ CPU smoke of ours (the suite's tiny Qwen-Image; ComfyUI's own text encoder is 7B
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -36,7 +39,7 @@ from typing import Any
 import benchkit.comfy as bc
 from benchkit import ROOT, gib, open_output, output_args
 from benchkit.comfy_run import comfy_tree, offline, queue, require_nodes, rerun_json
-from benchkit.qwen_image_files import FOLDERS, NAMES
+from benchkit.qwen_image_files import FOLDERS
 from benchkit.single_file import host_rss, unload_all
 
 ANCHOR_DIRS = (ROOT / ".gpu" / "native_anchor", ROOT.parent / "shared" / "reference" / "native_anchor")
@@ -44,6 +47,12 @@ PROMPTS = {"first": ("a red fox in the snow, photograph", 1), "seed": ("a red fo
            "prompt": ("a lighthouse on a cliff at dusk, oil painting", 3),
            "again": ("a red fox in the snow, photograph", 4)}  # after a new prompt: the settled run
 STAMP_VERSION = 1
+FAMILIES = {  # files module, CLIPLoader type, empty latent node, guidance (ours; native's FluxGuidance), classes timed
+    "qwenimage": {"files": "qwen_image_files", "clip": "qwen_image", "latent": "EmptySD3LatentImage", "guidance": 1.0,
+                  "classes": ("QwenImageTransformer2DModel", "Qwen2_5_VLForConditionalGeneration", "AutoencoderKLQwenImage")},
+    "flux2": {"files": "flux2_dev_files", "clip": "flux2", "latent": "EmptyFlux2LatentImage", "guidance": 4.0,
+              "classes": ("Flux2Transformer2DModel", "MistralModel", "AutoencoderKLFlux2")},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--comfy-dir", default=os.environ.get("COMFYUI_PATH") or str(ROOT / ".gpu" / "comfyui"))
     ap.add_argument("--work", default="/tmp/image_pipeline_node", help="ComfyUI base dir (models, user, output)")
     ap.add_argument("--cpu", action="store_true", help="ComfyUI --cpu (DynamicVRAM off, no ballast)")
-    ap.add_argument("--tiny", action="store_true", help="the suite's tiny Qwen-Image (ours only)")
+    ap.add_argument("--family", choices=tuple(FAMILIES), default="qwenimage")
+    ap.add_argument("--tiny", action="store_true", help="the suite's tiny model of the family (ours only)")
     ap.add_argument("--cap", type=float, default=12.0, help="imitate a card of this many GiB (0: no ballast)")
     ap.add_argument("--size", type=int, default=1024, help="image width and height")
     ap.add_argument("--steps", type=int, default=8)
@@ -69,14 +79,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad := [s for s in a.side_list if s not in ("ours", "native")] + [p for p in a.prompt_list if p not in PROMPTS]:
         ap.error(f"unknown sides or prompts {bad}")
     if a.tiny and "native" in a.side_list:
-        ap.error("--tiny runs ours only (ComfyUI's Qwen2.5-VL has a fixed 7B shape)")
+        ap.error("--tiny runs ours only (ComfyUI's text encoders have their released shapes)")
+    a.files = importlib.import_module(f"benchkit.{FAMILIES[a.family]['files']}")
     return a
 
 
 # -- the files, written by a process of its own (its allocations and RNG never touch this one) ----
 def ensure_files(a: argparse.Namespace, models: Path) -> dict[str, Any]:
-    stamp, key = models / "qwen_image_files.json", [a.tiny, STAMP_VERSION]
-    ready = stamp.is_file() and all((models / d / NAMES[n]).is_file() for n, d in FOLDERS.items())
+    stamp, key = models / f"{a.family}_files.json", [a.tiny, STAMP_VERSION]
+    ready = stamp.is_file() and all((models / d / a.files.NAMES[n]).is_file() for n, d in FOLDERS.items())
     if not a.rebuild and ready and (stamped := json.loads(stamp.read_text())).get("args") == key:
         return {"reused": True, **stamped["sizes"]}
     t0 = time.perf_counter()
@@ -87,10 +98,9 @@ def ensure_files(a: argparse.Namespace, models: Path) -> dict[str, Any]:
 
 def build_only(a: argparse.Namespace, models: Path) -> int:
     import torch
-    from benchkit.qwen_image_files import write
 
     device = "cuda" if (not a.cpu and torch.cuda.is_available()) else "cpu"
-    print("BUILD " + json.dumps(write(models, a.tiny, device)), flush=True)
+    print("BUILD " + json.dumps(a.files.write(models, a.tiny, device)), flush=True)
     return 0
 
 
@@ -100,48 +110,57 @@ def workflow(a: argparse.Namespace, text: str, seed: int) -> dict[str, Any]:
     settings = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
                 "on_demand_threshold_gb": 0.0 if a.tiny else 1.0, "resident_floor_mb": 0.0 if a.tiny else 64.0,
                 "always": "", "never": "", "preload": "auto", "prefetch_window": 1, "device": "", "measures_path": ""}
-    load = {"config": "qwen-image-tiny" if a.tiny else "auto: the configs the pack carries",
-            **{name: NAMES[name] for name in FOLDERS}, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0],
+    family, names = FAMILIES[a.family], a.files.NAMES
+    load = {"config": a.files.TINY_CONFIG if a.tiny else "auto: the configs the pack carries",
+            **{name: names[name] for name in FOLDERS}, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0],
             "fp8_matmul": a.fp8_matmul}
     size = {"width": a.size, "height": a.size}
+    positive = ["n4", 0]
+    native_extra = {}
+    if a.family == "flux2":  # FLUX.2 [dev]'s guidance is an input of the model, not a second forward
+        positive = ["ng", 0]
+        native_extra["ng"] = {"class_type": "FluxGuidance",
+                              "inputs": {"conditioning": ["n4", 0], "guidance": family["guidance"]}}
     return {
         "s": {"class_type": "DiffusersOffloadSettings", "inputs": settings},
         "l": {"class_type": "DiffusersOffloadLoadDiffusionModelFile", "inputs": load},
         "g": {"class_type": "DiffusersOffloadGenerateImage",
               "inputs": {"pipe": ["l", 0], "prompt": text, "negative_prompt": "", "seed": seed, "steps": a.steps,
-                         "guidance": 1.0, "batch_size": 1, **size}},
+                         "guidance": family["guidance"], "batch_size": 1, **size}},
         "ch": {"class_type": "CoexistCapture", "inputs": {"value": ["l", 0], "key": "ours_handle"}},
         "ci": {"class_type": "CoexistCapture", "inputs": {"value": ["g", 0], "key": "ours_image"}},
-        "n1": {"class_type": "UNETLoader", "inputs": {"unet_name": NAMES["denoiser"], "weight_dtype": "default"}},
+        "n1": {"class_type": "UNETLoader", "inputs": {"unet_name": names["denoiser"], "weight_dtype": "default"}},
         "n2": {"class_type": "CoexistTimer", "inputs": {"model": ["n1", 0], "tag": "native"}},
-        "n3": {"class_type": "CLIPLoader", "inputs": {"clip_name": NAMES["text_encoder"], "type": "qwen_image",
+        "n3": {"class_type": "CLIPLoader", "inputs": {"clip_name": names["text_encoder"], "type": family["clip"],
                                                       "device": "default"}},
         "n4": {"class_type": "CLIPTextEncode", "inputs": {"clip": ["n3", 0], "text": text}},
         "n5": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["n4", 0]}},
-        "n6": {"class_type": "EmptySD3LatentImage", "inputs": {**size, "batch_size": 1}},
+        "n6": {"class_type": family["latent"], "inputs": {**size, "batch_size": 1}},
         "n7": {"class_type": "KSampler",
                "inputs": {"model": ["n2", 0], "seed": seed, "steps": a.steps, "cfg": 1.0, "sampler_name": "euler",
-                          "scheduler": "simple", "positive": ["n4", 0], "negative": ["n5", 0],
+                          "scheduler": "simple", "positive": positive, "negative": ["n5", 0],
                           "latent_image": ["n6", 0], "denoise": 1.0}},
-        "n8": {"class_type": "VAELoader", "inputs": {"vae_name": NAMES["vae"]}},
+        "n8": {"class_type": "VAELoader", "inputs": {"vae_name": names["vae"]}},
         "n9": {"class_type": "VAEDecode", "inputs": {"samples": ["n7", 0], "vae": ["n8", 0]}},
         "cm": {"class_type": "CoexistCapture", "inputs": {"value": ["n1", 0], "key": "native_model"}},
         "cn": {"class_type": "CoexistCapture", "inputs": {"value": ["n9", 0], "key": "native_image"}},
+        **native_extra,
     }
 
 
 OUTPUTS = {"ours": ["ch", "ci"], "native": ["cm", "cn"]}
 
 
-def install_timers(rec: bc.Recorder, nodes: Any) -> None:
+def install_timers(rec: bc.Recorder, nodes: Any, family: str) -> None:
     """Text encode, transformer forward and VAE decode of each side, timed around the component's
     call (ours: the engine's hooks inside; native: the node's call, its model loading inside)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    import diffusers
+    import transformers
 
-    rec.time_calls(QwenImageTransformer2DModel, "ours")
-    rec.time_calls(Qwen2_5_VLForConditionalGeneration, "ours_text")
-    rec.time_calls(AutoencoderKLQwenImage, "ours_decode", "decode")
+    denoiser, text_encoder, vae = FAMILIES[family]["classes"]
+    rec.time_calls(getattr(diffusers, denoiser), "ours")
+    rec.time_calls(getattr(transformers, text_encoder), "ours_text")
+    rec.time_calls(getattr(diffusers, vae), "ours_decode", "decode")
     engine, single_file = (next(m for n, m in sys.modules.items() if n.endswith(tail))
                            for tail in ("offload_core.engine", "nodes.single_file"))
     rec.time_calls(single_file, "ours_load", "load_pipeline_with_denoiser")  # the files to a pipeline
@@ -176,7 +195,7 @@ def main() -> int:
     require_nodes(host, "DiffusersOffloadLoadDiffusionModelFile", "DiffusersOffloadGenerateImage")
     host.nodes.NODE_CLASS_MAPPINGS.update(bc.helper_nodes(rec))
     rec.install(mm)
-    install_timers(rec, host.nodes)
+    install_timers(rec, host.nodes, a.family)
     from benchkit.measure import Ballast, MemoryPoller, alloc_counts
 
     env = {"comfyui": host.version, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0) if cuda else None,

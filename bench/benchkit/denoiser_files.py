@@ -54,20 +54,27 @@ def _header(entries: list[tuple], metadata: dict[str, str]) -> tuple[bytes, int]
 
 
 def write_fp8_scaled(
-    path: Path, specs: list[tuple], device: str, seed: int, meta: dict, marker: int = 0, bf16: tuple[str, ...] = ()
+    path: Path, specs: list[tuple], device: str, seed: int, meta: dict, marker: int = 0, bf16: tuple[str, ...] = (),
+    raw: dict[str, bytes] | None = None,
 ) -> dict:
     """Stream random weights (``init`` as make_wan_sd's: normal with a std, ones, zeros) into a
     ComfyUI fp8_scaled file. A marker of 2 elements asks ComfyUI for full-precision matmuls
-    (weights dequantised); an empty one lets it run fp8 matmuls where the GPU has them."""
+    (weights dequantised); an empty one lets it run fp8 matmuls where the GPU has them. ``raw``:
+    byte strings stored as uint8 tensors after the weights (a tokenizer's vocabulary)."""
     import torch
 
-    entries = _fp8_entries(specs, marker, bf16)
+    raw = raw or {}
+    weights = _fp8_entries(specs, marker, bf16)
+    entries = [*weights[:-1], *((k, "U8", (len(v),), None) for k, v in raw.items()), weights[-1]]
     hb, data_len = _header(entries, meta)
     gen = torch.Generator(device=device).manual_seed(seed)
     tmp, scale, fp8_bytes = Path(str(path) + ".part"), None, 0
     with open(tmp, "wb", buffering=0) as f:
         f.write(struct.pack("<Q", len(hb)) + hb)
-        for _key, dtype, shape, init in entries[:-1]:
+        for key, dtype, shape, init in entries[:-1]:
+            if dtype == "U8":
+                f.write(raw[key])
+                continue
             if dtype == "F32":  # the scale of the weight just written
                 _write(f, scale.reshape(1))
                 continue

@@ -21,6 +21,7 @@ CARRIED = ROOT / "offload_core" / "formats" / "carried_configs" / "Qwen-Image"
 NAMES = {"denoiser": "qwen_image_fp8_random.safetensors",
          "text_encoder": "qwen_2.5_vl_7b_fp8_scaled_random.safetensors",
          "vae": "qwen_image_vae_random.safetensors"}
+TINY_CONFIG = "qwen-image-tiny"  # the tiny folder's name under models/diffusers
 FOLDERS = {"denoiser": "diffusion_models", "text_encoder": "text_encoders", "vae": "vae"}  # ComfyUI's, by input
 BF16_2D = ("embed_tokens.weight",)  # 2-D but not a Linear: bf16 in Comfy-Org's file
 
@@ -37,7 +38,7 @@ def text_encoder_specs(layers: int | None = None) -> list[tuple[str, tuple[int, 
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(config)
     state = _fixture().comfy_text_encoder_state(model.state_dict())
-    return [(k, tuple(t.shape), _init(k, t.ndim)) for k, t in state.items()]
+    return [(k, tuple(t.shape), init_of(k, t.ndim)) for k, t in state.items()]
 
 
 def _fixture() -> Any:
@@ -49,7 +50,8 @@ def _fixture() -> Any:
     return importlib.import_module("fixtures.qwen_image_files")
 
 
-def _init(key: str, ndim: int) -> tuple:
+def init_of(key: str, ndim: int) -> tuple:
+    """A random weight's init by its name: norms ones, other vectors zeros, matrices normal(0.02)."""
     if ndim == 1 and "norm" in key:
         return ("ones",)
     if ndim == 1:
@@ -87,7 +89,7 @@ def _write_tiny(paths: dict[str, Path], models: Path) -> None:
     from safetensors.torch import save_file
 
     f = _fixture()
-    folder = f.build_tiny_qwen_image(models / "diffusers" / "qwen-image-tiny")
+    folder = f.build_tiny_qwen_image(models / "diffusers" / TINY_CONFIG)
     save_file(f.transformer_state(folder), str(paths["denoiser"]))
     made = f.comfy_qwen_image_files(folder, models / "parts")
     for name in ("text_encoder", "vae"):
