@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from .host_limit import container_room
 from .log import get_logger
 
 log = get_logger("memory")
@@ -54,7 +55,15 @@ class MemoryReader:
         return held[device]
 
     def host_available(self) -> int:
-        return int(psutil.virtual_memory().available)
+        """Host memory this process may still use: free RAM, within its container's limit if any."""
+        free = int(psutil.virtual_memory().available)
+        room = container_room()
+        return free if room is None else min(free, room.room)
+
+    def host_bound(self, available: int) -> str:
+        """What bounds ``available`` (a `host_available` reading): the container's limit, or host free."""
+        room = container_room()
+        return room.describe() if room is not None and room.room <= available else "host free"
 
     def device_free(self, device: torch.device) -> tuple[int, int]:
         """(free per the driver, cached by the allocator but unused) for a CUDA device."""
@@ -196,7 +205,7 @@ def pin_budget(need: int, reader: MemoryReader, reserve: int, budget: int | None
     each less ``held``, what this process has page-locked for other components already. Grants
     what fits: the rest of the component streams through pinned staging buffers."""
     available = reader.host_available()
-    rooms = {"host free less reserve": available - reserve}
+    rooms = {f"{reader.host_bound(available)} less reserve": available - reserve}
     if budget is not None:
         rooms[f"host_ram_gb {budget / 2**30:.2f} GiB"] = budget - held
     limit = reader.pin_limit()
