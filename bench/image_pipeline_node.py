@@ -161,10 +161,11 @@ def install_timers(rec: bc.Recorder, nodes: Any, family: str) -> None:
     rec.time_calls(getattr(diffusers, denoiser), "ours")
     rec.time_calls(getattr(transformers, text_encoder), "ours_text")
     rec.time_calls(getattr(diffusers, vae), "ours_decode", "decode")
-    engine, single_file = (next(m for n, m in sys.modules.items() if n.endswith(tail))
-                           for tail in ("offload_core.engine", "nodes.single_file"))
+    engine, single_file, pinning = (next(m for n, m in sys.modules.items() if n.endswith(tail))
+                                    for tail in ("offload_core.engine", "nodes.single_file", "offload_core.pinning"))
     rec.time_calls(single_file, "ours_load", "load_pipeline_with_denoiser")  # the files to a pipeline
     rec.time_calls(engine.Engine, "ours_place", "place")  # placing it: pinning, the streamers' tables
+    rec.time_calls(pinning.PinSet, "ours_pin", "pin_all")  # inside placing: copying into arenas, page-locking
     rec.time_calls(nodes.CLIPTextEncode, "native_text", "encode")
     rec.time_calls(nodes.VAEDecode, "native_decode", "decode")
 
@@ -242,13 +243,13 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
     if got is not None:
         rec.ours = getattr(got, "patcher", got)
     image = rec.captured(f"{side}_image")
-    timed = {k: [s for who, s in rec.forwards if who == f"{side}{k}"] for k in ("", "_text", "_decode", "_load", "_place")}
+    timed = {k: [s for who, s in rec.forwards if who == f"{side}{k}"] for k in ("", "_text", "_decode", "_load", "_place", "_pin")}
     forwards = timed[""]
     row = {"section": "run", "side": side, "prompt": name, "seed": seed, "error": err, "wall_s": round(wall, 3),
            "text_s": round(sum(timed["_text"]), 3), "text_calls": len(timed["_text"]),
            "decode_s": round(sum(timed["_decode"]), 3), "forward_s": [round(x, 4) for x in forwards],
            "denoise_s": round(sum(forwards), 3), "load_s": round(sum(timed["_load"]), 3),
-           "place_s": round(sum(timed["_place"]), 3),
+           "place_s": round(sum(timed["_place"]), 3), "pin_s": [round(x, 3) for x in timed["_pin"]],
            "step_median_s": round(statistics.median(forwards[1:]), 4) if len(forwards) > 1 else None,
            "image_finite": None if image is None else bool(torch.isfinite(image).all()),
            **dict(zip(("torch_ooms", "alloc_retries"), map(int.__sub__, c.alloc_counts(), counts0), strict=True)),
@@ -265,7 +266,7 @@ def run_once(c: SimpleNamespace, side: str, name: str) -> dict[str, Any]:
     c.runs.append(row)
     print(f"   wall {wall:.2f} s: text {row['text_s']} s, denoise {row['denoise_s']} s "
           f"(step {row['step_median_s']}), decode {row['decode_s']} s, rest {row['other_s']} s (loading "
-          f"{row['load_s']} s, placing {row['place_s']} s); error={err}", flush=True)
+          f"{row['load_s']} s, placing {row['place_s']} s, of it pinning {row['pin_s']} s); error={err}", flush=True)
     return row
 
 
