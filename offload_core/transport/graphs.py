@@ -9,7 +9,8 @@ says which calls and keys); its inputs are copied into static buffers shared by 
 signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
 written (a LoRA), at a shortage and at release. A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose
-capture fails or differs stays eager for that signature. Trust is the call's, not its place's: a
+differs stays eager for that signature, and one whose capture fails (a kernel that syncs or
+allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not its place's: a
 call trusted once is captured at its first call in a new place (kept blocks taken back after the
 other denoiser ran, a ring made again after a decode took its room), without the check replay,
 until a weight write; and at its first call with a new input signature (a new prompt's token
@@ -138,6 +139,7 @@ class GraphCache:
         self._entries: dict[tuple[Key, Key], CallGraph | int | None] = {}  # eager calls so far; None: refused
         self._trusted: set[tuple[Key, Key]] = set()  # (what is called, signature) whose replay was checked
         self._guesses: dict[Key, set[Key]] = {}  # what is called: the signatures it was captured at first sight with, unreplayed
+        self._failing: set[Key] = set()  # what is called whose capture raised: eager in every place, for every signature
         self._io: dict[Key, StaticIO] = {}
         self._pool: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -178,7 +180,7 @@ class GraphCache:
         (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
         in this place when the call is trusted, or its first with this signature when trusted with
         another (`_guess`): capture after it), or None (run eagerly)."""
-        if self.starved:
+        if self.starved or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
         if call is None:
@@ -242,12 +244,16 @@ class GraphCache:
                 failed = "its replay differs from the eager forward"
         self._entries[(owner, key)] = None
         self.refused += 1
+        failing = out_key is not None and graph is None and not self.starved
+        if failing:
+            self._failing.add(owner[0])
         if self._forget_unused_pool():
             torch.cuda.empty_cache()
         said = failed.split(":")[0]
         (log.debug if said in self._said else log.info)(
             "%s: stays eager for inputs %s: %s%s", name, _shapes(tensors), failed,
-            " (no more captures until the graphs are dropped)" if self.starved else "")
+            " (no more captures until the graphs are dropped)" if self.starved else
+            " (not captured again, for any inputs, until a weight write)" if failing else "")
         self._said.add(said)
         return False
 
@@ -329,6 +335,7 @@ class GraphCache:
         """`clear`, and no call is trusted any more (a weight write may change what a call runs)."""
         self.clear()
         self._trusted.clear()
+        self._failing.clear()
 
     def details(self) -> dict[str, int]:
         return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused,

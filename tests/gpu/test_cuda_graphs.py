@@ -249,24 +249,41 @@ def test_fp8_pieces_held_as_compute_values_are_graphed_without_a_cast(pipe, tiny
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
+def _syncing(p):
+    """Block 0's forward reads a value on the host (a sync: illegal in a capture)."""
+    block = p.transformer.blocks[0]
+    forward = block.forward
+
+    def reads_a_value(*args, **kwargs):
+        if float(args[0].abs().amax()) < 0:  # .item(): a host read
+            raise AssertionError
+        return forward(*args, **kwargs)
+
+    block.forward = reads_a_value
+    return p
+
+
 def test_a_block_that_cannot_be_captured_stays_eager(pipe, tiny_wan_dir) -> None:
-    """A block whose forward reads a value on the host (a sync: illegal in a capture) is refused
-    by name and runs eagerly; the others are graphed; the output is unchanged."""
-    def syncing(p):
-        block = p.transformer.blocks[0]
-        forward = block.forward
-
-        def reads_a_value(*args, **kwargs):
-            if float(args[0].abs().amax()) < 0:  # .item(): a host read
-                raise AssertionError
-            return forward(*args, **kwargs)
-
-        block.forward = reads_a_value
-        return p
-
-    eager, _ = placed_runs(syncing(pipe), OffloadConfig(**BASE, cuda_graphs=False))
-    graphed, on = placed_runs(syncing(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
+    """A block whose capture fails is refused by name and runs eagerly; the others are graphed;
+    the output is unchanged."""
+    eager, _ = placed_runs(_syncing(pipe), OffloadConfig(**BASE, cuda_graphs=False))
+    graphed, on = placed_runs(_syncing(load_wan(tiny_wan_dir)), OffloadConfig(**BASE))
     assert on["graphs_refused"] >= 1 and on["graphs"] == on["blocks"] - 1
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
+
+
+def test_a_block_whose_capture_failed_is_not_captured_again_in_a_new_place(pipe, tiny_wan_dir) -> None:
+    """After the kept blocks are taken back at new addresses, the others are captured again there,
+    but the block whose capture failed is not tried again (one refusal in all); outputs unchanged."""
+    eager, _ = placed_runs(_syncing(pipe), OffloadConfig(**BASE, cuda_graphs=False), runs=3,
+                           between=_moving_kept_blocks([], []))
+    counts: list[tuple[int, int]] = []
+    moved: list[bool] = []
+    graphed, on = placed_runs(_syncing(load_wan(tiny_wan_dir)), OffloadConfig(**BASE), runs=3,
+                              between=_moving_kept_blocks(counts, moved))
+    (captured_1, _), (captured_2, _) = counts
+    assert moved == [True] and on["graphs_refused"] == 1
+    assert captured_1 == captured_2 - captured_1 == on["blocks"] - 1
     assert all(torch.equal(a, b) for a, b in zip(eager, graphed, strict=True))
 
 
