@@ -42,6 +42,18 @@ def pinned_bytes() -> int:
         return sum(_registered.values())
 
 
+def is_locked(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s bytes are page-locked: by torch's allocator or a registration covering
+    its storage's start (``is_pinned``), or a registration of its own pages (a view of an arena,
+    `PinSet.pin`), which ``is_pinned`` cannot see: it asks about the storage's first byte only."""
+    if tensor.device.type != "cpu":
+        return False
+    if tensor.is_pinned():
+        return True
+    with _lock:
+        return _registered.get(tensor.data_ptr(), 0) >= tensor.nbytes > 0
+
+
 class PinSet:
     """The registrations one transport made; ``release()`` undoes exactly those."""
 
@@ -58,7 +70,7 @@ class PinSet:
         """Return a pinned tensor with the same values: ``tensor`` itself when its storage could be
         registered in place (a view of an arena: its own pages, since a grant may cover only some
         of the arena's tensors), else a pinned copy."""
-        if not torch.cuda.is_available() or tensor.device.type != "cpu" or tensor.is_pinned():
+        if not torch.cuda.is_available() or tensor.device.type != "cpu" or is_locked(tensor):
             return tensor
         storage = tensor.untyped_storage()
         ptr, size = storage.data_ptr(), storage.nbytes()

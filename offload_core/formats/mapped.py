@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..log import get_logger
+from ..pinning import is_locked
 from ..report import gib
 
 FileRange = tuple[int, int, int, tuple[int, int]]  # a file-backed mapping: start, end, file offset, (dev, inode)
@@ -290,7 +291,7 @@ def mapped_bytes(module: torch.nn.Module, ranges: list[FileRange] | None = None)
     process's `loader_ranges`, read once for several modules."""
     inside, cuda = in_mapping(ranges), torch.cuda.is_available()
     return sum(t.numel() * t.element_size() for _names, t in _tensors(module)
-               if inside(t) and not (cuda and t.is_pinned()))
+               if inside(t) and not (cuda and is_locked(t)))
 
 
 def source_folder(module: torch.nn.Module) -> Path | None:

@@ -107,6 +107,28 @@ class StaticIO:
             static.copy_(t)
 
 
+_launch_failed: list[str] = []  # why a launch ran out of memory, once in this process: no graph after it
+
+
+def launch(graph: torch.cuda.CUDAGraph) -> None:
+    """Replay ``graph``. Under cudaMallocAsync (ComfyUI's default) a graph's allocations come from
+    the driver's graph-memory pool at each launch, outside the allocator's caching and the plan's
+    count, so on a full card the launch fails with a CUDA error rather than the allocator's
+    out-of-memory error: it is raised as the latter (the hooks relieve a shortage and run the call
+    again, eagerly) and no graph is made or replayed in this process after it."""
+    try:
+        graph.replay()
+    except RuntimeError as exc:  # (torch.AcceleratorError where torch has it)
+        if "out of memory" not in str(exc) or isinstance(exc, torch.OutOfMemoryError):
+            raise
+        if not _launch_failed:
+            _launch_failed.append(str(exc).splitlines()[0])
+            log.warning("a CUDA graph's launch ran out of device memory (%s): CUDA graphs off for the rest of this "
+                        "process; launching ComfyUI with --disable-cuda-malloc keeps a graph's memory in the plan",
+                        _launch_failed[0])
+        raise torch.OutOfMemoryError(f"a CUDA graph's launch ran out of memory: {_launch_failed[0]}") from exc
+
+
 @dataclass(eq=False)
 class CallGraph:
     """One call's captured forward for one input signature."""
@@ -123,7 +145,7 @@ class CallGraph:
         them past the next call's replay, which rewrites the static outputs)."""
         self.io.load(self.inputs)
         self.inputs = []
-        self.graph.replay()
+        launch(self.graph)
         return rebuild(self.out_key, [t.clone() for t in self.io.outputs[self.out_key]])
 
 
@@ -173,14 +195,14 @@ class GraphCache:
 
     def wants(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call with these inputs may be graphed now."""
-        return self.enabled and not self.starved and describe(args, kwargs) is not None
+        return self.enabled and not (self.starved or _launch_failed) and describe(args, kwargs) is not None
 
     def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
         """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph
         (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
         in this place when the call is trusted, or its first with this signature when trusted with
         another (`_guess`): capture after it), or None (run eagerly)."""
-        if self.starved or owner[0] in self._failing:
+        if self.starved or _launch_failed or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
         if call is None:

@@ -17,6 +17,7 @@ from diffusers.hooks import apply_group_offloading
 
 from ..formats.torchao import inner_tensors, is_wrapper, map_inner, storage_bytes
 from ..memory import flush_host_cache
+from ..pinning import is_locked
 from ..state import REGISTRY
 from .base import (
     DIFFUSERS_GROUP_HOOKS,
@@ -114,6 +115,6 @@ def _pageable(t: torch.Tensor) -> torch.Tensor:
 
 def _pinned(t: torch.Tensor) -> bool:
     try:
-        return t.is_pinned()
+        return is_locked(t)
     except Exception:
         return False

@@ -4,6 +4,7 @@ values counts what it takes on the device). Read-only: the streamer changes the 
 
 from __future__ import annotations
 
+from ..pinning import is_locked
 from .base import Masters
 
 
@@ -48,7 +49,7 @@ class StreamAccounts:
     def pinned_bytes(self) -> int:
         """Page-locked host bytes: the masters registered in place and the units' packets."""
         packets = (u.packet for u in self.units if u.packet is not None)
-        return self.pins.nbytes + sum(p.numel() for p in packets if p.is_pinned())
+        return self.pins.nbytes + sum(p.numel() for p in packets if is_locked(p))
 
     def run_bytes(self) -> int:
         """The streaming slots (the unit being run plus those filled ahead) and, for fp8 units,

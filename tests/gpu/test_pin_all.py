@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig, pinning
 from diffusers_offload.offload_core.formats.mapped import in_mapping
-from diffusers_offload.offload_core.pinning import PinSet, pinned_bytes
+from diffusers_offload.offload_core.pinning import PinSet, is_locked, pinned_bytes
 from fixtures.tiny_pipes import load_wan, run_wan
 from safetensors.torch import load_file, save_file
 
@@ -46,10 +46,11 @@ def test_an_arena_the_driver_refuses_whole_is_page_locked_view_by_view(tmp_path,
     monkeypatch.setattr(pinning, "_register", lambda ptr, size: asked.append(size) or (size < 4 << 20 and register(ptr, size)))
     out = pins.pin_all(list(state.values()), in_mapping())
     assert max(asked) > 4 << 20 and len(asked) == 1 + len(out)  # the arena, then each copy
-    assert all(t.is_pinned() and torch.equal(t, weights[k]) for t, k in zip(out, state, strict=True))
-    assert pins.nbytes == _pages(out)
+    assert not any(t.is_pinned() for t in out)  # (torch asks about the arena's first byte only)
+    assert all(is_locked(t) and torch.equal(t, weights[k]) for t, k in zip(out, state, strict=True))
+    assert pins.nbytes == _pages(out) and all(pins.pin(t) is t for t in out) and pins.nbytes == _pages(out)
     pins.release()
-    assert pinned_bytes() == 0
+    assert pinned_bytes() == 0 and not any(is_locked(t) for t in out)
 
 
 def test_some_copies_of_an_arena_pinned_again_lock_only_their_own_pages(tmp_path) -> None:
@@ -61,7 +62,7 @@ def test_some_copies_of_an_arena_pinned_again_lock_only_their_own_pages(tmp_path
     first.release()
     again = PinSet()
     assert all(again.pin(t) is t for t in out[:4])
-    assert again.nbytes == _pages(out[:4]) and not any(t.is_pinned() for t in out[4:])
+    assert again.nbytes == _pages(out[:4]) and all(map(is_locked, out[:4])) and not any(map(is_locked, out[4:]))
     again.release()
     assert pinned_bytes() == 0
 
@@ -85,3 +86,23 @@ def test_a_denoiser_placed_from_its_files_streams_from_pinned_copies(tiny_wan_di
         finally:
             engine.release(pipe)
     assert torch.equal(*outputs) and pinned_bytes() == 0
+
+
+def test_a_denoiser_placed_again_after_its_release_streams_from_page_locked_masters(tiny_wan_dir) -> None:
+    """Placed from its files (its masters copied into an arena), released (what a failed prompt's
+    unload does), then placed again: every streamed master is page-locked again, by its own pages,
+    with no pinned copy made, and the output is unchanged."""
+    pipe, engine = load_wan(tiny_wan_dir), Engine()
+    config = OffloadConfig(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="off")
+    outputs, masters = [], []
+    for _ in range(2):
+        engine.place(pipe, config)
+        streamer = engine.states(pipe)["transformer"].transport
+        hosts = [slot.host for block in streamer.blocks for slot in block.slots]
+        masters.append({h.data_ptr() for h in hosts})
+        assert hosts and all(map(is_locked, hosts))
+        assert streamer.pinned_bytes() >= sum(h.nbytes for h in hosts)
+        outputs.append(run_wan(pipe))
+        engine.release(pipe)
+        assert pinned_bytes() == 0
+    assert masters[0] == masters[1] and torch.equal(*outputs)
