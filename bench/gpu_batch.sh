@@ -107,7 +107,8 @@ for row in "$@"; do
                    --sides "$side" --json "$ROWS_DIR/flux2pipe_$side.jsonl" --out "$ROWS_DIR"
                done ;;  # FLUX.2 [dev]'s three fp8 files (32B transformer, 24B Mistral pruned), whole pipeline
     readcheck) run readcheck 60 python3 bench/read_check.py \
-                 /tmp/image_pipeline_node/models/diffusion_models/qwen_image_fp8_random.safetensors --out "$ROWS_DIR" ;;  # after imagepipe
+                 ${READ_FILE:-/tmp/image_pipeline_node/models/diffusion_models/qwen_image_fp8_random.safetensors} \
+                 --out "$ROWS_DIR" ;;  # after imagepipe (READ_FILE: another file)
     single) run single 300 python3 bench/single_file_node.py --comfy-dir .gpu/comfyui --cap 12 --layers 40 \
               --out "$ROWS_DIR" ${SINGLE_ARGS:-} ;;  # SINGLE_ARGS=--fp8-matmul: our loader's fp8 matmuls on
     gguf) for st in gguf_q8_0 gguf_q4_k; do
