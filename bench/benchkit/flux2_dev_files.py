@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, fixtures, load_module, pack
+from . import ROOT, fixtures, pack
 from .denoiser_files import write_fp8_scaled
-from .qwen_image_files import FOLDERS, init_of
+from .qwen_image_files import file_paths, init_of, write_denoiser
 
 CARRIED = ROOT / "offload_core" / "formats" / "carried_configs" / "FLUX.2-dev"
 NAMES = {"denoiser": "flux2_dev_fp8_random.safetensors",
@@ -52,14 +52,11 @@ def _fixture(name: str) -> Any:
 
 def write(models: Path, tiny: bool, device: str, te_layers: int | None = None) -> dict[str, Any]:
     """The three files under ``models`` (diffusion_models, text_encoders, vae); their sizes."""
-    paths = {name: models / folder / NAMES[name] for name, folder in FOLDERS.items()}
-    for p in paths.values():
-        p.parent.mkdir(parents=True, exist_ok=True)
+    paths = file_paths(models, NAMES)
     if tiny:
         _write_tiny(paths, models)
     else:
-        anchor = load_module("native_image_anchor", ROOT / "bench" / "native_image_anchor.py")
-        anchor.write(paths["denoiser"], "flux2", None, device)
+        write_denoiser(paths["denoiser"], "flux2", device)
         tekken = _fixture("tiny_tok").tiny_tekken()
         write_fp8_scaled(paths["text_encoder"], text_encoder_specs(te_layers or PRUNED), device, seed=1, meta={},
                          bf16=BF16_2D, raw={"tekken_model": tekken})

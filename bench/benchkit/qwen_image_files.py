@@ -59,16 +59,26 @@ def init_of(key: str, ndim: int) -> tuple:
     return ("normal", 0.02)
 
 
-def write(models: Path, tiny: bool, device: str, te_layers: int | None = None) -> dict[str, Any]:
-    """The three files under ``models`` (diffusion_models, text_encoders, vae); their sizes."""
-    paths = {name: models / folder / NAMES[name] for name, folder in FOLDERS.items()}
+def file_paths(models: Path, names: dict[str, str]) -> dict[str, Path]:
+    """Where each of ``names``' files goes under ``models`` (ComfyUI's folder for its input), made."""
+    paths = {name: models / folder / names[name] for name, folder in FOLDERS.items()}
     for p in paths.values():
         p.parent.mkdir(parents=True, exist_ok=True)
+    return paths
+
+
+def write_denoiser(path: Path, model_name: str, device: str) -> None:
+    """The transformer file with fp8 blocks, as native_image_anchor.py writes it."""
+    load_module("native_image_anchor", ROOT / "bench" / "native_image_anchor.py").write(path, model_name, None, device)
+
+
+def write(models: Path, tiny: bool, device: str, te_layers: int | None = None) -> dict[str, Any]:
+    """The three files under ``models`` (diffusion_models, text_encoders, vae); their sizes."""
+    paths = file_paths(models, NAMES)
     if tiny:
         _write_tiny(paths, models)
     else:
-        anchor = load_module("native_image_anchor", ROOT / "bench" / "native_image_anchor.py")
-        anchor.write(paths["denoiser"], "qwenimage", None, device)
+        write_denoiser(paths["denoiser"], "qwenimage", device)
         write_fp8_scaled(paths["text_encoder"], text_encoder_specs(te_layers), device, seed=1, meta={}, bf16=BF16_2D)
         _write_vae(paths["vae"])
     return {name: p.stat().st_size for name, p in paths.items()}
