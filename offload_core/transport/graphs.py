@@ -8,7 +8,7 @@ bakes in every address its kernels read, so its key names where its weights lie 
 says which calls and keys); its inputs are copied into static buffers shared by the calls of one input
 signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
 written (a LoRA), at a shortage and at release. A graph is
-trusted only after its first replay reproduced the eager output bit for bit; a block whose
+trusted only after its first replay reproduced the eager output bit for bit; a block whose replay
 differs stays eager for that signature, and one whose capture fails (a kernel that syncs or
 allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not its place's: a
 call trusted once is captured at its first call in a new place (kept blocks taken back after the
