@@ -18,8 +18,9 @@ the ballast, host RSS. cfg 1 on both: one forward a step. JSON lines to --json /
 
 GPU (carry .gpu and .whl; the pip/tar install lines of bench/fp8_native.sh first):
     python3 bench/image_pipeline_node.py --comfy-dir .gpu/comfyui --cap 12 --steps 8 --out $OUT
-CPU smoke of ours (the suite's tiny Qwen-Image; ComfyUI's own text encoder is 7B, so no native):
-    .venv/bin/python bench/image_pipeline_node.py --cpu --tiny --sides ours --comfy-dir <ComfyUI tree>
+CPU smoke of ours (the suite's tiny model of the family; ComfyUI's own text encoders have their released
+shapes, so no native):
+    .venv/bin/python bench/image_pipeline_node.py --cpu --tiny --sides ours [--family flux2] --comfy-dir <ComfyUI tree>
 """
 
 from __future__ import annotations
