@@ -48,11 +48,13 @@ PROMPTS = {"first": ("a red fox in the snow, photograph", 1), "seed": ("a red fo
            "prompt": ("a lighthouse on a cliff at dusk, oil painting", 3),
            "again": ("a red fox in the snow, photograph", 4)}  # after a new prompt: the settled run
 STAMP_VERSION = 1
-FAMILIES = {  # files module, CLIPLoader type, empty latent node, guidance (ours; native's FluxGuidance), classes timed
+FAMILIES = {  # files module, CLIPLoader type, empty latent node, guidance (ours; native's FluxGuidance where an
+    # input of the model, not a second forward), classes timed
     "qwenimage": {"files": "qwen_image_files", "clip": "qwen_image", "latent": "EmptySD3LatentImage", "guidance": 1.0,
+                  "model_guidance": False,
                   "classes": ("QwenImageTransformer2DModel", "Qwen2_5_VLForConditionalGeneration", "AutoencoderKLQwenImage")},
     "flux2": {"files": "flux2_dev_files", "clip": "flux2", "latent": "EmptyFlux2LatentImage", "guidance": 4.0,
-              "classes": ("Flux2Transformer2DModel", "MistralModel", "AutoencoderKLFlux2")},
+              "model_guidance": True, "classes": ("Flux2Transformer2DModel", "MistralModel", "AutoencoderKLFlux2")},
 }
 
 
@@ -116,12 +118,9 @@ def workflow(a: argparse.Namespace, text: str, seed: int) -> dict[str, Any]:
             **{name: names[name] for name in FOLDERS}, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0],
             "fp8_matmul": a.fp8_matmul}
     size = {"width": a.size, "height": a.size}
-    positive = ["n4", 0]
-    native_extra = {}
-    if a.family == "flux2":  # FLUX.2 [dev]'s guidance is an input of the model, not a second forward
-        positive = ["ng", 0]
-        native_extra["ng"] = {"class_type": "FluxGuidance",
-                              "inputs": {"conditioning": ["n4", 0], "guidance": family["guidance"]}}
+    guided = {"ng": {"class_type": "FluxGuidance", "inputs": {"conditioning": ["n4", 0], "guidance": family["guidance"]}}
+              } if family["model_guidance"] else {}
+    positive = ["ng", 0] if guided else ["n4", 0]
     return {
         "s": {"class_type": "DiffusersOffloadSettings", "inputs": settings},
         "l": {"class_type": "DiffusersOffloadLoadDiffusionModelFile", "inputs": load},
@@ -145,7 +144,7 @@ def workflow(a: argparse.Namespace, text: str, seed: int) -> dict[str, Any]:
         "n9": {"class_type": "VAEDecode", "inputs": {"samples": ["n7", 0], "vae": ["n8", 0]}},
         "cm": {"class_type": "CoexistCapture", "inputs": {"value": ["n1", 0], "key": "native_model"}},
         "cn": {"class_type": "CoexistCapture", "inputs": {"value": ["n9", 0], "key": "native_image"}},
-        **native_extra,
+        **guided,
     }
 
 

@@ -69,6 +69,15 @@ def fixtures() -> ModuleType:
     return load_module("fixtures", ROOT / "tests" / "fixtures" / "__init__.py", package=True)
 
 
+def fixture(name: str) -> ModuleType:
+    """One module of the suite's fixtures (``fixtures.<name>``), the pack and the package loaded first."""
+    import importlib
+
+    pack()
+    fixtures()
+    return importlib.import_module(f"fixtures.{name}")
+
+
 def gib(n: float | None) -> float | None:
     return None if n is None else round(n / GiB, 3)
 

@@ -11,13 +11,12 @@ module level.
 
 from __future__ import annotations
 
-import importlib
 import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, fixtures, pack
+from . import ROOT, fixture
 from .denoiser_files import write_fp8_scaled
 from .qwen_image_files import file_paths, init_of, write_denoiser
 
@@ -44,12 +43,6 @@ def text_encoder_specs(layers: int = PRUNED) -> list[tuple[str, tuple[int, ...],
             if not k.startswith("norm.")]
 
 
-def _fixture(name: str) -> Any:
-    pack()
-    fixtures()
-    return importlib.import_module(f"fixtures.{name}")
-
-
 def write(models: Path, tiny: bool, device: str, te_layers: int | None = None) -> dict[str, Any]:
     """The three files under ``models`` (diffusion_models, text_encoders, vae); their sizes."""
     paths = file_paths(models, NAMES)
@@ -57,7 +50,7 @@ def write(models: Path, tiny: bool, device: str, te_layers: int | None = None) -
         _write_tiny(paths, models)
     else:
         write_denoiser(paths["denoiser"], "flux2", device)
-        tekken = _fixture("tiny_tok").tiny_tekken()
+        tekken = fixture("tiny_tok").tiny_tekken()
         write_fp8_scaled(paths["text_encoder"], text_encoder_specs(te_layers or PRUNED), device, seed=1, meta={},
                          bf16=BF16_2D, raw={"tekken_model": tekken})
         _write_vae(paths["vae"])
@@ -73,15 +66,15 @@ def _write_vae(path: Path) -> None:
     vae = diffusers.AutoencoderKLFlux2.from_config(json.loads((CARRIED / "vae" / "config.json").read_text()))
     with tempfile.TemporaryDirectory() as tmp:
         vae.to(torch.bfloat16).save_pretrained(Path(tmp) / "vae")
-        save_file(_fixture("flux2_klein_files").flux2_vae_state(Path(tmp)), str(path))
+        save_file(fixture("flux2_klein_files").flux2_vae_state(Path(tmp)), str(path))
 
 
 def _write_tiny(paths: dict[str, Path], models: Path) -> None:
     from safetensors.torch import save_file
 
-    dev = _fixture("flux2_dev_files")
+    dev = fixture("flux2_dev_files")
     folder = dev.build_tiny_flux2_dev(models / "diffusers" / TINY_CONFIG)
-    save_file(_fixture("flux2_klein_files").transformer_state(folder), str(paths["denoiser"]))
+    save_file(fixture("flux2_klein_files").transformer_state(folder), str(paths["denoiser"]))
     made = dev.comfy_flux2_dev_files(folder, models / "parts")
     for name in ("text_encoder", "vae"):
         made[name].replace(paths[name])

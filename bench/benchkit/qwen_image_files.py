@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from . import ROOT, fixtures, load_module, pack
+from . import ROOT, fixture, load_module
 from .denoiser_files import write_fp8_scaled
 
 CARRIED = ROOT / "offload_core" / "formats" / "carried_configs" / "Qwen-Image"
@@ -37,17 +37,8 @@ def text_encoder_specs(layers: int | None = None) -> list[tuple[str, tuple[int, 
         config.text_config.num_hidden_layers = layers
     with torch.device("meta"):
         model = Qwen2_5_VLForConditionalGeneration(config)
-    state = _fixture().comfy_text_encoder_state(model.state_dict())
+    state = fixture("qwen_image_files").comfy_text_encoder_state(model.state_dict())
     return [(k, tuple(t.shape), init_of(k, t.ndim)) for k, t in state.items()]
-
-
-def _fixture() -> Any:
-    """The suite's Qwen-Image fixture module (its ComfyUI key layouts and tiny pipeline)."""
-    import importlib
-
-    pack()
-    fixtures()
-    return importlib.import_module("fixtures.qwen_image_files")
 
 
 def init_of(key: str, ndim: int) -> tuple:
@@ -92,13 +83,13 @@ def _write_vae(path: Path) -> None:
     torch.manual_seed(2)
     vae = diffusers.AutoencoderKLQwenImage.from_config(json.loads((CARRIED / "vae" / "config.json").read_text()))
     state = {k: v.to(torch.bfloat16) for k, v in vae.state_dict().items()}
-    save_file(_fixture().wan21_vae_state(state), str(path))
+    save_file(fixture("qwen_image_files").wan21_vae_state(state), str(path))
 
 
 def _write_tiny(paths: dict[str, Path], models: Path) -> None:
     from safetensors.torch import save_file
 
-    f = _fixture()
+    f = fixture("qwen_image_files")
     folder = f.build_tiny_qwen_image(models / "diffusers" / TINY_CONFIG)
     save_file(f.transformer_state(folder), str(paths["denoiser"]))
     made = f.comfy_qwen_image_files(folder, models / "parts")
