@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..log import get_logger
+from . import graph_memory
+from .graph_memory import launch, launch_failed
 
 log = get_logger("graphs")
 
@@ -107,28 +109,6 @@ class StaticIO:
             static.copy_(t)
 
 
-_launch_failed: list[str] = []  # why a launch ran out of memory, once in this process: no graph after it
-
-
-def launch(graph: torch.cuda.CUDAGraph) -> None:
-    """Replay ``graph``. Under cudaMallocAsync (ComfyUI's default) a graph's allocations come from
-    the driver's graph-memory pool at each launch, outside the allocator's caching and the plan's
-    count, so on a full card the launch fails with a CUDA error rather than the allocator's
-    out-of-memory error: it is raised as the latter (the hooks relieve a shortage and run the call
-    again, eagerly) and no graph is made or replayed in this process after it."""
-    try:
-        graph.replay()
-    except RuntimeError as exc:  # (torch.AcceleratorError where torch has it)
-        if "out of memory" not in str(exc) or isinstance(exc, torch.OutOfMemoryError):
-            raise
-        if not _launch_failed:
-            _launch_failed.append(str(exc).splitlines()[0])
-            log.warning("a CUDA graph's launch ran out of device memory (%s): CUDA graphs off for the rest of this "
-                        "process; launching ComfyUI with --disable-cuda-malloc keeps a graph's memory in the plan",
-                        _launch_failed[0])
-        raise torch.OutOfMemoryError(f"a CUDA graph's launch ran out of memory: {_launch_failed[0]}") from exc
-
-
 @dataclass(eq=False)
 class CallGraph:
     """One call's captured forward for one input signature."""
@@ -137,15 +117,23 @@ class CallGraph:
     io: StaticIO
     out_key: Key
     units: list[int]  # the unit indices the eager forward ran, in order (the streamer's order learning)
+    device: torch.device
     inputs: list[torch.Tensor] = field(default_factory=list)  # this call's tensors, set by `GraphCache.plan`
     guessed: bool = False  # captured at its signature's first call and not replayed yet (`GraphCache._guess`)
+    first_launch: Callable[[int], None] | None = None  # told the driver graph memory the first launch took
 
     def replay(self) -> object:
         """Run the graph on this call's inputs; the outputs as fresh tensors (a caller may keep
         them past the next call's replay, which rewrites the static outputs)."""
         self.io.load(self.inputs)
         self.inputs = []
-        launch(self.graph)
+        if self.first_launch is None:
+            launch(self.graph, self.device)
+        else:
+            before = graph_memory.reserved(self.device)
+            launch(self.graph, self.device)
+            self.first_launch(graph_memory.reserved(self.device) - before)
+            self.first_launch = None
         return rebuild(self.out_key, [t.clone() for t in self.io.outputs[self.out_key]])
 
 
@@ -166,6 +154,7 @@ class GraphCache:
         self._pool: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
+        self.driver_bytes = 0  # the driver's graph memory the graphs' first launches took (`graph_memory`)
         self.captured = self.refused = 0
         self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
@@ -190,19 +179,22 @@ class GraphCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes the graphs hold: their pool and the static buffers."""
-        return self.pool_bytes + sum(io.nbytes for io in self._io.values())
+        """Device bytes the graphs hold: their pool (the allocator's or the driver's) and the static buffers."""
+        return self.pool_bytes + self.driver_bytes + sum(io.nbytes for io in self._io.values())
+
+    def _took(self, nbytes: int) -> None:
+        self.driver_bytes += max(nbytes, 0)
 
     def wants(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call with these inputs may be graphed now."""
-        return self.enabled and not (self.starved or _launch_failed) and describe(args, kwargs) is not None
+        return self.enabled and not (self.starved or launch_failed()) and describe(args, kwargs) is not None
 
     def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
         """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph
         (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
         in this place when the call is trusted, or its first with this signature when trusted with
         another (`_guess`): capture after it), or None (run eagerly)."""
-        if self.starved or _launch_failed or owner[0] in self._failing:
+        if self.starved or launch_failed() or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
         if call is None:
@@ -253,8 +245,8 @@ class GraphCache:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
             graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
             if graph is not None:
-                entry = CallGraph(graph, io, out_key, units, [] if trusted else tensors,
-                                  guessed=key in self._guesses.get(owner[0], ()))
+                entry = CallGraph(graph, io, out_key, units, self.device, [] if trusted else tensors,
+                                  guessed=key in self._guesses.get(owner[0], ()), first_launch=self._took)
                 if trusted or _replays_equal(entry, outs, out_tensors):
                     self._entries[(owner, key)] = entry
                     self._trusted.add((owner[0], key))
@@ -352,6 +344,9 @@ class GraphCache:
         self._pool = None
         self.pool_bytes = 0
         self.starved = False
+        if self.driver_bytes:
+            self.driver_bytes = 0
+            graph_memory.trim(self.device)
 
     def forget(self) -> None:
         """`clear`, and no call is trusted any more (a weight write may change what a call runs)."""

@@ -2,17 +2,27 @@
 (ComfyUI's default; chosen before CUDA starts, so never in the suite's own process): the tiny wide
 Wan with fp8 matmuls, its plan changed after the first run, three runs launched as CUDA graphs
 equal to three eager runs (a capture's outputs are freed inside its graph: freed outside it before
-its first launch, they abort the process there)."""
+its first launch, they abort the process there); and the driver's graph memory a first launch
+takes: counted by the graph cache, given back when its graphs go, and a launch short of it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.transport import graph_memory
+from diffusers_offload.offload_core.transport.graphs import GraphCache
 from fixtures.fp8_matmul import wide_wan
 from fixtures.graph_runs import keep_first_after, placed_runs
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cuda", preload="1000")
+DEVICE = torch.device("cuda")
+GIB = 1 << 30
+WIDE = 32  # the test call's intermediate is WIDE times its 32 MiB input: 1 GiB
+
+
+def wide_call(x: torch.Tensor) -> torch.Tensor:
+    return (x.unsqueeze(0).expand(WIDE, *x.shape) * 2).sum(0)
 
 
 def test_a_streamed_plan_runs_as_graphs_under_cuda_malloc_async(tiny_wan_dir) -> None:
@@ -21,6 +31,77 @@ def test_a_streamed_plan_runs_as_graphs_under_cuda_malloc_async(tiny_wan_dir) ->
     outs, details = placed_runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE), 3, keep_first_after([]))
     assert details["graphs"] > 0
     assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
+
+
+def _captured(cache: GraphCache, x: torch.Tensor):
+    """``wide_call`` on ``x`` planned twice through ``cache`` and captured after the second: its
+    graph, replayed once (the capture's check), and the eager output."""
+    owner = (("wide",), ("here",))
+    assert cache.plan(owner, (x,), {}) is None
+    assert cache.plan(owner, (x,), {}) == GraphCache.CAPTURE
+    reference = wide_call(x)
+    assert cache.capture(owner, "wide", wide_call, (x,), {}, reference, [])
+    entry = cache.plan(owner, (x,), {})
+    entry.inputs = []  # (not replayed here)
+    return entry, reference
+
+
+def test_a_first_launch_takes_driver_memory_the_cache_counts_and_gives_back() -> None:
+    x = torch.randn(8 << 20, device=DEVICE)
+    before = graph_memory.reserved(DEVICE)
+    cache = GraphCache(DEVICE, True)
+    _captured(cache, x)
+    took = graph_memory.reserved(DEVICE) - before
+    assert took >= GIB and cache.driver_bytes == took and cache.nbytes >= took
+    cache.clear()
+    assert graph_memory.reserved(DEVICE) == 0 and cache.nbytes == 0
+
+
+def test_a_launch_short_of_memory_runs_once_the_cached_memory_goes_back(monkeypatch) -> None:
+    """The eager call's 1 GiB stays in the allocator's cache; the card is filled to half a GiB short
+    of what the graph needs on top: its launch fails once, then runs once the cache went back."""
+    monkeypatch.setattr(graph_memory, "_launch_failed", [])
+    x = torch.randn(8 << 20, device=DEVICE)
+    cache = GraphCache(DEVICE, True)
+    entry, reference = _captured(cache, x)
+    graph_memory.trim(DEVICE)  # the graph's memory mapped again at its next launch
+    wide_call(x)  # the eager forward's 1 GiB cached
+    free, _total = torch.cuda.mem_get_info(DEVICE)
+    hog = torch.empty(free - GIB // 2, dtype=torch.uint8, device=DEVICE)
+    failures: list[str] = []
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(graph) -> None:
+        try:
+            replay(graph)
+        except RuntimeError as exc:
+            failures.append(str(exc))
+            raise
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", counted)
+    entry.inputs = [x]
+    out = entry.replay()
+    del hog
+    assert len(failures) == 1 and "out of memory" in failures[0]
+    assert torch.equal(out, reference) and not graph_memory.launch_failed()
+    cache.clear()
+
+
+def test_a_launch_short_even_then_is_the_allocators_error_and_ends_graphs(monkeypatch) -> None:
+    monkeypatch.setattr(graph_memory, "_launch_failed", [])
+    x = torch.randn(8 << 20, device=DEVICE)
+    cache = GraphCache(DEVICE, True)
+    entry, _reference = _captured(cache, x)
+    graph_memory.trim(DEVICE)
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(DEVICE)
+    hog = torch.empty(free - GIB // 2, dtype=torch.uint8, device=DEVICE)
+    entry.inputs = [x]
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA graph's launch"):
+        entry.replay()
+    del hog
+    assert graph_memory.launch_failed() and cache.plan((("wide",), ("here",)), (x,), {}) is None
+    cache.clear()
 
 
 if __name__ == "__main__":

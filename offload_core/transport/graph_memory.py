@@ -1,0 +1,119 @@
+"""The driver's memory for CUDA graphs: how much it holds on a device, and giving it back.
+
+Under cudaMallocAsync (ComfyUI's default allocator) a graph's allocations are graph memory
+nodes: the driver maps their memory at the graph's first launch, outside the allocator's pools
+and counts, and keeps it after the graph is gone until it is trimmed. Own code because torch
+exposes neither the driver's graph-memory attribute nor its trim: both are read through the
+driver library torch already loaded. Where the library cannot be read, nothing is measured or
+trimmed (the native allocator's graphs never take driver graph memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+from ..log import get_logger
+
+log = get_logger("graphs")
+
+RESERVED_MEM_CURRENT = 2  # CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
+
+
+def _driver() -> ctypes.CDLL | None:
+    try:
+        return ctypes.WinDLL("nvcuda.dll") if sys.platform == "win32" else ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+_lib: ctypes.CDLL | None = None
+_loaded = False
+
+
+def _library() -> ctypes.CDLL | None:
+    global _lib, _loaded
+    if not _loaded:
+        _lib, _loaded = _driver(), True
+        if _lib is None:
+            log.debug("the CUDA driver library could not be loaded: graph memory is neither read nor trimmed")
+    return _lib
+
+
+def _device(device: torch.device) -> ctypes.c_int | None:
+    """The driver's handle of ``device``; None where it cannot be read."""
+    lib = _library()
+    if lib is None or device.type != "cuda":
+        return None
+    handle = ctypes.c_int()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return handle if lib.cuDeviceGet(ctypes.byref(handle), index) == 0 else None
+
+
+def reserved(device: torch.device) -> int:
+    """Bytes the driver holds on ``device`` for graphs' allocations (0 where unreadable)."""
+    handle = _device(device)
+    value = ctypes.c_uint64()
+    if handle is None or _lib.cuDeviceGetGraphMemAttribute(handle, RESERVED_MEM_CURRENT, ctypes.byref(value)):
+        return 0
+    return int(value.value)
+
+
+def trim(device: torch.device) -> int:
+    """Give back to the driver the graph memory no live launch uses (waiting for the device's
+    work first, so that the graphs just dropped are done); the bytes given back."""
+    before = reserved(device)
+    if before == 0:
+        return 0
+    torch.cuda.synchronize(device)
+    handle = _device(device)
+    if handle is None or _lib.cuDeviceGraphMemTrim(handle):
+        return 0
+    given = before - reserved(device)
+    log.debug("the driver's graph memory trimmed: %.2f GiB given back", given / (1 << 30))
+    return given
+
+
+_launch_failed: list[str] = []  # why a launch ran out of memory, once in this process: no graph after it
+
+
+def _out_of_memory(exc: RuntimeError) -> bool:
+    return "out of memory" in str(exc) and not isinstance(exc, torch.OutOfMemoryError)
+
+
+def launch(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    """Replay ``graph``. Under cudaMallocAsync (ComfyUI's default) a graph's allocations come from
+    the driver's graph memory at its first launch, outside the allocator's pools and the plan's
+    count, so on a full card the launch fails with a CUDA error rather than the allocator's
+    out-of-memory error. It is tried once more after the allocator's cached memory (the eager
+    forwards', which the graph replaces) and the graphs' unused memory go back to the driver; if
+    that fails too, it is raised as the allocator's error (the hooks relieve a shortage and run the
+    call again, eagerly) and no graph is made or replayed in this process after it."""
+    try:
+        graph.replay()
+        return
+    except RuntimeError as exc:  # (torch.AcceleratorError where torch has it)
+        if not _out_of_memory(exc):
+            raise
+    torch.cuda.empty_cache()
+    trim(device)
+    try:
+        graph.replay()
+        log.debug("a CUDA graph's launch ran out of device memory: launched after the cached memory went back")
+        return
+    except RuntimeError as exc:
+        if not _out_of_memory(exc):
+            raise
+        if not _launch_failed:
+            _launch_failed.append(str(exc).splitlines()[0])
+            log.warning("a CUDA graph's launch ran out of device memory (%s): CUDA graphs off for the rest of this "
+                        "process; launching ComfyUI with --disable-cuda-malloc keeps a graph's memory in the plan",
+                        _launch_failed[0])
+        raise torch.OutOfMemoryError(f"a CUDA graph's launch ran out of memory: {_launch_failed[0]}") from exc
+
+
+def launch_failed() -> bool:
+    """Whether a graph's launch ran out of memory in this process (no graph after it)."""
+    return bool(_launch_failed)
