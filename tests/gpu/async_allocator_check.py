@@ -46,6 +46,7 @@ def _captured(cache: GraphCache, x: torch.Tensor):
     return entry, reference
 
 
+@torch.no_grad()
 def test_a_first_launch_takes_driver_memory_the_cache_counts_and_gives_back() -> None:
     x = torch.randn(8 << 20, device=DEVICE)
     before = graph_memory.reserved(DEVICE)
@@ -54,9 +55,10 @@ def test_a_first_launch_takes_driver_memory_the_cache_counts_and_gives_back() ->
     took = graph_memory.reserved(DEVICE) - before
     assert took >= GIB and cache.driver_bytes == took and cache.nbytes >= took
     cache.clear()
-    assert graph_memory.reserved(DEVICE) == 0 and cache.nbytes == 0
+    assert graph_memory.reserved(DEVICE) <= before and cache.nbytes == 0
 
 
+@torch.no_grad()
 def test_a_launch_short_of_memory_runs_once_the_cached_memory_goes_back(monkeypatch) -> None:
     """The eager call's 1 GiB stays in the allocator's cache; the card is filled to half a GiB short
     of what the graph needs on top: its launch fails once, then runs once the cache went back."""
@@ -87,6 +89,7 @@ def test_a_launch_short_of_memory_runs_once_the_cached_memory_goes_back(monkeypa
     cache.clear()
 
 
+@torch.no_grad()
 def test_a_launch_short_even_then_is_the_allocators_error_and_ends_graphs(monkeypatch) -> None:
     monkeypatch.setattr(graph_memory, "_launch_failed", [])
     x = torch.randn(8 << 20, device=DEVICE)
