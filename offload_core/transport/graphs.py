@@ -170,6 +170,11 @@ class GraphCache:
         if not self.enabled:
             self.forget()
 
+    @property
+    def on(self) -> bool:
+        """Whether calls may still be captured: enabled, and no launch ran out of memory."""
+        return self.enabled and not launch_failed()
+
     def __len__(self) -> int:
         return sum(isinstance(e, CallGraph) for e in self._entries.values())
 
@@ -187,7 +192,7 @@ class GraphCache:
 
     def wants(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call with these inputs may be graphed now."""
-        return self.enabled and not (self.starved or launch_failed()) and describe(args, kwargs) is not None
+        return self.on and not self.starved and describe(args, kwargs) is not None
 
     def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
         """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph

@@ -132,7 +132,7 @@ class PreloadDriver:
             ours = self.streamer.device_bytes()
             cached = max(cached - graphs.pool_bytes, 0)
             return MemoryReading(free=free, cached_unused=cached, resident=max(ours - self.streamer.head_bytes(), 0),
-                                 opening=self._opening(ours), graphs=graphs.nbytes, graphs_on=graphs.cache.enabled)
+                                 opening=self._opening(ours), graphs=graphs.nbytes, graphs_on=graphs.cache.on)
 
     def _opening(self, ours: int) -> int:
         """Between a forward's start and its first block: what the forward has allocated so far
@@ -155,7 +155,7 @@ class PreloadDriver:
         if peak is None:
             return None
         graphs = self.streamer.graphs
-        graphed = graphs.cache.enabled and graphs.cache.described > self._described
+        graphed = graphs.cache.on and graphs.cache.described > self._described
         return CycleUsage(peak=max(peak - self._others, self._peak_before), weights_floor=self.streamer.weights_at_peak(),
                           graphs=graphs.nbytes if graphed else None)
 
