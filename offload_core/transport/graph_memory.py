@@ -79,32 +79,18 @@ def trim(device: torch.device) -> int:
 _launch_failed: list[str] = []  # why a launch ran out of memory, once in this process: no graph after it
 
 
-def _out_of_memory(exc: RuntimeError) -> bool:
-    return "out of memory" in str(exc) and not isinstance(exc, torch.OutOfMemoryError)
-
-
-def launch(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+def launch(graph: torch.cuda.CUDAGraph) -> None:
     """Replay ``graph``. Under cudaMallocAsync (ComfyUI's default) a graph's allocations come from
     the driver's graph memory at its first launch, outside the allocator's pools and the plan's
     count, so on a full card the launch fails with a CUDA error rather than the allocator's
-    out-of-memory error. It is tried once more after the allocator's cached memory (the eager
-    forwards', which the graph replaces) and the graphs' unused memory go back to the driver; if
-    that fails too, it is raised as the allocator's error (the hooks relieve a shortage and run the
-    call again, eagerly) and no graph is made or replayed in this process after it."""
+    out-of-memory error. Emptying the allocator's cache first does not help (the driver already
+    takes its unused memory: bench/README.md, run 62), so it is raised as the allocator's error (the
+    hooks relieve a shortage and run the call again, eagerly) and no graph is made or replayed in
+    this process after it."""
     try:
         graph.replay()
-        return
     except RuntimeError as exc:  # (torch.AcceleratorError where torch has it)
-        if not _out_of_memory(exc):
-            raise
-    torch.cuda.empty_cache()
-    trim(device)
-    try:
-        graph.replay()
-        log.debug("a CUDA graph's launch ran out of device memory: launched after the cached memory went back")
-        return
-    except RuntimeError as exc:
-        if not _out_of_memory(exc):
+        if "out of memory" not in str(exc) or isinstance(exc, torch.OutOfMemoryError):
             raise
         if not _launch_failed:
             _launch_failed.append(str(exc).splitlines()[0])

@@ -128,10 +128,10 @@ class CallGraph:
         self.io.load(self.inputs)
         self.inputs = []
         if self.first_launch is None:
-            launch(self.graph, self.device)
+            launch(self.graph)
         else:
             before = graph_memory.reserved(self.device)
-            launch(self.graph, self.device)
+            launch(self.graph)
             self.first_launch(graph_memory.reserved(self.device) - before)
             self.first_launch = None
         return rebuild(self.out_key, [t.clone() for t in self.io.outputs[self.out_key]])

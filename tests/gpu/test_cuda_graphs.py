@@ -296,15 +296,15 @@ def test_inputs_over_the_limit_stay_eager(pipe, monkeypatch) -> None:
 
 def test_a_graph_launch_out_of_memory_is_a_shortage_and_ends_graphs(pipe, tiny_wan_dir, monkeypatch) -> None:
     """Under cudaMallocAsync a graph's launch takes its memory from the driver, and on a full card
-    fails with a CUDA error (bench/README.md, run 61): here the second run's first launch fails so,
-    and again once the cached memory went back. It is met as a shortage (kept blocks given up, the
-    block run again eagerly), no graph is replayed or captured after it, and the outputs equal the
-    eager ones (`async_allocator_check.py` makes a launch fail on a full card)."""
+    fails with a CUDA error (bench/README.md, run 61): here the second run's first launch fails so.
+    It is met as a shortage (kept blocks given up, the block run again eagerly), no graph is replayed
+    or captured after it, and the outputs equal the eager ones (`async_allocator_check.py` makes a
+    launch fail on a full card)."""
     monkeypatch.setattr(graph_memory, "_launch_failed", [])
     replay, failed = torch.cuda.CUDAGraph.replay, []
 
     def full_card(graph) -> None:
-        if len(failed) < 2:
+        if not failed:
             failed.append(True)
             raise RuntimeError("CUDA error: out of memory")  # (torch.AcceleratorError's text)
         replay(graph)
@@ -316,7 +316,7 @@ def test_a_graph_launch_out_of_memory_is_a_shortage_and_ends_graphs(pipe, tiny_w
     counts: list[tuple[int, int, int]] = []
     eager, _ = placed_runs(pipe, OffloadConfig(**BASE, cuda_graphs=False), runs=3)
     graphed, on = placed_runs(load_wan(tiny_wan_dir), OffloadConfig(**BASE), runs=3, between=fail_next_launch)
-    assert len(failed) == 2 and graph_memory.launch_failed() and counts[0][2] > 0
+    assert failed and graph_memory.launch_failed() and counts[0][2] > 0
     (_, replayed_0, captured_0), (_, replayed_1, captured_1) = counts
     assert replayed_1 - replayed_0 <= 1 and captured_1 == captured_0  # (the failed launch: a block's or the head's)
     assert on["graphs"] == 0  # dropped at the shortage
