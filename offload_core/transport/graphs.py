@@ -7,7 +7,8 @@ GPU (bench/README.md, runs 25-29), and the host's speed varies from process to p
 bakes in every address its kernels read, so its key names where its weights lie (`block_graphs.py`
 says which calls and keys); its inputs are copied into static buffers shared by the calls of one input
 signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
-written (a LoRA), at a shortage and at release. A graph is
+written (a LoRA), at a shortage and at release (with the driver's memory for them under
+cudaMallocAsync: `graph_memory.py`). A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose replay
 differs stays eager for that signature, and one whose capture fails (a kernel that syncs or
 allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not its place's: a
@@ -188,7 +189,10 @@ class GraphCache:
         return self.pool_bytes + self.driver_bytes + sum(io.nbytes for io in self._io.values())
 
     def _took(self, nbytes: int) -> None:
-        self.driver_bytes += max(nbytes, 0)
+        if nbytes > 0:
+            self.driver_bytes += nbytes
+            log.debug("a graph's first launch took %.0f MiB of the driver's graph memory (this cache's: %.0f MiB)",
+                      nbytes / (1 << 20), self.driver_bytes / (1 << 20))
 
     def wants(self, args: tuple, kwargs: dict) -> bool:
         """Whether a call with these inputs may be graphed now."""
