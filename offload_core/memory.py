@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -66,12 +66,14 @@ class MemoryReader:
         return room.describe() if room is not None and room.room <= available else "host free"
 
     def device_free(self, device: torch.device) -> tuple[int, int]:
-        """(free per the driver, cached by the allocator but unused) for a CUDA device."""
+        """(free per the driver, cached by the allocator but unused and usable by any allocation:
+        not the memory set apart, `set_apart`) for a CUDA device."""
         if device.type != "cuda":
             return (0, 0)
         free, _total = torch.cuda.mem_get_info(device)
         stats = self._stats(device)
-        return int(free), _stat(stats, "reserved_bytes") - _stat(stats, "allocated_bytes")
+        apart = sum(reader(device) for reader in _APART.values())
+        return int(free), max(_stat(stats, "reserved_bytes") - _stat(stats, "allocated_bytes") - apart, 0)
 
     def device_available(self, device: torch.device) -> int | None:
         """Free plus cached-unused bytes on a CUDA device; None where that cannot be read."""
@@ -108,6 +110,16 @@ class MemoryReader:
         self._forget()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+_APART: dict[str, Callable[[torch.device], int]] = {}  # by holder: cached device bytes only it can use
+
+
+def set_apart(name: str, reader: Callable[[torch.device], int]) -> None:
+    """Register ``reader``: the device bytes the allocator caches for ``name`` alone (CUDA graphs'
+    private pools), which no other allocation can take, so `MemoryReader.device_free` leaves them
+    out of the cached memory every plan and room request counts as usable."""
+    _APART[name] = reader
 
 
 def _allocator_stats(device: torch.device) -> dict:

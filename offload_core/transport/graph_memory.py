@@ -1,4 +1,6 @@
-"""The driver's memory for CUDA graphs: how much it holds on a device, and giving it back.
+"""The memory CUDA graphs hold apart from every other allocation: their pools in the allocator's
+cache (set apart from the cached memory the plans and room requests count: `memory.set_apart`),
+and the driver's graph memory, how much it holds on a device and giving it back.
 
 Under cudaMallocAsync (ComfyUI's default allocator) a graph's allocations are graph memory
 nodes: the driver maps their memory at the graph's first launch, outside the allocator's pools
@@ -12,14 +14,38 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 
 import torch
 
 from ..log import get_logger
+from ..memory import set_apart
 
 log = get_logger("graphs")
 
 RESERVED_MEM_CURRENT = 2  # CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
+_caches: weakref.WeakSet = weakref.WeakSet()  # the live graph caches (`graphs.GraphCache`)
+
+
+def track(cache: object) -> None:
+    """Count ``cache``'s ``pool_bytes`` apart while it lives."""
+    _caches.add(cache)
+
+
+def pool_bytes_on(device: torch.device) -> int:
+    """The allocator's memory the live graph caches' pools on ``device`` hold: only their graphs use it."""
+    return sum(c.pool_bytes for c in list(_caches) if c.pool_bytes and _same_device(c.device, device))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type or a.index == b.index:
+        return a.type == b.type
+    if None not in (a.index, b.index):
+        return False
+    return (a.index if b.index is None else b.index) == torch.cuda.current_device()
+
+
+set_apart("CUDA graph pools", pool_bytes_on)
 
 
 def _driver() -> ctypes.CDLL | None:

@@ -162,6 +162,7 @@ class GraphCache:
         self.replayed = 0  # graphs handed out to replay, over the cache's life
         self.described = 0  # calls that could be graphed (`plan`), over the cache's life
         self.starved = False  # a capture ran out of memory: none until the next `clear`
+        graph_memory.track(self)
         self._said: set[str] = set()  # refusal reasons logged once
         self.enable(enabled)
 

@@ -124,13 +124,13 @@ class PreloadDriver:
     def reading(self) -> MemoryReading:
         """The room a plan may use: the device's free and cached memory plus this model's kept
         blocks and streaming buffers, which a plan reuses; not the non-block part, which stays
-        (counting it would over-commit by its size), nor the cached memory of the kept blocks'
-        CUDA graphs, which only they use (the graphs' memory is read apart: `graphs_to_come`)."""
+        (counting it would over-commit by its size), nor the cached memory of CUDA graphs' pools,
+        which only they use (`memory.set_apart`; this model's graphs' memory is read apart:
+        `graphs_to_come`)."""
         graphs = self.streamer.graphs
         with self.memory.one_reading():
             free, cached = self.memory.device_free(self.streamer.device)
             ours = self.streamer.device_bytes()
-            cached = max(cached - graphs.pool_bytes, 0)
             return MemoryReading(free=free, cached_unused=cached, resident=max(ours - self.streamer.head_bytes(), 0),
                                  opening=self._opening(ours), graphs=graphs.nbytes, graphs_on=graphs.cache.on)
 

@@ -2,6 +2,8 @@
 start reads them on the launch path), and read anew after a change the table would not show.
 The table is the allocator's own call, counted; no CUDA device is needed to count it."""
 
+import gc
+
 import torch
 from diffusers_offload.offload_core import memory
 from diffusers_offload.offload_core.memory import MemoryReader
@@ -43,3 +45,27 @@ def test_a_peak_reset_or_an_emptied_cache_reads_the_table_again(monkeypatch):
         reader.empty_cache(CUDA)
         third = reader.allocator_retries(CUDA)
     assert (first, second, third) == (1, 2, 3) and len(calls) == 3
+
+
+def test_graph_pools_are_not_cached_memory_anyone_can_use(monkeypatch):
+    """The allocator's cache holds a graph cache's pool (its captures' intermediates), which only its
+    graphs can use: a reading's cached-unused memory leaves it out while the cache holds it, on its
+    device only, and counts it again once the graphs are dropped or the cache is gone."""
+    from diffusers_offload.offload_core.transport.graphs import GraphCache
+
+    gib = 1 << 30
+    monkeypatch.setattr(memory, "_allocator_stats", lambda device: {
+        "reserved_bytes": {"all": {"current": 5 * gib}}, "allocated_bytes": {"all": {"current": 2 * gib}}})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (7 * gib, 80 * gib))
+    reader, here, other = MemoryReader(), torch.device("cuda", 0), torch.device("cuda", 1)
+    cache = GraphCache(here, enabled=False)
+    assert reader.device_free(here) == (7 * gib, 3 * gib)
+    cache.pool_bytes = 2 * gib  # (what a capture into its pool reserved)
+    assert reader.device_free(here) == (7 * gib, gib) and reader.device_free(other) == (7 * gib, 3 * gib)
+    cache.clear()
+    assert reader.device_free(here) == (7 * gib, 3 * gib)
+    cache.pool_bytes = 4 * gib
+    assert reader.device_free(here) == (7 * gib, 0)  # never below nothing
+    del cache
+    gc.collect()
+    assert reader.device_free(here) == (7 * gib, 3 * gib)
