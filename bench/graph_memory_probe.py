@@ -32,6 +32,17 @@ def say(what: str, **more) -> None:
     print(json.dumps({"step": what, **attrs(), **more}), flush=True)
 
 
+def launched(g: torch.cuda.CUDAGraph, what: str, row: dict) -> bool:
+    try:
+        g.replay()
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        say(f"{what} failed", error=str(exc).splitlines()[0][:80], **row)
+        return False
+    say(f"{what} ok", **row)
+    return True
+
+
 @torch.no_grad()
 def main() -> None:
     say("start", backend=torch.cuda.get_allocator_backend())
@@ -61,20 +72,10 @@ def main() -> None:
             free = torch.cuda.mem_get_info(DEV)[0]
             hog = torch.empty(free - int(margin * GIB), dtype=torch.uint8, device=DEV)
             row = {"margin_gib": margin, "eager_cached": cached}
-            try:
-                g.replay()
-                torch.cuda.synchronize()
-                say("launch ok", **row)
-            except RuntimeError as exc:
-                say("launch failed", error=str(exc).splitlines()[0][:80], **row)
+            if not launched(g, "launch", row):
                 torch.cuda.empty_cache()
                 graph_memory.trim(DEV)
-                try:
-                    g.replay()
-                    torch.cuda.synchronize()
-                    say("retry ok", **row)
-                except RuntimeError as exc2:
-                    say("retry failed", error=str(exc2).splitlines()[0][:80], **row)
+                launched(g, "retry", row)
             del hog
     g.reset()
     graph_memory.trim(DEV)
