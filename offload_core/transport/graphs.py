@@ -30,7 +30,6 @@ import torch
 
 from ..log import get_logger
 from . import graph_memory
-from .graph_memory import launch, launch_failed
 
 log = get_logger("graphs")
 
@@ -129,10 +128,10 @@ class CallGraph:
         self.io.load(self.inputs)
         self.inputs = []
         if self.first_launch is None:
-            launch(self.graph)
+            graph_memory.launch(self.graph)
         else:
             before = graph_memory.reserved(self.device)
-            launch(self.graph)
+            graph_memory.launch(self.graph)
             self.first_launch(graph_memory.reserved(self.device) - before)
             self.first_launch = None
         return rebuild(self.out_key, [t.clone() for t in self.io.outputs[self.out_key]])
@@ -175,7 +174,7 @@ class GraphCache:
     @property
     def on(self) -> bool:
         """Whether calls may still be captured: enabled, and no launch ran out of memory."""
-        return self.enabled and not launch_failed()
+        return self.enabled and not graph_memory.launch_failed()
 
     def __len__(self) -> int:
         return sum(isinstance(e, CallGraph) for e in self._entries.values())
@@ -204,7 +203,7 @@ class GraphCache:
         (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
         in this place when the call is trusted, or its first with this signature when trusted with
         another (`_guess`): capture after it), or None (run eagerly)."""
-        if self.starved or launch_failed() or owner[0] in self._failing:
+        if self.starved or graph_memory.launch_failed() or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
         if call is None:
