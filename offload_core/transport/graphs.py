@@ -203,7 +203,7 @@ class GraphCache:
         (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
         in this place when the call is trusted, or its first with this signature when trusted with
         another (`_guess`): capture after it), or None (run eagerly)."""
-        if self.starved or graph_memory.launch_failed() or owner[0] in self._failing:
+        if self.starved or not self.on or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
         if call is None:
