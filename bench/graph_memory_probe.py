@@ -1,12 +1,17 @@
 """Under cudaMallocAsync: how much driver memory a CUDA graph's launch needs, whether the driver's
 trim gives back an idle graph's memory, and whether emptying the allocator's cache makes room
 for a launch. One graph whose call has a 1 GiB intermediate; the card filled to a margin below
-each launch. Run with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync (bench/README.md, run 62)."""
+each launch (run 62). ``--part sharing``: three graphs (two with one 1 GiB intermediate, one with
+two in turn): what `graph_memory.footprint` reads from each template against what its first launch
+maps, and whether graphs launched in turn on one stream share the driver's memory (run 63). Run with
+PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,7 +28,7 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def attrs() -> dict[str, float]:
-    return {"graph_reserved_gib": graph_memory.reserved(DEV) / GIB,
+    return {"graph_reserved_gib": graph_memory.reserved(DEV) / GIB, "graph_used_gib": graph_memory.used(DEV) / GIB,
             "free_gib": torch.cuda.mem_get_info(DEV)[0] / GIB,
             "pool_reserved_gib": torch.cuda.memory_reserved(DEV) / GIB}
 
@@ -43,20 +48,36 @@ def launched(g: torch.cuda.CUDAGraph, what: str, row: dict) -> bool:
     return True
 
 
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return wide(wide(x) + 1)  # two 1 GiB intermediates, one after the other
+
+
+def other(x: torch.Tensor) -> torch.Tensor:
+    return (x.unsqueeze(0).expand(32, *x.shape) + 3).amax(0)
+
+
+def captured(fn, x: torch.Tensor, out: torch.Tensor, side: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, dict]:
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.stream(side):
+        g.capture_begin(capture_error_mode="thread_local")
+        out.copy_(fn(x))
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    t0 = time.perf_counter()
+    need = graph_memory.footprint(g)
+    read_us = (time.perf_counter() - t0) * 1e6
+    g.instantiate()
+    return g, {"footprint_gib": need / GIB, "footprint_read_us": round(read_us, 1)}
+
+
 @torch.no_grad()
-def main() -> None:
+def margins() -> None:
     say("start", backend=torch.cuda.get_allocator_backend())
     x = torch.randn(8 << 20, device=DEV)
     out = torch.empty_like(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        g.capture_begin(capture_error_mode="thread_local")
-        out.copy_(wide(x))
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    say("captured")
+    g, row = captured(wide, x, out, torch.cuda.Stream())
+    say("captured", **row)
     g.replay()
     torch.cuda.synchronize()
     say("first launch")
@@ -71,7 +92,7 @@ def main() -> None:
             torch.cuda.synchronize()
             free = torch.cuda.mem_get_info(DEV)[0]
             hog = torch.empty(free - int(margin * GIB), dtype=torch.uint8, device=DEV)
-            row = {"margin_gib": margin, "eager_cached": cached}
+            row = {"margin_gib": margin, "eager_cached": cached, "room_gib": graph_memory.room(DEV) / GIB}
             if not launched(g, "launch", row):
                 torch.cuda.empty_cache()
                 graph_memory.trim(DEV)
@@ -82,5 +103,31 @@ def main() -> None:
     say("graph reset, trimmed")
 
 
+@torch.no_grad()
+def sharing() -> None:
+    say("start", backend=torch.cuda.get_allocator_backend())
+    x = torch.randn(8 << 20, device=DEV)
+    outs = {name: torch.empty_like(x) for name in ("wide", "other", "twice")}
+    side = torch.cuda.Stream()
+    graphs = {}
+    for name, fn in (("wide", wide), ("other", other), ("twice", twice)):
+        graphs[name], row = captured(fn, x, outs[name], side)
+        say(f"captured {name}", **row)
+    for name in ("wide", "other", "twice", "wide", "other"):
+        before, room = graph_memory.reserved(DEV), graph_memory.room(DEV)
+        graphs[name].replay()
+        torch.cuda.synchronize()
+        say(f"launched {name}", took_gib=(graph_memory.reserved(DEV) - before) / GIB, room_before_gib=room / GIB,
+            equal=bool(torch.equal(outs[name], {"wide": wide, "other": other, "twice": twice}[name](x))))
+    graph_memory.trim(DEV)
+    say("trimmed, graphs alive")
+    for g in graphs.values():
+        g.reset()
+    graph_memory.trim(DEV)
+    say("graphs reset, trimmed")
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--part", choices=("margins", "sharing"), default="margins")
+    {"margins": margins, "sharing": sharing}[ap.parse_args().part]()

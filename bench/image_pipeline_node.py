@@ -73,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp8-matmul", action="store_true", help="our loader's fp8_matmul on")
     ap.add_argument("--comfy-args", default="", help="extra ComfyUI command-line flags")
     ap.add_argument("--poll-ms", type=float, default=5.0)
+    ap.add_argument("--pack-log", default="", help="write the pack's debug lines to this file")
     ap.add_argument("--rebuild", action="store_true", help="write the files again even when stamped")
     ap.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     output_args(ap)
@@ -171,6 +172,17 @@ def install_timers(rec: bc.Recorder, nodes: Any, family: str) -> None:
 
 
 # -- a run ------------------------------------------------------------------------------------------
+def pack_debug_log(path: str) -> None:
+    """Every line of the pack's logger at debug level into ``path`` (its decisions, graphs' first launches)."""
+    import logging
+
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f %(name)s %(levelname)s: %(message)s"))
+    pack = logging.getLogger("diffusers_offload")
+    pack.setLevel(logging.DEBUG)
+    pack.addHandler(handler)
+
+
 def main() -> int:
     a = parse_args()
     offline()
@@ -193,6 +205,8 @@ def main() -> int:
 
     cuda = (not a.cpu) and torch.cuda.is_available()
     rec = bc.Recorder(torch, cuda)
+    if a.pack_log:
+        pack_debug_log(a.pack_log)
     require_nodes(host, "DiffusersOffloadLoadDiffusionModelFile", "DiffusersOffloadGenerateImage")
     host.nodes.NODE_CLASS_MAPPINGS.update(bc.helper_nodes(rec))
     rec.install(mm)

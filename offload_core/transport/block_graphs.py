@@ -107,6 +107,11 @@ class BlockGraphs:
         """Device memory the graphs hold: their pools and static buffers."""
         return self.cache.nbytes + self.head.nbytes
 
+    @property
+    def wanted(self) -> int:
+        """Device memory the graphs hold, and the most one of them waits for to launch (`GraphCache._room_for`)."""
+        return self.nbytes + self.cache.waiting + self.head.waiting
+
     def clear(self, forget: bool = False) -> None:
         """Drop every graph; ``forget``: the calls' trust too (a weight write, the release)."""
         self._pending = None

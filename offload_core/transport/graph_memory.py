@@ -23,7 +23,8 @@ from ..memory import set_apart
 
 log = get_logger("graphs")
 
-RESERVED_MEM_CURRENT = 2  # CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
+USED_MEM_CURRENT, RESERVED_MEM_CURRENT = 0, 2  # CU_GRAPH_MEM_ATTR_{USED,RESERVED}_MEM_CURRENT
+LAUNCH_MARGIN = 128 << 20  # room a first launch needs beyond its footprint (bench/README.md, run 63)
 _caches: weakref.WeakSet = weakref.WeakSet()  # the live graph caches (`graphs.GraphCache`)
 
 
@@ -80,16 +81,27 @@ def _device(device: torch.device) -> ctypes.c_int | None:
 
 def reserved(device: torch.device) -> int:
     """Bytes the driver holds on ``device`` for graphs' allocations (0 where unreadable)."""
+    return _attribute(device, RESERVED_MEM_CURRENT)
+
+
+def used(device: torch.device) -> int:
+    """Bytes of that memory associated with graphs' allocations now (0 where unreadable)."""
+    return _attribute(device, USED_MEM_CURRENT)
+
+
+def _attribute(device: torch.device, attribute: int) -> int:
     handle = _device(device)
     value = ctypes.c_uint64()
-    if handle is None or _lib.cuDeviceGetGraphMemAttribute(handle, RESERVED_MEM_CURRENT, ctypes.byref(value)):
+    if handle is None or _lib.cuDeviceGetGraphMemAttribute(handle, attribute, ctypes.byref(value)):
         return 0
     return int(value.value)
 
 
 def trim(device: torch.device) -> int:
     """Give back to the driver the graph memory no live launch uses (waiting for the device's
-    work first, so that the graphs just dropped are done); the bytes given back."""
+    work first, so that the graphs just dropped are done); the bytes given back. Live graphs'
+    memory goes too: the caches on ``device`` hear it (``unmapped``), their graphs' next launches
+    map it again."""
     before = reserved(device)
     if before == 0:
         return 0
@@ -99,7 +111,85 @@ def trim(device: torch.device) -> int:
         return 0
     given = before - reserved(device)
     log.debug("the driver's graph memory trimmed: %.2f GiB given back", given / (1 << 30))
+    if given > 0:
+        for cache in [c for c in list(_caches) if _same_device(c.device, device)]:
+            cache.unmapped()
     return given
+
+
+MEM_ALLOC_NODE = 10  # CU_GRAPH_NODE_TYPE_MEM_ALLOC
+_ALLOC_PARAMS = 120  # sizeof(CUDA_MEM_ALLOC_NODE_PARAMS): CUmemPoolProps (88), accessDescs, their count, bytesize, dptr
+_BYTESIZE, _DPTR = 104, 112
+
+
+def new_graph() -> torch.cuda.CUDAGraph:
+    """A graph to capture into; under cudaMallocAsync one that keeps its template after capture,
+    so that `footprint` can read its allocations (it is instantiated at its first launch)."""
+    if maps_at_launch():
+        try:
+            return torch.cuda.CUDAGraph(keep_graph=True)
+        except TypeError:  # a torch without keep_graph: no footprint, no pre-flight
+            pass
+    return torch.cuda.CUDAGraph()
+
+
+def maps_at_launch() -> bool:
+    """Whether graphs' allocations are the driver's graph memory, mapped at a first launch
+    (cudaMallocAsync), rather than the allocator's pool memory taken at capture."""
+    global _async
+    if _async is None:
+        _async = torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    return _async
+
+
+_async: bool | None = None
+
+
+def footprint(graph: torch.cuda.CUDAGraph) -> int:
+    """The device bytes the allocations of ``graph`` (captured by `new_graph`, not launched yet)
+    span: the union of their address ranges (allocations whose lifetimes do not overlap share
+    addresses). What its first launch must map; 0 where it cannot be read."""
+    lib = _library()
+    try:
+        template = graph.raw_cuda_graph() if lib is not None and maps_at_launch() else 0
+    except RuntimeError:  # its template was not kept
+        return 0
+    graph_t, count = ctypes.c_void_p(template), ctypes.c_size_t()
+    if not template or lib.cuGraphGetNodes(graph_t, None, ctypes.byref(count)):
+        return 0
+    nodes = (ctypes.c_void_p * count.value)()
+    if count.value and lib.cuGraphGetNodes(graph_t, nodes, ctypes.byref(count)):
+        return 0
+    ranges = []
+    kind, params = ctypes.c_int(), ctypes.create_string_buffer(_ALLOC_PARAMS + 136)  # room for a longer struct
+    for node in nodes:
+        if lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) or kind.value != MEM_ALLOC_NODE:
+            continue
+        if lib.cuGraphMemAllocNodeGetParams(ctypes.c_void_p(node), params):
+            return 0
+        size = int.from_bytes(params.raw[_BYTESIZE:_BYTESIZE + 8], "little")
+        start = int.from_bytes(params.raw[_DPTR:_DPTR + 8], "little")
+        ranges.append((start, start + size))
+    return _union(ranges)
+
+
+def room(device: torch.device) -> int:
+    """Device bytes a first launch may map now: the driver's free memory, the allocator's cached
+    memory no tensor uses (the driver takes it back itself: bench/README.md, run 62) and the
+    driver's graph memory no graph uses."""
+    free = torch.cuda.mem_get_info(device)[0]
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(0, cached) + max(0, reserved(device) - used(device))
+
+
+def _union(ranges: list[tuple[int, int]]) -> int:
+    """Bytes covered by the half-open ranges."""
+    total, reach = 0, 0
+    for start, end in sorted(ranges):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
 
 
 _launch_failed: list[str] = []  # why a launch ran out of memory, once in this process: no graph after it

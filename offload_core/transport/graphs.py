@@ -30,66 +30,13 @@ import torch
 
 from ..log import get_logger
 from . import graph_memory
+from .call_keys import Key, describe, describe_value, rebuild
 
 log = get_logger("graphs")
 
-INPUT_LIMIT = 64 << 20  # tensor bytes a call may take and still be graphed
 SIGNATURES = 8  # input signatures graphed at once; one more (a new size each run) drops them all
 GUESSES = 2  # new signatures a trusted call is captured at first sight with, unreplayed at once (with and without guidance)
 CALLS_KEPT = 4096  # (block, signature) counts kept; inputs that change every call (a float) would grow them
-_SCALARS = (type(None), bool, int, float, str)
-Key = tuple
-
-
-def describe(args: tuple, kwargs: dict) -> tuple[Key, list[torch.Tensor]] | None:
-    """(a hashable key of the call: its structure, tensor shapes and dtypes, plain values and the
-    grad/autocast modes; its tensors in order), or None when it cannot be graphed: an object
-    other than tensors, plain values, tuples, lists and dicts, a tensor off the GPU or needing
-    grad, grad enabled, or tensor inputs over the limit."""
-    if torch.is_grad_enabled():
-        return None
-    tensors: list[torch.Tensor] = []
-    key = _describe((args, kwargs), tensors)
-    if key is None or sum(t.nbytes for t in tensors) > INPUT_LIMIT:
-        return None
-    modes = (torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-    return (key, modes), tensors
-
-
-def _describe(obj: object, tensors: list[torch.Tensor]) -> object | None:
-    kind = type(obj)
-    if kind is torch.Tensor:
-        if obj.device.type != "cuda" or obj.requires_grad:
-            return None
-        tensors.append(obj)
-        return (obj.shape, obj.stride(), obj.dtype, obj.device.index)
-    if kind is tuple or kind is list:
-        items = tuple(_describe(o, tensors) for o in obj)
-        return None if None in items else (kind, items)
-    if kind is dict:
-        items = tuple((k, _describe(v, tensors)) for k, v in obj.items())
-        return None if any(d is None for _k, d in items) else (dict, items)
-    if kind in _SCALARS:
-        return (kind, obj)
-    return None
-
-
-def rebuild(key: object, tensors: list[torch.Tensor]) -> object:
-    """The call (or output) ``key`` describes, with ``tensors`` in its tensor places, in order."""
-    return _build(key, iter(tensors))
-
-
-def _build(key: object, it) -> object:
-    """(A module function, not a closure over itself: that would be a reference cycle holding
-    every replay's output tensors until the garbage collector ran.)"""
-    if isinstance(key[0], torch.Size):
-        return next(it)
-    kind, value = key
-    if kind is tuple or kind is list:
-        return kind(_build(v, it) for v in value)
-    if kind is dict:
-        return {name: _build(v, it) for name, v in value}
-    return value
 
 
 @dataclass(eq=False)
@@ -121,6 +68,7 @@ class CallGraph:
     inputs: list[torch.Tensor] = field(default_factory=list)  # this call's tensors, set by `GraphCache.plan`
     guessed: bool = False  # captured at its signature's first call and not replayed yet (`GraphCache._guess`)
     first_launch: Callable[[int], None] | None = None  # told the driver graph memory the first launch took
+    need: int = 0  # the driver graph memory its first launch maps (`graph_memory.footprint`; 0: none or unknown)
 
     def replay(self) -> object:
         """Run the graph on this call's inputs; the outputs as fresh tensors (a caller may keep
@@ -155,6 +103,8 @@ class GraphCache:
         self._stream: torch.cuda.Stream | None = None
         self.pool_bytes = 0  # reserved for the graphs' intermediates: cached, but not ours to reuse
         self.driver_bytes = 0  # the driver's graph memory the graphs' first launches took (`graph_memory`)
+        self.need = 0  # the most driver graph memory one of its graphs' first launch maps (`_room_for`)
+        self.waiting = 0  # the most a graph whose first launch waits for room needs, since the last `clear`
         self.captured = self.refused = 0
         self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
@@ -212,6 +162,8 @@ class GraphCache:
         self.described += 1
         entry = self._entries.get((owner, key), 0)
         if type(entry) is CallGraph:
+            if entry.first_launch is not None and not self._room_for(entry.need):
+                return None
             entry.inputs = tensors
             self.replayed += 1
             if entry.guessed:
@@ -223,7 +175,20 @@ class GraphCache:
         if not entry and len(self._entries) >= CALLS_KEPT:
             self.clear()
         self._entries[(owner, key)] = entry + 1
-        return self.CAPTURE if entry >= 1 or (owner[0], key) in self._trusted or self._guess(owner[0], key) else None
+        capture = entry >= 1 or (owner[0], key) in self._trusted or self._guess(owner[0], key)
+        return self.CAPTURE if capture and self._room_for(self.need) else None
+
+    def _room_for(self, need: int) -> bool:
+        """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now
+        (under cudaMallocAsync: `graph_memory.room`). A launch short of it fails and keeps what it
+        mapped for the rest of the process (bench/README.md, run 62), so a graph that does not fit
+        waits, its call eager, and the plan hears how much it waits for (`waiting`)."""
+        if not need or graph_memory.room(self.device) >= need + graph_memory.LAUNCH_MARGIN:
+            return True
+        if need > self.waiting:
+            log.debug("a CUDA graph waits for %.0f MiB of room to launch", need / (1 << 20))
+        self.waiting = max(self.waiting, need)
+        return False
 
     def _guess(self, what: Key, key: Key) -> bool:
         """Whether a call trusted with another input signature is captured at its first call with
@@ -247,15 +212,20 @@ class GraphCache:
         key, tensors = describe(args, kwargs)
         trusted = (owner[0], key) in self._trusted
         out_tensors: list[torch.Tensor] = []
-        out_key = _describe(reference, out_tensors)
+        out_key = describe_value(reference, out_tensors)
         io = self._static_io(key, tensors)
         failed: str | None = "the call's output is not tensors"
         if out_key is not None:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
             graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
+            need = graph_memory.footprint(graph) if graph is not None else 0
+            self.need = max(self.need, need)
+            if graph is not None and not trusted and not self._room_for(need):
+                graph.reset()  # captured again at a later call, once there is room for its check replay
+                return False
             if graph is not None:
                 entry = CallGraph(graph, io, out_key, units, self.device, [] if trusted else tensors,
-                                  guessed=key in self._guesses.get(owner[0], ()), first_launch=self._took)
+                                  guessed=key in self._guesses.get(owner[0], ()), first_launch=self._took, need=need)
                 if trusted or _replays_equal(entry, outs, out_tensors):
                     self._entries[(owner, key)] = entry
                     self._trusted.add((owner[0], key))
@@ -313,7 +283,7 @@ class GraphCache:
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         reserved = torch.cuda.memory_reserved(self.device)
-        graph = torch.cuda.CUDAGraph()
+        graph = graph_memory.new_graph()
         try:
             with torch.cuda.stream(self._stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
@@ -353,9 +323,18 @@ class GraphCache:
         self._pool = None
         self.pool_bytes = 0
         self.starved = False
+        self.waiting = 0
         if self.driver_bytes:
             self.driver_bytes = 0
             graph_memory.trim(self.device)
+
+    def unmapped(self) -> None:
+        """The driver took back its graph memory (`graph_memory.trim`): each graph maps it again at
+        its next launch, a first launch again (`_room_for`)."""
+        self.driver_bytes = 0
+        for entry in self._entries.values():
+            if type(entry) is CallGraph:
+                entry.first_launch = self._took
 
     def forget(self) -> None:
         """`clear`, and no call is trusted any more (a weight write may change what a call runs)."""
@@ -380,7 +359,7 @@ def _copy_out(out: object, outs: list[torch.Tensor]) -> None:
     outside the graph before its first launch aborts the process (bench/README.md, run 37), and
     after it warns on every free."""
     tensors: list[torch.Tensor] = []
-    _describe(out, tensors)
+    describe_value(out, tensors)
     for static, t in zip(outs, tensors, strict=True):
         static.copy_(t)
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 import torch
 from diffusers.hooks import ModelHook
 
-from .graphs import INPUT_LIMIT, SIGNATURES, CallGraph, GraphCache, _describe
+from .call_keys import INPUT_LIMIT, describe_value
+from .graphs import SIGNATURES, CallGraph, GraphCache
 
 
 class HeadGraphHook(ModelHook):
@@ -62,5 +63,5 @@ def head_children(model: torch.nn.Module, tower_ids: set[int]) -> list[tuple[str
 
 def _nbytes(output: object) -> int:
     tensors: list[torch.Tensor] = []
-    _describe(output, tensors)
+    describe_value(output, tensors)
     return sum(t.nbytes for t in tensors)

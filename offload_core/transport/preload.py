@@ -150,14 +150,15 @@ class PreloadDriver:
     def _usage(self) -> CycleUsage | None:
         """This model's own peak: the process-wide allocator peak (outside graph captures) less
         what others held when the cycle began (their weights are not our activations); and its
-        CUDA graphs' memory where a block call of this cycle could be graphed."""
+        CUDA graphs' memory where a block call of this cycle could be graphed, with what one waits
+        for to launch (the next plan leaves it room)."""
         peak = self.memory.peak_allocated(self.streamer.device)
         if peak is None:
             return None
         graphs = self.streamer.graphs
         graphed = graphs.cache.on and graphs.cache.described > self._described
         return CycleUsage(peak=max(peak - self._others, self._peak_before), weights_floor=self.streamer.weights_at_peak(),
-                          graphs=graphs.nbytes if graphed else None)
+                          graphs=graphs.wanted if graphed else None)
 
     def _forward_begins(self, args: tuple, kwargs: dict) -> None:
         """Before the denoiser's own first allocation: give up now the blocks the coming

@@ -15,7 +15,7 @@ from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.preload import planner as planner_module
 from diffusers_offload.offload_core.preload.measures import MeasureStore
-from diffusers_offload.offload_core.transport import graphs
+from diffusers_offload.offload_core.transport import call_keys, graphs
 from diffusers_offload.offload_core.transport.cast import CastPool, UnitCast
 from fixtures.scripted_memory import ScriptedCard
 from fixtures.tiny_pipes import load_wan, run_wan
@@ -78,13 +78,13 @@ def test_describe_refuses_what_a_graph_cannot_replay() -> None:
     """Host tensors, tensors needing grad, objects other than tensors and plain values, and any
     call with grad enabled stay eager."""
     with torch.no_grad():
-        assert graphs.describe((torch.ones(2),), {}) is None  # on the host
-        assert graphs.describe((), {"x": object()}) is None
-    assert graphs.describe((), {"scale": 1.0}) is None  # grad enabled
+        assert call_keys.describe((torch.ones(2),), {}) is None  # on the host
+        assert call_keys.describe((), {"x": object()}) is None
+    assert call_keys.describe((), {"scale": 1.0}) is None  # grad enabled
     with torch.no_grad():
-        key, tensors = graphs.describe((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
-        assert tensors == [] and graphs.rebuild(key[0], []) == ((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
-        assert graphs.describe((), {"scale": 2.0})[0] != graphs.describe((), {"scale": 1.0})[0]
+        key, tensors = call_keys.describe((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
+        assert tensors == [] and call_keys.rebuild(key[0], []) == ((), {"scale": 1.0, "mode": None, "sizes": (1, 2)})
+        assert call_keys.describe((), {"scale": 2.0})[0] != call_keys.describe((), {"scale": 1.0})[0]
 
 
 def test_a_replay_output_is_freed_when_its_caller_drops_it() -> None:
@@ -95,7 +95,7 @@ def test_a_replay_output_is_freed_when_its_caller_drops_it() -> None:
     key = (tuple, ((out.shape, out.stride(), out.dtype, None), (dict, (("n", (int, 3)),))))
     gc.disable()
     try:
-        built = graphs.rebuild(key, [out])
+        built = call_keys.rebuild(key, [out])
         assert built[0] is out and built[1] == {"n": 3}
         alive = weakref.ref(out)
         del out, built

@@ -3,7 +3,8 @@
 Wan with fp8 matmuls, its plan changed after the first run, three runs launched as CUDA graphs
 equal to three eager runs (a capture's outputs are freed inside its graph: freed outside it before
 its first launch, they abort the process there); and the driver's graph memory a first launch
-takes: counted by the graph cache, given back when its graphs go, and a launch short of it."""
+takes: counted by the graph cache, given back when its graphs go, waited for where the card is
+short of it, and a launch short of it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ def test_a_first_launch_takes_driver_memory_the_cache_counts_and_gives_back() ->
     _captured(cache, x)
     took = graph_memory.reserved(DEVICE) - before
     assert took >= GIB and cache.driver_bytes == took and cache.nbytes >= took
+    assert cache.need >= GIB and took <= cache.need + graph_memory.LAUNCH_MARGIN  # its footprint, read before the launch
     cache.clear()
     assert graph_memory.reserved(DEVICE) <= before and cache.nbytes == 0
 
@@ -82,3 +84,55 @@ def test_a_launch_short_of_memory_is_the_allocators_error_and_ends_graphs(monkey
 
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+
+
+def _fill_to(room: int) -> torch.Tensor:
+    """A tensor taking the card's free memory down to ``room`` bytes, the allocator's cache emptied first."""
+    torch.cuda.empty_cache()
+    return torch.empty(torch.cuda.mem_get_info(DEVICE)[0] - room, dtype=torch.uint8, device=DEVICE)
+
+
+@torch.no_grad()
+def test_a_graph_short_of_room_waits_eagerly_then_launches(monkeypatch) -> None:
+    """The card filled to half a GiB short of a graph's 1 GiB: its capture is kept back before the
+    check replay (no launch fails, no driver memory is taken), its call stays eager and the cache
+    says what it waits for; with room again it is captured, launched and replays the eager output."""
+    monkeypatch.setattr(graph_memory, "_launch_failed", [])
+    x, owner = torch.randn(8 << 20, device=DEVICE), (("wide",), ("here",))
+    cache = GraphCache(DEVICE, True)
+    assert cache.plan(owner, (x,), {}) is None and cache.plan(owner, (x,), {}) == GraphCache.CAPTURE
+    reference = wide_call(x)
+    before = graph_memory.reserved(DEVICE)
+    hog = _fill_to(GIB // 2)
+    try:
+        assert not cache.capture(owner, "wide", wide_call, (x,), {}, reference, [])
+        assert cache.need >= GIB and cache.waiting == cache.need and len(cache) == 0 and cache.refused == 0
+        assert cache.plan(owner, (x,), {}) is None  # still short: eager, not captured again
+    finally:
+        del hog
+    assert not graph_memory.launch_failed() and graph_memory.reserved(DEVICE) == before
+    assert cache.plan(owner, (x,), {}) == GraphCache.CAPTURE
+    assert cache.capture(owner, "wide", wide_call, (x,), {}, wide_call(x), [])
+    assert torch.equal(cache.plan(owner, (x,), {}).replay(), reference)
+    cache.clear()
+    assert cache.waiting == 0
+
+
+@torch.no_grad()
+def test_a_trim_makes_live_graphs_launch_first_again(monkeypatch) -> None:
+    """A trim (any cache's drop) takes back the driver's memory of every idle graph on the device:
+    a live graph then waits for room like a first launch instead of failing."""
+    monkeypatch.setattr(graph_memory, "_launch_failed", [])
+    x, owner = torch.randn(8 << 20, device=DEVICE), (("wide",), ("here",))
+    cache = GraphCache(DEVICE, True)
+    _captured(cache, x)
+    assert graph_memory.trim(DEVICE) >= GIB and cache.driver_bytes == 0
+    hog = _fill_to(GIB // 2)
+    try:
+        assert cache.plan(owner, (x,), {}) is None and cache.waiting >= GIB
+    finally:
+        del hog
+    assert not graph_memory.launch_failed()
+    entry = cache.plan(owner, (x,), {})
+    assert torch.equal(entry.replay(), wide_call(x)) and cache.driver_bytes >= GIB
+    cache.clear()

@@ -1,7 +1,7 @@
 """ComfyUI's default allocator (``backend:cudaMallocAsync``): a streamed denoiser whose plan changes
 runs there as CUDA graphs, equal to the graph-free run, without the allocator's warning about
 freeing a graph's allocation; the driver's graph memory is counted and given back, and a launch short
-of it is a shortage; in a process of its own (the backend is chosen before CUDA starts).
+of it is waited for, eagerly, or else a shortage; in a process of its own (the backend is chosen before CUDA starts).
 Skipped without CUDA (CI)."""
 
 from __future__ import annotations
