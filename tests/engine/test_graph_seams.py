@@ -209,7 +209,8 @@ def test_a_cycle_that_captured_is_measured_without_the_capture(wan_pipe, monkeyp
 def test_a_graphed_workload_records_its_graphs_memory_and_its_plan_leaves_them_room(wan_pipe, monkeypatch) -> None:
     """Graphs on and the block calls graphable (as on a GPU; none is captured on the CPU): the
     cycle records what the graphs hold, and until they hold more than the eager peak the plan
-    leaves that peak for them (`graphs_to_come`); what they hold is read apart, not as free."""
+    leaves that peak for them (`graphs_to_come`); what they hold is read apart, not as free; and
+    what a graph waits for to launch is recorded with it, so the next plan leaves it room."""
     monkeypatch.setattr(planner_module, "process_store", MeasureStore)
     card = ScriptedCard()
     engine = Engine(memory=card)
@@ -231,6 +232,10 @@ def test_a_graphed_workload_records_its_graphs_memory_and_its_plan_leaves_them_r
     assert planner.spare(workload) == spare
     run_wan(wan_pipe, num_inference_steps=1)
     assert planner._store.graph_bytes(key) == 3 * peak
+    cache.waiting = 2 * peak  # a graph waits for that room to launch (`GraphCache._room_for`)
+    run_wan(wan_pipe, num_inference_steps=1)
+    assert planner._store.graph_bytes(key) == 5 * peak
+    assert planner.spare(workload) == spare - 2 * peak  # the next plan leaves it that room
     engine.release(wan_pipe)
 
 
