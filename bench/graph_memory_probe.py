@@ -77,6 +77,7 @@ def margins() -> None:
     x = torch.randn(8 << 20, device=DEV)
     out = torch.empty_like(x)
     g, row = captured(wide, x, out, torch.cuda.Stream())
+    need = int(row["footprint_gib"] * GIB)
     say("captured", **row)
     g.replay()
     torch.cuda.synchronize()
@@ -92,7 +93,7 @@ def margins() -> None:
             torch.cuda.synchronize()
             free = torch.cuda.mem_get_info(DEV)[0]
             hog = torch.empty(free - int(margin * GIB), dtype=torch.uint8, device=DEV)
-            row = {"margin_gib": margin, "eager_cached": cached, "room_gib": graph_memory.room(DEV) / GIB}
+            row = {"margin_gib": margin, "eager_cached": cached, "fits": graph_memory.fits(DEV, need)}
             if not launched(g, "launch", row):
                 torch.cuda.empty_cache()
                 graph_memory.trim(DEV)
@@ -109,15 +110,16 @@ def sharing() -> None:
     x = torch.randn(8 << 20, device=DEV)
     outs = {name: torch.empty_like(x) for name in ("wide", "other", "twice")}
     side = torch.cuda.Stream()
-    graphs = {}
+    graphs, footprints = {}, {}
     for name, fn in (("wide", wide), ("other", other), ("twice", twice)):
         graphs[name], row = captured(fn, x, outs[name], side)
+        footprints[name] = row["footprint_gib"]
         say(f"captured {name}", **row)
     for name in ("wide", "other", "twice", "wide", "other"):
-        before, room = graph_memory.reserved(DEV), graph_memory.room(DEV)
+        before, fits = graph_memory.reserved(DEV), graph_memory.fits(DEV, int(footprints[name] * GIB))
         graphs[name].replay()
         torch.cuda.synchronize()
-        say(f"launched {name}", took_gib=(graph_memory.reserved(DEV) - before) / GIB, room_before_gib=room / GIB,
+        say(f"launched {name}", took_gib=(graph_memory.reserved(DEV) - before) / GIB, fits=fits,
             equal=bool(torch.equal(outs[name], {"wide": wide, "other": other, "twice": twice}[name](x))))
     graph_memory.trim(DEV)
     say("trimmed, graphs alive")
@@ -127,7 +129,48 @@ def sharing() -> None:
     say("graphs reset, trimmed")
 
 
+@torch.no_grad()
+def discard() -> None:
+    """A graph captured and reset before its first launch, then the call captured again and launched:
+    with and without keep_graph, with and without a card-sized tensor freed in between."""
+    x = torch.randn(8 << 20, device=DEV)
+    side = torch.cuda.Stream()
+    for keep in (False, True):
+        for hog in (False, True):
+            out = torch.empty_like(x)
+            row = {"keep_graph": keep, "hog_freed_between": hog}
+            try:
+                g = plain_capture(wide, x, out, side, keep)
+                g.reset()
+                if hog:
+                    torch.cuda.empty_cache()
+                    big = torch.empty(torch.cuda.mem_get_info(DEV)[0] - GIB // 2, dtype=torch.uint8, device=DEV)
+                    del big
+                g = plain_capture(wide, x, out, side, keep)
+                g.replay()
+                torch.cuda.synchronize()
+                say("recaptured and launched", equal=bool(torch.equal(out, wide(x))), **row)
+                g.reset()
+                torch.randn(4, device=DEV)  # the generator left out of capture mode
+                say("random numbers after", **row)
+            except Exception as exc:  # noqa: BLE001 - the probe reports what failed
+                say("failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}", **row)
+
+
+def plain_capture(fn, x: torch.Tensor, out: torch.Tensor, side: torch.cuda.Stream, keep: bool) -> torch.cuda.CUDAGraph:
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph(keep_graph=keep)
+    with torch.cuda.stream(side):
+        g.capture_begin(capture_error_mode="thread_local")
+        try:
+            out.copy_(fn(x))
+        finally:
+            g.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return g
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--part", choices=("margins", "sharing"), default="margins")
-    {"margins": margins, "sharing": sharing}[ap.parse_args().part]()
+    ap.add_argument("--part", choices=("margins", "sharing", "discard"), default="margins")
+    {"margins": margins, "sharing": sharing, "discard": discard}[ap.parse_args().part]()

@@ -173,13 +173,12 @@ def footprint(graph: torch.cuda.CUDAGraph) -> int:
     return _union(ranges)
 
 
-def room(device: torch.device) -> int:
-    """Device bytes a first launch may map now: the driver's free memory, the allocator's cached
-    memory no tensor uses (the driver takes it back itself: bench/README.md, run 62) and the
-    driver's graph memory no graph uses."""
-    free = torch.cuda.mem_get_info(device)[0]
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return free + max(0, cached) + max(0, reserved(device) - used(device))
+def fits(device: torch.device, footprint: int) -> bool:
+    """Whether the first launch of a graph spanning ``footprint`` bytes can map them from the
+    driver's free memory now, with `LAUNCH_MARGIN` to spare. Only free memory counts: the
+    allocator's cached memory goes back to the driver only in wholly unused chunks, and graphs
+    launched back to back each map their own (bench/README.md, run 63)."""
+    return torch.cuda.mem_get_info(device)[0] >= footprint + LAUNCH_MARGIN
 
 
 def _union(ranges: list[tuple[int, int]]) -> int:

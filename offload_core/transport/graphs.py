@@ -105,6 +105,7 @@ class GraphCache:
         self.driver_bytes = 0  # the driver's graph memory the graphs' first launches took (`graph_memory`)
         self.need = 0  # the most driver graph memory one of its graphs' first launch maps (`_room_for`)
         self.waiting = 0  # the most a graph whose first launch waits for room needs, since the last `clear`
+        self._emptied_at = 0  # the allocator's reserved bytes when `_room_for` last emptied its cache
         self.captured = self.refused = 0
         self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
@@ -180,13 +181,19 @@ class GraphCache:
 
     def _room_for(self, need: int) -> bool:
         """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now
-        (under cudaMallocAsync: `graph_memory.room`). A launch short of it fails and keeps what it
-        mapped for the rest of the process (bench/README.md, run 62), so a graph that does not fit
-        waits, its call eager, and the plan hears how much it waits for (`waiting`)."""
-        if not need or graph_memory.room(self.device) >= need + graph_memory.LAUNCH_MARGIN:
+        (under cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where
+        it grew by as much since it was last emptied for a launch). A launch short of it fails and
+        keeps what it mapped for the rest of the process (bench/README.md, run 62), so a graph that
+        does not fit waits, its call eager, and the plan hears how much it waits for (`waiting`)."""
+        if not need or graph_memory.fits(self.device, need):
             return True
+        if torch.cuda.memory_reserved(self.device) >= self._emptied_at + need:
+            torch.cuda.empty_cache()
+            self._emptied_at = torch.cuda.memory_reserved(self.device)
+            if graph_memory.fits(self.device, need):
+                return True
         if need > self.waiting:
-            log.debug("a CUDA graph waits for %.0f MiB of room to launch", need / (1 << 20))
+            log.debug("a CUDA graph waits for %.0f MiB of free memory to launch", need / (1 << 20))
         self.waiting = max(self.waiting, need)
         return False
 
