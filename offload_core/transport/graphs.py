@@ -98,6 +98,7 @@ class GraphCache:
         self._trusted: set[tuple[Key, Key]] = set()  # (what is called, signature) whose replay was checked
         self._guesses: dict[Key, set[Key]] = {}  # what is called: the signatures it was captured at first sight with, unreplayed
         self._failing: set[Key] = set()  # what is called whose capture raised: eager in every place, for every signature
+        self._unchecked: dict[tuple[Key, Key], CallGraph] = {}  # captured, the check replay waiting for room (`_room_for`)
         self._io: dict[Key, StaticIO] = {}
         self._pool: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -177,7 +178,8 @@ class GraphCache:
             self.clear()
         self._entries[(owner, key)] = entry + 1
         capture = entry >= 1 or (owner[0], key) in self._trusted or self._guess(owner[0], key)
-        return self.CAPTURE if capture and self._room_for(self.need) else None
+        unchecked = self._unchecked.get((owner, key))
+        return self.CAPTURE if capture and self._room_for(unchecked.need if unchecked else self.need) else None
 
     def _room_for(self, need: int) -> bool:
         """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now
@@ -215,24 +217,29 @@ class GraphCache:
         """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside)
         on static copies of the inputs, replay it on these inputs and keep it if it reproduces
         ``reference`` (the eager output of this very call) bit for bit, or at once when the call
-        is trusted (`plan`); True when kept."""
+        is trusted (`plan`); True when kept. Where its first launch does not fit yet (`_room_for`)
+        the graph is kept unchecked, and a later call's capture replays it instead of recording."""
         key, tensors = describe(args, kwargs)
         trusted = (owner[0], key) in self._trusted
         out_tensors: list[torch.Tensor] = []
         out_key = describe_value(reference, out_tensors)
         io = self._static_io(key, tensors)
         failed: str | None = "the call's output is not tensors"
+        entry = None
         if out_key is not None:
             outs = io.outputs.setdefault(out_key, [torch.empty_like(t) for t in out_tensors])
-            graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
-            need = graph_memory.footprint(graph) if graph is not None else 0
-            self.need = max(self.need, need)
-            if graph is not None and not trusted and not self._room_for(need):
-                graph.reset()  # captured again at a later call, once there is room for its check replay
-                return False
-            if graph is not None:
-                entry = CallGraph(graph, io, out_key, units, self.device, [] if trusted else tensors,
-                                  guessed=key in self._guesses.get(owner[0], ()), first_launch=self._took, need=need)
+            entry = self._unchecked.pop((owner, key), None)
+            if entry is None:
+                graph, failed = self._record(run, rebuild(key[0], io.inputs), outs)
+                entry = None if graph is None else CallGraph(
+                    graph, io, out_key, units, self.device, guessed=key in self._guesses.get(owner[0], ()),
+                    first_launch=self._took, need=graph_memory.footprint(graph))
+            if entry is not None:
+                self.need = max(self.need, entry.need)
+                if not trusted and not self._room_for(entry.need):
+                    self._unchecked[(owner, key)] = entry  # its check replay waits for room (`plan`)
+                    return False
+                entry.inputs = [] if trusted else tensors
                 if trusted or _replays_equal(entry, outs, out_tensors):
                     self._entries[(owner, key)] = entry
                     self._trusted.add((owner[0], key))
@@ -240,11 +247,11 @@ class GraphCache:
                     if self.captured == 1:
                         log.info("%s: launches as a CUDA graph (inputs %s), and so will the calls captured after it", name, _shapes(tensors))
                     return True
-                graph.reset()
+                entry.graph.reset()
                 failed = "its replay differs from the eager forward"
         self._entries[(owner, key)] = None
         self.refused += 1
-        failing = out_key is not None and graph is None and not self.starved
+        failing = out_key is not None and entry is None and not self.starved
         if failing:
             self._failing.add(owner[0])
         if self._forget_unused_pool():
@@ -321,10 +328,11 @@ class GraphCache:
 
     def clear(self) -> None:
         """Drop every graph and static buffer (their memory goes back at the next empty-cache)."""
-        for entry in self._entries.values():
+        for entry in [*self._entries.values(), *self._unchecked.values()]:
             if type(entry) is CallGraph:
                 entry.graph.reset()
         self._entries.clear()
+        self._unchecked.clear()
         self._guesses.clear()
         self._io.clear()
         self._pool = None
