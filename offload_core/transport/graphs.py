@@ -106,7 +106,7 @@ class GraphCache:
         self.driver_bytes = 0  # the driver's graph memory the graphs' first launches took (`graph_memory`)
         self.need = 0  # the most driver graph memory one of its graphs' first launch maps (`_room_for`)
         self.waiting = 0  # the most a graph whose first launch waits for room needs, since the last `clear`
-        self._emptied_at = 0  # the allocator's reserved bytes when `_room_for` last emptied its cache
+        self._stuck = 0  # the allocator's cached memory its last emptying for a launch could not give back
         self.captured = self.refused = 0
         self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
@@ -183,15 +183,15 @@ class GraphCache:
 
     def _room_for(self, need: int) -> bool:
         """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now
-        (under cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where
-        it grew by as much since it was last emptied for a launch). A launch short of it fails and
+        (under cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where it
+        holds that much more than its last emptying left). A launch short of it fails and
         keeps what it mapped for the rest of the process (bench/README.md, run 62), so a graph that
         does not fit waits, its call eager, and the plan hears how much it waits for (`waiting`)."""
         if not need or graph_memory.fits(self.device, need):
             return True
-        if torch.cuda.memory_reserved(self.device) >= self._emptied_at + need:
+        if _cached_unused(self.device) >= self._stuck + need:
             torch.cuda.empty_cache()
-            self._emptied_at = torch.cuda.memory_reserved(self.device)
+            self._stuck = _cached_unused(self.device)
             if graph_memory.fits(self.device, need):
                 return True
         if need > self.waiting:
@@ -377,6 +377,10 @@ def _copy_out(out: object, outs: list[torch.Tensor]) -> None:
     describe_value(out, tensors)
     for static, t in zip(outs, tensors, strict=True):
         static.copy_(t)
+
+
+def _cached_unused(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _shapes(tensors: list[torch.Tensor]) -> str:
