@@ -138,13 +138,13 @@ def allocator_note(backend: str) -> str | None:
     """What a user should know of the allocator ComfyUI started PyTorch with: under
     ``cudaMallocAsync`` (ComfyUI's default) the engine cannot turn expandable segments on, so a
     video on a small card keeps fewer blocks resident, and a CUDA graph's memory is taken by the
-    driver at its first launch, before the plan can count it (see bench/README.md, runs 37, 61 and 62)."""
+    driver at its first launch, outside the allocator (see bench/README.md, runs 37 and 61–63)."""
     if backend != "cudaMallocAsync":
         return None
     return ("ComfyUI runs PyTorch's cudaMallocAsync allocator: a video on a small card keeps fewer blocks resident "
             "than on the native allocator, where the engine turns expandable segments on, and the blocks' CUDA graphs "
-            "take their memory from the driver at their first launch, before the plan can count it (where a first "
-            "launch finds the card full, graphs end for the process); "
+            "take their memory from the driver at their first launch, outside the allocator (a graph waits, its call "
+            "eager, until the driver's free memory covers it); "
             "launch ComfyUI with --disable-cuda-malloc for video work or a model much larger than the card")
 
 
