@@ -177,7 +177,7 @@ def fits(device: torch.device, footprint: int) -> bool:
     """Whether the first launch of a graph spanning ``footprint`` bytes can map them from the
     driver's free memory now, with `LAUNCH_MARGIN` to spare. Only free memory counts: the
     allocator's cached memory goes back to the driver only in wholly unused chunks, and graphs
-    launched back to back each map their own (bench/README.md, run 63)."""
+    may each map their own (FLUX.2's did; bench/README.md, run 63)."""
     return torch.cuda.mem_get_info(device)[0] >= footprint + LAUNCH_MARGIN
 
 
