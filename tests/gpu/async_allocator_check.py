@@ -82,9 +82,6 @@ def test_a_launch_short_of_memory_is_the_allocators_error_and_ends_graphs(monkey
     cache.clear()
 
 
-if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
-
 
 def _fill_to(room: int) -> torch.Tensor:
     """A tensor taking the card's free memory down to ``room`` bytes, the allocator's cache emptied first."""
@@ -94,9 +91,9 @@ def _fill_to(room: int) -> torch.Tensor:
 
 @torch.no_grad()
 def test_a_graph_short_of_room_waits_eagerly_then_launches(monkeypatch) -> None:
-    """The card filled to half a GiB short of a graph's 1 GiB: its capture is kept back before the
-    check replay (no launch fails, no driver memory is taken), its call stays eager and the cache
-    says what it waits for; with room again it is captured, launched and replays the eager output."""
+    """The card filled to half a GiB short of a graph's 1 GiB: the captured graph is kept, its check
+    replay waiting (no launch fails, no driver memory is taken), its call stays eager and the cache
+    says what it waits for; with room again the next capture checks it, and it replays the eager output."""
     monkeypatch.setattr(graph_memory, "_launch_failed", [])
     x, owner = torch.randn(8 << 20, device=DEVICE), (("wide",), ("here",))
     cache = GraphCache(DEVICE, True)
@@ -136,3 +133,7 @@ def test_a_trim_makes_live_graphs_launch_first_again(monkeypatch) -> None:
     entry = cache.plan(owner, (x,), {})
     assert torch.equal(entry.replay(), wide_call(x)) and cache.driver_bytes >= GIB
     cache.clear()
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
