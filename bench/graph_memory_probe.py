@@ -57,13 +57,7 @@ def other(x: torch.Tensor) -> torch.Tensor:
 
 
 def captured(fn, x: torch.Tensor, out: torch.Tensor, side: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, dict]:
-    side.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.stream(side):
-        g.capture_begin(capture_error_mode="thread_local")
-        out.copy_(fn(x))
-        g.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
+    g = plain_capture(fn, x, out, side, keep=True)
     t0 = time.perf_counter()
     need = graph_memory.footprint(g)
     read_us = (time.perf_counter() - t0) * 1e6

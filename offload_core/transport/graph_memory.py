@@ -5,8 +5,8 @@ and the driver's graph memory, how much it holds on a device and giving it back.
 Under cudaMallocAsync (ComfyUI's default allocator) a graph's allocations are graph memory
 nodes: the driver maps their memory at the graph's first launch, outside the allocator's pools
 and counts, and keeps it after the graph is gone until it is trimmed. Own code because torch
-exposes neither the driver's graph-memory attribute nor its trim: both are read through the
-driver library torch already loaded. Where the library cannot be read, nothing is measured or
+exposes neither the driver's graph-memory attribute, its trim, nor a graph's allocation nodes
+(what a first launch will map): all are read through the driver library torch already loaded. Where the library cannot be read, nothing is measured or
 trimmed (the native allocator's graphs never take driver graph memory).
 """
 
@@ -118,8 +118,8 @@ def trim(device: torch.device) -> int:
 
 
 MEM_ALLOC_NODE = 10  # CU_GRAPH_NODE_TYPE_MEM_ALLOC
-_ALLOC_PARAMS = 120  # sizeof(CUDA_MEM_ALLOC_NODE_PARAMS): CUmemPoolProps (88), accessDescs, their count, bytesize, dptr
-_BYTESIZE, _DPTR = 104, 112
+_BYTESIZE, _DPTR = 104, 112  # in CUDA_MEM_ALLOC_NODE_PARAMS: CUmemPoolProps (88), accessDescs, their count, then these
+_PARAMS_ROOM = 256  # bytes for the struct (120), with room should a driver's be longer
 
 
 def new_graph() -> torch.cuda.CUDAGraph:
@@ -161,7 +161,7 @@ def footprint(graph: torch.cuda.CUDAGraph) -> int:
     if count.value and lib.cuGraphGetNodes(graph_t, nodes, ctypes.byref(count)):
         return 0
     ranges = []
-    kind, params = ctypes.c_int(), ctypes.create_string_buffer(_ALLOC_PARAMS + 136)  # room for a longer struct
+    kind, params = ctypes.c_int(), ctypes.create_string_buffer(_PARAMS_ROOM)
     for node in nodes:
         if lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) or kind.value != MEM_ALLOC_NODE:
             continue
@@ -198,10 +198,10 @@ def launch(graph: torch.cuda.CUDAGraph) -> None:
     """Replay ``graph``. Under cudaMallocAsync (ComfyUI's default) a graph's allocations come from
     the driver's graph memory at its first launch, outside the allocator's pools and the plan's
     count, so on a full card the launch fails with a CUDA error rather than the allocator's
-    out-of-memory error. Emptying the allocator's cache first does not help (the driver already
-    takes its unused memory: bench/README.md, run 62), so it is raised as the allocator's error (the
-    hooks relieve a shortage and run the call again, eagerly) and no graph is made or replayed in
-    this process after it."""
+    out-of-memory error, and keeps what it had mapped for the rest of the process (bench/README.md,
+    run 62): a first launch waits for room instead (`GraphCache._room_for`). Where one fails all
+    the same, it is raised as the allocator's error (the hooks relieve a shortage and run the
+    call again, eagerly) and no graph is made or replayed in this process after it."""
     try:
         graph.replay()
     except RuntimeError as exc:  # (torch.AcceleratorError where torch has it)
