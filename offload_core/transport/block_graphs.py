@@ -10,7 +10,8 @@ streamed unit (a block streamed whole; a part, where its block is not bound whol
 ring buffer it is bound to. Copies and their buffers' events stay outside every graph. A graph
 bakes in the addresses it reads, so each is keyed by the device addresses of its weights' bytes:
 the same key means the same weights in the same place, whatever the plan did in between, and a
-plan change needs no drop. Why graph streaming blocks too: a streamed image step is bound by the
+plan change needs no drop, except under cudaMallocAsync, where a graph whose weights left its
+place still holds the driver's memory its launches mapped (`drop_moved`). Why graph streaming blocks too: a streamed image step is bound by the
 copies only while the host launches faster than the link copies; on a slow host its eager launch
 is the step. Why whole where they fit: a block graphed part by part still launches the ops
 between its parts, and loads and copies each part's inputs and outputs, one by one.
@@ -22,9 +23,14 @@ from collections.abc import Callable
 
 import torch
 
+from ..log import get_logger
+from . import graph_memory
 from .blocks import StreamBlock, StreamUnit
+from .call_keys import Key
 from .graphs import CallGraph, GraphCache
 from .prefetch import Prefetcher
+
+log = get_logger("graphs")
 
 Owner = StreamBlock | StreamUnit
 
@@ -38,6 +44,7 @@ class BlockGraphs:
         self.notify = notify  # the streamer's listeners hear ``capturing`` and ``captured``
         self.model = ""  # the model's name, for the log
         self._pending: tuple | None = None  # (owner, key, args, kwargs, len(seen) at its entry): capture at its exit
+        self._placed: tuple | None = None  # the kept pieces and ring buffers `drop_moved` last saw
 
     def key(self, owner: Owner) -> tuple[tuple, tuple]:
         """Which call this is: the owner and its units' form (stored, or held as compute values:
@@ -92,6 +99,38 @@ class BlockGraphs:
         finally:
             self.prefetch.end_capture()
         self.notify("captured")
+
+    def drop_moved(self, kept: frozenset[int]) -> None:
+        """The plan was applied (``kept``: the pieces kept now): under cudaMallocAsync the graphs
+        of weights that lie elsewhere now (their blocks kept or streamed since, their ring buffer
+        given back) go, with the driver's memory their launches mapped (`graph_memory.trim`):
+        else it stays theirs, and a graph that would replay instead finds the card that much
+        shorter (bench/README.md, run 64). Under the native allocator their pool is shared
+        and nothing is mapped: they stay until a `clear`."""
+        placed, self._placed = self._placed, (kept, frozenset(self.prefetch.ring.addresses))
+        if placed == self._placed or not self.cache.driver_bytes:
+            return
+        owners: dict[int, list] = {}
+        for unit in self.prefetch.units:
+            owners[id(unit)], owners[id(unit.block)] = [unit], unit.block.units
+
+        def moved(owner: tuple[Key, Key]) -> bool:
+            (ident, _computed), where = owner
+            units = owners.get(ident)
+            return units is None or not all(map(self._lies_at, units, where))
+
+        dropped = self.cache.drop(moved)
+        if dropped:
+            given = graph_memory.trim(self.cache.device)
+            log.debug("%s: %d graphs of weights placed elsewhere now dropped, %.0f MiB of the driver's "
+                      "graph memory given back", self.model, dropped, given / (1 << 20))
+
+    def _lies_at(self, unit: StreamUnit, address: int) -> bool:
+        """Whether ``unit``'s bytes may lie at ``address`` under the plan now: its kept buffer,
+        or one of the ring's buffers."""
+        if unit.piece.resident is not None:
+            return unit.kept is not None and unit.kept.data_ptr() == address
+        return address in self.prefetch.ring.addresses
 
     def enable(self, on: bool) -> None:
         self.cache.enable(on)

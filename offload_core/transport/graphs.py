@@ -8,7 +8,8 @@ bakes in every address its kernels read, so its key names where its weights lie 
 says which calls and keys); its inputs are copied into static buffers shared by the calls of one input
 signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
 written (a LoRA), at a shortage and at release (with the driver's memory for them under
-cudaMallocAsync: `graph_memory.py`). A graph is
+cudaMallocAsync: `graph_memory.py`; there also those whose weights a plan change moved:
+`block_graphs.py`). A graph is
 trusted only after its first replay reproduced the eager output bit for bit; a block whose replay
 differs stays eager for that signature, and one whose capture fails (a kernel that syncs or
 allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not its place's: a
@@ -342,6 +343,17 @@ class GraphCache:
         if self.driver_bytes:
             self.driver_bytes = 0
             graph_memory.trim(self.device)
+
+    def drop(self, moved: Callable[[tuple[Key, Key]], bool]) -> int:
+        """Drop the graphs whose owner key ``moved`` says no longer names where its weights lie;
+        how many went."""
+        gone = [k for k, e in self._entries.items() if type(e) is CallGraph and moved(k[0])]
+        for k in gone:
+            self._entries.pop(k).graph.reset()
+        unchecked = [k for k in self._unchecked if moved(k[0])]
+        for k in unchecked:
+            self._unchecked.pop(k).graph.reset()
+        return len(gone) + len(unchecked)
 
     def unmapped(self) -> None:
         """The driver took back its graph memory (`graph_memory.trim`): each graph maps it again at

@@ -309,6 +309,7 @@ class PreloadDriver:
         made = planned and self.streamer.fill_ring()
         if changed or made:  # else a retry since the last reading is still to be seen
             self._retries = self.memory.allocator_retries(self.streamer.device)
+        self.streamer.graphs.drop_moved(frozenset(target))
 
 
 def _planner_for(module: torch.nn.Module, streamer: PreloadingStreamer, reading, policy: Policy) -> PreloadPlanner:

@@ -43,6 +43,7 @@ class BufferRing:
         self._free: list[RingSlot] = []
         self._busy = 0
         self._numbers: set[int] = set()  # the homes of the slots of this size, free and busy
+        self.addresses: set[int] = set()  # the device addresses of every slot made and not dropped
         self._cuda = device.type == "cuda"
 
     @property
@@ -117,6 +118,7 @@ class BufferRing:
 
     def _make(self, home: int) -> RingSlot:
         buf = torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.addresses.add(buf.data_ptr())
         if home >= 0:
             self._numbers.add(home)
         return RingSlot(buf, home, read=self._record())
@@ -139,6 +141,7 @@ class BufferRing:
             self._drop(self._free.pop())
 
     def _drop(self, slot: RingSlot) -> None:
+        self.addresses.discard(slot.buf.data_ptr())
         if slot.buf.numel() == self.slot_bytes:
             self._numbers.discard(slot.home)
         # The pool hands freed memory out in compute-stream order: the compute stream waits for

@@ -3,7 +3,7 @@
 Wan with fp8 matmuls, its plan changed after the first run, three runs launched as CUDA graphs
 equal to three eager runs (a capture's outputs are freed inside its graph: freed outside it before
 its first launch, they abort the process there); and the driver's graph memory a first launch
-takes: counted by the graph cache, given back when its graphs go, waited for where the card is
+takes: counted by the graph cache, given back when its graphs go (or their weights move), waited for where the card is
 short of it, and a launch short of it."""
 
 from __future__ import annotations
@@ -32,6 +32,27 @@ def test_a_streamed_plan_runs_as_graphs_under_cuda_malloc_async(tiny_wan_dir) ->
     outs, details = placed_runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE), 3, keep_first_after([]))
     assert details["graphs"] > 0
     assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
+
+
+def test_graphs_whose_weights_moved_go_with_their_driver_memory(tiny_wan_dir) -> None:
+    """After the first run block 0 is kept: the graphs keyed by where its weights lay go, the
+    driver's graph memory is trimmed (`BlockGraphs.drop_moved`), and the runs after replay the
+    eager outputs."""
+    eager, _ = placed_runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE, cuda_graphs=False), 3, keep_first_after([]))
+    keep, seen = keep_first_after([]), []
+
+    def keep_and_drop(streamer, k: int) -> None:
+        keep(streamer, k)
+        if k == 0:
+            cache = streamer.graphs.cache
+            seen.append((len(cache), graph_memory.reserved(DEVICE), cache.driver_bytes))
+            streamer.graphs.drop_moved(frozenset(streamer.resident_indices()))
+            seen.append((len(cache), graph_memory.reserved(DEVICE), cache.driver_bytes))
+
+    outs, details = placed_runs(wide_wan(tiny_wan_dir), OffloadConfig(**BASE), 3, keep_and_drop)
+    (graphs, reserved, mapped), (graphs_after, reserved_after, mapped_after) = seen
+    assert mapped > 0 and 0 < graphs_after < graphs and reserved_after < reserved and mapped_after == 0
+    assert details["graphs"] > 0 and all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
 
 
 def _captured(cache: GraphCache, x: torch.Tensor):

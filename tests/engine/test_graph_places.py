@@ -1,0 +1,86 @@
+"""`BlockGraphs.drop_moved`: a graph bakes in where its weights lie, so after a plan change the
+graphs keyed by a place their weights left (a block kept since, a block streamed again, a ring
+buffer given back) can never replay; under cudaMallocAsync each still holds the driver's memory
+its first launch mapped, so they are dropped and that memory trimmed, while graphs still in place
+stay. Under the native allocator (no driver memory mapped) nothing is dropped. The placement is
+real (a tiny Wan streamed on the CPU); the graphs are stand-ins, as the CPU cannot capture."""
+
+from __future__ import annotations
+
+import torch
+from diffusers_offload.offload_core import Engine, OffloadConfig
+from diffusers_offload.offload_core.transport import graph_memory
+from diffusers_offload.offload_core.transport.block_graphs import BlockGraphs
+from diffusers_offload.offload_core.transport.graphs import CallGraph, StaticIO
+from fixtures.tiny_pipes import run_wan
+
+BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
+
+
+class Graph:
+    """Stands in for `torch.cuda.CUDAGraph` (which needs a GPU): a drop only resets it."""
+
+    def __init__(self) -> None:
+        self.reset_calls = 0
+
+    def reset(self) -> None:
+        self.reset_calls += 1
+
+
+def add(graphs: BlockGraphs, owner, where: tuple[int, ...]) -> Graph:
+    """A trusted graph of ``owner`` (a block or a unit) keyed as `BlockGraphs.key` keys it, with its
+    weights at ``where``."""
+    units = owner.units if hasattr(owner, "units") else [owner]
+    graph = Graph()
+    key = ((id(owner), tuple(u.computed for u in units)), where)
+    graphs.cache._entries[(key, ("signature",))] = CallGraph(graph, StaticIO([]), None, [], torch.device("cpu"))
+    return graph
+
+
+def test_graphs_of_weights_placed_elsewhere_go_with_the_driver_memory_they_hold(wan_pipe, monkeypatch) -> None:
+    trims: list[torch.device] = []
+    monkeypatch.setattr(graph_memory, "trim", lambda device: trims.append(device) or 0)
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="off"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    run_wan(wan_pipe, num_inference_steps=1)  # the ring's buffer is made
+    graphs, units = streamer.graphs, streamer.prefetch.units
+    (ring,) = streamer.prefetch.ring.addresses
+    first, second = units[0].block, units[3].block
+    pieces_of = lambda block: {u.piece.index for u in block.units}  # noqa: E731
+    in_ring = {u.index: add(graphs, u, (ring,)) for u in (units[0], units[3], units[6])}
+    graphs.cache.driver_bytes = 64 << 20  # their launches mapped the driver's memory (cudaMallocAsync)
+
+    streamer.set_resident(pieces_of(first))  # the first block kept: its unit's graph in the ring moved
+    graphs.drop_moved(frozenset(pieces_of(first)))
+    assert [in_ring[i].reset_calls for i in (0, 3, 6)] == [1, 0, 0] and len(graphs.cache) == 2
+    assert trims == [streamer.device]
+    kept = add(graphs, first, tuple(u.kept.data_ptr() for u in first.units))
+    graphs.drop_moved(frozenset(pieces_of(first)))  # the same placement: nothing moved
+    assert kept.reset_calls == 0 and len(graphs.cache) == 3 and len(trims) == 1
+
+    streamer.set_resident(pieces_of(second))  # the first block streamed again, the second kept
+    graphs.drop_moved(frozenset(pieces_of(second)))
+    assert (kept.reset_calls, in_ring[3].reset_calls, in_ring[6].reset_calls) == (1, 1, 0)
+    streamer.drop_prefetched()  # the ring's buffer given back
+    graphs.drop_moved(frozenset(pieces_of(second)))
+    assert in_ring[6].reset_calls == 1 and len(graphs.cache) == 0 and len(trims) == 3
+
+    native = add(graphs, second, tuple(u.kept.data_ptr() for u in second.units))
+    graphs.cache.driver_bytes = 0  # the native allocator: graphs share one pool and map nothing
+    streamer.set_resident(pieces_of(first))  # the second block streamed again
+    graphs.drop_moved(frozenset(pieces_of(first)))
+    assert native.reset_calls == 0 and len(graphs.cache) == 1 and len(trims) == 3
+    graphs.cache._entries.clear()
+    engine.release(wan_pipe)
+
+
+def test_each_plan_applied_is_checked_for_moved_graphs(wan_pipe, monkeypatch) -> None:
+    seen: list[frozenset[int]] = []
+    monkeypatch.setattr(BlockGraphs, "drop_moved", lambda self, kept: seen.append(kept))
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="auto"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    run_wan(wan_pipe, num_inference_steps=2)
+    assert seen and seen[-1] == frozenset(streamer.resident_indices())
+    engine.release(wan_pipe)
