@@ -11,9 +11,9 @@ ring buffer it is bound to. Copies and their buffers' events stay outside every 
 bakes in the addresses it reads, so each is keyed by the device addresses of its weights' bytes:
 the same key means the same weights in the same place, whatever the plan did in between, and a
 plan change needs no drop, except under cudaMallocAsync, where a graph whose weights left its
-place still holds the driver's memory its launches mapped (`drop_moved`). Why graph streaming blocks too: a streamed image step is bound by the
-copies only while the host launches faster than the link copies; on a slow host its eager launch
-is the step. Why whole where they fit: a block graphed part by part still launches the ops
+place still holds the driver's memory its launches mapped (`drop_moved`). Why graph streaming
+blocks too: a streamed image step is bound by the copies only while the host launches faster
+than the link copies; on a slow host its eager launch is the step. Why whole where they fit: a block graphed part by part still launches the ops
 between its parts, and loads and copies each part's inputs and outputs, one by one.
 """
 

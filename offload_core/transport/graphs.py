@@ -5,19 +5,18 @@ shape and its weights in one place.
 Why: an image-sized step of a large denoiser is bound by the host launching kernels, not by the
 GPU (bench/README.md, runs 25-29), and the host's speed varies from process to process. A graph
 bakes in every address its kernels read, so its key names where its weights lie (`block_graphs.py`
-says which calls and keys); its inputs are copied into static buffers shared by the calls of one input
-signature, its outputs come back as fresh tensors, and every graph is dropped when a weight is
-written (a LoRA), at a shortage and at release (with the driver's memory for them under
-cudaMallocAsync: `graph_memory.py`; there also those whose weights a plan change moved:
-`block_graphs.py`). A graph is
-trusted only after its first replay reproduced the eager output bit for bit; a block whose replay
-differs stays eager for that signature, and one whose capture fails (a kernel that syncs or
-allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not its place's: a
-call trusted once is captured at its first call in a new place (kept blocks taken back after the
-other denoiser ran, a ring made again after a decode took its room), without the check replay,
-until a weight write; and at its first call with a new input signature (a new prompt's token
-count), with the check replay. Large inputs (a video's activations)
-stay eager: there the math, not the launch, bounds the step, and static buffers would cost memory.
+says which calls and keys); its inputs are copied into static buffers shared by the calls of one
+input signature, its outputs come back as fresh tensors, and every graph is dropped when a weight
+is written (a LoRA), at a shortage and at release (with the driver's memory for them under
+cudaMallocAsync, `graph_memory.py`, where those whose weights a plan change moved go too). A graph
+is trusted only after its first replay reproduced the eager output bit for bit; a block whose
+replay differs stays eager for that signature, and one whose capture fails (a kernel that syncs
+or allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not
+its place's: a call trusted once is captured at its first call in a new place (kept blocks taken
+back after the other denoiser ran, a ring made again after a decode took its room), without the
+check replay, until a weight write; and at its first call with a new input signature (a new
+prompt's token count), with the check replay. Large inputs (a video's activations) stay eager:
+there the math, not the launch, bounds the step, and static buffers would cost memory.
 Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture
 (here the cache is emptied only for a capture that ran out of memory).
 """
@@ -336,10 +335,7 @@ class GraphCache:
         self._unchecked.clear()
         self._guesses.clear()
         self._io.clear()
-        self._pool = None
-        self.pool_bytes = 0
-        self.starved = False
-        self.waiting = 0
+        self._pool, self.pool_bytes, self.starved, self.waiting = None, 0, False, 0
         if self.driver_bytes:
             self.driver_bytes = 0
             graph_memory.trim(self.device)
@@ -348,11 +344,14 @@ class GraphCache:
         """Drop the graphs whose owner key ``moved`` says no longer names where its weights lie;
         how many went."""
         gone = [k for k, e in self._entries.items() if type(e) is CallGraph and moved(k[0])]
-        for k in gone:
-            self._entries.pop(k).graph.reset()
-        unchecked = [k for k in self._unchecked if moved(k[0])]
-        for k in unchecked:
-            self._unchecked.pop(k).graph.reset()
+        for owner, key in gone:
+            entry = self._entries.pop((owner, key))
+            entry.graph.reset()
+            if entry.guessed:  # never replayed: a guess less waiting (`_guess`)
+                self._guesses[owner[0]].discard(key)
+        unchecked = [self._unchecked.pop(k) for k in list(self._unchecked) if moved(k[0])]
+        for entry in unchecked:
+            entry.graph.reset()
         return len(gone) + len(unchecked)
 
     def unmapped(self) -> None:

@@ -2,8 +2,9 @@
 graphs keyed by a place their weights left (a block kept since, a block streamed again, a ring
 buffer given back) can never replay; under cudaMallocAsync each still holds the driver's memory
 its first launch mapped, so they are dropped and that memory trimmed, while graphs still in place
-stay. Under the native allocator (no driver memory mapped) nothing is dropped. The placement is
-real (a tiny Wan streamed on the CPU); the graphs are stand-ins, as the CPU cannot capture."""
+stay (a dropped guess no longer counts against new ones). Under the native allocator (no driver
+memory mapped) nothing is dropped. The placement is real (a tiny Wan streamed on the CPU); the
+graphs are stand-ins, as the CPU cannot capture."""
 
 from __future__ import annotations
 
@@ -50,10 +51,14 @@ def test_graphs_of_weights_placed_elsewhere_go_with_the_driver_memory_they_hold(
     pieces_of = lambda block: {u.piece.index for u in block.units}  # noqa: E731
     in_ring = {u.index: add(graphs, u, (ring,)) for u in (units[0], units[3], units[6])}
     graphs.cache.driver_bytes = 64 << 20  # their launches mapped the driver's memory (cudaMallocAsync)
+    ((owner, signature),) = [k for k, e in graphs.cache._entries.items() if e.graph is in_ring[0]]
+    graphs.cache._entries[(owner, signature)].guessed = True  # captured at first sight, not replayed yet
+    graphs.cache._guesses[owner[0]] = {signature}
 
     streamer.set_resident(pieces_of(first))  # the first block kept: its unit's graph in the ring moved
     graphs.drop_moved(frozenset(pieces_of(first)))
     assert [in_ring[i].reset_calls for i in (0, 3, 6)] == [1, 0, 0] and len(graphs.cache) == 2
+    assert graphs.cache._guesses[owner[0]] == set()  # its guess no longer waits for a replay
     assert trims == [streamer.device]
     kept = add(graphs, first, tuple(u.kept.data_ptr() for u in first.units))
     graphs.drop_moved(frozenset(pieces_of(first)))  # the same placement: nothing moved
