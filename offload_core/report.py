@@ -64,6 +64,8 @@ class ComponentReport:
             extra += f" ({gib(held)} kept)" if held else ""
             graphs = int(self.details.get("graphs", 0))
             extra += f", {graphs} as CUDA graphs ({gib(int(self.details['graph_bytes']))})" if graphs else ""
+            wait = int(self.details.get("graph_wait_bytes", 0))  # a first launch short of free memory
+            extra += f", a CUDA graph waits for {gib(wait)} free to launch" if wait else ""
             compiled = int(self.details.get("compiled_blocks", 0))
             extra += f", {compiled} compiled" if compiled else ""
         lora = self.details.get("lora")

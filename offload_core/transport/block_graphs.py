@@ -105,7 +105,7 @@ class BlockGraphs:
         of weights that lie elsewhere now (their blocks kept or streamed since, their ring buffer
         given back) go, with the driver's memory their launches mapped (`graph_memory.trim`):
         else it stays theirs, and a graph that would replay instead finds the card that much
-        shorter (bench/README.md, run 64). Under the native allocator their pool is shared
+        shorter (FLUX.2's head graphs took their own, bench/README.md run 63). Under the native allocator their pool is shared
         and nothing is mapped: they stay until a `clear`."""
         placed, self._placed = self._placed, (kept, frozenset(self.prefetch.ring.addresses))
         if placed == self._placed or not self.cache.driver_bytes:
@@ -160,7 +160,7 @@ class BlockGraphs:
 
     def details(self) -> dict[str, int]:
         return {**self.cache.details(), "head_graphs": len(self.head), "head_graphs_refused": self.head.refused,
-                "head_graph_retries": self.head.retried}
+                "head_graph_retries": self.head.retried, "graph_wait_bytes": max(self.cache.waiting, self.head.waiting)}
 
 
 def owner_name(owner: Owner) -> str:

@@ -4,7 +4,7 @@ buffer given back) can never replay; under cudaMallocAsync each still holds the 
 its first launch mapped, so they are dropped and that memory trimmed, while graphs still in place
 stay (a dropped guess no longer counts against new ones). Under the native allocator (no driver
 memory mapped) nothing is dropped. The placement is real (a tiny Wan streamed on the CPU); the
-graphs are stand-ins, as the CPU cannot capture."""
+graphs are stand-ins, as the CPU cannot capture. And the report says what a graph waits for."""
 
 from __future__ import annotations
 
@@ -88,4 +88,15 @@ def test_each_plan_applied_is_checked_for_moved_graphs(wan_pipe, monkeypatch) ->
     streamer = engine.states(wan_pipe)["transformer"].transport
     run_wan(wan_pipe, num_inference_steps=2)
     assert seen and seen[-1] == frozenset(streamer.resident_indices())
+    engine.release(wan_pipe)
+
+
+def test_the_report_says_what_a_graph_waits_for(wan_pipe) -> None:
+    """A first launch short of free memory (`GraphCache._room_for`) shows in the component's line."""
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="off"))
+    cache = engine.states(wan_pipe)["transformer"].transport.graphs.cache
+    assert "waits for" not in engine.report(wan_pipe).component("transformer").line()
+    cache.waiting = 3 << 29
+    assert ", a CUDA graph waits for 1.50 GiB free to launch" in engine.report(wan_pipe).component("transformer").line()
     engine.release(wan_pipe)
