@@ -13,8 +13,9 @@ the same key means the same weights in the same place, whatever the plan did in 
 plan change needs no drop, except under cudaMallocAsync, where a graph whose weights left its
 place still holds the driver's memory its launches mapped (`drop_moved`). Why graph streaming
 blocks too: a streamed image step is bound by the copies only while the host launches faster
-than the link copies; on a slow host its eager launch is the step. Why whole where they fit: a block graphed part by part still launches the ops
-between its parts, and loads and copies each part's inputs and outputs, one by one.
+than the link copies; on a slow host its eager launch is the step. Why whole where they fit: a
+block graphed part by part still launches the ops between its parts, and loads and copies each
+part's inputs and outputs, one by one.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ class BlockGraphs:
         of weights that lie elsewhere now (their blocks kept or streamed since, their ring buffer
         given back) go, with the driver's memory their launches mapped (`graph_memory.trim`):
         else it stays theirs, and a graph that would replay instead finds the card that much
-        shorter (FLUX.2's head graphs took their own, bench/README.md run 63). Under the native allocator their pool is shared
-        and nothing is mapped: they stay until a `clear`."""
+        shorter (graphs may each map their own: bench/README.md, run 63). Under the native
+        allocator their pool is shared and nothing is mapped: they stay until a `clear`."""
         placed, self._placed = self._placed, (kept, frozenset(self.prefetch.ring.addresses))
         if placed == self._placed or not self.cache.driver_bytes:
             return
@@ -160,7 +161,8 @@ class BlockGraphs:
 
     def details(self) -> dict[str, int]:
         return {**self.cache.details(), "head_graphs": len(self.head), "head_graphs_refused": self.head.refused,
-                "head_graph_retries": self.head.retried, "graph_wait_bytes": max(self.cache.waiting, self.head.waiting)}
+                "head_graph_retries": self.head.retried,
+                "graph_wait_bytes": max(self.cache.waiting, self.head.waiting)}
 
 
 def owner_name(owner: Owner) -> str:
