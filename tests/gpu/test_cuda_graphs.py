@@ -11,8 +11,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.formats.fp8 import store_fp8
 from diffusers_offload.offload_core.preload import fit as fit_module
-from diffusers_offload.offload_core.transport import graph_memory
-from diffusers_offload.offload_core.transport import graphs as graphs_module
+from diffusers_offload.offload_core.transport import call_keys, graph_memory
 from fixtures.graph_runs import eager_and_captured, graph_counts, keep_first_after, placed_runs
 from fixtures.tiny_pipes import load_wan, run_wan
 
@@ -289,7 +288,7 @@ def test_a_block_whose_capture_failed_is_not_captured_again_in_a_new_place(pipe,
 
 
 def test_inputs_over_the_limit_stay_eager(pipe, monkeypatch) -> None:
-    monkeypatch.setattr(graphs_module, "INPUT_LIMIT", 0)
+    monkeypatch.setattr(call_keys, "INPUT_LIMIT", 0)  # read by `call_keys.describe`
     _outs, on = placed_runs(pipe, OffloadConfig(**BASE))
     assert on["graphs"] == 0 and on["graphs_refused"] == 0
 
