@@ -3,8 +3,8 @@
 Wan with fp8 matmuls, its plan changed after the first run, three runs launched as CUDA graphs
 equal to three eager runs (a capture's outputs are freed inside its graph: freed outside it before
 its first launch, they abort the process there); and the driver's graph memory a first launch
-takes: counted by the graph cache, given back when its graphs go (or their weights move), waited for where the card is
-short of it, and a launch short of it."""
+takes: counted by the graph cache, given back when its graphs go (or their weights move), waited
+for where the card is short of it, and a launch short of it."""
 
 from __future__ import annotations
 
