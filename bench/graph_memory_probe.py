@@ -71,7 +71,7 @@ def margins() -> None:
     x = torch.randn(8 << 20, device=DEV)
     out = torch.empty_like(x)
     g, row = captured(wide, x, out, torch.cuda.Stream())
-    need = int(row["footprint_gib"] * GIB)
+    need = graph_memory.footprint(g)
     say("captured", **row)
     g.replay()
     torch.cuda.synchronize()
@@ -104,13 +104,12 @@ def sharing() -> None:
     x = torch.randn(8 << 20, device=DEV)
     outs = {name: torch.empty_like(x) for name in ("wide", "other", "twice")}
     side = torch.cuda.Stream()
-    graphs, footprints = {}, {}
+    graphs = {}
     for name, fn in (("wide", wide), ("other", other), ("twice", twice)):
         graphs[name], row = captured(fn, x, outs[name], side)
-        footprints[name] = row["footprint_gib"]
         say(f"captured {name}", **row)
     for name in ("wide", "other", "twice", "wide", "other"):
-        before, fits = graph_memory.reserved(DEV), graph_memory.fits(DEV, int(footprints[name] * GIB))
+        before, fits = graph_memory.reserved(DEV), graph_memory.fits(DEV, graph_memory.footprint(graphs[name]))
         graphs[name].replay()
         torch.cuda.synchronize()
         say(f"launched {name}", took_gib=(graph_memory.reserved(DEV) - before) / GIB, fits=fits,

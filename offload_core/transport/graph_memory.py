@@ -6,8 +6,9 @@ Under cudaMallocAsync (ComfyUI's default allocator) a graph's allocations are gr
 nodes: the driver maps their memory at the graph's first launch, outside the allocator's pools
 and counts, and keeps it after the graph is gone until it is trimmed. Own code because torch
 exposes neither the driver's graph-memory attribute, its trim, nor a graph's allocation nodes
-(what a first launch will map): all are read through the driver library torch already loaded. Where the library cannot be read, nothing is measured or
-trimmed (the native allocator's graphs never take driver graph memory).
+(what a first launch will map): all are read through the driver library torch already loaded.
+Where the library cannot be read, nothing is measured or trimmed (the native allocator's graphs
+never take driver graph memory).
 """
 
 from __future__ import annotations

@@ -103,7 +103,6 @@ def test_a_launch_short_of_memory_is_the_allocators_error_and_ends_graphs(monkey
     cache.clear()
 
 
-
 def _fill_to(room: int) -> torch.Tensor:
     """A tensor taking the card's free memory down to ``room`` bytes, the allocator's cache emptied first."""
     torch.cuda.empty_cache()
