@@ -91,7 +91,10 @@ class BlockGraphs:
         def run(*a, **kw):
             if whole is not None:  # in parts, the parts' hooks bind them
                 self.prefetch.bind_captured(whole)
-            return forward(*a, **kw)
+            try:
+                return forward(*a, **kw)
+            finally:  # a cast buffer made in the capture is freed in it (`Prefetcher.bind_captured`)
+                self.prefetch.unbind_all_captured()
 
         self.notify("capturing")
         self.prefetch.capturing = True
@@ -109,7 +112,7 @@ class BlockGraphs:
         shorter (graphs may each map their own: bench/README.md, run 63). Under the native
         allocator their pool is shared and nothing is mapped: they stay until a `clear`."""
         placed, self._placed = self._placed, (kept, frozenset(self.prefetch.ring.addresses))
-        if placed == self._placed or not self.cache.driver_bytes:
+        if placed == self._placed or not graph_memory.maps_at_launch():
             return
         owners: dict[int, list] = {}
         for unit in self.prefetch.units:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import traceback
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -132,6 +134,44 @@ def new_graph() -> torch.cuda.CUDAGraph:
         except TypeError:  # a torch without keep_graph: no footprint, no pre-flight
             pass
     return torch.cuda.CUDAGraph()
+
+
+def record(graph: torch.cuda.CUDAGraph, pool: tuple, call: Callable[[], object]) -> None:
+    """Capture ``call()`` into ``graph`` on the current stream. Under cudaMallocAsync a tensor
+    made in a capture and freed after it is freed from outside its graph, which aborts the process
+    once that graph is gone or unlaunched (FLUX.2's third prompt did: bench/README.md, run 65).
+    So the matmul workspaces are made first (`own_workspaces`), and where ``call`` raises, the
+    tensors its frames held go while the capture is under way (the error keeps its message)."""
+    own_workspaces()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        call()
+    except BaseException as exc:
+        _let_go(exc)
+        raise
+    finally:
+        graph.capture_end()
+
+
+def _let_go(exc: BaseException | None) -> None:
+    """Clear the locals of the frames ``exc`` and the errors behind it went through."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def own_workspaces() -> None:
+    """Under cudaMallocAsync, have cuBLAS's and cuBLASLt's workspaces for the current stream made now,
+    outside any capture. torch makes them at a stream's first matmul and keeps them: made inside
+    a capture, one is that graph's allocation, mapped only once that graph launches, and every
+    later graph captured on the stream bakes its address in, so a graph launched before the first
+    faults (FLUX.2's did: bench/README.md, run 65). Made, a matmul on the stream allocates none."""
+    if maps_at_launch():
+        a = torch.ones(8, 8, device=torch.cuda.current_device())
+        torch.addmm(a[0], a, a)  # cuBLASLt (a bias in its epilogue)
+        torch.mm(a, a)  # cuBLAS
 
 
 def maps_at_launch() -> bool:

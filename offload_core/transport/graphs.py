@@ -300,11 +300,7 @@ class GraphCache:
         graph = graph_memory.new_graph()
         try:
             with torch.cuda.stream(self._stream):
-                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                try:
-                    _copy_out(run(*args, **kwargs), outs)
-                finally:
-                    graph.capture_end()
+                graph_memory.record(graph, self._pool, lambda: _copy_out(run(*args, **kwargs), outs))
         except BaseException as exc:  # any failure leaves the block eager, named in the log
             graph.reset()
             if not isinstance(exc, Exception):  # an interrupt: no graph survives a half-made pool

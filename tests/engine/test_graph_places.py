@@ -50,7 +50,7 @@ def test_graphs_of_weights_placed_elsewhere_go_with_the_driver_memory_they_hold(
     first, second = units[0].block, units[3].block
     pieces_of = lambda block: {u.piece.index for u in block.units}  # noqa: E731
     in_ring = {u.index: add(graphs, u, (ring,)) for u in (units[0], units[3], units[6])}
-    graphs.cache.driver_bytes = 64 << 20  # their launches mapped the driver's memory (cudaMallocAsync)
+    monkeypatch.setattr(graph_memory, "_async", True)  # cudaMallocAsync: their launches map the driver's memory
     ((owner, signature),) = [k for k, e in graphs.cache._entries.items() if e.graph is in_ring[0]]
     graphs.cache._entries[(owner, signature)].guessed = True  # captured at first sight, not replayed yet
     graphs.cache._guesses[owner[0]] = {signature}
@@ -72,7 +72,7 @@ def test_graphs_of_weights_placed_elsewhere_go_with_the_driver_memory_they_hold(
     assert in_ring[6].reset_calls == 1 and len(graphs.cache) == 0 and len(trims) == 3
 
     native = add(graphs, second, tuple(u.kept.data_ptr() for u in second.units))
-    graphs.cache.driver_bytes = 0  # the native allocator: graphs share one pool and map nothing
+    monkeypatch.setattr(graph_memory, "_async", False)  # the native allocator: graphs share one pool, map nothing
     streamer.set_resident(pieces_of(first))  # the second block streamed again
     graphs.drop_moved(frozenset(pieces_of(first)))
     assert native.reset_calls == 0 and len(graphs.cache) == 1 and len(trims) == 3
