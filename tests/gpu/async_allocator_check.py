@@ -177,9 +177,11 @@ def test_a_capture_allocates_no_matmul_workspace() -> None:
 
 @torch.no_grad()
 def test_a_graph_launched_before_an_earlier_unlaunched_one_runs(monkeypatch) -> None:
-    """FLUX.2's fault (run 65): a cache's first capture, a matmul among its calls, waits for room
-    unlaunched; a second call's graph, captured on the same stream after it, launches first and
-    replays its eager output (no workspace only the waiting graph maps); then the first launches."""
+    """Graphs of one stream launch in any order: a cache's first capture (a matmul among its calls)
+    waits for room unlaunched, a second call's graph captured after it launches first, and both
+    replay their eager outputs. (FLUX.2 faulted in this order when the first capture made the
+    stream's cuBLAS workspace, run 65; this small matmul does not read it, so that cause is
+    `test_a_capture_allocates_no_matmul_workspace`'s.)"""
     monkeypatch.setattr(graph_memory, "_launch_failed", [])
     x, w = torch.randn(8 << 20, device=DEVICE), torch.randn(1024, 1024, device=DEVICE)
     first, second = (("first",), ("here",)), (("second",), ("here",))
