@@ -1,7 +1,8 @@
 # Sourced by the GPU-machine scripts (fp8_native.sh, gpu_batch.sh) from the repo root, after they
-# redirect their output: offline environment, the carried wheels (.gpu/whl, .whl) and comfy-kitchen
-# installed into /tmp/site, a time budget (BUDGET_S, default $1) with `left` for what remains.
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# redirect their output: offline environment (an abort dumps the Python stacks: run 65), the carried
+# wheels (.gpu/whl, .whl) and comfy-kitchen installed into /tmp/site, a time budget (BUDGET_S,
+# default $1) with `left` for what remains.
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PYTHONFAULTHANDLER=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 T0=$SECONDS
 BUDGET_S=${BUDGET_S:-$1}
 left() { echo $(( BUDGET_S - (SECONDS - T0) )); }

@@ -169,7 +169,7 @@ def own_workspaces() -> None:
     later graph captured on the stream bakes its address in, so a graph launched before the first
     faults (FLUX.2's did: bench/README.md, run 65). Made, a matmul on the stream allocates none."""
     if maps_at_launch():
-        a = torch.ones(8, 8, device=torch.cuda.current_device())
+        a = torch.ones(8, 8, device=torch.cuda.current_stream().device)
         torch.addmm(a[0], a, a)  # cuBLASLt (a bias in its epilogue)
         torch.mm(a, a)  # cuBLAS
 
