@@ -4,7 +4,8 @@ and the driver's graph memory, how much it holds on a device and giving it back.
 
 Under cudaMallocAsync (ComfyUI's default allocator) a graph's allocations are graph memory
 nodes: the driver maps their memory at the graph's first launch, outside the allocator's pools
-and counts, and keeps it after the graph is gone until it is trimmed. Own code because torch
+and counts, and keeps it after the graph is gone until it is trimmed; and what a capture makes
+must be freed inside it (`record`). Own code because torch
 exposes neither the driver's graph-memory attribute, its trim, nor a graph's allocation nodes
 (what a first launch will map): all are read through the driver library torch already loaded.
 Where the library cannot be read, nothing is measured or trimmed (the native allocator's graphs
@@ -163,11 +164,11 @@ def _let_go(exc: BaseException | None) -> None:
 
 
 def own_workspaces() -> None:
-    """Under cudaMallocAsync, have cuBLAS's and cuBLASLt's workspaces for the current stream made now,
-    outside any capture. torch makes them at a stream's first matmul and keeps them: made inside
-    a capture, one is that graph's allocation, mapped only once that graph launches, and every
-    later graph captured on the stream bakes its address in, so a graph launched before the first
-    faults (FLUX.2's did: bench/README.md, run 65). Made, a matmul on the stream allocates none."""
+    """Under cudaMallocAsync, have cuBLAS's and cuBLASLt's workspaces for the current stream made
+    now, outside any capture. torch makes them at a stream's first matmul and keeps them: made
+    inside a capture, one is that graph's allocation, mapped only once that graph launches, and
+    every later graph captured on the stream bakes its address in, so a graph launched before the
+    first faults (FLUX.2's did: bench/README.md, run 65). Made, a matmul on the stream allocates none."""
     if maps_at_launch():
         a = torch.ones(8, 8, device=torch.cuda.current_stream().device)
         torch.addmm(a[0], a, a)  # cuBLASLt (a bias in its epilogue)
