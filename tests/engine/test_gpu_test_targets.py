@@ -1,12 +1,14 @@
 """tests/gpu runs only on a GPU machine, whose time is scarce; a name it patches that was renamed or
 moved fails there at once (run 64: `graphs.INPUT_LIMIT`, moved to `call_keys`). So every
 ``monkeypatch.setattr(<imported name>, "<attribute>", ...)`` in tests/gpu is checked here: the
-attribute exists where the test patches it."""
+attribute exists where the test patches it. And a file there that pytest does not collect (run by another
+in a process of its own) is imported here, so a stale import in it fails on the CPU too."""
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,9 @@ def test_the_check_finds_the_patches() -> None:
     """The scan reads the patches it is meant to check (and so would see a stale one)."""
     patched = {name for path in GPU_TESTS for _obj, name, _line in _patches(path)}
     assert {"INPUT_LIMIT", "_launch_failed", "PACK_BELOW", "_scaled_mm"} <= patched
+
+
+@pytest.mark.parametrize("path", [p for p in GPU_TESTS if not p.name.startswith("test_")], ids=lambda p: p.name)
+def test_a_gpu_script_pytest_does_not_collect_imports(path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(f"gpu_script_{path.stem}", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
