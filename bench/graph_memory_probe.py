@@ -3,8 +3,9 @@ trim gives back an idle graph's memory, and whether emptying the allocator's cac
 for a launch. One graph whose call has a 1 GiB intermediate; the card filled to a margin below
 each launch (run 62). ``--part sharing``: three graphs (two with one 1 GiB intermediate, one with
 two in turn): what `graph_memory.footprint` reads from each template against what its first launch
-maps, and whether graphs launched in turn on one stream share the driver's memory (run 63). Run with
-PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync."""
+maps, and whether graphs launched in turn on one stream share the driver's memory (run 63).
+``--part reuse``: whether a first launch on a full card takes the driver's idle graph memory. Run
+with PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync."""
 
 from __future__ import annotations
 
@@ -150,6 +151,36 @@ def discard() -> None:
                 say("failed", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}", **row)
 
 
+@torch.no_grad()
+def reuse() -> None:
+    """Whether a first launch maps the driver's idle graph memory (reserved, not used) rather than
+    free memory: graph A launched, the card filled to half a GiB free, then graph B's first launch
+    (each with a 1 GiB intermediate), after a synchronize and right behind A. Counting
+    ``reserved - used`` as room in `graph_memory.fits` rests on this (run 65's next step)."""
+    say("start", backend=torch.cuda.get_allocator_backend())
+    x = torch.randn(8 << 20, device=DEV)
+    side = torch.cuda.Stream()
+    for synced in (True, False):
+        outs = [torch.empty_like(x), torch.empty_like(x)]
+        a, b = (captured(wide, x, out, side)[0] for out in outs)
+        a.replay()
+        if synced:
+            torch.cuda.synchronize()
+        idle = graph_memory.reserved(DEV) - graph_memory.used(DEV)
+        torch.cuda.empty_cache()
+        hog = torch.empty(torch.cuda.mem_get_info(DEV)[0] - GIB // 2, dtype=torch.uint8, device=DEV)
+        row = {"synced": synced, "idle_gib": idle / GIB,
+               "fits_free_only": graph_memory.fits(DEV, graph_memory.footprint(b))}
+        before = graph_memory.reserved(DEV)
+        ok = launched(b, "first launch of b", row)
+        say("b", took_gib=(graph_memory.reserved(DEV) - before) / GIB,
+            equal=ok and bool(torch.equal(outs[1], wide(x))), **row)
+        del hog
+        a.reset()
+        b.reset()
+        graph_memory.trim(DEV)
+
+
 def plain_capture(fn, x: torch.Tensor, out: torch.Tensor, side: torch.cuda.Stream, keep: bool) -> torch.cuda.CUDAGraph:
     side.wait_stream(torch.cuda.current_stream())
     g = torch.cuda.CUDAGraph(keep_graph=keep)
@@ -165,5 +196,5 @@ def plain_capture(fn, x: torch.Tensor, out: torch.Tensor, side: torch.cuda.Strea
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--part", choices=("margins", "sharing", "discard"), default="margins")
-    {"margins": margins, "sharing": sharing, "discard": discard}[ap.parse_args().part]()
+    ap.add_argument("--part", choices=("margins", "sharing", "discard", "reuse"), default="margins")
+    {"margins": margins, "sharing": sharing, "discard": discard, "reuse": reuse}[ap.parse_args().part]()
