@@ -89,19 +89,16 @@ class BlockGraphs:
         whole = owner if isinstance(owner, StreamUnit) else None if owner.in_parts else owner.units[0]
 
         def run(*a, **kw):
-            if whole is not None:  # in parts, the parts' hooks bind them
-                self.prefetch.bind_captured(whole)
+            self.prefetch.capturing = True
             try:
+                if whole is not None:  # in parts, the parts' hooks bind them
+                    self.prefetch.bind_captured(whole)
                 return forward(*a, **kw)
-            finally:  # a cast buffer made in the capture is freed in it (`Prefetcher.bind_captured`)
-                self.prefetch.unbind_all_captured()
+            finally:  # inside the capture: a cast buffer made in it is freed in it (`Prefetcher.end_capture`)
+                self.prefetch.end_capture()
 
         self.notify("capturing")
-        self.prefetch.capturing = True
-        try:
-            self.cache.capture(key, f"{self.model} {owner_name(owner)}", run, args, kwargs, output, seen[mark:])
-        finally:
-            self.prefetch.end_capture()
+        self.cache.capture(key, f"{self.model} {owner_name(owner)}", run, args, kwargs, output, seen[mark:])
         self.notify("captured")
 
     def drop_moved(self, kept: frozenset[int]) -> None:
@@ -111,8 +108,10 @@ class BlockGraphs:
         else it stays theirs, and a graph that would replay instead finds the card that much
         shorter (graphs may each map their own: bench/README.md, run 63). Under the native
         allocator their pool is shared and nothing is mapped: they stay until a `clear`."""
+        if not graph_memory.maps_at_launch():
+            return
         placed, self._placed = self._placed, (kept, frozenset(self.prefetch.ring.addresses))
-        if placed == self._placed or not graph_memory.maps_at_launch():
+        if placed == self._placed:
             return
         owners: dict[int, list] = {}
         for unit in self.prefetch.units:

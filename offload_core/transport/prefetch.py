@@ -121,14 +121,11 @@ class Prefetcher:
         return self.views(unit, self.bound[unit.index])
 
     def end_capture(self) -> None:
+        """The captured call returned or raised: every unit still bound to a capture's cast is bound
+        to its stored bytes again. Called inside the capture: under cudaMallocAsync a buffer made in
+        a capture and freed after it is that graph's allocation freed from outside, which fails once
+        its graph is gone or its memory unmapped (FLUX.2's third prompt aborted so: run 65)."""
         self.capturing = False
-        self.unbind_all_captured()
-
-    def unbind_all_captured(self) -> None:
-        """Every unit still bound to a capture's cast, bound to its stored bytes again. Called
-        inside the capture: under cudaMallocAsync a buffer made in a capture and freed after it is
-        that graph's allocation freed from outside, which fails once its graph is gone or its
-        memory unmapped (FLUX.2's third prompt aborted so: bench/README.md, run 65)."""
         for index in list(self._captured):
             self.unbind_captured(self.units[index])
 
