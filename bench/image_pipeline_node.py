@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sides", default="ours,native", help="in order")
     ap.add_argument("--prompts", default="first,seed,prompt", help="comma list of: " + ", ".join(PROMPTS))
     ap.add_argument("--fp8-matmul", action="store_true", help="our loader's fp8_matmul on")
+    ap.add_argument("--no-graphs", action="store_true", help="our settings' cuda_graphs off")
     ap.add_argument("--comfy-args", default="", help="extra ComfyUI command-line flags")
     ap.add_argument("--poll-ms", type=float, default=5.0)
     ap.add_argument("--pack-log", default="", help="write the pack's debug lines to this file")
@@ -113,7 +114,8 @@ def workflow(a: argparse.Namespace, text: str, seed: int) -> dict[str, Any]:
     """Both chains; the loaders' inputs never change, so they stay cached from run to run."""
     settings = {"mode": "auto", "use_stream": True, "record_stream": False, "pin_memory": True, "pin_reserve_gb": 4.0,
                 "on_demand_threshold_gb": 0.0 if a.tiny else 1.0, "resident_floor_mb": 0.0 if a.tiny else 64.0,
-                "always": "", "never": "", "preload": "auto", "prefetch_window": 1, "device": "", "measures_path": ""}
+                "always": "", "never": "", "preload": "auto", "prefetch_window": 1, "device": "", "measures_path": "",
+                "cuda_graphs": not a.no_graphs}
     family, names = FAMILIES[a.family], a.files.NAMES
     load = {"config": a.files.TINY_CONFIG if a.tiny else "auto: the configs the pack carries",
             **{name: names[name] for name in FOLDERS}, "dtype": "auto" if a.cpu else "bf16", "offload": ["s", 0],

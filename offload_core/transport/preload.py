@@ -18,6 +18,7 @@ from ..preload import BlockInfo, CycleUsage, MemoryReading, Policy, PreloadPlann
 from ..preload.shared import SharedBudget
 from ..preload.workload import entry_signature, scaled_workload, workload_fn
 from ..state import PLANNER
+from .graph_worth import GraphWorth
 from .held_casts import HeldCasts
 from .streamer import BlockStreamer
 
@@ -30,6 +31,7 @@ class PreloadingStreamer(BlockStreamer):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
         self.driver: PreloadDriver | None = None
+        self.worth: GraphWorth | None = None  # whether each workload's graphs pay for their memory
         self.held = HeldCasts(self.pieces, self.prefetch, self.stored)  # fp8 pieces kept as compute values
 
     def apply(self, module: torch.nn.Module) -> None:
@@ -37,7 +39,16 @@ class PreloadingStreamer(BlockStreamer):
         super().apply(module)
         self.held.start(type(module).__name__)
         self.driver = PreloadDriver(self, module, self.ctx.memory, self.ctx.config.preload)
+        self.worth = GraphWorth(self, self._graphs_on) if self.cuda and self.graphed else None
         self.driver.load()
+
+    def _graphs_on(self, on: bool) -> None:
+        """Graphs on or off for the coming workload (`graph_worth.py`); the plan's buffers follow
+        whether a streaming block's parts are then bound whole."""
+        self.graphs.enable(on)
+        planner = self.driver.planner if self.driver is not None else None
+        if planner is not None and self.binds_whole != planner.buffers.whole:
+            planner.buffers.set_window(self.ctx.prefetch_window, self.binds_whole)
 
     @property
     def binds_whole(self) -> bool:
@@ -61,6 +72,7 @@ class PreloadingStreamer(BlockStreamer):
             if driver is not None:
                 driver.planner.unbind()
             self.events.unsubscribe(PreloadDriver.NAME)
+            self.events.unsubscribe(GraphWorth.NAME)
             self.held.stop()
             super().remove(module)
 
@@ -97,6 +109,7 @@ class PreloadingStreamer(BlockStreamer):
         out = super().details()
         out["plan"] = self.driver.planner.last_plan_line if self.driver is not None else ""
         out["held_bytes"] = self.held.extra
+        out["graphless_workloads"] = sum(self.worth.device_bound.values()) if self.worth is not None else 0
         return out
 
 

@@ -1,0 +1,92 @@
+"""Whether a workload's CUDA graphs can pay for their memory. A graph saves the host its launches;
+where the device, not the host, sets a forward's pace (the host done launching an eager forward
+well before the device is done running it) graphs cannot make the step faster, while their memory
+costs the plan kept blocks, and under cudaMallocAsync the room their first launches wait for costs
+more (FLUX.2 [dev] at 12 GiB: bench/README.md, run 66). So each workload's first eager forward is
+timed on the host and on the device, and a workload found device-bound runs without graphs.
+
+A forward in which the host waited for the device reads as host-bound: graphs stay, as before."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..log import get_logger
+from ..preload.workload import entry_signature
+
+log = get_logger("graphs")
+
+HOST_SHARE = 0.5  # a forward whose eager launch took less than this share of its device time is device-bound
+
+
+@dataclass
+class Timing:
+    """One eager forward being timed: its entry, host start, device events, graphs replayed at its start."""
+
+    entry: tuple
+    host: float
+    start: torch.cuda.Event
+    replayed: int
+    end: torch.cuda.Event | None = None
+
+
+class GraphWorth:
+    """Times each new workload's first forward (``forward`` to ``forward_end``) and switches the
+    streamer's graphs off for workloads found device-bound, on for the others (``switch``), as
+    each forward begins. Judged once per workload; a forward that replayed a graph is not judged."""
+
+    NAME = "graph worth"
+
+    def __init__(self, streamer, switch: Callable[[bool], None]) -> None:
+        self.streamer = streamer
+        self.switch = switch
+        self.device_bound: dict[tuple, bool] = {}  # entry signature: the verdict
+        self._timing: Timing | None = None
+        streamer.events.subscribe(self.NAME, self.on_event, first=True)
+
+    def allowed(self) -> bool:  # (made only for a CUDA streamer whose calls may be graphed)
+        return bool(self.streamer.ctx.config.cuda_graphs)
+
+    def on_event(self, event: str, streamer, **info) -> bool:
+        if event == "forward":
+            self._judge()
+            entry = entry_signature(info["args"], info["kwargs"])
+            want = self.allowed() and not self.device_bound.get(entry, False)
+            if want != self.streamer.graphs.cache.enabled:
+                self.switch(want)
+            if self.allowed() and entry not in self.device_bound:
+                self._timing = Timing(entry, time.perf_counter(), _event(self.streamer.device),
+                                      self._replayed())
+        elif event == "forward_end" and self._timing is not None and self._timing.end is None:
+            self._timing.end = _event(self.streamer.device)
+            self._timing.host = time.perf_counter() - self._timing.host
+        elif event == "end" and self._timing is not None and self._timing.end is None:
+            self._timing = None  # a forward that raised
+        return False
+
+    def _replayed(self) -> int:
+        graphs = self.streamer.graphs
+        return graphs.cache.replayed + graphs.head.replayed
+
+    def _judge(self) -> None:
+        """The last timed forward's verdict, once its device work is done (the host waits for it once)."""
+        timing, self._timing = self._timing, None
+        if timing is None or timing.end is None or self._replayed() != timing.replayed:
+            return
+        timing.end.synchronize()
+        device = timing.start.elapsed_time(timing.end) / 1000
+        bound = timing.host < HOST_SHARE * device
+        self.device_bound[timing.entry] = bound
+        log.info("%s: an eager forward launched in %.3f s, ran on the device in %.3f s: %s",
+                 type(self.streamer.module).__name__, timing.host, device,
+                 "device-bound, this workload runs without CUDA graphs" if bound else "CUDA graphs for this workload")
+
+
+def _event(device: torch.device) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
