@@ -155,8 +155,8 @@ def discard() -> None:
 def reuse() -> None:
     """Whether a first launch maps the driver's idle graph memory (reserved, not used) rather than
     free memory: graph A launched, the card filled to half a GiB free, then graph B's first launch
-    (each with a 1 GiB intermediate), after a synchronize and right behind A. Counting
-    ``reserved - used`` as room in `graph_memory.fits` rests on this (run 65's next step)."""
+    (each with a 1 GiB intermediate), after a synchronize and right behind A. Run 66: B took no more,
+    either way; FLUX.2's graphs did not share so (`graph_memory.fits` counts free memory only)."""
     say("start", backend=torch.cuda.get_allocator_backend())
     x = torch.randn(8 << 20, device=DEV)
     side = torch.cuda.Stream()
