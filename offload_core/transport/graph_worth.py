@@ -2,8 +2,8 @@
 where the device, not the host, sets a forward's pace (the host done launching an eager forward
 well before the device is done running it) graphs cannot make the step faster, while their memory
 costs the plan kept blocks, and under cudaMallocAsync the room their first launches wait for costs
-more (FLUX.2 [dev] at 12 GiB: bench/README.md, run 66). So each workload's first eager forward is
-timed on the host and on the device, and a workload found device-bound runs without graphs.
+more (FLUX.2 [dev] at 12 GiB: bench/README.md, run 66). So each workload's first eager forward's
+blocks are timed on the host and on the device, and a workload found device-bound runs without graphs.
 
 A forward in which the host waited for the device reads as host-bound: graphs stay, as before."""
 
@@ -25,19 +25,21 @@ HOST_SHARE = 0.5  # a forward whose eager launch took less than this share of it
 
 @dataclass
 class Timing:
-    """One eager forward being timed: its entry, host start, device events, graphs replayed at its start."""
+    """One eager forward being timed from its first block's entry (past the plan's changes at its
+    cycle's start, which are not launches) to its return: its entry, the graphs replayed before it."""
 
     entry: tuple
-    host: float
-    start: torch.cuda.Event
     replayed: int
+    host: float = 0.0
+    start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
 
 
 class GraphWorth:
-    """Times each new workload's first forward (``forward`` to ``forward_end``) and switches the
-    streamer's graphs off for workloads found device-bound, on for the others (``switch``), as
-    each forward begins. Judged once per workload; a forward that replayed a graph is not judged."""
+    """Times each new workload's first forward and switches the streamer's graphs off for
+    workloads found device-bound, on for the others (``switch``), as each forward begins. Judged
+    once per workload; a forward that replayed a graph is not judged. Subscribed after the
+    preload driver, so that its cycle's planning runs before the clock starts."""
 
     NAME = "graph worth"
 
@@ -46,12 +48,13 @@ class GraphWorth:
         self.switch = switch
         self.device_bound: dict[tuple, bool] = {}  # entry signature: the verdict
         self._timing: Timing | None = None
-        streamer.events.subscribe(self.NAME, self.on_event, first=True)
+        streamer.events.subscribe(self.NAME, self.on_event)
 
     def allowed(self) -> bool:  # (made only for a CUDA streamer whose calls may be graphed)
         return bool(self.streamer.ctx.config.cuda_graphs)
 
     def on_event(self, event: str, streamer, **info) -> bool:
+        timing = self._timing
         if event == "forward":
             self._judge()
             entry = entry_signature(info["args"], info["kwargs"])
@@ -59,12 +62,12 @@ class GraphWorth:
             if want != self.streamer.graphs.cache.enabled:
                 self.switch(want)
             if self.allowed() and entry not in self.device_bound:
-                self._timing = Timing(entry, time.perf_counter(), _event(self.streamer.device),
-                                      self._replayed())
-        elif event == "forward_end" and self._timing is not None and self._timing.end is None:
-            self._timing.end = _event(self.streamer.device)
-            self._timing.host = time.perf_counter() - self._timing.host
-        elif event == "end" and self._timing is not None and self._timing.end is None:
+                self._timing = Timing(entry, self._replayed())
+        elif event == "cycle" and timing is not None and timing.start is None:
+            timing.host, timing.start = time.perf_counter(), _event(self.streamer.device)
+        elif event == "forward_end" and timing is not None and timing.start is not None and timing.end is None:
+            timing.host, timing.end = time.perf_counter() - timing.host, _event(self.streamer.device)
+        elif event == "end" and timing is not None and timing.end is None:
             self._timing = None  # a forward that raised
         return False
 
@@ -75,7 +78,7 @@ class GraphWorth:
     def _judge(self) -> None:
         """The last timed forward's verdict, once its device work is done (the host waits for it once)."""
         timing, self._timing = self._timing, None
-        if timing is None or timing.end is None or self._replayed() != timing.replayed:
+        if timing is None or timing.start is None or timing.end is None or self._replayed() != timing.replayed:
             return
         timing.end.synchronize()
         device = timing.start.elapsed_time(timing.end) / 1000

@@ -1,7 +1,8 @@
 """`graph_worth.py` on the GPU: a workload whose device work outlasts its eager launch by far (a
-device sleep at its first block's entry) runs without CUDA graphs after its first forward; one
-whose launch is the step (the tiny Wan as it is) keeps them; both equal their eager outputs, and
-nothing of ours stays after release. Skipped where there is no CUDA device (CI)."""
+device sleep at its last block's entry; the clock starts at the first block's) runs without CUDA
+graphs after its first forward; one whose launch is the step (the tiny Wan as it is) keeps them;
+both equal their eager outputs, and nothing of ours stays after release. Skipped where there is
+no CUDA device (CI)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SLEEP_CYCLES = 200_000_000  # about 0.1 s of device time a forward, far beyond t
 
 
 def _slowed(pipe):
-    pipe.transformer.blocks[0].register_forward_pre_hook(lambda _module, _args: torch.cuda._sleep(SLEEP_CYCLES))
+    pipe.transformer.blocks[-1].register_forward_pre_hook(lambda _module, _args: torch.cuda._sleep(SLEEP_CYCLES))
     return pipe
 
 
