@@ -36,10 +36,11 @@ class Timing:
 
 
 class GraphWorth:
-    """Times each new workload's first forward and switches the streamer's graphs off for
-    workloads found device-bound, on for the others (``switch``), as each forward begins. Judged
-    once per workload; a forward that replayed a graph is not judged. Subscribed after the
-    preload driver, so that its cycle's planning runs before the clock starts."""
+    """Times each new workload's first forward and, as each forward begins, switches the
+    streamer's graphs (``switch``) off while every workload judged so far is device-bound, on once
+    one is not (for good: two workloads taking turns never drop and make their graphs again turn by
+    turn). Judged once per workload; one whose forward replayed graphs keeps them. Subscribed
+    after the preload driver, so that its cycle's planning runs before the clock starts."""
 
     NAME = "graph worth"
 
@@ -58,7 +59,7 @@ class GraphWorth:
         if event == "forward":
             self._judge()
             entry = entry_signature(info["args"], info["kwargs"])
-            want = self.allowed() and not self.device_bound.get(entry, False)
+            want = self.allowed() and not self.aside()
             if want != self.streamer.graphs.cache.enabled:
                 self.switch(want)
             if self.allowed() and entry not in self.device_bound:
@@ -71,6 +72,10 @@ class GraphWorth:
             self._timing = None  # a forward that raised
         return False
 
+    def aside(self) -> bool:
+        """Whether graphs stand aside now: allowed, some workload judged, and every one device-bound."""
+        return self.allowed() and bool(self.device_bound) and all(self.device_bound.values())
+
     def _replayed(self) -> int:
         graphs = self.streamer.graphs
         return graphs.cache.replayed + graphs.head.replayed
@@ -78,7 +83,10 @@ class GraphWorth:
     def _judge(self) -> None:
         """The last timed forward's verdict, once its device work is done (the host waits for it once)."""
         timing, self._timing = self._timing, None
-        if timing is None or timing.start is None or timing.end is None or self._replayed() != timing.replayed:
+        if timing is None or timing.start is None or timing.end is None:
+            return
+        if self._replayed() != timing.replayed:  # its graphs replay: they stay (and it is timed no more)
+            self.device_bound[timing.entry] = False
             return
         timing.end.synchronize()
         device = timing.start.elapsed_time(timing.end) / 1000
@@ -86,7 +94,8 @@ class GraphWorth:
         self.device_bound[timing.entry] = bound
         log.info("%s: an eager forward launched in %.3f s, ran on the device in %.3f s: %s",
                  type(self.streamer.module).__name__, timing.host, device,
-                 "device-bound, this workload runs without CUDA graphs" if bound else "CUDA graphs for this workload")
+                 "device-bound" + (", CUDA graphs stand aside" if self.aside() else "") if bound
+                 else "CUDA graphs on")
 
 
 def _event(device: torch.device) -> torch.cuda.Event:

@@ -109,7 +109,7 @@ class PreloadingStreamer(BlockStreamer):
         out = super().details()
         out["plan"] = self.driver.planner.last_plan_line if self.driver is not None else ""
         out["held_bytes"] = self.held.extra
-        out["graphless_workloads"] = sum(self.worth.device_bound.values()) if self.worth is not None else 0
+        out["graphs_aside"] = int(self.worth is not None and self.worth.aside())
         return out
 
 

@@ -30,6 +30,6 @@ def test_graphs_only_for_workloads_whose_launch_sets_the_pace(tiny_wan_dir, devi
 
     eager, _ = placed_runs(pipe(), OffloadConfig(**BASE, cuda_graphs=False), 3)
     outs, details = placed_runs(pipe(), OffloadConfig(**BASE), 3)
-    assert details["graphless_workloads"] == int(device_bound)
+    assert details["graphs_aside"] == int(device_bound)
     assert (details["graphs"] == details["head_graphs"] == 0) == device_bound
     assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
