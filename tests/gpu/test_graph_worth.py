@@ -33,3 +33,29 @@ def test_graphs_only_for_workloads_whose_launch_sets_the_pace(tiny_wan_dir, devi
     assert details["graphs_aside"] == int(device_bound)
     assert (details["graphs"] == details["head_graphs"] == 0) == device_bound
     assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
+
+
+def test_graphs_come_back_for_good_once_a_workload_is_launch_bound(tiny_wan_dir) -> None:
+    """Runs alternate a slowed 32x32 workload (device-bound: graphs stand aside after its first
+    forward) and the 16x16 one as it is (launch-bound: graphs back on, for both from then on). The
+    16x16 run after the second slowed run replays what it captured before: nothing dropped and
+    captured again turn by turn."""
+    slow, captured = {"on": True}, {}
+    calls = {k: {"height": 32, "width": 32} for k in (0, 2, 4)}
+
+    def pipe():
+        loaded = load_wan(tiny_wan_dir)
+        loaded.transformer.blocks[-1].register_forward_pre_hook(
+            lambda _module, _args: torch.cuda._sleep(SLEEP_CYCLES) if slow["on"] else None)
+        return loaded
+
+    def between(streamer, k: int) -> None:
+        captured[k] = streamer.graphs.cache.captured
+        slow["on"] = k + 1 in calls
+
+    eager, _ = placed_runs(pipe(), OffloadConfig(**BASE, cuda_graphs=False), 5, between, calls)
+    slow["on"] = True
+    outs, details = placed_runs(pipe(), OffloadConfig(**BASE), 5, between, calls)
+    assert details["graphs_aside"] == 0 and details["graphs"] > 0
+    assert captured[0] == 0 and captured[3] == captured[2]
+    assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
