@@ -3,7 +3,8 @@ where the device, not the host, sets a forward's pace (the host done launching a
 well before the device is done running it) graphs cannot make the step faster, while their memory
 costs the plan kept blocks, and under cudaMallocAsync the room their first launches wait for costs
 more (FLUX.2 [dev] at 12 GiB: bench/README.md, run 66). So each workload's first eager forward's
-blocks are timed on the host and on the device, and a workload found device-bound runs without graphs.
+blocks are timed on the host and on the device, and graphs stand aside while every workload found
+so far is device-bound.
 
 A forward in which the host waited for the device reads as host-bound: graphs stay, as before."""
 
