@@ -215,7 +215,7 @@ def run_engine(label: str, m, cfg: OffloadConfig, cap, refs, feeds, args, firstk
                 rss_growth_gib=(proc.memory_info().rss - rss0) / GiB, place_s=place_s, kept=details.get("kept", 0),
                 kept_gib=streamer.kept_bytes() / GiB, plan=details.get("plan", ""), units=details.get("units"),
                 streamed_gib=streamer.streamed_bytes() / GiB, held_gib=details.get("held_bytes", 0) / GiB,
-                graphs=details.get("graphs"), compiled_calls=details.get("compiled_calls"), alloc_retries=retries, ooms=ooms, ooms_met_by_engine=streamer.ooms,
+                graphs=details.get("graphs"), graphs_aside=details.get("graphs_aside"), compiled_calls=details.get("compiled_calls"), alloc_retries=retries, ooms=ooms, ooms_met_by_engine=streamer.ooms,
                 expandable_by_engine=getattr(engine_memory, "_expandable_turned_on", None),
                 **loads.fields(args.warmup, args.repeats), **gc_timed, **host)
             del out
