@@ -139,6 +139,10 @@ class BlockGraphs:
         self.cache.enable(on)
         self.head.enable(on)
 
+    def hold(self, on: bool) -> None:
+        """Captures held back (calls replay or run eagerly, uncounted) while ``on``."""
+        self.cache.held = self.head.held = on
+
     @property
     def pool_bytes(self) -> int:
         """Cached device memory only the graphs use (their pools)."""

@@ -2,9 +2,11 @@
 where the device, not the host, sets a forward's pace (the host done launching an eager forward
 well before the device is done running it) graphs cannot make the step faster, while their memory
 costs the plan kept blocks, and under cudaMallocAsync the room their first launches wait for costs
-more (FLUX.2 [dev] at 12 GiB: bench/README.md, run 66). So each workload's first eager forward's
-blocks are timed on the host and on the device, and graphs stand aside while every workload found
-so far is device-bound.
+more (FLUX.2 [dev] at 12 GiB: bench/README.md, runs 66-67). So each workload's second forward runs
+eagerly (its captures held back one forward) and its blocks are timed on the host and on the
+device; its first pays one-time costs (kernels loaded, algorithms chosen) on both clocks, which
+made FLUX.2 read as host-bound. Graphs stand aside while every workload found so far is
+device-bound.
 
 A forward in which the host waited for the device reads as host-bound: graphs stay, as before."""
 
@@ -27,21 +29,20 @@ HOST_SHARE = 0.5  # a forward whose eager launch took less than this share of it
 @dataclass
 class Timing:
     """One eager forward being timed from its first block's entry (past the plan's changes at its
-    cycle's start, which are not launches) to its return: its entry, the graphs replayed before it."""
+    cycle's start, which are not launches) to its return."""
 
     entry: tuple
-    replayed: int
     host: float = 0.0
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
 
 
 class GraphWorth:
-    """Times each new workload's first forward and, as each forward begins, switches the
-    streamer's graphs (``switch``) off while every workload judged so far is device-bound, on once
-    one is not (for good: two workloads taking turns never drop and make their graphs again turn by
-    turn). Judged once per workload; one whose forward replayed graphs keeps them. Subscribed
-    after the preload driver, so that its cycle's planning runs before the clock starts."""
+    """Times each new workload's second forward (no capture in it) and, as each forward begins,
+    switches the streamer's graphs (``switch``) off while every workload judged so far is
+    device-bound, on once one is not (for good, and no workload is timed from then on: two workloads
+    taking turns never drop and make their graphs again turn by turn). Subscribed after the preload
+    driver, so that its cycle's planning runs before the clock starts."""
 
     NAME = "graph worth"
 
@@ -49,6 +50,7 @@ class GraphWorth:
         self.streamer = streamer
         self.switch = switch
         self.device_bound: dict[tuple, bool] = {}  # entry signature: the verdict
+        self._seen: set[tuple] = set()  # entry signatures whose first forward ran
         self._timing: Timing | None = None
         streamer.events.subscribe(self.NAME, self.on_event)
 
@@ -63,31 +65,33 @@ class GraphWorth:
             want = self.allowed() and not self.aside()
             if want != self.streamer.graphs.cache.enabled:
                 self.switch(want)
-            if self.allowed() and entry not in self.device_bound:
-                self._timing = Timing(entry, self._replayed())
+            if self._open() and entry not in self.device_bound:
+                if entry in self._seen:
+                    self._timing = Timing(entry)
+                    self.streamer.graphs.hold(True)
+                self._seen.add(entry)
         elif event == "cycle" and timing is not None and timing.start is None:
             timing.host, timing.start = time.perf_counter(), _event(self.streamer.device)
         elif event == "forward_end" and timing is not None and timing.start is not None and timing.end is None:
             timing.host, timing.end = time.perf_counter() - timing.host, _event(self.streamer.device)
+            self.streamer.graphs.hold(False)
         elif event == "end" and timing is not None and timing.end is None:
             self._timing = None  # a forward that raised
+            self.streamer.graphs.hold(False)
         return False
+
+    def _open(self) -> bool:
+        """Whether a verdict can still change anything: graphs allowed, no workload host-bound yet."""
+        return self.allowed() and all(self.device_bound.values())
 
     def aside(self) -> bool:
         """Whether graphs stand aside now: allowed, some workload judged, and every one device-bound."""
         return self.allowed() and bool(self.device_bound) and all(self.device_bound.values())
 
-    def _replayed(self) -> int:
-        graphs = self.streamer.graphs
-        return graphs.cache.replayed + graphs.head.replayed
-
     def _judge(self) -> None:
         """The last timed forward's verdict, once its device work is done (the host waits for it once)."""
         timing, self._timing = self._timing, None
         if timing is None or timing.start is None or timing.end is None:
-            return
-        if self._replayed() != timing.replayed:  # its graphs replay: they stay (and it is timed no more)
-            self.device_bound[timing.entry] = False
             return
         timing.end.synchronize()
         device = timing.start.elapsed_time(timing.end) / 1000

@@ -113,6 +113,7 @@ class GraphCache:
         self.replayed = 0  # graphs handed out to replay, over the cache's life
         self.described = 0  # calls that could be graphed (`plan`), over the cache's life
         self.starved = False  # a capture ran out of memory: none until the next `clear`
+        self.held = False  # no capture now, nor a call counted towards one (`graph_worth.py` times an eager forward)
         graph_memory.track(self)
         self._said: set[str] = set()  # refusal reasons logged once
         self.enable(enabled)
@@ -172,7 +173,7 @@ class GraphCache:
                 entry.guessed = False
                 self._guesses[owner[0]].discard(key)
             return entry
-        if entry is None:
+        if entry is None or self.held:
             return None
         if not entry and len(self._entries) >= CALLS_KEPT:
             self.clear()
@@ -363,6 +364,7 @@ class GraphCache:
         self.clear()
         self._trusted.clear()
         self._failing.clear()
+        self.held = False
 
     def details(self) -> dict[str, int]:
         return {"graphs": len(self), "graph_bytes": self.nbytes, "graphs_refused": self.refused,

@@ -1,7 +1,8 @@
 """`graph_worth.py` on the GPU: a workload whose device work outlasts its eager launch by far (a
 device sleep at its last block's entry; the clock starts at the first block's) runs without CUDA
-graphs after its first forward; one whose launch is the step (the tiny Wan as it is) keeps them;
-both equal their eager outputs, and nothing of ours stays after release. Skipped where there is
+graphs after its second forward (timed, nothing captured in it); one whose launch is the step (the
+tiny Wan as it is) keeps them; both equal their eager outputs, and nothing of ours stays after
+release. Skipped where there is
 no CUDA device (CI)."""
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def test_graphs_only_for_workloads_whose_launch_sets_the_pace(tiny_wan_dir, devi
 
 
 def test_graphs_come_back_for_good_once_a_workload_is_launch_bound(tiny_wan_dir) -> None:
-    """Runs alternate a slowed 32x32 workload (device-bound: graphs stand aside after its first
-    forward) and the 16x16 one as it is (launch-bound: graphs back on, for both from then on). The
+    """Runs alternate a slowed 32x32 workload (device-bound: graphs stand aside after its first two
+    forwards) and the 16x16 one as it is (launch-bound: graphs back on, for both from then on). The
     16x16 run after the second slowed run replays what it captured before: nothing dropped and
     captured again turn by turn."""
     slow, captured = {"on": True}, {}
