@@ -86,7 +86,7 @@ class GraphWorth:
 
     def aside(self) -> bool:
         """Whether graphs stand aside now: allowed, some workload judged, and every one device-bound."""
-        return self.allowed() and bool(self.device_bound) and all(self.device_bound.values())
+        return self._open() and bool(self.device_bound)
 
     def _judge(self) -> None:
         """The last timed forward's verdict, once its device work is done (the host waits for it once)."""
