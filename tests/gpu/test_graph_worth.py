@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
+from diffusers_offload.offload_core.transport.graphs import CallGraph, GraphCache
 from fixtures.graph_runs import placed_runs
 from fixtures.tiny_pipes import load_wan
 
@@ -60,3 +61,30 @@ def test_graphs_come_back_for_good_once_a_workload_is_launch_bound(tiny_wan_dir)
     assert details["graphs_aside"] == 0 and details["graphs"] > 0
     assert captured[0] == 0 and captured[3] == captured[2]
     assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
+
+
+def test_a_held_cache_neither_captures_nor_counts_a_call() -> None:
+    """While held (the forward `graph_worth` times), a call runs eagerly and does not count towards
+    its capture, so the first call after the hold is captured as the held one would have been; a
+    trusted graph still replays while held."""
+    cache, owner = GraphCache(torch.device("cuda"), True), (("double",), ())
+    x = torch.arange(4.0, device="cuda")
+
+    @torch.inference_mode()
+    def call() -> str:
+        plan = cache.plan(owner, (x,), {})
+        if type(plan) is CallGraph:
+            assert torch.equal(plan.replay(), x * 2)
+            return "replay"
+        if plan is GraphCache.CAPTURE:
+            assert cache.capture(owner, "double", lambda t: t * 2, (x,), {}, x * 2, [])
+            return "capture"
+        return "eager"
+
+    assert call() == "eager"
+    cache.held = True
+    assert call() == "eager" and cache.captured == 0
+    cache.held = False
+    assert [call(), call()] == ["capture", "replay"]
+    cache.held = True
+    assert call() == "replay"
