@@ -80,8 +80,8 @@ class OffloadConfig:
     (``transport/block_graphs.py``), so an image-sized step is not bound by the host launching
     kernels; so do the children of its non-block part (``transport/head_graphs.py``: the copies
     of a synchronized step's start wait for them). Each graph is checked bit for bit against the
-    eager forward first. A planned denoiser whose workloads' first eager forwards the device, not
-    the host, paces runs without them (``transport/graph_worth.py``): they could not speed it up
+    eager forward first. A planned denoiser whose workloads' second forwards (run eagerly) the
+    device, not the host, paces runs without them (``transport/graph_worth.py``): they could not speed it up
     and their memory would cost kept blocks.
 
     compile_blocks: a streamed denoiser's blocks run through ``torch.compile`` wherever all their
