@@ -72,12 +72,12 @@ class GraphWorth:
                 self._seen.add(entry)
         elif event == "cycle" and timing is not None and timing.start is None:
             timing.host, timing.start = time.perf_counter(), _event(self.streamer.device)
-        elif event == "forward_end" and timing is not None and timing.start is not None and timing.end is None:
-            timing.host, timing.end = time.perf_counter() - timing.host, _event(self.streamer.device)
-            self.streamer.graphs.hold(False)
-        elif event == "end" and timing is not None and timing.end is None:
-            self._timing = None  # a forward that raised
-            self.streamer.graphs.hold(False)
+        elif event in ("forward_end", "end") and timing is not None:
+            self.streamer.graphs.hold(False)  # (a forward that never entered a block, or raised, is timed again)
+            if event == "forward_end" and timing.start is not None and timing.end is None:
+                timing.host, timing.end = time.perf_counter() - timing.host, _event(self.streamer.device)
+            elif timing.end is None:
+                self._timing = None
         return False
 
     def _open(self) -> bool:
