@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
-from diffusers_offload.offload_core.transport.graphs import CallGraph, GraphCache
-from fixtures.graph_runs import eager_and_captured, graph_counts, placed_runs
+from diffusers_offload.offload_core.transport.graphs import GraphCache
+from fixtures.graph_runs import cache_call, eager_and_captured, graph_counts, placed_runs
 from fixtures.tiny_pipes import load_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -40,16 +40,8 @@ def test_a_call_whose_signature_changes_every_time_stops_being_guessed() -> None
     cache, owner = GraphCache(torch.device("cuda"), True), (("scale",), ())
     x = torch.arange(4.0, device="cuda")
 
-    @torch.inference_mode()
     def call(s: float) -> str:
-        plan = cache.plan(owner, (x,), {"s": s})
-        if type(plan) is CallGraph:
-            assert torch.equal(plan.replay(), x * s)
-            return "replay"
-        if plan is GraphCache.CAPTURE:
-            assert cache.capture(owner, "scale", lambda t, s: t * s, (x,), {"s": s}, x * s, [])
-            return "capture"
-        return "eager"
+        return cache_call(cache, owner, lambda t, s: t * s, (x,), {"s": s})
 
     assert [call(1.0) for _ in range(3)] == ["eager", "capture", "replay"]
     assert [call(2.0), call(3.0), call(4.0)] == ["capture", "capture", "eager"]

@@ -2,16 +2,15 @@
 device sleep at its last block's entry; the clock starts at the first block's) runs without CUDA
 graphs after its second forward (timed, nothing captured in it); one whose launch is the step (the
 tiny Wan as it is) keeps them; both equal their eager outputs, and nothing of ours stays after
-release. Skipped where there is
-no CUDA device (CI)."""
+release. Skipped where there is no CUDA device (CI)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers_offload.offload_core import OffloadConfig
-from diffusers_offload.offload_core.transport.graphs import CallGraph, GraphCache
-from fixtures.graph_runs import placed_runs
+from diffusers_offload.offload_core.transport.graphs import GraphCache
+from fixtures.graph_runs import cache_call, placed_runs
 from fixtures.tiny_pipes import load_wan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -70,16 +69,8 @@ def test_a_held_cache_neither_captures_nor_counts_a_call() -> None:
     cache, owner = GraphCache(torch.device("cuda"), True), (("double",), ())
     x = torch.arange(4.0, device="cuda")
 
-    @torch.inference_mode()
     def call() -> str:
-        plan = cache.plan(owner, (x,), {})
-        if type(plan) is CallGraph:
-            assert torch.equal(plan.replay(), x * 2)
-            return "replay"
-        if plan is GraphCache.CAPTURE:
-            assert cache.capture(owner, "double", lambda t: t * 2, (x,), {}, x * 2, [])
-            return "capture"
-        return "eager"
+        return cache_call(cache, owner, lambda t: t * 2, (x,), {})
 
     assert call() == "eager"
     cache.held = True
