@@ -6,7 +6,7 @@
 # w4a8 (the blocks as ComfyUI W4A8 layers, comfy-kitchen's kernels, at 12 and 24 GiB), storedcompiled (W4A8, W4A4 and MXFP8 blocks compiled at 12 GiB; STORED_ROWS), flux / zimage / qwenimage / qwenedit / flux2 / klein9b (FLUX.1-dev's / Z-Image Turbo's / Qwen-Image's / Qwen-Image-Edit-2511's with one reference / FLUX.2 [dev]'s / [klein] 9B's transformer, bf16 and fp8 storage, at 12 and 24 GiB, 1024x1024; IMAGE_ROWS, IMAGE_CAPS), qwennative / flux2native (ComfyUI's native Qwen-Image / FLUX.2 [dev] step on a random fp8-block file, NATIVE_CAPS; carry .gpu), nvfp4 (the blocks as ComfyUI
 # NVFP4 layers, then fp8 storage, at 12 and 24 GiB, image-like), int8 (ComfyUI int8_tensorwise
 # blocks plain and convrot, at 12 and 24 GiB, image-like and video),
-# trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), qwentrace (step_profile.py --model qwenedit, fp8 at 12 GiB in parts then whole blocks, traced), ringab (Qwen-Image-Edit, then Wan, fp8 at 12 GiB: parts bound whole with the plan's buffers, with a block's ahead, and per part), fp8trace (the same
+# trace (step_profile.py at 24 GiB with the trace's overlap and idle gaps, ~2 min), qwentrace (step_profile.py --model qwenedit, fp8 at 12 GiB in parts then whole blocks, traced), ringab (Qwen-Image-Edit, then Wan, fp8 at 12 GiB: parts bound whole with the plan's buffers, with a block's ahead, and per part), flux2ring (FLUX.2 [dev] fp8 at 12 GiB, CUDA graphs off: the plan's buffers, then 3, 4 and 6), fp8trace (the same
 # for fp8 storage at 12 GiB; fasttrace: with fp8 matmuls), spread24 (the 24 GiB bf16 plan against its mirror, each with and without copies queued across a forward's end, in one process; spreadfast: the same for fp8 matmuls at 12 GiB), fast (wan_bench with fp8 matmuls at 12 and 24 GiB, ~4 min), cast (cast_probe.py: the fp8 cast and fp8 matmuls' input quantisation, torch against the kernels), castsweep (cast_probe.py --sweep: the fp8 cast kernel's widths), int8cast (int8_cast_probe.py: a Wan-14B block's int8 weights, torch's cast against the row kernel's widths), kdecode (kitchen_decode_probe.py: comfy-kitchen's NVFP4 and MXFP8 decode of a Wan-14B layer against its matmul), ggufk (gguf_dequant_probe.py, then GGUF Q4_K and Q8_0 blocks with the pack's GGUF kernel and without it, at 12 GiB), stepprof (the same in four
 # fresh processes, with the launch's time to each block and the CUDA API calls' host time), fresh (three fresh 24 GiB image-like preload rows, ~3 min),
 # h3te (H3 three plain runs, text encoder at full depth in bf16, ~4 min), h3fp8 (H3 at full depth
@@ -61,6 +61,8 @@ for row in "$@"; do
               --per-part --slots 8 --slots 9 --out "$ROWS_DIR"  # whole-bound parts: a unit ahead, a block ahead, or per part
             run wanring 200 python3 bench/step_profile.py --storage fp8_e4m3fn --caps 12 --warmup 6 \
               --per-part --slots 4 --slots 5 --out "$ROWS_DIR" ;;
+    flux2ring) run flux2ring 300 python3 bench/step_profile.py --model flux2 --storage fp8_e4m3fn --caps 12 --warmup 6 \
+                 --no-graphs --slots 3 --slots 4 --slots 6 --out "$ROWS_DIR" ;;  # graphs off: the unbound plan's lookahead
     fasttrace) run fasttrace 120 python3 bench/step_profile.py --storage fp8_e4m3fn_fast --caps 12 \
                  --trace "$ROWS_DIR/fasttrace.json" --out "$ROWS_DIR" ;;
     compiledprof) run compiledprof 150 python3 bench/step_profile.py --storage fp8_e4m3fn_fast --compile --caps 24 \

@@ -232,6 +232,7 @@ def main() -> None:
                     help="the first cap again with streaming blocks' parts graphed one by one (the A/B of whole-block graphs)")
     ap.add_argument("--slots", type=int, action="append", default=[],
                     help="the first cap again with exactly this many streaming buffers (repeatable; with --per-part, both ways)")
+    ap.add_argument("--no-graphs", action="store_true", help="every engine row with cuda_graphs off")
     ap.add_argument("--warmup", type=int, default=10,
                     help="forwards before the engine rows are timed (the plan settles, then graphs are captured)")
     output_args(ap)
@@ -268,7 +269,8 @@ def fp8_resident(m, feeds, args) -> None:
     like the capped rows, so their gaps can be told apart from the reference's."""
     eng, bag = Engine(), Components(transformer=m)
     try:
-        eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks, compile_blocks=args.compile))
+        eng.place(bag, OffloadConfig(preload="1000", stream_parts=not args.whole_blocks, compile_blocks=args.compile,
+                                     cuda_graphs=not args.no_graphs))
         launch, step, loop = launch_and_step(lambda: FORWARD(m, *feeds), warmup=args.warmup)
         row(section="fp8_resident", launch_s=launch, step_s=step, loop_s=loop, **clocked(m, feeds))
         if args.trace:
@@ -286,7 +288,7 @@ def auto_row(m, feeds, cap: float, window: int, args, extras: bool, per_part: bo
     eng, bag = Engine(), Components(transformer=m)
     try:
         eng.place(bag, OffloadConfig(stream_parts=not args.whole_blocks, prefetch_window=window,
-                                     compile_blocks=args.compile))
+                                     compile_blocks=args.compile, cuda_graphs=not args.no_graphs))
         streamer = eng.states(bag)["transformer"].transport
         if per_part:
             streamer._bind_whole = lambda *_: False  # this instance only
