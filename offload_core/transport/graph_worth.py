@@ -96,12 +96,18 @@ class GraphWorth:
             return
         timing.end.synchronize()
         device = timing.start.elapsed_time(timing.end) / 1000
-        bound = timing.host < HOST_SHARE * device
+        bound = device_paced(timing.host, device)
         self.device_bound[timing.entry] = bound
         log.info("%s: an eager forward launched in %.3f s, ran on the device in %.3f s: %s",
                  type(self.streamer.module).__name__, timing.host, device,
                  "device-bound" + (", CUDA graphs stand aside" if self.aside() else "") if bound
                  else "CUDA graphs on")
+
+
+def device_paced(host_s: float, device_s: float) -> bool:
+    """Whether an eager forward the host launched in ``host_s`` and the device ran in ``device_s``
+    was paced by the device: graphs could not make it faster."""
+    return host_s < HOST_SHARE * device_s
 
 
 def _event(device: torch.device) -> torch.cuda.Event:
