@@ -165,17 +165,7 @@ def mark_fp8(
     scales, convrot = dict(scales or {}), dict(convrot or {})
     linears = dict(_linears(model))
     inputs = _input_scales(input_scales or {}, model, what)
-    storages = {layer.weight.dtype for layer in linears.values() if _stored(layer.weight)}
-    if len(storages) > 1 and INT8 in storages:
-        raise ValueError(
-            f"{what}: mixes int8 and fp8 weights {sorted(map(str, storages))}; one storage dtype per model"
-        )
-    if len(storages) > 1:
-        raise ValueError(f"{what}: mixes fp8 formats {sorted(map(str, storages))}; one fp8 dtype per model")
-    storage = storages.pop() if storages else torch.float8_e4m3fn
-    _check_dtypes(storage, compute, what, int8=True)
-    if matmul and storage != torch.float8_e4m3fn:
-        raise ValueError(f"{what}: fp8 matmuls take float8_e4m3fn weights, not {str(storage).removeprefix('torch.')}")
+    storage = _one_storage(linears, compute, matmul, what)
     table = Fp8Table(storage, compute, matmul_off=matmul_off)
     for name, layer in linears.items():
         scale = scales.pop(name, None)
@@ -203,15 +193,26 @@ def mark_fp8(
     if table.int8:
         _log_int8(what, table)
     else:
-        log.info(
-            "%s: %d Linear weights stored in %s (%d scaled), computing in %s",
-            what,
-            len(table.weights),
-            str(storage).removeprefix("torch."),
-            len(table.scales),
-            str(compute).removeprefix("torch."),
-        )
+        log.info("%s: %d Linear weights stored in %s (%d scaled), computing in %s", what, len(table.weights),
+                 str(storage).removeprefix("torch."), len(table.scales), str(compute).removeprefix("torch."))
     return _with_matmul(table, what) if matmul else table
+
+
+def _one_storage(linears: dict[str, torch.nn.Linear], compute: torch.dtype, matmul: bool, what: str) -> torch.dtype:
+    """The one stored dtype of the model's fp8 / int8 Linear weights (float8_e4m3fn where none is):
+    a model mixing them, or fp8 matmuls asked of another storage than float8_e4m3fn, is refused."""
+    storages = {layer.weight.dtype for layer in linears.values() if _stored(layer.weight)}
+    if len(storages) > 1 and INT8 in storages:
+        raise ValueError(
+            f"{what}: mixes int8 and fp8 weights {sorted(map(str, storages))}; one storage dtype per model"
+        )
+    if len(storages) > 1:
+        raise ValueError(f"{what}: mixes fp8 formats {sorted(map(str, storages))}; one fp8 dtype per model")
+    storage = storages.pop() if storages else torch.float8_e4m3fn
+    _check_dtypes(storage, compute, what, int8=True)
+    if matmul and storage != torch.float8_e4m3fn:
+        raise ValueError(f"{what}: fp8 matmuls take float8_e4m3fn weights, not {str(storage).removeprefix('torch.')}")
+    return storage
 
 
 def _input_scales(input_scales: dict[str, torch.Tensor], model: torch.nn.Module, what: str) -> dict[str, float]:
