@@ -1,0 +1,106 @@
+"""Does `graph_worth`'s verdict match what CUDA graphs gain? (offload_core/transport/graph_worth.py)
+
+Per model (its transformer with every block kept, fp8 storage unless ``model:storage`` says
+otherwise), three placements in one process: as shipped (graph_worth times the second forward;
+its clocks and verdict are read from its log line), graphs forced on (graph_worth unsubscribed)
+and graphs off. Each row: the synchronized step, the host's launch time, the back-to-back loop,
+the graphs made. The gain is the eager step over the graphed one; the verdict should set graphs
+aside where it is about 1.
+
+    python3 bench/graph_verdict_probe.py --models wan:fp8_e4m3fn_fast,wan,zimage,flux,klein9b,qwenimage --out $OUT
+    .venv/bin/python bench/graph_verdict_probe.py --tiny --models wan,zimage    # CPU: the flow only
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+from benchkit import open_output, output_args, pack
+from benchkit.image_models import IMAGE_MODELS
+from benchkit.measure import launch_and_step, python_speed_ms
+from benchkit.models import build_wan, store_fp8_as, wan_forward, wan_inputs
+
+pack()
+from diffusers_offload.offload_core import Components, Engine, OffloadConfig  # noqa: E402
+from diffusers_offload.offload_core.transport.graph_worth import GraphWorth  # noqa: E402
+
+WAYS = ("shipped", "graphs", "eager")
+
+
+class VerdictLines(logging.Handler):
+    """The (host s, device s) of graph_worth's verdict lines, in order."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.clocks: list[tuple[float, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "eager forward launched" in record.msg:
+            self.clocks.append((float(record.args[1]), float(record.args[2])))
+
+
+def build(name: str, dev: str, tiny: bool):
+    """The model, its inputs and its forward; ``name`` is ``model[:storage]``."""
+    model, _, storage = name.partition(":")
+    if model == "wan":
+        m, feed, forward = build_wan(2 if tiny else 40, dev, tiny), wan_inputs("small", 21, dev), wan_forward
+    else:
+        image = IMAGE_MODELS[model]
+        m, feed, forward = image.build(dev, tiny), image.inputs("image", dev, tiny), image.forward
+    storage = storage or "fp8_e4m3fn"
+    if storage != "bf16":
+        store_fp8_as(m, storage)
+    return m, feed, forward, storage
+
+
+def place(m, way: str, dev: str) -> tuple[Engine, Components]:
+    extra = dict(device="cpu", on_demand_threshold_gb=0, resident_floor_mb=0) if dev == "cpu" else {}
+    eng, bag = Engine(), Components(transformer=m)
+    eng.place(bag, OffloadConfig(preload="1000", cuda_graphs=way != "eager", **extra))
+    if way == "graphs":
+        eng.states(bag)["transformer"].transport.events.unsubscribe(GraphWorth.NAME)
+    return eng, bag
+
+
+def probe(name: str, args, row, lines: VerdictLines) -> None:
+    dev = "cpu" if args.tiny else "cuda"
+    m, feed, forward, storage = build(name, dev, args.tiny)
+    for way in WAYS:
+        heard = len(lines.clocks)
+        eng, bag = place(m, way, dev)
+        try:
+            launch, step, loop = launch_and_step(lambda: forward(m, *feed), args.repeats, args.warmup)
+            streamer = eng.states(bag)["transformer"].transport
+            worth = getattr(streamer, "worth", None)
+            verdict = lines.clocks[heard] if len(lines.clocks) > heard else None
+            row(section="way", model=name.partition(":")[0], storage=storage, way=way, launch_s=launch, step_s=step, loop_s=loop,
+                graphs=streamer.details().get("graphs"), aside=worth.aside() if worth and way == "shipped" else None,
+                verdict_host_s=verdict and verdict[0], verdict_device_s=verdict and verdict[1],
+                python_ms=round(python_speed_ms(), 1))
+        finally:
+            eng.release(bag)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="wan:fp8_e4m3fn_fast,wan,zimage,flux,klein9b,qwenimage",
+                    help="comma list of model[:storage] (wan or " + ", ".join(IMAGE_MODELS) + "; fp8_e4m3fn by default)")
+    ap.add_argument("--warmup", type=int, default=6, help="forwards before timing: the plan settles, graphs are made")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the flow only (no graphs there)")
+    output_args(ap)
+    args = ap.parse_args()
+    row = open_output(args, "graph_verdict_probe", lines=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    lines = VerdictLines()
+    logging.getLogger("diffusers_offload.graphs").addHandler(lines)
+    for name in args.models.split(","):
+        probe(name.strip(), args, row, lines)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the model is gone with the probe's frame
+
+
+if __name__ == "__main__":
+    main()
