@@ -9,7 +9,7 @@ from diffusers_offload.offload_core.transport.graph_worth import device_paced
 
 # (eager launch s, device s) of one forward
 NO_GAIN = {"FLUX.2 [dev] fp8, its verdict line": (0.316, 0.571), "FLUX.2 [dev] bf16": (0.2844, 0.5568),
-           "Z-Image Turbo bf16": (0.0960, 0.1551)}
+           "Z-Image Turbo bf16": (0.0960, 0.1530)}
 GAIN = {"Wan-14B image-like, fp8 matmuls (machine 1)": (0.063, 0.063),
         "Wan-14B image-like, fp8 matmuls (machine 2)": (0.076, 0.076)}
 
