@@ -282,8 +282,11 @@ class GraphCache:
 
     def _forget_unused_pool(self) -> bool:
         """When no graph uses the pool, forget it (its memory goes back at the next empty-cache, a
-        new one is made at the next capture); True when it was forgotten."""
-        if len(self):
+        new one is made at the next capture); True when it was forgotten. A pool whose last graph
+        went must not be captured into again: torch's allocators assert that a shared pool is
+        still in use (the host allocator's assert left cudaMallocAsync deferring every free:
+        bench/README.md, run 69)."""
+        if len(self) or self._unchecked:
             return False
         self._pool, self.pool_bytes = None, 0
         return True
@@ -349,6 +352,7 @@ class GraphCache:
         unchecked = [self._unchecked.pop(k) for k in list(self._unchecked) if moved(k[0])]
         for entry in unchecked:
             entry.graph.reset()
+        self._forget_unused_pool()
         return len(gone) + len(unchecked)
 
     def unmapped(self) -> None:

@@ -224,5 +224,27 @@ def test_a_trim_makes_live_graphs_launch_first_again(monkeypatch) -> None:
     cache.clear()
 
 
+@torch.no_grad()
+def test_a_capture_after_every_graph_went_takes_a_new_pool_and_frees_stay_immediate() -> None:
+    """Every graph dropped (its weights moved), a capture in the new place goes to a new pool:
+    captured into the pool whose last graph went, the host allocator asserts and cudaMallocAsync
+    is left deferring every free (Qwen-Image's second prompt, run 69). The call is captured and
+    replays its eager output, and memory freed after it goes back to the driver at once."""
+    x, there = torch.randn(8 << 20, device=DEVICE), (("wide",), ("there",))
+    cache = GraphCache(DEVICE, True)
+    _captured(cache, x)
+    assert cache.drop(lambda owner: True) == 1 and len(cache) == 0
+    assert cache.plan(there, (x,), {}) == GraphCache.CAPTURE  # trusted: captured at its first call there
+    assert cache.capture(there, "wide", wide_call, (x,), {}, wide_call(x), []) and cache.refused == 0
+    assert torch.equal(cache.plan(there, (x,), {}).replay(), wide_call(x))
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info(DEVICE)[0]
+    hog = torch.empty(GIB, dtype=torch.uint8, device=DEVICE)
+    del hog
+    torch.cuda.empty_cache()
+    assert torch.cuda.mem_get_info(DEVICE)[0] >= free - (64 << 20)
+    cache.clear()
+
+
 if __name__ == "__main__":
     raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
