@@ -1,7 +1,9 @@
-"""Does torch let a capture share a graph pool whose last graph was reset? One process per
-allocator backend (chosen before CUDA starts): capture into a pool, reset the graph, capture into
-the same pool again; then whether a 1 GiB tensor freed afterwards goes back to the driver. The
-cause behind run 69's Qwen-Image second prompt (`GraphCache._forget_unused_pool`).
+"""Does torch let a capture share a graph pool whose last graph was reset, and what does a refused
+capture leave behind? One process per allocator backend (chosen before CUDA starts): capture into
+a pool, reset the graph, capture into the same pool again; whether a 1 GiB tensor freed after it
+goes back to the driver; the same after ending the device allocator's routing to that pool; and
+whether a capture into a new pool runs. The cause behind run 69's Qwen-Image second prompt
+(`GraphCache._forget_unused_pool`, `graph_memory.record`).
 
     python3 bench/graph_pool_probe.py            # both backends, one line each
 """
@@ -15,33 +17,45 @@ import sys
 GIB = 1 << 30
 
 
-def probe() -> str:
-    import torch
+def _capture(torch, pool, x, stream) -> str:
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=pool)
+            y = x * 2
+            graph.capture_end()
+        graph.replay()
+        torch.cuda.synchronize()
+        said = f"ok, replay {'equal' if torch.equal(y, x * 2) else 'differs'}"
+    except Exception as exc:  # the probe reports what torch raised
+        said = f"{type(exc).__name__}: {str(exc).splitlines()[0][:110]}"
+    graph.reset()
+    return said
 
-    x = torch.randn(1 << 20, device="cuda")
-    pool = torch.cuda.graph_pool_handle()
-    stream = torch.cuda.Stream()
-    outcome = []
-    for attempt in ("first capture", "capture after the reset"):
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(pool=pool)
-                y = x * 2
-                graph.capture_end()
-            graph.replay()
-            outcome.append(f"{attempt}: ok ({bool(torch.equal(y, x * 2))})")
-        except Exception as exc:  # the probe reports what torch raised
-            outcome.append(f"{attempt}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
-        graph.reset()
+
+def _freed_comes_back(torch) -> str:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
     hog = torch.empty(GIB, dtype=torch.uint8, device="cuda")
     del hog
     torch.cuda.empty_cache()
-    back = (torch.cuda.mem_get_info()[0] - free + GIB) / GIB
-    return f"{torch.cuda.get_allocator_backend()}: " + "; ".join(outcome) + f"; a freed 1 GiB came back: {back:.2f} GiB"
+    return f"{(torch.cuda.mem_get_info()[0] - free + GIB) / GIB:.2f} GiB of a freed 1 GiB came back"
+
+
+def probe() -> str:
+    import torch
+
+    x, stream, pool = torch.randn(1 << 20, device="cuda"), torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    said = [f"first capture: {_capture(torch, pool, x, stream)}",
+            f"again into its pool after the reset: {_capture(torch, pool, x, stream)}", _freed_comes_back(torch)]
+    try:
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+        said.append("routing to the pool ended")
+    except Exception as exc:  # nothing was routed there
+        said.append(f"ending the routing: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+    said += [_freed_comes_back(torch), f"into a new pool: {_capture(torch, torch.cuda.graph_pool_handle(), x, stream)}"]
+    return f"{torch.cuda.get_allocator_backend()}: " + "; ".join(said)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ never take driver graph memory).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import traceback
@@ -144,7 +145,11 @@ def record(graph: torch.cuda.CUDAGraph, pool: tuple, call: Callable[[], object])
     So the matmul workspaces are made first (`own_workspaces`), and where ``call`` raises, the
     tensors its frames held go while the capture is under way (the error keeps its message)."""
     own_workspaces()
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    except BaseException:
+        _end_routing(pool)
+        raise
     try:
         call()
     except BaseException as exc:
@@ -152,6 +157,15 @@ def record(graph: torch.cuda.CUDAGraph, pool: tuple, call: Callable[[], object])
         raise
     finally:
         graph.capture_end()
+
+
+def _end_routing(pool: tuple) -> None:
+    """A capture refused at its start can leave the device allocator routing to ``pool``: torch
+    2.11 begins that before the host allocator's check that raised, and nothing ends it, so under
+    cudaMallocAsync every later free is deferred (bench/README.md, run 69). End it (torch's own
+    `use_mem_pool` ends a pool's routing with this call); where none was begun, torch says so."""
+    with contextlib.suppress(RuntimeError):
+        torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 
 
 def _let_go(exc: BaseException | None) -> None:
