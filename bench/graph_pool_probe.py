@@ -1,8 +1,8 @@
 """Does torch let a capture share a graph pool whose last graph was reset, and what does a refused
 capture leave behind? One process per allocator backend (chosen before CUDA starts): capture into
-a pool, reset the graph, capture into the same pool again; whether a 1 GiB tensor freed after it
-goes back to the driver; the same after ending the device allocator's routing to that pool; and
-whether a capture into a new pool runs. The cause behind run 69's Qwen-Image second prompt
+a pool, reset the graph, capture into the same pool again; whether a 1 GiB tensor made before that
+and freed after it goes back to the driver, and one made and freed after it; the same after ending
+the device allocator's routing to that pool; and whether a capture into a new pool runs. The cause behind run 69's Qwen-Image second prompt
 (`GraphCache._forget_unused_pool`, `graph_memory.record`).
 
     python3 bench/graph_pool_probe.py            # both backends, one line each
@@ -47,8 +47,15 @@ def probe() -> str:
     import torch
 
     x, stream, pool = torch.randn(1 << 20, device="cuda"), torch.cuda.Stream(), torch.cuda.graph_pool_handle()
-    said = [f"first capture: {_capture(torch, pool, x, stream)}",
-            f"again into its pool after the reset: {_capture(torch, pool, x, stream)}", _freed_comes_back(torch)]
+    said = [f"first capture: {_capture(torch, pool, x, stream)}"]
+    made_before = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+    said.append(f"again into its pool after the reset: {_capture(torch, pool, x, stream)}")
+    torch.cuda.synchronize()
+    free = torch.cuda.mem_get_info()[0]
+    del made_before
+    torch.cuda.empty_cache()
+    said.append(f"{(torch.cuda.mem_get_info()[0] - free) / GIB:.2f} GiB of 1 GiB made before it and freed after came back")
+    said.append(_freed_comes_back(torch))
     try:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
         said.append("routing to the pool ended")

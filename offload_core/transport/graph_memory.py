@@ -162,8 +162,9 @@ def record(graph: torch.cuda.CUDAGraph, pool: tuple, call: Callable[[], object])
 def _end_routing(pool: tuple) -> None:
     """A capture refused at its start can leave the device allocator routing to ``pool``: torch
     2.11 begins that before the host allocator's check that raised, and nothing ends it, so under
-    cudaMallocAsync every later free is deferred (bench/README.md, run 69). End it (torch's own
-    `use_mem_pool` ends a pool's routing with this call); where none was begun, torch says so."""
+    cudaMallocAsync the free of every tensor made before it is deferred for good (bench/README.md,
+    run 69). End it (torch's `use_mem_pool` ends a routing with this call); where none was begun,
+    torch says so."""
     with contextlib.suppress(RuntimeError):
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
 

@@ -284,7 +284,7 @@ class GraphCache:
         """When no graph uses the pool, forget it (its memory goes back at the next empty-cache, a
         new one is made at the next capture); True when it was forgotten. A pool whose last graph
         went must not be captured into again: torch's allocators assert that a shared pool is
-        still in use (the host allocator's assert left cudaMallocAsync deferring every free:
+        still in use (under cudaMallocAsync the host allocator's assert left frees deferred:
         bench/README.md, run 69)."""
         if len(self) or self._unchecked:
             return False

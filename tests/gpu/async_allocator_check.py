@@ -233,43 +233,44 @@ def test_a_capture_after_every_graph_went_takes_a_new_pool_and_frees_stay_immedi
     x, there = torch.randn(8 << 20, device=DEVICE), (("wide",), ("there",))
     cache = GraphCache(DEVICE, True)
     _captured(cache, x)
+    made_before = [torch.empty(GIB, dtype=torch.uint8, device=DEVICE)]
     assert cache.drop(lambda owner: True) == 1 and len(cache) == 0
     assert cache.plan(there, (x,), {}) == GraphCache.CAPTURE  # trusted: captured at its first call there
     assert cache.capture(there, "wide", wide_call, (x,), {}, wide_call(x), []) and cache.refused == 0
     assert torch.equal(cache.plan(there, (x,), {}).replay(), wide_call(x))
-    assert _freed_goes_back()
+    assert _freed_goes_back(made_before)
     cache.clear()
 
 
-def _freed_goes_back() -> bool:
-    """Whether a 1 GiB tensor freed now goes back to the driver at the next empty-cache."""
+def _freed_goes_back(made_before: list[torch.Tensor]) -> bool:
+    """Whether the 1 GiB tensor in ``made_before`` (made before what is tested), freed now, goes
+    back to the driver at the next empty-cache: a routing left on defers it."""
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info(DEVICE)[0]
-    hog = torch.empty(GIB, dtype=torch.uint8, device=DEVICE)
-    del hog
+    made_before.clear()
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info(DEVICE)[0] >= free - (64 << 20)
+    return torch.cuda.mem_get_info(DEVICE)[0] >= free + GIB - (64 << 20)
 
 
 @torch.no_grad()
 def test_a_capture_refused_at_its_start_leaves_no_allocator_routing() -> None:
     """A capture torch refuses at its start (into a shared pool whose last graph went: the host
     allocator's assert of run 69) ends the device allocator's routing to that pool
-    (`graph_memory.record`): memory freed after it goes back at once, and a capture into a new
-    pool runs."""
-    x, pool = torch.ones(1 << 20, device=DEVICE), torch.cuda.graph_pool_handle()
-    first = graph_memory.new_graph()
-    graph_memory.record(first, pool, lambda: x.mul_(1.0))  # in place: nothing allocated in the capture
-    first.reset()
-    refused = graph_memory.new_graph()
-    with pytest.raises(RuntimeError):
-        graph_memory.record(refused, pool, lambda: x.mul_(1.0))
-    refused.reset()
-    assert _freed_goes_back()
-    again = graph_memory.new_graph()
-    graph_memory.record(again, torch.cuda.graph_pool_handle(), lambda: x.mul_(2.0))
-    again.replay()
+    (`graph_memory.record`): a tensor made before it and freed after goes back at once (left on,
+    cudaMallocAsync defers that free for good), and a capture into a new pool runs."""
+    x, pool, side = torch.ones(1 << 20, device=DEVICE), torch.cuda.graph_pool_handle(), torch.cuda.Stream(DEVICE)
+    first, refused, again = (graph_memory.new_graph() for _ in range(3))
+    with torch.cuda.stream(side):
+        graph_memory.record(first, pool, lambda: x.mul_(1.0))  # in place: nothing allocated in the capture
+        first.reset()
+        made_before = [torch.empty(GIB, dtype=torch.uint8, device=DEVICE)]
+        with pytest.raises(RuntimeError):
+            graph_memory.record(refused, pool, lambda: x.mul_(1.0))
+        refused.reset()
+        assert _freed_goes_back(made_before)
+        graph_memory.record(again, torch.cuda.graph_pool_handle(), lambda: x.mul_(2.0))
+        again.replay()
+    torch.cuda.synchronize()
     assert torch.equal(x, torch.full_like(x, 2.0))
     again.reset()
 
