@@ -2,8 +2,9 @@
 capture leave behind? One process per allocator backend (chosen before CUDA starts): capture into
 a pool, reset the graph, capture into the same pool again; whether a 1 GiB tensor made before that
 and freed after it goes back to the driver, and one made and freed after it; the same after ending
-the device allocator's routing to that pool; and whether a capture into a new pool runs. The cause behind run 69's Qwen-Image second prompt
-(`GraphCache._forget_unused_pool`, `graph_memory.record`).
+the device allocator's routing to that pool; and whether a capture into a new pool runs. The
+cause behind run 69's Qwen-Image second prompt (`GraphCache._forget_unused_pool`,
+`graph_memory.record`).
 
     python3 bench/graph_pool_probe.py            # both backends, one line each
 """

@@ -227,9 +227,9 @@ def test_a_trim_makes_live_graphs_launch_first_again(monkeypatch) -> None:
 @torch.no_grad()
 def test_a_capture_after_every_graph_went_takes_a_new_pool_and_frees_stay_immediate() -> None:
     """Every graph dropped (its weights moved), a capture in the new place goes to a new pool:
-    captured into the pool whose last graph went, the host allocator asserts and cudaMallocAsync
-    is left deferring every free (Qwen-Image's second prompt, run 69). The call is captured and
-    replays its eager output, and memory freed after it goes back to the driver at once."""
+    captured into the pool whose last graph went, the host allocator asserts (Qwen-Image's second
+    prompt, run 69). The call is captured and replays its eager output, and a tensor made before
+    it and freed after goes back to the driver at once."""
     x, there = torch.randn(8 << 20, device=DEVICE), (("wide",), ("there",))
     cache = GraphCache(DEVICE, True)
     _captured(cache, x)
