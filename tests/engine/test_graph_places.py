@@ -3,8 +3,9 @@ graphs keyed by a place their weights left (a block kept since, a block streamed
 buffer given back) can never replay; under cudaMallocAsync each still holds the driver's memory
 its first launch mapped, so they are dropped and that memory trimmed, while graphs still in place
 stay (a dropped guess no longer counts against new ones). Under the native allocator (no driver
-memory mapped) nothing is dropped. The placement is real (a tiny Wan streamed on the CPU); the
-graphs are stand-ins, as the CPU cannot capture. And the report says what a graph waits for."""
+memory mapped) nothing is dropped; a drop that leaves no graph forgets their pool. The placement is
+real (a tiny Wan streamed on the CPU); the graphs are stand-ins, as the CPU cannot capture. And the
+report says what a graph waits for."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from diffusers_offload.offload_core import Engine, OffloadConfig
 from diffusers_offload.offload_core.transport import graph_memory
 from diffusers_offload.offload_core.transport.block_graphs import BlockGraphs
-from diffusers_offload.offload_core.transport.graphs import CallGraph, StaticIO
+from diffusers_offload.offload_core.transport.graphs import CallGraph, GraphCache, StaticIO
 from fixtures.tiny_pipes import run_wan
 
 BASE = dict(on_demand_threshold_gb=0, resident_floor_mb=0, device="cpu")
@@ -78,6 +79,20 @@ def test_graphs_of_weights_placed_elsewhere_go_with_the_driver_memory_they_hold(
     assert native.reset_calls == 0 and len(graphs.cache) == 1 and len(trims) == 3
     graphs.cache._entries.clear()
     engine.release(wan_pipe)
+
+
+def test_a_drop_that_leaves_no_graph_forgets_their_pool() -> None:
+    """torch refuses a capture into a shared pool whose last graph went (bench/README.md, run 69),
+    so the cache forgets its pool once a drop leaves no graph, kept or awaiting its check: the next
+    capture makes a new one. While one graph is left, the pool stays theirs."""
+    cache, kept, unchecked = GraphCache(torch.device("cpu"), False), Graph(), Graph()
+    cache._entries[("here", ("signature",))] = CallGraph(kept, StaticIO([]), None, [], torch.device("cpu"))
+    cache._unchecked[("there", ("signature",))] = CallGraph(unchecked, StaticIO([]), None, [], torch.device("cpu"))
+    cache._pool = pool = (1, 0)  # as a capture made it
+    assert cache.drop(lambda owner: owner == "here") == 1
+    assert len(cache) == 0 and cache._pool == pool  # the graph awaiting its check still holds it
+    assert cache.drop(lambda owner: True) == 1
+    assert (kept.reset_calls, unchecked.reset_calls) == (1, 1) and cache._pool is None
 
 
 def test_each_plan_applied_is_checked_for_moved_graphs(wan_pipe, monkeypatch) -> None:
