@@ -45,7 +45,7 @@ class BlockGraphs:
         self.notify = notify  # the streamer's listeners hear ``capturing`` and ``captured``
         self.model = ""  # the model's name, for the log
         self._pending: tuple | None = None  # (owner, key, args, kwargs, len(seen) at its entry): capture at its exit
-        self._placed: tuple | None = None  # the kept pieces and ring buffers `drop_moved` last saw
+        self._placed: tuple | None = None  # the kept pieces, where they lay and the ring buffers `drop_moved` last saw
 
     def key(self, owner: Owner) -> tuple[tuple, tuple]:
         """Which call this is: the owner and its units' form (stored, or held as compute values:
@@ -103,14 +103,14 @@ class BlockGraphs:
 
     def drop_moved(self, kept: frozenset[int]) -> None:
         """The plan was applied (``kept``: the pieces kept now): under cudaMallocAsync the graphs
-        of weights that lie elsewhere now (their blocks kept or streamed since, their ring buffer
-        given back) go, with the driver's memory their launches mapped (`graph_memory.trim`):
+        of weights that lie elsewhere now (their blocks kept or streamed since, or given back and
+        taken again at other addresses; their ring buffer given back) go, with the driver's memory their launches mapped (`graph_memory.trim`):
         else it stays theirs, and a graph that would replay instead finds the card that much
         shorter (graphs may each map their own: bench/README.md, run 63). Under the native
         allocator their pool is shared and nothing is mapped: they stay until a `clear`."""
         if not graph_memory.maps_at_launch():
             return
-        placed, self._placed = self._placed, (kept, frozenset(self.prefetch.ring.addresses))
+        placed, self._placed = self._placed, (kept, self._kept_at(), frozenset(self.prefetch.ring.addresses))
         if placed == self._placed:
             return
         owners: dict[int, list] = {}
@@ -127,6 +127,11 @@ class BlockGraphs:
             given = graph_memory.trim(self.cache.device)
             log.debug("%s: %d graphs of weights placed elsewhere now dropped, %.0f MiB of the driver's "
                       "graph memory given back", self.model, dropped, given / (1 << 20))
+
+    def _kept_at(self) -> frozenset[int]:
+        """Where the kept units' bytes lie now: the same pieces kept at two plans may have been
+        given back in between (a decode's room) and taken again elsewhere."""
+        return frozenset(u.kept.data_ptr() for u in self.prefetch.units if u.piece.resident is not None and u.kept is not None)
 
     def _lies_at(self, unit: StreamUnit, address: int) -> bool:
         """Whether ``unit``'s bytes may lie at ``address`` under the plan now: its kept buffer,

@@ -81,6 +81,36 @@ def test_graphs_of_weights_placed_elsewhere_go_with_the_driver_memory_they_hold(
     engine.release(wan_pipe)
 
 
+def test_kept_blocks_given_back_and_taken_again_elsewhere_drop_their_graphs(wan_pipe, monkeypatch) -> None:
+    """The same pieces kept at two plans, but given back in between (a decode's room, which is
+    no plan; Qwen-Image's decode gives back 3.45 GiB of kept blocks at each prompt, run 69) and
+    taken again at other addresses: their graphs go with the driver memory they hold, while the
+    same pieces in the same place keep theirs."""
+    trims: list[torch.device] = []
+    monkeypatch.setattr(graph_memory, "trim", lambda device: trims.append(device) or 0)
+    engine = Engine()
+    engine.place(wan_pipe, OffloadConfig(**BASE, preload="off"))
+    streamer = engine.states(wan_pipe)["transformer"].transport
+    run_wan(wan_pipe, num_inference_steps=1)
+    graphs, first = streamer.graphs, streamer.prefetch.units[0].block
+    kept = frozenset(u.piece.index for u in first.units)
+    monkeypatch.setattr(graph_memory, "_async", True)
+    streamer.set_resident(set(kept))
+    graphs.drop_moved(kept)
+    where = tuple(u.kept.data_ptr() for u in first.units)
+    graph = add(graphs, first, where)
+    graphs.drop_moved(kept)  # the same pieces in the same place
+    assert graph.reset_calls == 0 and not trims
+    streamer.give_back(sum(streamer.pieces[i].nbytes for i in kept))  # a decode's room
+    fillers = [torch.empty(streamer.pieces[i].nbytes, dtype=torch.uint8) for i in kept]  # (their old addresses)
+    streamer.set_resident(set(kept))  # taken again
+    del fillers
+    assert tuple(u.kept.data_ptr() for u in first.units) != where
+    graphs.drop_moved(kept)
+    assert graph.reset_calls == 1 and trims == [streamer.device] and len(graphs.cache) == 0
+    engine.release(wan_pipe)
+
+
 def test_a_drop_that_leaves_no_graph_forgets_their_pool() -> None:
     """torch refuses a capture into a shared pool whose last graph went (bench/README.md, run 69),
     so the cache forgets its pool once a drop leaves no graph, kept or awaiting its check: the next
