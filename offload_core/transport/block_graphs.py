@@ -104,10 +104,11 @@ class BlockGraphs:
     def drop_moved(self, kept: frozenset[int]) -> None:
         """The plan was applied (``kept``: the pieces kept now): under cudaMallocAsync the graphs
         of weights that lie elsewhere now (their blocks kept or streamed since, or given back and
-        taken again at other addresses; their ring buffer given back) go, with the driver's memory their launches mapped (`graph_memory.trim`):
-        else it stays theirs, and a graph that would replay instead finds the card that much
-        shorter (graphs may each map their own: bench/README.md, run 63). Under the native
-        allocator their pool is shared and nothing is mapped: they stay until a `clear`."""
+        taken again at other addresses; their ring buffer given back) go, with the driver's memory
+        their launches mapped (`graph_memory.trim`): else it stays theirs, and a graph that would
+        replay instead finds the card that much shorter (graphs may each map their own:
+        bench/README.md, run 63). Under the native allocator their pool is shared and nothing is
+        mapped: they stay until a `clear`."""
         if not graph_memory.maps_at_launch():
             return
         placed, self._placed = self._placed, (kept, self._kept_at(), frozenset(self.prefetch.ring.addresses))
@@ -131,7 +132,8 @@ class BlockGraphs:
     def _kept_at(self) -> frozenset[int]:
         """Where the kept units' bytes lie now: the same pieces kept at two plans may have been
         given back in between (a decode's room) and taken again elsewhere."""
-        return frozenset(u.kept.data_ptr() for u in self.prefetch.units if u.piece.resident is not None and u.kept is not None)
+        return frozenset(u.kept.data_ptr() for u in self.prefetch.units
+                         if u.piece.resident is not None and u.kept is not None)
 
     def _lies_at(self, unit: StreamUnit, address: int) -> bool:
         """Whether ``unit``'s bytes may lie at ``address`` under the plan now: its kept buffer,

@@ -242,7 +242,8 @@ class PreloadDriver:
             self._capture_began = time.perf_counter()
         elif event == "captured":
             self._host_s["captures"] += time.perf_counter() - self._capture_began
-            self._captures += 1  # the capture's allocations (its pool, its static buffers) are not activations
+            self._captures += 1
+            # the capture's allocations (its pool, its static buffers) are not activations
             self._others += max(0, self.memory.allocated(streamer.device) - self._before_capture)
             self.memory.reset_peak(streamer.device)
             self._retries = self.memory.allocator_retries(streamer.device)  # nor a shortage
