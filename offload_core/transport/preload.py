@@ -133,7 +133,7 @@ class PreloadDriver:
         self._before_capture = 0  # bytes allocated when the last capture began
         self._described = 0  # the graph cache's graphable calls when the cycle began
         self._hold = True  # pieces may be held as compute values (not after a shortage, until the run ends)
-        self._host_s = {"plan": 0.0, "captures": 0.0}  # this forward's host seconds in each (the DEBUG line)
+        self._plan_s = self._capture_s = 0.0  # this forward's host seconds in its plan and its captures (DEBUG)
         self._captures, self._capture_began = 0, 0.0
         streamer.events.subscribe(self.NAME, self.on_event)
 
@@ -184,7 +184,8 @@ class PreloadDriver:
         others hold, and the allocator's retries so far, as the baselines: what the non-block part
         makes before the first block counts as ours, what ran between forwards (a VAE) does not."""
         self._peak_before = 0
-        self._host_s, self._captures = dict.fromkeys(self._host_s, 0.0), 0
+        self._plan_s = self._capture_s = 0.0
+        self._captures = 0
         self._entry = entry_signature(args, kwargs)
         self._entering = False
         coming = self._coming_workload()
@@ -226,7 +227,7 @@ class PreloadDriver:
             target = self.planner.begin_cycle(workload, reading=reading)
             self._apply(target)
             self._hold_casts(workload)
-            self._host_s["plan"] += time.perf_counter() - began
+            self._plan_s += time.perf_counter() - began
             self._entering = False
             self.memory.reset_peak(streamer.device)  # live activations stay in the reset peak
             self._peak_before = 0
@@ -241,7 +242,7 @@ class PreloadDriver:
             self._before_capture = self.memory.allocated(streamer.device)
             self._capture_began = time.perf_counter()
         elif event == "captured":
-            self._host_s["captures"] += time.perf_counter() - self._capture_began
+            self._capture_s += time.perf_counter() - self._capture_began
             self._captures += 1
             # the capture's allocations (its pool, its static buffers) are not activations
             self._others += max(0, self.memory.allocated(streamer.device) - self._before_capture)
@@ -270,8 +271,8 @@ class PreloadDriver:
         logger.debug("%s forward: %s; kept %d pieces; graphs %d (captured %d, refused %d, replayed %d), lookahead %d; "
                      "host s: plan %.3f, %d captures %.3f", self.planner.label,
                      ", ".join(f"{k} {v / 2**30:.3f}" for k, v in terms.items()), len(s.resident_indices()), len(g),
-                     g.captured, g.refused, g.replayed, self.planner.ring_slots, self._host_s["plan"], self._captures,
-                     self._host_s["captures"])
+                     g.captured, g.refused, g.replayed, self.planner.ring_slots, self._plan_s, self._captures,
+                     self._capture_s)
 
     def _hold_casts(self, workload: int) -> None:
         """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves
