@@ -5,7 +5,10 @@ otherwise), three placements in one process: as shipped (graph_worth times the s
 its clocks and verdict are read from its log line), graphs forced on (graph_worth unsubscribed)
 and graphs off. Each row: the synchronized step, the host's launch time, the back-to-back loop,
 the graphs made. The gain is the eager step over the graphed one; the verdict should set graphs
-aside where it is about 1.
+aside where it is about 1. With ``--clocks N`` each placement's first N forwards are also timed
+one by one, back to back as a pipeline runs them, with the places where the host waited for the
+device (torch's sync debug mode): was the timed second forward slower for one-time costs or for
+waiting on the first?
 
     python3 bench/graph_verdict_probe.py --models wan:fp8_e4m3fn_fast,wan,zimage,flux,klein9b,qwenimage --out $OUT
     .venv/bin/python bench/graph_verdict_probe.py --tiny --models wan,zimage    # CPU: the flow only
@@ -15,6 +18,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
 
 import torch
 from benchkit import open_output, output_args, pack
@@ -64,6 +71,27 @@ def place(m, way: str, dev: str) -> tuple[Engine, Components]:
     return eng, bag
 
 
+def first_forwards(fn, n: int, cuda: bool) -> tuple[list[float], list[dict[str, int]]]:
+    """The host seconds of each of the first ``n`` calls of ``fn``, none synchronized, and per call
+    where it made the host wait for the device (file:line of torch's sync warnings)."""
+    clocks, waits = [], []
+    for _ in range(n):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            began = time.perf_counter()
+            try:
+                fn()
+            finally:
+                clocks.append(time.perf_counter() - began)
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+        waits.append(dict(Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                  if "synchroniz" in str(w.message))))
+    return clocks, waits
+
+
 def probe(name: str, args, row, lines: VerdictLines) -> None:
     dev = "cpu" if args.tiny else "cuda"
     m, feed, forward, storage = build(name, dev, args.tiny)
@@ -71,7 +99,11 @@ def probe(name: str, args, row, lines: VerdictLines) -> None:
         heard = len(lines.clocks)
         eng, bag = place(m, way, dev)
         try:
-            launch, step, loop = launch_and_step(lambda: forward(m, *feed), args.repeats, args.warmup)
+            if args.clocks:
+                clocks, waits = first_forwards(lambda: forward(m, *feed), args.clocks, dev == "cuda")
+                row(section="forwards", model=name.partition(":")[0], way=way, host_s=clocks, waits=waits)
+            launch, step, loop = launch_and_step(lambda: forward(m, *feed), args.repeats,
+                                                 max(0, args.warmup - args.clocks))
             streamer = eng.states(bag)["transformer"].transport
             worth = getattr(streamer, "worth", None)
             verdict = lines.clocks[heard] if len(lines.clocks) > heard else None
@@ -89,6 +121,7 @@ def main() -> None:
                     help="comma list of model[:storage] (wan or " + ", ".join(IMAGE_MODELS) + "; fp8_e4m3fn by default)")
     ap.add_argument("--warmup", type=int, default=6, help="forwards before timing: the plan settles, graphs are made")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--clocks", type=int, default=0, help="time the first N forwards one by one (part of the warm-up)")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the flow only (no graphs there)")
     output_args(ap)
     args = ap.parse_args()
