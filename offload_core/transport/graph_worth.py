@@ -5,11 +5,13 @@ costs the plan kept blocks, and under cudaMallocAsync the room their first launc
 more (FLUX.2 [dev] at 12 GiB: bench/README.md, runs 66-67). So each workload's second forward runs
 eagerly (its captures held back one forward) and its blocks are timed on the host and on the
 device; its first pays one-time costs (kernels loaded, algorithms chosen) on both clocks, which
-made FLUX.2 read as host-bound. Graphs stand aside while every workload found so far is
+made FLUX.2 read as host-bound. The host waits for the work queued before the clock starts (the
+first forward's tail, which a full launch queue or any wait in the timed forward would add to its
+launch: FLUX.1 read 0.94 for 0.64, run 69). Graphs stand aside while every workload found so far is
 device-bound: launched in under 3/4 of its device time (where graphs stopped paying: bench/README.md,
 run 68).
 
-A forward in which the host waited for the device reads as host-bound: graphs stay, as before."""
+A forward in which the host waited for its own device work reads as host-bound: graphs stay."""
 
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ class GraphWorth:
                     self.streamer.graphs.hold(True)
                 self._seen.add(entry)
         elif event == "cycle" and timing is not None and timing.start is None:
+            torch.cuda.current_stream(self.streamer.device).synchronize()  # (once a workload)
             timing.host, timing.start = time.perf_counter(), _event(self.streamer.device)
         elif event in ("forward_end", "end") and timing is not None:
             self.streamer.graphs.hold(False)  # (a forward that never entered a block, or raised, is timed again)

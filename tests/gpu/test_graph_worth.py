@@ -36,6 +36,26 @@ def test_graphs_only_for_workloads_whose_launch_sets_the_pace(tiny_wan_dir, devi
     assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
 
 
+def _wait(_module, _args) -> None:
+    if not torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream().synchronize()
+
+
+def test_the_timed_forward_does_not_count_the_last_ones_tail(tiny_wan_dir) -> None:
+    """Device-bound forwards that wait for the device once, at their second block (as a full launch
+    queue makes the host wait): the timed forward follows the first with its sleep still queued,
+    which must not read as its own launch time and keep graphs on."""
+    def pipe():
+        loaded = _slowed(load_wan(tiny_wan_dir))
+        loaded.transformer.blocks[1].register_forward_pre_hook(_wait)
+        return loaded
+
+    eager, _ = placed_runs(pipe(), OffloadConfig(**BASE, cuda_graphs=False), 2)
+    outs, details = placed_runs(pipe(), OffloadConfig(**BASE), 2)
+    assert details["graphs_aside"] == 1 and details["graphs"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(eager, outs, strict=True))
+
+
 def test_graphs_come_back_for_good_once_a_workload_is_launch_bound(tiny_wan_dir) -> None:
     """Runs alternate a slowed 32x32 workload (device-bound: graphs stand aside after its first two
     forwards) and the 16x16 one as it is (launch-bound: graphs back on, for both from then on). The
