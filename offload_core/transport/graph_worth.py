@@ -5,9 +5,9 @@ costs the plan kept blocks, and under cudaMallocAsync the room their first launc
 more (FLUX.2 [dev] at 12 GiB: bench/README.md, runs 66-67). So each workload's second forward runs
 eagerly (its captures held back one forward) and its blocks are timed on the host and on the
 device; its first pays one-time costs (kernels loaded, algorithms chosen) on both clocks, which
-made FLUX.2 read as host-bound. The host waits for the work queued before the clock starts (the
+made FLUX.2 read as host-bound. The host waits for the work queued before the clock starts: the
 first forward's tail, which a full launch queue or any wait in the timed forward would add to its
-launch: FLUX.1 read 0.94 for 0.64, run 69). Graphs stand aside while every workload found so far is
+launch (FLUX.1's timed forward read 0.94, its synchronized ones 0.64: run 69). Graphs stand aside while every workload found so far is
 device-bound: launched in under 3/4 of its device time (where graphs stopped paying: bench/README.md,
 run 68).
 
