@@ -1,28 +1,28 @@
-"""CUDA graphs for the block streamer's calls: a call (a kept block, a streamed unit) is launched as
-one captured graph instead of its few dozen kernels, once it has run twice with inputs of one
-shape and its weights in one place.
+"""CUDA graphs for the block streamer's calls: a call (a kept block, a streamed unit) is launched as one
+captured graph instead of its few dozen kernels, once it has run twice with inputs of one shape and its
+weights in one place.
 
-Why: an image-sized step of a large denoiser is bound by the host launching kernels, not by the
-GPU (bench/README.md, runs 25-29), and the host's speed varies from process to process. A graph
-bakes in every address its kernels read, so its key names where its weights lie (`block_graphs.py`
-says which calls and keys); its inputs are copied into static buffers shared by the calls of one
-input signature, its outputs come back as fresh tensors, and every graph is dropped when a weight
-is written (a LoRA), at a shortage and at release (with the driver's memory for them under
-cudaMallocAsync, `graph_memory.py`, where those whose weights a plan change moved go too). A graph
-is trusted only after its first replay reproduced the eager output bit for bit; a block whose
-replay differs stays eager for that signature, and one whose capture fails (a kernel that syncs
-or allocates on the host) stays eager everywhere until a weight write. Trust is the call's, not
-its place's: a call trusted once is captured at its first call in a new place (kept blocks taken
-back after the other denoiser ran, a ring made again after a decode took its room), without the
-check replay, until a weight write; and at its first call with a new input signature (a new
-prompt's token count), with the check replay. Large inputs (a video's activations) stay eager:
-there the math, not the launch, bounds the step, and static buffers would cost memory.
-Why not ``torch.cuda.graph``: it collects garbage and empties the allocator's cache at each capture
-(here the cache is emptied only for a capture that ran out of memory).
+Why: an image-sized step of a large denoiser is bound by the host launching kernels, not by the GPU
+(bench/README.md, runs 25-29), and the host's speed varies from process to process. A graph bakes in every
+address its kernels read, so its key names where its weights lie (`block_graphs.py` says which calls and
+keys); its inputs are copied into static buffers shared by the calls of one input signature, its outputs
+come back as fresh tensors, and every graph is dropped when a weight is written (a LoRA), at a shortage
+and at release (with the driver's memory for them under cudaMallocAsync, `graph_memory.py`, where those
+whose weights a plan change moved go too). A graph is trusted only after its first replay reproduced the
+eager output bit for bit; a block whose replay differs stays eager for that signature, and one whose
+capture fails (a kernel that syncs or allocates on the host) stays eager everywhere until a weight write.
+Trust is the call's, not its place's: a call trusted once is captured at its first call in a new place
+(kept blocks taken back after the other denoiser ran, a ring made again after a decode took its room),
+without the check replay, until a weight write; and at its first call with a new input signature (a new
+prompt's token count), with the check replay. Large inputs (a video's activations) stay eager: there the
+math, not the launch, bounds the step, and static buffers would cost memory. Why not ``torch.cuda.graph``:
+it collects garbage and empties the allocator's cache at each capture (here the cache is emptied only for
+a capture that ran out of memory).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,7 +67,7 @@ class CallGraph:
     device: torch.device
     inputs: list[torch.Tensor] = field(default_factory=list)  # this call's tensors, set by `GraphCache.plan`
     guessed: bool = False  # captured at its signature's first call and not replayed yet (`GraphCache._guess`)
-    first_launch: Callable[[int], None] | None = None  # told the driver graph memory the first launch took
+    first_launch: Callable[[int, float], None] | None = None  # told the driver memory its first launch took, and its host s
     need: int = 0  # the driver graph memory its first launch maps (`graph_memory.footprint`; 0: none or unknown)
 
     def replay(self) -> object:
@@ -75,13 +75,12 @@ class CallGraph:
         them past the next call's replay, which rewrites the static outputs)."""
         self.io.load(self.inputs)
         self.inputs = []
-        if self.first_launch is None:
-            graph_memory.launch(self.graph)
-        else:
-            before = graph_memory.reserved(self.device)
-            graph_memory.launch(self.graph)
-            self.first_launch(graph_memory.reserved(self.device) - before)
+        first = self.first_launch
+        before, began = (graph_memory.reserved(self.device), time.perf_counter()) if first else (0, 0.0)
+        graph_memory.launch(self.graph)
+        if first:
             self.first_launch = None
+            first(graph_memory.reserved(self.device) - before, time.perf_counter() - began)
         return rebuild(self.out_key, [t.clone() for t in self.io.outputs[self.out_key]])
 
 
@@ -110,8 +109,8 @@ class GraphCache:
         self.captured = self.refused = 0
         self.signatures = SIGNATURES  # input signatures kept at once (`_static_io`)
         self.retried = 0  # captures made again after running out of memory (`_record`)
-        self.replayed = 0  # graphs handed out to replay, over the cache's life
-        self.described = 0  # calls that could be graphed (`plan`), over the cache's life
+        self.replayed = self.described = 0  # over its life: graphs replayed; calls that could be graphed (`plan`)
+        self.first_launches, self.first_launch_s = 0, 0.0  # launches that instantiated or mapped, their host s (DEBUG)
         self.starved = False  # a capture ran out of memory: none until the next `clear`
         self.held = False  # no capture now, nor a call counted towards one (`graph_worth.py` times an eager forward)
         graph_memory.track(self)
@@ -141,7 +140,8 @@ class GraphCache:
         """Device bytes the graphs hold: their pool (the allocator's or the driver's) and the static buffers."""
         return self.pool_bytes + self.driver_bytes + sum(io.nbytes for io in self._io.values())
 
-    def _took(self, nbytes: int) -> None:
+    def _took(self, nbytes: int, seconds: float) -> None:
+        self.first_launches, self.first_launch_s = self.first_launches + 1, self.first_launch_s + seconds
         if nbytes > 0:
             self.driver_bytes += nbytes
             log.debug("a graph's first launch took %.0f MiB of the driver's graph memory (this cache's: %.0f MiB)",
@@ -152,10 +152,10 @@ class GraphCache:
         return self.on and not self.starved and describe(args, kwargs) is not None
 
     def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
-        """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph
-        (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
-        in this place when the call is trusted, or its first with this signature when trusted with
-        another (`_guess`): capture after it), or None (run eagerly)."""
+        """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph (with
+        this call's inputs), `CAPTURE` (its second eager call with this signature, its first in this
+        place when the call is trusted, or its first with this signature when trusted with another
+        (`_guess`): capture after it), or None (run eagerly)."""
         if self.starved or not self.on or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
@@ -183,11 +183,11 @@ class GraphCache:
         return self.CAPTURE if capture and self._room_for(unchecked.need if unchecked else self.need) else None
 
     def _room_for(self, need: int) -> bool:
-        """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now
-        (under cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where it
-        holds that much more than its last emptying left). A launch short of it fails and
-        keeps what it mapped for the rest of the process (bench/README.md, run 62), so a graph that
-        does not fit waits, its call eager, and the plan hears how much it waits for (`waiting`)."""
+        """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now (under
+        cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where it holds that
+        much more than its last emptying left). A launch short of it fails and keeps what it mapped for
+        the rest of the process (bench/README.md, run 62), so a graph that does not fit waits, its call
+        eager, and the plan hears how much it waits for (`waiting`)."""
         if not need or graph_memory.fits(self.device, need):
             return True
         if _cached_unused(self.device) >= self._stuck + need:
@@ -215,11 +215,11 @@ class GraphCache:
 
     def capture(self, owner: tuple[Key, Key], name: str, run: Callable[..., object], args: tuple, kwargs: dict,
                 reference: object, units: list[int]) -> bool:
-        """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside)
-        on static copies of the inputs, replay it on these inputs and keep it if it reproduces
-        ``reference`` (the eager output of this very call) bit for bit, or at once when the call
-        is trusted (`plan`); True when kept. Where its first launch does not fit yet (`_room_for`)
-        the graph is kept unchecked, and a later call's capture replays it instead of recording."""
+        """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside) on static copies
+        of the inputs, replay it on these inputs and keep it if it reproduces ``reference`` (the eager output
+        of this very call) bit for bit, or at once when the call is trusted (`plan`); True when kept. Where
+        its first launch does not fit yet (`_room_for`) the graph is kept unchecked, and a later call's
+        capture replays it instead of recording."""
         key, tensors = describe(args, kwargs)
         trusted = (owner[0], key) in self._trusted
         out_tensors: list[torch.Tensor] = []

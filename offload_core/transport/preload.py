@@ -135,6 +135,7 @@ class PreloadDriver:
         self._hold = True  # pieces may be held as compute values (not after a shortage, until the run ends)
         self._plan_s = self._capture_s = 0.0  # this forward's host seconds in its plan and its captures (DEBUG)
         self._captures, self._capture_began = 0, 0.0
+        self._launched = (0, 0.0)  # the graphs' first launches and their host s before this forward
         streamer.events.subscribe(self.NAME, self.on_event)
 
     def reading(self) -> MemoryReading:
@@ -186,6 +187,7 @@ class PreloadDriver:
         self._peak_before = 0
         self._plan_s = self._capture_s = 0.0
         self._captures = 0
+        self._launched = (self.streamer.graphs.cache.first_launches, self.streamer.graphs.cache.first_launch_s)
         self._entry = entry_signature(args, kwargs)
         self._entering = False
         coming = self._coming_workload()
@@ -261,7 +263,8 @@ class PreloadDriver:
         return False
 
     def _log_terms(self, usage: CycleUsage | None) -> None:
-        """One DEBUG line per forward: the terms of its activation measure, in GiB."""
+        """One DEBUG line per forward: the terms of its activation measure, in GiB, and the host
+        seconds of its plan, its captures and its graphs' first launches (a check replay is one)."""
         s, g = self.streamer, self.streamer.graphs.cache
         terms = {"peak": usage.peak if usage else 0, "floor": usage.weights_floor if usage else 0,
                  "others": self._others, "before_capture_peak": self._peak_before,
@@ -269,10 +272,10 @@ class PreloadDriver:
                  "end_alloc": self.memory.allocated(s.device) - s.device_bytes() - self._others,
                  "graph_pool": g.pool_bytes, "graph_io": g.nbytes - g.pool_bytes}
         logger.debug("%s forward: %s; kept %d pieces; graphs %d (captured %d, refused %d, replayed %d), lookahead %d; "
-                     "host s: plan %.3f, %d captures %.3f", self.planner.label,
+                     "host s: plan %.3f, %d captures %.3f, %d first launches %.3f", self.planner.label,
                      ", ".join(f"{k} {v / 2**30:.3f}" for k, v in terms.items()), len(s.resident_indices()), len(g),
                      g.captured, g.refused, g.replayed, self.planner.ring_slots, self._plan_s, self._captures,
-                     self._capture_s)
+                     self._capture_s, g.first_launches - self._launched[0], g.first_launch_s - self._launched[1])
 
     def _hold_casts(self, workload: int) -> None:
         """With every piece kept, hold fp8 pieces as compute values in the room the plan leaves

@@ -207,11 +207,13 @@ def test_a_graph_launched_before_an_earlier_unlaunched_one_runs(monkeypatch) -> 
 @torch.no_grad()
 def test_a_trim_makes_live_graphs_launch_first_again(monkeypatch) -> None:
     """A trim (any cache's drop) takes back the driver's memory of every idle graph on the device:
-    a live graph then waits for room like a first launch instead of failing."""
+    a live graph then waits for room like a first launch instead of failing, and is counted as one
+    (the preload's DEBUG line per forward gives their number and host time)."""
     monkeypatch.setattr(graph_memory, "_launch_failed", [])
     x, owner = torch.randn(8 << 20, device=DEVICE), (("wide",), ("here",))
     cache = GraphCache(DEVICE, True)
     _captured(cache, x)
+    assert cache.first_launches == 1  # the capture's check replay
     assert graph_memory.trim(DEVICE) >= GIB and cache.driver_bytes == 0
     hog = _fill_to(GIB // 2)
     try:
@@ -221,6 +223,8 @@ def test_a_trim_makes_live_graphs_launch_first_again(monkeypatch) -> None:
     assert not graph_memory.launch_failed()
     entry = cache.plan(owner, (x,), {})
     assert torch.equal(entry.replay(), wide_call(x)) and cache.driver_bytes >= GIB
+    assert cache.first_launches == 2 and cache.first_launch_s > 0  # mapped again: counted, timed on the host
+    assert torch.equal(cache.plan(owner, (x,), {}).replay(), wide_call(x)) and cache.first_launches == 2
     cache.clear()
 
 
