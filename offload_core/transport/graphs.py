@@ -152,10 +152,10 @@ class GraphCache:
         return self.on and not self.starved and describe(args, kwargs) is not None
 
     def plan(self, owner: tuple[Key, Key], args: tuple, kwargs: dict) -> CallGraph | str | None:
-        """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph (with
-        this call's inputs), `CAPTURE` (its second eager call with this signature, its first in this
-        place when the call is trusted, or its first with this signature when trusted with another
-        (`_guess`): capture after it), or None (run eagerly)."""
+        """For a call of ``owner`` (what is called, and where its weights lie): its trusted graph
+        (with this call's inputs), `CAPTURE` (its second eager call with this signature, its first
+        in this place when the call is trusted, or its first with this signature when trusted with
+        another (`_guess`): capture after it), or None (run eagerly)."""
         if self.starved or not self.on or owner[0] in self._failing:
             return None
         call = describe(args, kwargs)
@@ -183,11 +183,11 @@ class GraphCache:
         return self.CAPTURE if capture and self._room_for(unchecked.need if unchecked else self.need) else None
 
     def _room_for(self, need: int) -> bool:
-        """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now (under
-        cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where it holds that
-        much more than its last emptying left). A launch short of it fails and keeps what it mapped for
-        the rest of the process (bench/README.md, run 62), so a graph that does not fit waits, its call
-        eager, and the plan hears how much it waits for (`waiting`)."""
+        """Whether a first launch that maps ``need`` bytes of the driver's graph memory fits now
+        (under cudaMallocAsync: `graph_memory.fits`; the allocator's cache is emptied first where it
+        holds that much more than its last emptying left). A launch short of it fails and
+        keeps what it mapped for the rest of the process (bench/README.md, run 62), so a graph that
+        does not fit waits, its call eager, and the plan hears how much it waits for (`waiting`)."""
         if not need or graph_memory.fits(self.device, need):
             return True
         if _cached_unused(self.device) >= self._stuck + need:
@@ -215,11 +215,11 @@ class GraphCache:
 
     def capture(self, owner: tuple[Key, Key], name: str, run: Callable[..., object], args: tuple, kwargs: dict,
                 reference: object, units: list[int]) -> bool:
-        """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside) on static copies
-        of the inputs, replay it on these inputs and keep it if it reproduces ``reference`` (the eager output
-        of this very call) bit for bit, or at once when the call is trusted (`plan`); True when kept. Where
-        its first launch does not fit yet (`_room_for`) the graph is kept unchecked, and a later call's
-        capture replays it instead of recording."""
+        """Capture ``run(*args, **kwargs)`` (the call's forward, its fp8 weights cast inside)
+        on static copies of the inputs, replay it on these inputs and keep it if it reproduces
+        ``reference`` (the eager output of this very call) bit for bit, or at once when the call
+        is trusted (`plan`); True when kept. Where its first launch does not fit yet (`_room_for`)
+        the graph is kept unchecked, and a later call's capture replays it instead of recording."""
         key, tensors = describe(args, kwargs)
         trusted = (owner[0], key) in self._trusted
         out_tensors: list[torch.Tensor] = []
