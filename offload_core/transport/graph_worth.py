@@ -7,7 +7,7 @@ eagerly (its captures held back one forward) and its blocks are timed on the hos
 device; its first pays one-time costs (kernels loaded, algorithms chosen) on both clocks, which
 made FLUX.2 read as host-bound. The host waits for the work queued before the clock starts: the
 first forward's tail, which a full launch queue or any wait in the timed forward would add to its
-launch (FLUX.1's verdict against its synchronized forwards: bench/README.md, run 69). Graphs stand
+launch (FLUX.1's verdict against its synchronized forwards: bench/README.md, runs 69-70). Graphs stand
 aside while every workload found so far is device-bound: launched in under 3/4 of its device time
 (where graphs stopped paying: bench/README.md, run 68).
 
