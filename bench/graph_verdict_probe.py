@@ -8,7 +8,8 @@ the graphs made. The gain is the eager step over the graphed one; the verdict sh
 aside where it is about 1. With ``--clocks N`` each placement's first N forwards are also timed
 one by one, back to back as a pipeline runs them, with the places where the host waited for the
 device (torch's sync debug mode): was the timed second forward slower for one-time costs or for
-waiting on the first?
+waiting on the first? With ``--cap GiB`` each placement runs with preload auto on a card of that
+size (a ballast process holds the rest): the verdict on a streamed plan.
 
     python3 bench/graph_verdict_probe.py --models wan:fp8_e4m3fn_fast,wan,zimage,flux,klein9b,qwenimage --out $OUT
     .venv/bin/python bench/graph_verdict_probe.py --tiny --models wan,zimage    # CPU: the flow only
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 from benchkit import open_output, output_args, pack
 from benchkit.image_models import IMAGE_MODELS
-from benchkit.measure import launch_and_step, python_speed_ms
+from benchkit.measure import Ballast, launch_and_step, python_speed_ms
 from benchkit.models import build_wan, store_fp8_as, wan_forward, wan_inputs
 
 pack()
@@ -62,10 +63,10 @@ def build(name: str, dev: str, tiny: bool):
     return m, feed, forward, storage
 
 
-def place(m, way: str, dev: str) -> tuple[Engine, Components]:
+def place(m, way: str, dev: str, preload: str) -> tuple[Engine, Components]:
     extra = dict(device="cpu", on_demand_threshold_gb=0, resident_floor_mb=0) if dev == "cpu" else {}
     eng, bag = Engine(), Components(transformer=m)
-    eng.place(bag, OffloadConfig(preload="1000", cuda_graphs=way != "eager", **extra))
+    eng.place(bag, OffloadConfig(preload=preload, cuda_graphs=way != "eager", **extra))
     if way == "graphs":
         eng.states(bag)["transformer"].transport.events.unsubscribe(GraphWorth.NAME)
     return eng, bag
@@ -97,7 +98,8 @@ def probe(name: str, args, row, lines: VerdictLines) -> None:
     m, feed, forward, storage = build(name, dev, args.tiny)
     for way in WAYS:
         heard = len(lines.clocks)
-        eng, bag = place(m, way, dev)
+        ballast = Ballast(args.cap) if args.cap and dev == "cuda" else None
+        eng, bag = place(m, way, dev, "auto" if args.cap else "1000")
         try:
             if args.clocks:
                 clocks, waits = first_forwards(lambda: forward(m, *feed), args.clocks, dev == "cuda")
@@ -107,12 +109,14 @@ def probe(name: str, args, row, lines: VerdictLines) -> None:
             streamer = eng.states(bag)["transformer"].transport
             worth = getattr(streamer, "worth", None)
             verdict = lines.clocks[heard] if len(lines.clocks) > heard else None
-            row(section="way", model=name.partition(":")[0], storage=storage, way=way, launch_s=launch, step_s=step, loop_s=loop,
+            row(section="way", model=name.partition(":")[0], storage=storage, way=way, cap=args.cap, launch_s=launch, step_s=step, loop_s=loop,
                 graphs=streamer.details().get("graphs"), aside=worth.aside() if worth and way == "shipped" else None,
                 verdict_host_s=verdict and verdict[0], verdict_device_s=verdict and verdict[1],
                 python_ms=round(python_speed_ms(), 1))
         finally:
             eng.release(bag)
+            if ballast is not None:
+                ballast.close()
 
 
 def main() -> None:
@@ -122,6 +126,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=6, help="forwards before timing: the plan settles, graphs are made")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clocks", type=int, default=0, help="time the first N forwards one by one (part of the warm-up)")
+    ap.add_argument("--cap", type=float, default=0.0, help="GiB of card for each placement, preload auto (0: every block kept)")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the flow only (no graphs there)")
     output_args(ap)
     args = ap.parse_args()
