@@ -9,7 +9,9 @@ aside where it is about 1. With ``--clocks N`` each placement's first N forwards
 one by one, back to back as a pipeline runs them, with the places where the host waited for the
 device (torch's sync debug mode): was the timed second forward slower for one-time costs or for
 waiting on the first? With ``--cap GiB`` each placement runs with preload auto on a card of that
-size (a ballast process holds the rest): the verdict on a streamed plan.
+size (a ballast process holds the rest): the verdict on a streamed plan. With ``--blocks`` one more
+synchronized forward per placement stamps each block's entry on the host and on the device: where,
+within a forward, the host's launches stop running ahead of the device.
 
     python3 bench/graph_verdict_probe.py --models wan:fp8_e4m3fn_fast,wan,zimage,flux,klein9b,qwenimage --out $OUT
     .venv/bin/python bench/graph_verdict_probe.py --tiny --models wan,zimage    # CPU: the flow only
@@ -93,6 +95,38 @@ def first_forwards(fn, n: int, cuda: bool) -> tuple[list[float], list[dict[str, 
     return clocks, waits
 
 
+ALLOCATOR = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+
+
+def block_clocks(fn, blocks: list[torch.nn.Module]) -> tuple[list[float], list[float], dict[str, int]]:
+    """One synchronized call of ``fn``: per block entered (and its return), the host's and the
+    device's milliseconds since the call began; and the allocator's counts in it that make the
+    host wait (a retry frees cached memory: a device-wide synchronize)."""
+    stamps: list[tuple[float, torch.cuda.Event]] = []
+
+    def stamp(*_):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        stamps.append((time.perf_counter(), event))
+
+    hooks = [b.register_forward_pre_hook(stamp) for b in blocks]
+    try:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+        stamp()
+        fn()
+        stamp()
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_stats()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    t0, e0 = stamps[0]
+    return ([round((t - t0) * 1000, 2) for t, _ in stamps[1:]],
+            [round(e0.elapsed_time(e), 2) for _, e in stamps[1:]],
+            {k: after.get(k, 0) - before.get(k, 0) for k in ALLOCATOR})
+
+
 def probe(name: str, args, row, lines: VerdictLines) -> None:
     dev = "cpu" if args.tiny else "cuda"
     m, feed, forward, storage = build(name, dev, args.tiny)
@@ -107,6 +141,11 @@ def probe(name: str, args, row, lines: VerdictLines) -> None:
             launch, step, loop = launch_and_step(lambda: forward(m, *feed), args.repeats,
                                                  max(0, args.warmup - args.clocks))
             streamer = eng.states(bag)["transformer"].transport
+            if args.blocks and dev == "cuda":
+                blocks = list(dict.fromkeys(u.block.module for u in streamer.units))
+                host_ms, device_ms, allocator = block_clocks(lambda: forward(m, *feed), blocks)
+                row(section="blocks", model=name.partition(":")[0], way=way, host_ms=host_ms, device_ms=device_ms,
+                    **allocator)
             worth = getattr(streamer, "worth", None)
             verdict = lines.clocks[heard] if len(lines.clocks) > heard else None
             row(section="way", model=name.partition(":")[0], storage=storage, way=way, cap=args.cap, launch_s=launch, step_s=step, loop_s=loop,
@@ -127,6 +166,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clocks", type=int, default=0, help="time the first N forwards one by one (part of the warm-up)")
     ap.add_argument("--cap", type=float, default=0.0, help="GiB of card for each placement, preload auto (0: every block kept)")
+    ap.add_argument("--blocks", action="store_true", help="stamp each block's entry in one synchronized forward")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the flow only (no graphs there)")
     output_args(ap)
     args = ap.parse_args()
