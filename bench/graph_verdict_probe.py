@@ -130,7 +130,7 @@ def block_clocks(fn, blocks: list[torch.nn.Module]) -> tuple[list[float], list[f
 def probe(name: str, args, row, lines: VerdictLines) -> None:
     dev = "cpu" if args.tiny else "cuda"
     m, feed, forward, storage = build(name, dev, args.tiny)
-    for way in WAYS:
+    for way in args.ways.split(","):
         heard = len(lines.clocks)
         ballast = Ballast(args.cap) if args.cap and dev == "cuda" else None
         eng, bag = place(m, way, dev, "auto" if args.cap else "1000")
@@ -166,6 +166,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clocks", type=int, default=0, help="time the first N forwards one by one (part of the warm-up)")
     ap.add_argument("--cap", type=float, default=0.0, help="GiB of card for each placement, preload auto (0: every block kept)")
+    ap.add_argument("--ways", default=",".join(WAYS), help="comma list of: " + ", ".join(WAYS))
     ap.add_argument("--blocks", action="store_true", help="stamp each block's entry in one synchronized forward")
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU: the flow only (no graphs there)")
     output_args(ap)
