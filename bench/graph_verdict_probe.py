@@ -130,6 +130,9 @@ def block_clocks(fn, blocks: list[torch.nn.Module]) -> tuple[list[float], list[f
 def probe(name: str, args, row, lines: VerdictLines) -> None:
     dev = "cpu" if args.tiny else "cuda"
     m, feed, forward, storage = build(name, dev, args.tiny)
+    if args.cap and dev == "cuda":
+        m.to("cpu")  # placed from the host, as a pipeline's model is: the ballast leaves the card ``cap`` GiB
+        torch.cuda.empty_cache()
     for way in args.ways.split(","):
         heard = len(lines.clocks)
         ballast = Ballast(args.cap) if args.cap and dev == "cuda" else None
